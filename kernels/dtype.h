@@ -1,0 +1,49 @@
+#pragma once
+// Element types the kernels read from checkpoints; activations are always float32 on the CPU path.
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string_view>
+
+namespace capserve::kernels {
+
+enum class DType : std::uint8_t { f32, f16, bf16 };
+
+constexpr std::size_t dtype_size(DType t) { return t == DType::f32 ? 4 : 2; }
+
+constexpr std::string_view dtype_name(DType t) {
+  switch (t) {
+    case DType::f32:
+      return "F32";
+    case DType::f16:
+      return "F16";
+    case DType::bf16:
+      return "BF16";
+  }
+  return "?";
+}
+
+// Parses a safetensors dtype string ("F32", "F16", "BF16").
+constexpr std::optional<DType> parse_dtype(std::string_view s) {
+  if (s == "F32") return DType::f32;
+  if (s == "F16") return DType::f16;
+  if (s == "BF16") return DType::bf16;
+  return std::nullopt;
+}
+
+// A read-only row-major matrix in its stored dtype, usually pointing straight into an mmapped checkpoint.
+// Linear weights use Hugging Face's [out_features, in_features] layout. A vector is a 1-row matrix.
+struct WeightView {
+  DType dtype = DType::f32;
+  const std::byte* data = nullptr;
+  std::int64_t rows = 0;
+  std::int64_t cols = 0;
+
+  [[nodiscard]] bool empty() const { return data == nullptr; }
+  [[nodiscard]] std::int64_t numel() const { return rows * cols; }
+  [[nodiscard]] WeightView row_range(std::int64_t first, std::int64_t count) const {
+    return {dtype, data + static_cast<std::size_t>(first * cols) * dtype_size(dtype), count, cols};
+  }
+};
+
+}  // namespace capserve::kernels

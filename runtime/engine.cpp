@@ -1,0 +1,79 @@
+#include "runtime/engine.h"
+
+#include <string>
+#include <unordered_set>
+
+namespace capserve::runtime {
+
+Engine::Engine(Model& model, kernels::Backend& backend, const EngineOptions& options)
+    : model_(model),
+      backend_(backend),
+      cache_(KvCacheShape{model.config().num_layers, model.config().num_kv_heads, model.config().head_dim,
+                          options.kv_block_size, options.kv_blocks}) {}
+
+std::int64_t Engine::length(SequenceId seq) const {
+  const auto it = lengths_.find(seq);
+  return it == lengths_.end() ? 0 : it->second;
+}
+
+void Engine::release(SequenceId seq) {
+  cache_.release(seq);
+  lengths_.erase(seq);
+}
+
+Status Engine::validate(std::span<const Work> work) {
+  const ModelConfig& c = model_.config();
+  std::unordered_set<SequenceId> seen;
+  std::int64_t blocks_needed = 0;
+  for (const Work& w : work) {
+    const std::string who = "sequence " + std::to_string(w.seq);
+    if (w.tokens.empty()) return Status::invalid_argument(who + ": no tokens to process");
+    if (!seen.insert(w.seq).second) return Status::invalid_argument(who + ": appears twice in one step");
+    for (const std::int32_t t : w.tokens) {
+      if (t < 0 || t >= c.vocab_size) {
+        return Status::invalid_argument(who + ": token id " + std::to_string(t) + " outside the vocabulary [0, " +
+                                        std::to_string(c.vocab_size) + ")");
+      }
+    }
+    const std::int64_t total = length(w.seq) + static_cast<std::int64_t>(w.tokens.size());
+    if (total > c.max_position_embeddings) {
+      return Status::invalid_argument(who + ": " + std::to_string(total) + " tokens exceed max_position_embeddings (" +
+                                      std::to_string(c.max_position_embeddings) + ")");
+    }
+    const std::int64_t have = lengths_.contains(w.seq) ? static_cast<std::int64_t>(cache_.block_table(w.seq).size()) : 0;
+    blocks_needed += std::max<std::int64_t>(0, cache_.blocks_for(total) - have);
+  }
+  if (blocks_needed > cache_.free_blocks()) {
+    return Status::resource_exhausted("KV cache: step needs " + std::to_string(blocks_needed) + " blocks, " +
+                                      std::to_string(cache_.free_blocks()) + " free");
+  }
+  return {};
+}
+
+Status Engine::step(std::span<const Work> work) {
+  if (Status s = validate(work); !s.ok()) return s;
+  tokens_.clear();
+  positions_.clear();
+  slices_.clear();
+  logit_rows_.clear();
+  for (const Work& w : work) {
+    const std::int64_t start = length(w.seq);
+    const auto n = static_cast<std::int64_t>(w.tokens.size());
+    cache_.reserve(w.seq, start + n);  // validated above: always fits
+    lengths_[w.seq] = start + n;
+    const auto first_row = static_cast<std::int64_t>(tokens_.size());
+    tokens_.insert(tokens_.end(), w.tokens.begin(), w.tokens.end());
+    for (std::int64_t i = 0; i < n; ++i) positions_.push_back(static_cast<std::int32_t>(start + i));
+    slices_.push_back({first_row, n, start, cache_.block_table(w.seq)});
+    if (w.all_logits) {
+      for (std::int64_t i = 0; i < n; ++i) logit_rows_.push_back(first_row + i);
+    } else {
+      logit_rows_.push_back(first_row + n - 1);
+    }
+  }
+  logits_.resize(logit_rows_.size() * static_cast<std::size_t>(model_.config().vocab_size));
+  model_.forward({tokens_, positions_, slices_, logit_rows_}, cache_, backend_, logits_);
+  return {};
+}
+
+}  // namespace capserve::runtime

@@ -1,0 +1,57 @@
+#pragma once
+// The per-rank engine step: each call appends new tokens to any number of sequences (whole prompts, prompt chunks or
+// single decoded tokens, mixed freely), runs them as one ragged forward pass, and returns next-token logits.
+#include <cstdint>
+#include <span>
+#include <unordered_map>
+#include <vector>
+
+#include "kernels/backend.h"
+#include "runtime/kv_cache.h"
+#include "runtime/model.h"
+#include "runtime/status.h"
+
+namespace capserve::runtime {
+
+struct EngineOptions {
+  std::int64_t kv_block_size = 16;
+  std::int64_t kv_blocks = 1024;
+};
+
+class Engine {
+ public:
+  Engine(Model& model, kernels::Backend& backend, const EngineOptions& options);
+
+  struct Work {
+    SequenceId seq = 0;                  // an unknown id starts a new sequence
+    std::span<const std::int32_t> tokens;
+    bool all_logits = false;             // logits of every new position instead of only the last one
+  };
+
+  // Runs one step. On success logits() holds, for each work item in order, one row (or tokens.size() rows with
+  // all_logits) of vocab_size floats. On failure nothing changed: an unknown or invalid token id, an empty work
+  // item, a sequence past max_position_embeddings (INVALID_ARGUMENT) or too few free KV blocks (RESOURCE_EXHAUSTED).
+  Status step(std::span<const Work> work);
+  [[nodiscard]] std::span<const float> logits() const { return logits_; }
+
+  void release(SequenceId seq);
+  [[nodiscard]] std::int64_t length(SequenceId seq) const;
+  [[nodiscard]] const Model& model() const { return model_; }
+  [[nodiscard]] const KvCache& cache() const { return cache_; }
+
+ private:
+  Status validate(std::span<const Work> work);
+
+  Model& model_;
+  kernels::Backend& backend_;
+  KvCache cache_;
+  std::unordered_map<SequenceId, std::int64_t> lengths_;
+  // Grow-only step buffers.
+  std::vector<std::int32_t> tokens_;
+  std::vector<std::int32_t> positions_;
+  std::vector<kernels::SequenceSlice> slices_;
+  std::vector<std::int64_t> logit_rows_;
+  std::vector<float> logits_;
+};
+
+}  // namespace capserve::runtime

@@ -1,0 +1,57 @@
+#include "runtime/generator.h"
+
+#include <algorithm>
+
+namespace capserve::runtime {
+
+Status generate(Engine& engine, std::span<const std::vector<std::int32_t>> prompts,
+                std::span<const SamplingParams> params, bool record_logits, std::vector<Generation>& out) {
+  const std::size_t n = prompts.size();
+  if (params.size() != n) return Status::invalid_argument("generate: one SamplingParams per prompt is required");
+  for (const SamplingParams& p : params) {
+    if (std::string why = validate_sampling(p); !why.empty()) return Status::invalid_argument(why);
+  }
+  const auto vocab = static_cast<std::size_t>(engine.model().config().vocab_size);
+  out.assign(n, {});
+  std::vector<Sampler> samplers(params.begin(), params.end());
+  std::vector<std::int32_t> last(n);
+  std::vector<bool> done(n, false);
+  std::vector<Engine::Work> work;
+  std::vector<std::size_t> owner;  // work item -> prompt index
+
+  for (std::size_t i = 0; i < n; ++i) {
+    if (params[i].max_new_tokens == 0) {
+      done[i] = true;
+    } else {
+      work.push_back({static_cast<SequenceId>(i), prompts[i], false});
+      owner.push_back(i);
+    }
+  }
+  Status status;
+  while (!work.empty()) {
+    status = engine.step(work);
+    if (!status.ok()) break;
+    const std::span<const float> logits = engine.logits();
+    for (std::size_t w = 0; w < work.size(); ++w) {
+      const std::size_t i = owner[w];
+      const std::span<const float> row = logits.subspan(w * vocab, vocab);
+      const std::int32_t token = samplers[i].sample(row);
+      out[i].tokens.push_back(token);
+      if (record_logits) out[i].logits.insert(out[i].logits.end(), row.begin(), row.end());
+      last[i] = token;
+      done[i] = samplers[i].is_stop(token) ||
+                static_cast<std::int64_t>(out[i].tokens.size()) >= params[i].max_new_tokens;
+    }
+    work.clear();
+    owner.clear();
+    for (std::size_t i = 0; i < n; ++i) {
+      if (done[i]) continue;
+      work.push_back({static_cast<SequenceId>(i), std::span<const std::int32_t>(&last[i], 1), false});
+      owner.push_back(i);
+    }
+  }
+  for (std::size_t i = 0; i < n; ++i) engine.release(static_cast<SequenceId>(i));
+  return status;
+}
+
+}  // namespace capserve::runtime

@@ -1,0 +1,130 @@
+#include "runtime/model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "runtime/architectures/architecture.h"
+#include "runtime/load_error.h"
+
+namespace capserve::runtime {
+namespace {
+
+void add_into(std::span<float> dst, std::span<const float> src, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) dst[i] += src[i];
+}
+
+void clamp_all(std::span<float> v, std::size_t n, float c) {
+  for (std::size_t i = 0; i < n; ++i) v[i] = std::clamp(v[i], -c, c);
+}
+
+template <typename T>
+void grow(std::vector<T>& v, std::int64_t n) {
+  if (static_cast<std::int64_t>(v.size()) < n) v.resize(static_cast<std::size_t>(n));
+}
+
+}  // namespace
+
+std::unique_ptr<Model> Model::load(const std::filesystem::path& dir) {
+  const nlohmann::json json = read_json_file(dir / "config.json");
+  if (!json.is_object()) throw LoadError((dir / "config.json").string() + ": must be a JSON object");
+  const Architecture& arch = find_architecture(json);
+  ModelConfig config = arch.parse_config(ConfigReader(json));
+  config.validate();
+  return std::unique_ptr<Model>(new Model(std::move(config), Checkpoint::open(dir), arch.tensor_names()));
+}
+
+Model::Model(ModelConfig config, Checkpoint checkpoint, const TensorNames& names)
+    : config_(std::move(config)),
+      checkpoint_(std::move(checkpoint)),
+      weights_(load_model_weights(checkpoint_, config_, names)),
+      rope_(config_.head_dim, config_.rope_theta, config_.rope_scaling) {}
+
+void Model::forward(const ForwardBatch& batch, KvCache& cache, kernels::Backend& backend, std::span<float> logits) {
+  const auto rows = static_cast<std::int64_t>(batch.tokens.size());
+  const std::int64_t hidden = config_.hidden_size;
+  Scratch& s = scratch_;
+  grow(s.residual, rows * hidden);
+  grow(s.normed, rows * hidden);
+  grow(s.proj, rows * hidden);
+
+  backend.embedding(batch.tokens, weights_.embed, s.residual);
+  rope_.tables(batch.positions, s.cos, s.sin);
+
+  for (std::int64_t layer = 0; layer < config_.num_layers; ++layer) {
+    attention(layer, batch, cache, backend);
+    feed_forward(layer, rows, backend);
+  }
+
+  const auto wanted = static_cast<std::int64_t>(batch.logit_rows.size());
+  grow(s.final_rows, wanted * hidden);
+  for (std::int64_t i = 0; i < wanted; ++i) {
+    std::memcpy(s.final_rows.data() + i * hidden, s.residual.data() + batch.logit_rows[static_cast<std::size_t>(i)] * hidden,
+                static_cast<std::size_t>(hidden) * sizeof(float));
+  }
+  const std::span<float> final_rows(s.final_rows.data(), static_cast<std::size_t>(wanted * hidden));
+  backend.rms_norm(final_rows, hidden, weights_.final_norm, static_cast<float>(config_.rms_norm_eps), final_rows);
+  backend.linear(final_rows, wanted, weights_.lm_head, {}, logits);
+}
+
+void Model::attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache, kernels::Backend& backend) {
+  const LayerWeights& lw = weights_.layers[static_cast<std::size_t>(layer)];
+  const AttentionWeights& a = lw.attention;
+  const auto rows = static_cast<std::int64_t>(batch.tokens.size());
+  const std::int64_t hidden = config_.hidden_size;
+  const std::int64_t q_width = config_.num_heads * config_.head_dim;
+  const std::int64_t kv_width = config_.num_kv_heads * config_.head_dim;
+  const auto eps = static_cast<float>(config_.rms_norm_eps);
+  Scratch& s = scratch_;
+  grow(s.q, rows * q_width);
+  grow(s.k, rows * kv_width);
+  grow(s.v, rows * kv_width);
+  grow(s.attn, rows * q_width);
+  const std::span<float> q(s.q.data(), static_cast<std::size_t>(rows * q_width));
+  const std::span<float> k(s.k.data(), static_cast<std::size_t>(rows * kv_width));
+  const std::span<float> v(s.v.data(), static_cast<std::size_t>(rows * kv_width));
+
+  backend.rms_norm(std::span<const float>(s.residual.data(), static_cast<std::size_t>(rows * hidden)), hidden,
+                   lw.input_norm, eps, s.normed);
+  backend.linear(s.normed, rows, a.q, a.q_bias, q);
+  backend.linear(s.normed, rows, a.k, a.k_bias, k);
+  backend.linear(s.normed, rows, a.v, a.v_bias, v);
+  if (config_.qk_norm) {
+    backend.rms_norm(q, q_width, a.q_norm, eps, q);
+    backend.rms_norm(k, kv_width, a.k_norm, eps, k);
+  }
+  if (config_.clip_qkv) {
+    const auto c = static_cast<float>(*config_.clip_qkv);
+    clamp_all(q, q.size(), c);
+    clamp_all(k, k.size(), c);
+    clamp_all(v, v.size(), c);
+  }
+  backend.rope(q, config_.num_heads, config_.head_dim, s.cos, s.sin);
+  backend.rope(k, config_.num_kv_heads, config_.head_dim, s.cos, s.sin);
+
+  const kernels::PagedKvLayer kv = cache.layer(layer);
+  backend.kv_store(batch.seqs, k, v, kv);
+  const kernels::AttentionParams params{config_.num_heads, 1.0F / std::sqrt(static_cast<float>(config_.head_dim)),
+                                        config_.sliding_window};
+  backend.paged_attention(batch.seqs, q, kv, params, s.attn);
+  backend.linear(s.attn, rows, a.o, a.o_bias, s.proj);
+  add_into(s.residual, s.proj, static_cast<std::size_t>(rows * hidden));
+}
+
+void Model::feed_forward(std::int64_t layer, std::int64_t rows, kernels::Backend& backend) {
+  const LayerWeights& lw = weights_.layers[static_cast<std::size_t>(layer)];
+  const std::int64_t hidden = config_.hidden_size;
+  Scratch& s = scratch_;
+  const std::span<const float> normed(s.normed.data(), static_cast<std::size_t>(rows * hidden));
+  backend.rms_norm(std::span<const float>(s.residual.data(), static_cast<std::size_t>(rows * hidden)), hidden,
+                   lw.post_attention_norm, static_cast<float>(config_.rms_norm_eps), s.normed);
+  if (lw.is_moe) {
+    moe_block(backend, config_, lw.moe, normed, rows, s.proj, s.moe);
+  } else {
+    const std::int64_t whole[2] = {0, rows};
+    backend.grouped_expert_ffn(normed, whole, lw.dense_mlp, s.proj);
+  }
+  add_into(s.residual, s.proj, static_cast<std::size_t>(rows * hidden));
+}
+
+}  // namespace capserve::runtime

@@ -1,0 +1,188 @@
+#include "runtime/model_config.h"
+
+#include <fstream>
+#include <sstream>
+
+#include "runtime/load_error.h"
+
+namespace capserve::runtime {
+namespace {
+
+[[noreturn]] void fail(std::string_view key, std::string_view what) {
+  throw LoadError("config.json: key '" + std::string(key) + "' " + std::string(what));
+}
+
+std::string type_of(const nlohmann::json& v) { return v.type_name(); }
+
+}  // namespace
+
+nlohmann::json read_json_file(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  if (!in) throw LoadError("cannot open " + path.string());
+  try {
+    return nlohmann::json::parse(in);
+  } catch (const nlohmann::json::parse_error& e) {
+    throw LoadError(path.string() + ": invalid JSON: " + e.what());
+  }
+}
+
+const nlohmann::json* ConfigReader::find(std::string_view key) const {
+  const auto it = json_.find(key);
+  if (it == json_.end() || it->is_null()) return nullptr;
+  return &*it;
+}
+
+std::int64_t ConfigReader::integer(std::string_view key) const {
+  const nlohmann::json* v = find(key);
+  if (v == nullptr) fail(key, "is missing");
+  if (!v->is_number_integer()) fail(key, "must be an integer, got " + type_of(*v));
+  return v->get<std::int64_t>();
+}
+
+std::int64_t ConfigReader::integer_or(std::string_view key, std::int64_t fallback) const {
+  return find(key) == nullptr ? fallback : integer(key);
+}
+
+double ConfigReader::number(std::string_view key) const {
+  const nlohmann::json* v = find(key);
+  if (v == nullptr) fail(key, "is missing");
+  if (!v->is_number()) fail(key, "must be a number, got " + type_of(*v));
+  return v->get<double>();
+}
+
+double ConfigReader::number_or(std::string_view key, double fallback) const {
+  return find(key) == nullptr ? fallback : number(key);
+}
+
+std::optional<double> ConfigReader::optional_number(std::string_view key) const {
+  if (find(key) == nullptr) return std::nullopt;
+  return number(key);
+}
+
+bool ConfigReader::boolean_or(std::string_view key, bool fallback) const {
+  const nlohmann::json* v = find(key);
+  if (v == nullptr) return fallback;
+  if (!v->is_boolean()) fail(key, "must be a boolean, got " + type_of(*v));
+  return v->get<bool>();
+}
+
+std::vector<std::int64_t> ConfigReader::integer_list_or_empty(std::string_view key) const {
+  const nlohmann::json* v = find(key);
+  if (v == nullptr) return {};
+  if (!v->is_array()) fail(key, "must be a list of integers, got " + type_of(*v));
+  std::vector<std::int64_t> out;
+  for (const auto& e : *v) {
+    if (!e.is_number_integer()) fail(key, "must be a list of integers, found " + type_of(e));
+    out.push_back(e.get<std::int64_t>());
+  }
+  return out;
+}
+
+namespace {
+
+// rope_scaling (transformers 4.x, and the Hub) or rope_parameters (transformers 5.x) share their inner keys.
+RopeScaling read_rope_scaling(const nlohmann::json& obj, std::string_view key) {
+  if (!obj.is_object()) fail(key, "must be an object, got " + type_of(obj));
+  const ConfigReader r(obj);
+  std::string type = "default";
+  for (const char* type_key : {"rope_type", "type"}) {
+    if (const nlohmann::json* t = r.find(type_key)) {
+      if (!t->is_string()) fail(std::string(key) + "." + type_key, "must be a string, got " + type_of(*t));
+      type = t->get<std::string>();
+      break;
+    }
+  }
+  RopeScaling s;
+  if (type == "default") return s;
+  const auto sub = [&](std::string_view k) {
+    try {
+      return r.number(k);
+    } catch (const LoadError&) {
+      fail(std::string(key) + "." + std::string(k), "is missing or not a number (needed by rope type '" + type + "')");
+    }
+  };
+  if (type == "linear") {
+    s.type = RopeScaling::Type::linear;
+    s.factor = sub("factor");
+  } else if (type == "llama3") {
+    s.type = RopeScaling::Type::llama3;
+    s.factor = sub("factor");
+    s.low_freq_factor = sub("low_freq_factor");
+    s.high_freq_factor = sub("high_freq_factor");
+    s.original_max_position_embeddings = sub("original_max_position_embeddings");
+  } else {
+    fail(key, "has rope type '" + type + "', which is not supported (supported: default, linear, llama3)");
+  }
+  return s;
+}
+
+}  // namespace
+
+void ConfigReader::read_common(ModelConfig& c) const {
+  c.vocab_size = integer("vocab_size");
+  c.hidden_size = integer("hidden_size");
+  c.num_layers = integer("num_hidden_layers");
+  c.num_heads = integer("num_attention_heads");
+  c.num_kv_heads = integer_or("num_key_value_heads", c.num_heads);
+  c.head_dim = integer_or("head_dim", c.num_heads > 0 ? c.hidden_size / c.num_heads : 0);
+  c.max_position_embeddings = integer("max_position_embeddings");
+  c.rms_norm_eps = number("rms_norm_eps");
+  c.tie_word_embeddings = boolean_or("tie_word_embeddings", false);
+
+  if (const nlohmann::json* params = find("rope_parameters")) {
+    c.rope_scaling = read_rope_scaling(*params, "rope_parameters");
+    c.rope_theta = ConfigReader(*params).number_or("rope_theta", number_or("rope_theta", 10000.0));
+  } else {
+    c.rope_theta = number_or("rope_theta", 10000.0);
+    if (const nlohmann::json* scaling = find("rope_scaling")) c.rope_scaling = read_rope_scaling(*scaling, "rope_scaling");
+  }
+
+  if (const nlohmann::json* eos = find("eos_token_id")) {
+    if (eos->is_number_integer()) {
+      c.eos_token_ids = {eos->get<std::int32_t>()};
+    } else {
+      for (std::int64_t id : integer_list_or_empty("eos_token_id")) c.eos_token_ids.push_back(static_cast<std::int32_t>(id));
+    }
+  }
+}
+
+void ModelConfig::validate() const {
+  const auto positive = [](std::string_view key, std::int64_t v) {
+    if (v <= 0) fail(key, "must be positive, got " + std::to_string(v));
+  };
+  positive("vocab_size", vocab_size);
+  positive("hidden_size", hidden_size);
+  positive("num_hidden_layers", num_layers);
+  positive("num_attention_heads", num_heads);
+  positive("num_key_value_heads", num_kv_heads);
+  positive("head_dim", head_dim);
+  positive("max_position_embeddings", max_position_embeddings);
+  if (num_heads % num_kv_heads != 0) {
+    fail("num_key_value_heads", "(" + std::to_string(num_kv_heads) + ") must divide num_attention_heads (" +
+                                    std::to_string(num_heads) + ")");
+  }
+  if (head_dim % 2 != 0) fail("head_dim", "must be even for rotary embeddings");
+  if (rms_norm_eps <= 0) fail("rms_norm_eps", "must be positive");
+  if (rope_theta <= 0) fail("rope_theta", "must be positive");
+  if (rope_scaling.factor <= 0) fail("rope_scaling.factor", "must be positive");
+  if (sliding_window < 0) fail("sliding_window", "must not be negative");
+  if (static_cast<std::int64_t>(layer_is_moe.size()) != num_layers) fail("num_hidden_layers", "does not match the layer plan");
+  bool any_moe = false;
+  bool any_dense = false;
+  for (const bool moe : layer_is_moe) (moe ? any_moe : any_dense) = true;
+  if (any_moe) {
+    positive("num_experts", num_experts);
+    positive("num_experts_per_tok", top_k);
+    positive("moe_intermediate_size", moe_intermediate_size);
+    if (top_k > num_experts) {
+      fail("num_experts_per_tok", "(" + std::to_string(top_k) + ") exceeds the number of experts (" +
+                                      std::to_string(num_experts) + ")");
+    }
+  }
+  if (any_dense) positive("intermediate_size", dense_intermediate_size);
+  for (const std::int32_t id : eos_token_ids) {
+    if (id < 0 || id >= vocab_size) fail("eos_token_id", "is outside the vocabulary");
+  }
+}
+
+}  // namespace capserve::runtime

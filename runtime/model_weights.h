@@ -1,0 +1,47 @@
+#pragma once
+// The weights of a decoder-only MoE model as views into the mmapped checkpoint, fetched by the names an
+// architecture gives and checked against the shapes its config implies.
+#include <vector>
+
+#include "kernels/backend.h"
+#include "runtime/architectures/architecture.h"
+#include "runtime/model_config.h"
+#include "runtime/weights/checkpoint.h"
+
+namespace capserve::runtime {
+
+struct AttentionWeights {
+  kernels::WeightView q, k, v, o;
+  kernels::WeightView q_bias, k_bias, v_bias;  // empty without qkv_bias
+  kernels::WeightView o_bias;                  // empty without o_bias
+  kernels::WeightView q_norm, k_norm;          // empty without qk_norm
+};
+
+struct MoeWeights {
+  kernels::WeightView router;                  // [num_experts, hidden]
+  std::vector<kernels::ExpertWeights> experts; // indexed by expert id
+  std::vector<kernels::ExpertWeights> shared;  // zero or one shared expert
+  kernels::WeightView shared_gate;             // [1, hidden]
+};
+
+struct LayerWeights {
+  kernels::WeightView input_norm;
+  kernels::WeightView post_attention_norm;
+  AttentionWeights attention;
+  bool is_moe = false;
+  MoeWeights moe;
+  std::vector<kernels::ExpertWeights> dense_mlp;  // one entry on dense layers
+};
+
+struct ModelWeights {
+  kernels::WeightView embed;
+  kernels::WeightView final_norm;
+  kernels::WeightView lm_head;
+  std::vector<LayerWeights> layers;
+};
+
+// Fetches every tensor (LoadError naming file and tensor on a missing one or a wrong shape) and then rejects
+// tensors the architecture does not use.
+ModelWeights load_model_weights(Checkpoint& ckpt, const ModelConfig& config, const TensorNames& names);
+
+}  // namespace capserve::runtime

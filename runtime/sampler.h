@@ -1,0 +1,37 @@
+#pragma once
+// Next-token sampling with the usual controls, applied in the order transformers applies them: temperature, top-k,
+// top-p. temperature == 0 is greedy (first maximal id). A given seed always yields the same tokens.
+#include <cstdint>
+#include <random>
+#include <span>
+#include <vector>
+
+namespace capserve::runtime {
+
+struct SamplingParams {
+  float temperature = 0.0F;
+  std::int32_t top_k = 0;  // 0: no top-k filter
+  float top_p = 1.0F;
+  std::uint64_t seed = 0;
+  std::vector<std::int32_t> stop_token_ids;
+  std::int64_t max_new_tokens = 16;
+};
+
+// Returns an empty string when the parameters are usable, else a message naming the field and its valid range.
+std::string validate_sampling(const SamplingParams& params);
+
+class Sampler {
+ public:
+  explicit Sampler(const SamplingParams& params);
+
+  std::int32_t sample(std::span<const float> logits);
+  [[nodiscard]] bool is_stop(std::int32_t token) const;
+
+ private:
+  SamplingParams params_;
+  std::mt19937_64 rng_;
+  std::vector<std::int32_t> order_;  // grow-only scratch
+  std::vector<float> probs_;
+};
+
+}  // namespace capserve::runtime
