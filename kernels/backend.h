@@ -1,7 +1,7 @@
 #pragma once
-// The hot operations of a forward pass behind one backend-neutral interface. Activations are float32 row-major
-// matrices passed as spans with explicit shapes; weights are WeightViews in their stored dtype (no conversion copy).
-// One virtual call per operation per layer: every method works on a whole batch of tokens.
+// The hot operations of a forward pass behind one backend-neutral interface. Activations are float32
+// row-major matrices passed as spans with explicit shapes; weights are WeightViews in their stored dtype (no
+// conversion copy). One virtual call per operation per layer: every method works on a whole batch of tokens.
 #include <cstdint>
 #include <span>
 
@@ -9,7 +9,8 @@
 
 namespace capserve::kernels {
 
-// One expert's SwiGLU weights: out = down(silu(gate(x)) * up(x)); gate/up are [ffn, hidden], down is [hidden, ffn].
+// One expert's SwiGLU weights: out = down(silu(gate(x)) * up(x)); gate/up are [ffn, hidden], down is [hidden,
+// ffn].
 struct ExpertWeights {
   WeightView gate;
   WeightView up;
@@ -25,8 +26,8 @@ struct PagedKvLayer {
   std::int64_t head_dim = 0;
 };
 
-// The new tokens of one sequence inside a ragged batch: rows [first_row, first_row + num_tokens) of the batch,
-// at positions [start_pos, start_pos + num_tokens); its cache blocks in order.
+// The new tokens of one sequence inside a ragged batch: rows [first_row, first_row + num_tokens) of the
+// batch, at positions [start_pos, start_pos + num_tokens); its cache blocks in order.
 struct SequenceSlice {
   std::int64_t first_row = 0;
   std::int64_t num_tokens = 0;
@@ -52,7 +53,8 @@ class Backend {
                       std::span<float> y) = 0;
 
   // out[i, :] = table[ids[i], :]
-  virtual void embedding(std::span<const std::int32_t> ids, const WeightView& table, std::span<float> out) = 0;
+  virtual void embedding(std::span<const std::int32_t> ids, const WeightView& table,
+                         std::span<float> out) = 0;
 
   // Row-wise RMSNorm over `cols` with a learned scale; out may alias x.
   virtual void rms_norm(std::span<const float> x, std::int64_t cols, const WeightView& weight, float eps,
@@ -64,16 +66,17 @@ class Backend {
                     std::span<const float> sin) = 0;
 
   // Writes the new tokens' k/v rows [rows, num_kv_heads * head_dim] into their cache slots.
-  virtual void kv_store(std::span<const SequenceSlice> seqs, std::span<const float> k, std::span<const float> v,
-                        const PagedKvLayer& cache) = 0;
+  virtual void kv_store(std::span<const SequenceSlice> seqs, std::span<const float> k,
+                        std::span<const float> v, const PagedKvLayer& cache) = 0;
 
   // Causal (optionally sliding-window) grouped-query attention of each sequence's new queries
   // q [rows, num_heads * head_dim] over its cached keys/values; out [rows, num_heads * head_dim].
   virtual void paged_attention(std::span<const SequenceSlice> seqs, std::span<const float> q,
-                               const PagedKvLayer& cache, const AttentionParams& params, std::span<float> out) = 0;
+                               const PagedKvLayer& cache, const AttentionParams& params,
+                               std::span<float> out) = 0;
 
-  // SwiGLU experts over rows already grouped by expert: rows [offsets[e], offsets[e+1]) go through experts[e].
-  // x and out are [offsets.back(), hidden].
+  // SwiGLU experts over rows already grouped by expert: rows [offsets[e], offsets[e+1]) go through
+  // experts[e]. x and out are [offsets.back(), hidden].
   virtual void grouped_expert_ffn(std::span<const float> x, std::span<const std::int64_t> offsets,
                                   std::span<const ExpertWeights> experts, std::span<float> out) = 0;
 

@@ -9,7 +9,9 @@ namespace capserve::kernels {
 
 enum class DType : std::uint8_t { f32, f16, bf16 };
 
-constexpr std::size_t dtype_size(DType t) { return t == DType::f32 ? 4 : 2; }
+constexpr std::size_t dtype_size(DType t) {
+  return t == DType::f32 ? 4 : 2;
+}
 
 constexpr std::string_view dtype_name(DType t) {
   switch (t) {

@@ -31,16 +31,18 @@ Status Engine::validate(std::span<const Work> work) {
     if (!seen.insert(w.seq).second) return Status::invalid_argument(who + ": appears twice in one step");
     for (const std::int32_t t : w.tokens) {
       if (t < 0 || t >= c.vocab_size) {
-        return Status::invalid_argument(who + ": token id " + std::to_string(t) + " outside the vocabulary [0, " +
-                                        std::to_string(c.vocab_size) + ")");
+        return Status::invalid_argument(who + ": token id " + std::to_string(t) +
+                                        " outside the vocabulary [0, " + std::to_string(c.vocab_size) + ")");
       }
     }
     const std::int64_t total = length(w.seq) + static_cast<std::int64_t>(w.tokens.size());
     if (total > c.max_position_embeddings) {
-      return Status::invalid_argument(who + ": " + std::to_string(total) + " tokens exceed max_position_embeddings (" +
+      return Status::invalid_argument(who + ": " + std::to_string(total) +
+                                      " tokens exceed max_position_embeddings (" +
                                       std::to_string(c.max_position_embeddings) + ")");
     }
-    const std::int64_t have = lengths_.contains(w.seq) ? static_cast<std::int64_t>(cache_.block_table(w.seq).size()) : 0;
+    const std::int64_t have =
+        lengths_.contains(w.seq) ? static_cast<std::int64_t>(cache_.block_table(w.seq).size()) : 0;
     blocks_needed += std::max<std::int64_t>(0, cache_.blocks_for(total) - have);
   }
   if (blocks_needed > cache_.free_blocks()) {

@@ -1,6 +1,7 @@
 #pragma once
-// The per-rank engine step: each call appends new tokens to any number of sequences (whole prompts, prompt chunks or
-// single decoded tokens, mixed freely), runs them as one ragged forward pass, and returns next-token logits.
+// The per-rank engine step: each call appends new tokens to any number of sequences (whole prompts, prompt
+// chunks or single decoded tokens, mixed freely), runs them as one ragged forward pass, and returns
+// next-token logits.
 #include <cstdint>
 #include <span>
 #include <unordered_map>
@@ -23,14 +24,15 @@ class Engine {
   Engine(Model& model, kernels::Backend& backend, const EngineOptions& options);
 
   struct Work {
-    SequenceId seq = 0;                  // an unknown id starts a new sequence
+    SequenceId seq = 0;  // an unknown id starts a new sequence
     std::span<const std::int32_t> tokens;
-    bool all_logits = false;             // logits of every new position instead of only the last one
+    bool all_logits = false;  // logits of every new position instead of only the last one
   };
 
-  // Runs one step. On success logits() holds, for each work item in order, one row (or tokens.size() rows with
-  // all_logits) of vocab_size floats. On failure nothing changed: an unknown or invalid token id, an empty work
-  // item, a sequence past max_position_embeddings (INVALID_ARGUMENT) or too few free KV blocks (RESOURCE_EXHAUSTED).
+  // Runs one step. On success logits() holds, for each work item in order, one row (or tokens.size() rows
+  // with all_logits) of vocab_size floats. On failure nothing changed: an unknown or invalid token id, an
+  // empty work item, a sequence past max_position_embeddings (INVALID_ARGUMENT) or too few free KV blocks
+  // (RESOURCE_EXHAUSTED).
   Status step(std::span<const Work> work);
   [[nodiscard]] std::span<const float> logits() const { return logits_; }
 

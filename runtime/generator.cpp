@@ -7,7 +7,8 @@ namespace capserve::runtime {
 Status generate(Engine& engine, std::span<const std::vector<std::int32_t>> prompts,
                 std::span<const SamplingParams> params, bool record_logits, std::vector<Generation>& out) {
   const std::size_t n = prompts.size();
-  if (params.size() != n) return Status::invalid_argument("generate: one SamplingParams per prompt is required");
+  if (params.size() != n)
+    return Status::invalid_argument("generate: one SamplingParams per prompt is required");
   for (const SamplingParams& p : params) {
     if (std::string why = validate_sampling(p); !why.empty()) return Status::invalid_argument(why);
   }

@@ -1,7 +1,7 @@
 #pragma once
-// Offline batched generation on one engine: all prompts prefilled in one ragged step, then one decode step per
-// token for every unfinished sequence. Used by capserve-generate, the parity tests and the benchmarks; prompt i
-// runs as sequence id i, so the engine must hold no other sequences.
+// Offline batched generation on one engine: all prompts prefilled in one ragged step, then one decode step
+// per token for every unfinished sequence. Used by capserve-generate, the parity tests and the benchmarks;
+// prompt i runs as sequence id i, so the engine must hold no other sequences.
 #include <cstdint>
 #include <span>
 #include <vector>

@@ -1,6 +1,7 @@
 #pragma once
-// Paged KV cache: fixed-size blocks of token slots shared by all sequences, a free list, and one block table per
-// sequence. Every layer has its own K and V pools laid out [num_blocks, block_size, num_kv_heads, head_dim].
+// Paged KV cache: fixed-size blocks of token slots shared by all sequences, a free list, and one block table
+// per sequence. Every layer has its own K and V pools laid out [num_blocks, block_size, num_kv_heads,
+// head_dim].
 #include <cstdint>
 #include <span>
 #include <unordered_map>
@@ -29,7 +30,8 @@ class KvCache {
   [[nodiscard]] std::int64_t free_blocks() const { return static_cast<std::int64_t>(free_.size()); }
   [[nodiscard]] const KvCacheShape& shape() const { return shape_; }
 
-  // Grows the sequence's block table to hold `tokens` tokens; false (and no change) when the pool is too small.
+  // Grows the sequence's block table to hold `tokens` tokens; false (and no change) when the pool is too
+  // small.
   bool reserve(SequenceId seq, std::int64_t tokens);
   void release(SequenceId seq);
   [[nodiscard]] std::span<const std::int32_t> block_table(SequenceId seq) const;

@@ -1,6 +1,6 @@
 #pragma once
-// Model loading fails with LoadError; its message names the file, key or tensor at fault so a person can act on it.
-// Loading happens before any request exists, so these exceptions are caught at the program boundary.
+// Model loading fails with LoadError; its message names the file, key or tensor at fault so a person can act
+// on it. Loading happens before any request exists, so these exceptions are caught at the program boundary.
 #include <stdexcept>
 
 namespace capserve::runtime {

@@ -40,7 +40,8 @@ Model::Model(ModelConfig config, Checkpoint checkpoint, const TensorNames& names
       weights_(load_model_weights(checkpoint_, config_, names)),
       rope_(config_.head_dim, config_.rope_theta, config_.rope_scaling) {}
 
-void Model::forward(const ForwardBatch& batch, KvCache& cache, kernels::Backend& backend, std::span<float> logits) {
+void Model::forward(const ForwardBatch& batch, KvCache& cache, kernels::Backend& backend,
+                    std::span<float> logits) {
   const auto rows = static_cast<std::int64_t>(batch.tokens.size());
   const std::int64_t hidden = config_.hidden_size;
   Scratch& s = scratch_;
@@ -59,15 +60,18 @@ void Model::forward(const ForwardBatch& batch, KvCache& cache, kernels::Backend&
   const auto wanted = static_cast<std::int64_t>(batch.logit_rows.size());
   grow(s.final_rows, wanted * hidden);
   for (std::int64_t i = 0; i < wanted; ++i) {
-    std::memcpy(s.final_rows.data() + i * hidden, s.residual.data() + batch.logit_rows[static_cast<std::size_t>(i)] * hidden,
+    std::memcpy(s.final_rows.data() + i * hidden,
+                s.residual.data() + batch.logit_rows[static_cast<std::size_t>(i)] * hidden,
                 static_cast<std::size_t>(hidden) * sizeof(float));
   }
   const std::span<float> final_rows(s.final_rows.data(), static_cast<std::size_t>(wanted * hidden));
-  backend.rms_norm(final_rows, hidden, weights_.final_norm, static_cast<float>(config_.rms_norm_eps), final_rows);
+  backend.rms_norm(final_rows, hidden, weights_.final_norm, static_cast<float>(config_.rms_norm_eps),
+                   final_rows);
   backend.linear(final_rows, wanted, weights_.lm_head, {}, logits);
 }
 
-void Model::attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache, kernels::Backend& backend) {
+void Model::attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache,
+                      kernels::Backend& backend) {
   const LayerWeights& lw = weights_.layers[static_cast<std::size_t>(layer)];
   const AttentionWeights& a = lw.attention;
   const auto rows = static_cast<std::int64_t>(batch.tokens.size());
@@ -104,8 +108,8 @@ void Model::attention(std::int64_t layer, const ForwardBatch& batch, KvCache& ca
 
   const kernels::PagedKvLayer kv = cache.layer(layer);
   backend.kv_store(batch.seqs, k, v, kv);
-  const kernels::AttentionParams params{config_.num_heads, 1.0F / std::sqrt(static_cast<float>(config_.head_dim)),
-                                        config_.sliding_window};
+  const kernels::AttentionParams params{
+      config_.num_heads, 1.0F / std::sqrt(static_cast<float>(config_.head_dim)), config_.sliding_window};
   backend.paged_attention(batch.seqs, q, kv, params, s.attn);
   backend.linear(s.attn, rows, a.o, a.o_bias, s.proj);
   add_into(s.residual, s.proj, static_cast<std::size_t>(rows * hidden));

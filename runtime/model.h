@@ -1,6 +1,7 @@
 #pragma once
-// A loaded model and its shared forward pass: one ragged batch of new tokens from many sequences (prefill chunks
-// and single decode tokens mixed), attention over the paged KV cache, MoE or dense feed-forward per layer.
+// A loaded model and its shared forward pass: one ragged batch of new tokens from many sequences (prefill
+// chunks and single decode tokens mixed), attention over the paged KV cache, MoE or dense feed-forward per
+// layer.
 #include <cstdint>
 #include <filesystem>
 #include <memory>
@@ -18,15 +19,16 @@
 namespace capserve::runtime {
 
 struct ForwardBatch {
-  std::span<const std::int32_t> tokens;            // [rows]: every sequence's new tokens, back to back
-  std::span<const std::int32_t> positions;         // [rows]
-  std::span<const kernels::SequenceSlice> seqs;    // which rows belong to which sequence, and its cache blocks
-  std::span<const std::int64_t> logit_rows;        // rows whose next-token logits are wanted
+  std::span<const std::int32_t> tokens;          // [rows]: every sequence's new tokens, back to back
+  std::span<const std::int32_t> positions;       // [rows]
+  std::span<const kernels::SequenceSlice> seqs;  // which rows belong to which sequence, and its cache blocks
+  std::span<const std::int64_t> logit_rows;      // rows whose next-token logits are wanted
 };
 
 class Model {
  public:
-  // Reads config.json and the safetensors checkpoint in `dir`; LoadError naming the key, file or tensor at fault.
+  // Reads config.json and the safetensors checkpoint in `dir`; LoadError naming the key, file or tensor at
+  // fault.
   static std::unique_ptr<Model> load(const std::filesystem::path& dir);
 
   [[nodiscard]] const ModelConfig& config() const { return config_; }

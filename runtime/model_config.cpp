@@ -12,7 +12,9 @@ namespace {
   throw LoadError("config.json: key '" + std::string(key) + "' " + std::string(what));
 }
 
-std::string type_of(const nlohmann::json& v) { return v.type_name(); }
+std::string type_of(const nlohmann::json& v) {
+  return v.type_name();
+}
 
 }  // namespace
 
@@ -98,7 +100,8 @@ RopeScaling read_rope_scaling(const nlohmann::json& obj, std::string_view key) {
     try {
       return r.number(k);
     } catch (const LoadError&) {
-      fail(std::string(key) + "." + std::string(k), "is missing or not a number (needed by rope type '" + type + "')");
+      fail(std::string(key) + "." + std::string(k),
+           "is missing or not a number (needed by rope type '" + type + "')");
     }
   };
   if (type == "linear") {
@@ -134,14 +137,16 @@ void ConfigReader::read_common(ModelConfig& c) const {
     c.rope_theta = ConfigReader(*params).number_or("rope_theta", number_or("rope_theta", 10000.0));
   } else {
     c.rope_theta = number_or("rope_theta", 10000.0);
-    if (const nlohmann::json* scaling = find("rope_scaling")) c.rope_scaling = read_rope_scaling(*scaling, "rope_scaling");
+    if (const nlohmann::json* scaling = find("rope_scaling"))
+      c.rope_scaling = read_rope_scaling(*scaling, "rope_scaling");
   }
 
   if (const nlohmann::json* eos = find("eos_token_id")) {
     if (eos->is_number_integer()) {
       c.eos_token_ids = {eos->get<std::int32_t>()};
     } else {
-      for (std::int64_t id : integer_list_or_empty("eos_token_id")) c.eos_token_ids.push_back(static_cast<std::int32_t>(id));
+      for (std::int64_t id : integer_list_or_empty("eos_token_id"))
+        c.eos_token_ids.push_back(static_cast<std::int32_t>(id));
     }
   }
 }
@@ -166,7 +171,8 @@ void ModelConfig::validate() const {
   if (rope_theta <= 0) fail("rope_theta", "must be positive");
   if (rope_scaling.factor <= 0) fail("rope_scaling.factor", "must be positive");
   if (sliding_window < 0) fail("sliding_window", "must not be negative");
-  if (static_cast<std::int64_t>(layer_is_moe.size()) != num_layers) fail("num_hidden_layers", "does not match the layer plan");
+  if (static_cast<std::int64_t>(layer_is_moe.size()) != num_layers)
+    fail("num_hidden_layers", "does not match the layer plan");
   bool any_moe = false;
   bool any_dense = false;
   for (const bool moe : layer_is_moe) (moe ? any_moe : any_dense) = true;

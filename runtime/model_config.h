@@ -1,6 +1,6 @@
 #pragma once
-// The typed model configuration every architecture maps its config.json onto, and the checked JSON accessors the
-// architecture files use: a missing or wrong-typed key is a LoadError naming the key.
+// The typed model configuration every architecture maps its config.json onto, and the checked JSON accessors
+// the architecture files use: a missing or wrong-typed key is a LoadError naming the key.
 #include <cstdint>
 #include <filesystem>
 #include <optional>
@@ -36,9 +36,9 @@ struct ModelConfig {
   RopeScaling rope_scaling;
   bool qkv_bias = false;
   bool o_bias = false;
-  bool qk_norm = false;               // RMSNorm over the whole q and k projections (OLMoE)
-  std::optional<double> clip_qkv;     // clamp q/k/v projections to [-c, c] (OLMoE)
-  std::int64_t sliding_window = 0;    // 0: full attention
+  bool qk_norm = false;             // RMSNorm over the whole q and k projections (OLMoE)
+  std::optional<double> clip_qkv;   // clamp q/k/v projections to [-c, c] (OLMoE)
+  std::int64_t sliding_window = 0;  // 0: full attention
   bool tie_word_embeddings = false;
 
   // Feed-forward: MoE layers and dense MLP layers.
@@ -70,8 +70,8 @@ class ConfigReader {
   [[nodiscard]] std::vector<std::int64_t> integer_list_or_empty(std::string_view key) const;
   [[nodiscard]] const nlohmann::json* find(std::string_view key) const;
 
-  // Fields every decoder here shares: sizes, heads, norms, RoPE (rope_theta/rope_scaling, or rope_parameters),
-  // tying, eos ids.
+  // Fields every decoder here shares: sizes, heads, norms, RoPE (rope_theta/rope_scaling, or
+  // rope_parameters), tying, eos ids.
   void read_common(ModelConfig& c) const;
 
  private:

@@ -12,7 +12,8 @@ kernels::ExpertWeights load_swiglu(Checkpoint& ckpt, const std::string& prefix, 
           ckpt.get(prefix + down, {hidden, ffn})};
 }
 
-AttentionWeights load_attention(Checkpoint& ckpt, const ModelConfig& c, const TensorNames& n, const std::string& p) {
+AttentionWeights load_attention(Checkpoint& ckpt, const ModelConfig& c, const TensorNames& n,
+                                const std::string& p) {
   const std::int64_t q_width = c.num_heads * c.head_dim;
   const std::int64_t kv_width = c.num_kv_heads * c.head_dim;
   AttentionWeights a;
@@ -38,8 +39,8 @@ MoeWeights load_moe(Checkpoint& ckpt, const ModelConfig& c, const TensorNames& n
   m.router = ckpt.get(p + n.router, {c.num_experts, c.hidden_size});
   m.experts.reserve(static_cast<std::size_t>(c.num_experts));
   for (std::int64_t e = 0; e < c.num_experts; ++e) {
-    m.experts.push_back(load_swiglu(ckpt, p + n.expert_prefix + std::to_string(e) + ".", n.expert_gate, n.expert_up,
-                                    n.expert_down, c.hidden_size, c.moe_intermediate_size));
+    m.experts.push_back(load_swiglu(ckpt, p + n.expert_prefix + std::to_string(e) + ".", n.expert_gate,
+                                    n.expert_up, n.expert_down, c.hidden_size, c.moe_intermediate_size));
   }
   if (c.shared_expert_intermediate_size > 0) {
     m.shared.push_back(load_swiglu(ckpt, p + n.shared_expert_prefix, "gate_proj.weight", "up_proj.weight",
@@ -67,8 +68,9 @@ ModelWeights load_model_weights(Checkpoint& ckpt, const ModelConfig& c, const Te
     if (layer.is_moe) {
       layer.moe = load_moe(ckpt, c, n, p);
     } else {
-      layer.dense_mlp.push_back(load_swiglu(ckpt, p + n.dense_mlp_prefix, "gate_proj.weight", "up_proj.weight",
-                                            "down_proj.weight", c.hidden_size, c.dense_intermediate_size));
+      layer.dense_mlp.push_back(load_swiglu(ckpt, p + n.dense_mlp_prefix, "gate_proj.weight",
+                                            "up_proj.weight", "down_proj.weight", c.hidden_size,
+                                            c.dense_intermediate_size));
     }
   }
   // Tied checkpoints sometimes still carry lm_head.weight; it is the same matrix, so accept it.

@@ -18,10 +18,10 @@ struct AttentionWeights {
 };
 
 struct MoeWeights {
-  kernels::WeightView router;                  // [num_experts, hidden]
-  std::vector<kernels::ExpertWeights> experts; // indexed by expert id
-  std::vector<kernels::ExpertWeights> shared;  // zero or one shared expert
-  kernels::WeightView shared_gate;             // [1, hidden]
+  kernels::WeightView router;                   // [num_experts, hidden]
+  std::vector<kernels::ExpertWeights> experts;  // indexed by expert id
+  std::vector<kernels::ExpertWeights> shared;   // zero or one shared expert
+  kernels::WeightView shared_gate;              // [1, hidden]
 };
 
 struct LayerWeights {

@@ -55,7 +55,8 @@ void moe_block(kernels::Backend& backend, const ModelConfig& config, const MoeWe
   // Permute: a counting sort of the (token, slot) assignments by expert, stable in token order.
   s.offsets.assign(static_cast<std::size_t>(num_experts + 1), 0);
   for (const std::int32_t e : s.routing.experts) ++s.offsets[static_cast<std::size_t>(e) + 1];
-  for (std::int64_t e = 0; e < num_experts; ++e) s.offsets[static_cast<std::size_t>(e) + 1] += s.offsets[static_cast<std::size_t>(e)];
+  for (std::int64_t e = 0; e < num_experts; ++e)
+    s.offsets[static_cast<std::size_t>(e) + 1] += s.offsets[static_cast<std::size_t>(e)];
   const std::int64_t assignments = rows * top_k;
   s.slot_row.resize(static_cast<std::size_t>(assignments));
   s.permuted_in.resize(static_cast<std::size_t>(assignments * hidden));
@@ -68,7 +69,8 @@ void moe_block(kernels::Backend& backend, const ModelConfig& config, const MoeWe
       s.slot_row[static_cast<std::size_t>(a)] = row;
       std::memcpy(s.permuted_in.data() + row * hidden, h.data() + (a / top_k) * hidden, hidden_bytes);
     }
-    for (std::int64_t e = num_experts; e > 0; --e) cursor[static_cast<std::size_t>(e)] = cursor[static_cast<std::size_t>(e) - 1];
+    for (std::int64_t e = num_experts; e > 0; --e)
+      cursor[static_cast<std::size_t>(e)] = cursor[static_cast<std::size_t>(e) - 1];
     cursor[0] = 0;
   }
 

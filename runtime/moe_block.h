@@ -1,6 +1,7 @@
 #pragma once
-// The MoE feed-forward block: router (fp32 softmax, top-k, optional renormalization), tokens grouped by expert
-// (permute), one SwiGLU GEMM chain per expert, gate-weighted unpermute, plus the optional sigmoid-gated shared expert.
+// The MoE feed-forward block: router (fp32 softmax, top-k, optional renormalization), tokens grouped by
+// expert (permute), one SwiGLU GEMM chain per expert, gate-weighted unpermute, plus the optional
+// sigmoid-gated shared expert.
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -19,8 +20,8 @@ struct Routing {
   std::vector<float> weights;
 };
 
-// Softmax over the router logits [rows, num_experts] in fp32, top-k (ties to the lower expert id), then the weights
-// renormalized to sum to 1 when `normalize` is set.
+// Softmax over the router logits [rows, num_experts] in fp32, top-k (ties to the lower expert id), then the
+// weights renormalized to sum to 1 when `normalize` is set.
 void route_softmax_topk(std::span<const float> router_logits, std::int64_t rows, std::int64_t num_experts,
                         std::int64_t top_k, bool normalize, Routing& out);
 

@@ -9,7 +9,8 @@
 
 namespace capserve::runtime {
 
-void write_npy(const std::filesystem::path& path, std::span<const float> data, std::span<const std::int64_t> shape) {
+void write_npy(const std::filesystem::path& path, std::span<const float> data,
+               std::span<const std::int64_t> shape) {
   std::string dims;
   for (const std::int64_t d : shape) dims += std::to_string(d) + ", ";
   if (shape.size() > 1) dims.resize(dims.size() - 2);  // (n,) keeps its comma
@@ -33,9 +34,12 @@ void write_npy(const std::filesystem::path& path, std::span<const float> data, s
 NpyArray read_npy(const std::filesystem::path& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw LoadError("cannot open " + path.string());
-  const auto fail = [&](const std::string& why) -> LoadError { return LoadError(path.string() + ": " + why); };
+  const auto fail = [&](const std::string& why) -> LoadError {
+    return LoadError(path.string() + ": " + why);
+  };
   unsigned char pre[8];
-  if (!in.read(reinterpret_cast<char*>(pre), 8) || std::memcmp(pre, "\x93NUMPY", 6) != 0) throw fail("not an .npy file");
+  if (!in.read(reinterpret_cast<char*>(pre), 8) || std::memcmp(pre, "\x93NUMPY", 6) != 0)
+    throw fail("not an .npy file");
   std::uint32_t header_len = 0;
   if (pre[6] == 1) {
     unsigned char b[2];
@@ -51,10 +55,13 @@ NpyArray read_npy(const std::filesystem::path& path) {
   if (header_len > (1U << 20)) throw fail("header too large");
   std::string header(header_len, '\0');
   if (!in.read(header.data(), header_len)) throw fail("truncated header");
-  if (header.find("'descr': '<f4'") == std::string::npos) throw fail("dtype is not little-endian float32 ('<f4')");
-  if (header.find("'fortran_order': False") == std::string::npos) throw fail("Fortran-order arrays are not supported");
+  if (header.find("'descr': '<f4'") == std::string::npos)
+    throw fail("dtype is not little-endian float32 ('<f4')");
+  if (header.find("'fortran_order': False") == std::string::npos)
+    throw fail("Fortran-order arrays are not supported");
   std::smatch m;
-  if (!std::regex_search(header, m, std::regex(R"('shape':\s*\(([^)]*)\))"))) throw fail("no shape in header");
+  if (!std::regex_search(header, m, std::regex(R"('shape':\s*\(([^)]*)\))")))
+    throw fail("no shape in header");
   NpyArray a;
   std::int64_t count = 1;
   const std::string dims = m[1];

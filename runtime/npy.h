@@ -1,5 +1,6 @@
 #pragma once
-// Minimal NumPy .npy (format 1.0/2.0) support for float32 C-order arrays: --dump-logits output and test fixtures.
+// Minimal NumPy .npy (format 1.0/2.0) support for float32 C-order arrays: --dump-logits output and test
+// fixtures.
 #include <cstdint>
 #include <filesystem>
 #include <span>
@@ -13,7 +14,8 @@ struct NpyArray {
 };
 
 // Throws LoadError on I/O failure.
-void write_npy(const std::filesystem::path& path, std::span<const float> data, std::span<const std::int64_t> shape);
+void write_npy(const std::filesystem::path& path, std::span<const float> data,
+               std::span<const std::int64_t> shape);
 
 // Throws LoadError naming the file when it is not a little-endian float32 C-order .npy array.
 NpyArray read_npy(const std::filesystem::path& path);

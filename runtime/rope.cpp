@@ -25,8 +25,9 @@ Rope::Rope(std::int64_t head_dim, double theta, const RopeScaling& scaling) {
         if (wavelen > low_wavelen) {
           f /= scaling.factor;
         } else if (wavelen >= high_wavelen) {
-          const double smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) /
-                                (scaling.high_freq_factor - scaling.low_freq_factor);
+          const double smooth =
+              (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) /
+              (scaling.high_freq_factor - scaling.low_freq_factor);
           f = (1.0 - smooth) * f / scaling.factor + smooth * f;
         }
         break;
@@ -36,7 +37,8 @@ Rope::Rope(std::int64_t head_dim, double theta, const RopeScaling& scaling) {
   }
 }
 
-void Rope::tables(std::span<const std::int32_t> positions, std::vector<float>& cos, std::vector<float>& sin) const {
+void Rope::tables(std::span<const std::int32_t> positions, std::vector<float>& cos,
+                  std::vector<float>& sin) const {
   const std::size_t half = inv_freq_.size();
   cos.resize(positions.size() * half);
   sin.resize(positions.size() * half);

@@ -14,7 +14,8 @@ class Rope {
   Rope(std::int64_t head_dim, double theta, const RopeScaling& scaling);
 
   // Fills cos/sin [positions.size(), head_dim / 2] (grow-only buffers).
-  void tables(std::span<const std::int32_t> positions, std::vector<float>& cos, std::vector<float>& sin) const;
+  void tables(std::span<const std::int32_t> positions, std::vector<float>& cos,
+              std::vector<float>& sin) const;
 
   [[nodiscard]] std::span<const float> inv_freq() const { return inv_freq_; }
 

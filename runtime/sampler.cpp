@@ -8,7 +8,8 @@
 namespace capserve::runtime {
 
 std::string validate_sampling(const SamplingParams& p) {
-  if (!(p.temperature >= 0.0F) || !std::isfinite(p.temperature)) return "temperature must be a finite number >= 0";
+  if (!(p.temperature >= 0.0F) || !std::isfinite(p.temperature))
+    return "temperature must be a finite number >= 0";
   if (p.top_k < 0) return "top_k must be >= 0 (0 disables it)";
   if (!(p.top_p > 0.0F && p.top_p <= 1.0F)) return "top_p must be in (0, 1]";
   if (p.max_new_tokens < 0) return "max_new_tokens must be >= 0";
@@ -47,7 +48,8 @@ std::int32_t Sampler::sample(std::span<const float> logits) {
   const float top = logits[static_cast<std::size_t>(order_[0])] * inv_t;
   double sum = 0.0;
   for (std::int32_t i = 0; i < keep; ++i) {
-    const auto p = static_cast<float>(std::exp(logits[static_cast<std::size_t>(order_[static_cast<std::size_t>(i)])] * inv_t - top));
+    const auto p = static_cast<float>(
+        std::exp(logits[static_cast<std::size_t>(order_[static_cast<std::size_t>(i)])] * inv_t - top));
     probs_[static_cast<std::size_t>(i)] = p;
     sum += p;
   }

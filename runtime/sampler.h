@@ -1,6 +1,6 @@
 #pragma once
-// Next-token sampling with the usual controls, applied in the order transformers applies them: temperature, top-k,
-// top-p. temperature == 0 is greedy (first maximal id). A given seed always yields the same tokens.
+// Next-token sampling with the usual controls, applied in the order transformers applies them: temperature,
+// top-k, top-p. temperature == 0 is greedy (first maximal id). A given seed always yields the same tokens.
 #include <cstdint>
 #include <random>
 #include <span>
@@ -17,7 +17,8 @@ struct SamplingParams {
   std::int64_t max_new_tokens = 16;
 };
 
-// Returns an empty string when the parameters are usable, else a message naming the field and its valid range.
+// Returns an empty string when the parameters are usable, else a message naming the field and its valid
+// range.
 std::string validate_sampling(const SamplingParams& params);
 
 class Sampler {

@@ -1,6 +1,6 @@
 #pragma once
-// Status-style results for operations whose failure a caller must handle (a step that does not fit the cache, a
-// request beyond the context length), as opposed to load-time LoadError.
+// Status-style results for operations whose failure a caller must handle (a step that does not fit the cache,
+// a request beyond the context length), as opposed to load-time LoadError.
 #include <string>
 #include <utility>
 
@@ -11,7 +11,9 @@ enum class StatusCode { ok, invalid_argument, resource_exhausted, internal };
 class [[nodiscard]] Status {
  public:
   Status() = default;
-  static Status invalid_argument(std::string message) { return {StatusCode::invalid_argument, std::move(message)}; }
+  static Status invalid_argument(std::string message) {
+    return {StatusCode::invalid_argument, std::move(message)};
+  }
   static Status resource_exhausted(std::string message) {
     return {StatusCode::resource_exhausted, std::move(message)};
   }

@@ -14,14 +14,16 @@
 namespace capserve::kernels::cpu {
 namespace {
 
-// Up to this many rows the weights are streamed once through a direct kernel (memory-bound decode); above it a
-// dense f32 copy of the weight feeds sgemm, whose blocking wins once the widening cost is amortized over rows.
+// Up to this many rows the weights are streamed once through a direct kernel (memory-bound decode); above it
+// a dense f32 copy of the weight feeds sgemm, whose blocking wins once the widening cost is amortized over
+// rows.
 constexpr std::int64_t kDirectMaxRows = 32;
 constexpr std::int64_t kLanes = 16;
 constexpr std::int64_t kRowBlock = 4;
 
 template <DType D>
-void linear_direct(const float* x, std::int64_t m, std::int64_t k, const std::byte* w, std::int64_t n, float* y) {
+void linear_direct(const float* x, std::int64_t m, std::int64_t k, const std::byte* w, std::int64_t n,
+                   float* y) {
   const std::int64_t k_main = k - k % kLanes;
 #pragma omp parallel for schedule(static)
   for (std::int64_t j = 0; j < n; ++j) {
@@ -59,7 +61,9 @@ void convert_typed(const std::byte* base, std::int64_t first, std::int64_t count
   for (std::int64_t i = 0; i < count; ++i) out[i] = load_element<D>(base, first + i);
 }
 
-float silu(float v) { return v / (1.0F + std::exp(-v)); }
+float silu(float v) {
+  return v / (1.0F + std::exp(-v));
+}
 
 }  // namespace
 
@@ -77,7 +81,9 @@ void convert_to_f32(DType dtype, const std::byte* base, std::int64_t first, std:
   }
 }
 
-CpuBackend::CpuBackend(int num_threads) : num_threads_(num_threads) { set_num_threads(num_threads); }
+CpuBackend::CpuBackend(int num_threads) : num_threads_(num_threads) {
+  set_num_threads(num_threads);
+}
 
 void CpuBackend::set_num_threads(int n) {
   num_threads_ = std::max(1, n);
@@ -133,7 +139,8 @@ void CpuBackend::embedding(std::span<const std::int32_t> ids, const WeightView& 
   for (std::size_t i = 0; i < ids.size(); ++i) {
     const std::int64_t id = ids[i];
     if (id < 0 || id >= table.rows) throw std::out_of_range("embedding: token id out of range");
-    convert_to_f32(table.dtype, table.data, id * cols, cols, out.data() + static_cast<std::int64_t>(i) * cols);
+    convert_to_f32(table.dtype, table.data, id * cols, cols,
+                   out.data() + static_cast<std::int64_t>(i) * cols);
   }
 }
 
@@ -154,8 +161,8 @@ void CpuBackend::rms_norm(std::span<const float> x, std::int64_t cols, const Wei
   }
 }
 
-void CpuBackend::rope(std::span<float> x, std::int64_t heads, std::int64_t head_dim, std::span<const float> cos,
-                      std::span<const float> sin) {
+void CpuBackend::rope(std::span<float> x, std::int64_t heads, std::int64_t head_dim,
+                      std::span<const float> cos, std::span<const float> sin) {
   const std::int64_t half = head_dim / 2;
   const auto tokens = static_cast<std::int64_t>(x.size()) / (heads * head_dim);
   for (std::int64_t t = 0; t < tokens; ++t) {
@@ -175,15 +182,16 @@ void CpuBackend::rope(std::span<float> x, std::int64_t heads, std::int64_t head_
 
 namespace {
 
-std::int64_t cache_row(const PagedKvLayer& cache, std::span<const std::int32_t> block_table, std::int64_t pos) {
+std::int64_t cache_row(const PagedKvLayer& cache, std::span<const std::int32_t> block_table,
+                       std::int64_t pos) {
   const std::int64_t block = block_table[static_cast<std::size_t>(pos / cache.block_size)];
   return block * cache.block_size + pos % cache.block_size;
 }
 
 }  // namespace
 
-void CpuBackend::kv_store(std::span<const SequenceSlice> seqs, std::span<const float> k, std::span<const float> v,
-                          const PagedKvLayer& cache) {
+void CpuBackend::kv_store(std::span<const SequenceSlice> seqs, std::span<const float> k,
+                          std::span<const float> v, const PagedKvLayer& cache) {
   const std::int64_t width = cache.num_kv_heads * cache.head_dim;
   for (const SequenceSlice& s : seqs) {
     for (std::int64_t i = 0; i < s.num_tokens; ++i) {
@@ -196,7 +204,8 @@ void CpuBackend::kv_store(std::span<const SequenceSlice> seqs, std::span<const f
 }
 
 void CpuBackend::paged_attention(std::span<const SequenceSlice> seqs, std::span<const float> q,
-                                 const PagedKvLayer& cache, const AttentionParams& params, std::span<float> out) {
+                                 const PagedKvLayer& cache, const AttentionParams& params,
+                                 std::span<float> out) {
   const std::int64_t d = cache.head_dim;
   const std::int64_t heads = params.num_heads;
   const std::int64_t group = heads / cache.num_kv_heads;
@@ -213,11 +222,13 @@ void CpuBackend::paged_attention(std::span<const SequenceSlice> seqs, std::span<
         const std::int64_t kv_off = (h / group) * d;
         const std::int64_t context = s.start_pos + s.num_tokens;
         rows.resize(static_cast<std::size_t>(context));
-        for (std::int64_t p = 0; p < context; ++p) rows[static_cast<std::size_t>(p)] = cache_row(cache, s.block_table, p);
+        for (std::int64_t p = 0; p < context; ++p)
+          rows[static_cast<std::size_t>(p)] = cache_row(cache, s.block_table, p);
         scores.resize(static_cast<std::size_t>(context));
         for (std::int64_t i = 0; i < s.num_tokens; ++i) {
           const std::int64_t pos = s.start_pos + i;
-          const std::int64_t lo = params.sliding_window > 0 ? std::max<std::int64_t>(0, pos - params.sliding_window + 1) : 0;
+          const std::int64_t lo =
+              params.sliding_window > 0 ? std::max<std::int64_t>(0, pos - params.sliding_window + 1) : 0;
           const float* qv = q.data() + ((s.first_row + i) * heads + h) * d;
           float mx = -std::numeric_limits<float>::infinity();
           for (std::int64_t p = lo; p <= pos; ++p) {

@@ -20,8 +20,9 @@ class CpuBackend final : public Backend {
             std::span<const float> sin) override;
   void kv_store(std::span<const SequenceSlice> seqs, std::span<const float> k, std::span<const float> v,
                 const PagedKvLayer& cache) override;
-  void paged_attention(std::span<const SequenceSlice> seqs, std::span<const float> q, const PagedKvLayer& cache,
-                       const AttentionParams& params, std::span<float> out) override;
+  void paged_attention(std::span<const SequenceSlice> seqs, std::span<const float> q,
+                       const PagedKvLayer& cache, const AttentionParams& params,
+                       std::span<float> out) override;
   void grouped_expert_ffn(std::span<const float> x, std::span<const std::int64_t> offsets,
                           std::span<const ExpertWeights> experts, std::span<float> out) override;
   void set_num_threads(int n) override;

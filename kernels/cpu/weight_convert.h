@@ -1,5 +1,6 @@
 #pragma once
-// Exact widening of stored weight elements to float32 (bf16 is the top half of an f32; f16 is decoded per IEEE 754).
+// Exact widening of stored weight elements to float32 (bf16 is the top half of an f32; f16 is decoded per
+// IEEE 754).
 #include <bit>
 #include <cstdint>
 #include <cstring>
@@ -8,7 +9,9 @@
 
 namespace capserve::kernels::cpu {
 
-inline float bf16_to_f32(std::uint16_t h) { return std::bit_cast<float>(static_cast<std::uint32_t>(h) << 16); }
+inline float bf16_to_f32(std::uint16_t h) {
+  return std::bit_cast<float>(static_cast<std::uint32_t>(h) << 16);
+}
 
 inline float f16_to_f32(std::uint16_t h) {
   const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000U) << 16;

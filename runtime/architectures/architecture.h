@@ -1,6 +1,7 @@
 #pragma once
 // An architecture is a config.json parser plus the Hugging Face tensor names of its blocks; the shared loader
-// (runtime/model_weights.h) and the shared forward pass (runtime/model.h) do the rest. One file per architecture.
+// (runtime/model_weights.h) and the shared forward pass (runtime/model.h) do the rest. One file per
+// architecture.
 #include <string>
 #include <string_view>
 #include <vector>
@@ -11,25 +12,25 @@ namespace capserve::runtime {
 
 // Names relative to "model.layers.<L>." unless noted. Empty means the block has no such tensor.
 struct TensorNames {
-  std::string embed = "model.embed_tokens.weight";    // global
-  std::string final_norm = "model.norm.weight";       // global
-  std::string lm_head = "lm_head.weight";             // global; unused when embeddings are tied
+  std::string embed = "model.embed_tokens.weight";  // global
+  std::string final_norm = "model.norm.weight";     // global
+  std::string lm_head = "lm_head.weight";           // global; unused when embeddings are tied
   std::string input_norm = "input_layernorm.weight";
   std::string post_attention_norm = "post_attention_layernorm.weight";
-  std::string q_proj = "self_attn.q_proj";            // ".weight" / ".bias" appended
+  std::string q_proj = "self_attn.q_proj";  // ".weight" / ".bias" appended
   std::string k_proj = "self_attn.k_proj";
   std::string v_proj = "self_attn.v_proj";
   std::string o_proj = "self_attn.o_proj";
-  std::string q_norm;                                 // full tensor name suffix, e.g. "self_attn.q_norm.weight"
+  std::string q_norm;  // full tensor name suffix, e.g. "self_attn.q_norm.weight"
   std::string k_norm;
-  std::string router;                                 // e.g. "mlp.gate.weight"
-  std::string expert_prefix;                          // followed by "<E>."
-  std::string expert_gate;                            // e.g. "gate_proj.weight" or "w1.weight"
+  std::string router;         // e.g. "mlp.gate.weight"
+  std::string expert_prefix;  // followed by "<E>."
+  std::string expert_gate;    // e.g. "gate_proj.weight" or "w1.weight"
   std::string expert_up;
   std::string expert_down;
-  std::string shared_expert_prefix;                   // e.g. "mlp.shared_expert."; empty: none
-  std::string shared_expert_gate;                     // e.g. "mlp.shared_expert_gate.weight"
-  std::string dense_mlp_prefix = "mlp.";              // dense layers: <prefix>{gate,up,down}_proj.weight
+  std::string shared_expert_prefix;       // e.g. "mlp.shared_expert."; empty: none
+  std::string shared_expert_gate;         // e.g. "mlp.shared_expert_gate.weight"
+  std::string dense_mlp_prefix = "mlp.";  // dense layers: <prefix>{gate,up,down}_proj.weight
 };
 
 struct Architecture {
@@ -42,7 +43,8 @@ const Architecture& mixtral_architecture();
 const Architecture& olmoe_architecture();
 const Architecture& qwen2_moe_architecture();
 
-// The architecture named by config.json's "architectures" list; LoadError listing the supported ones otherwise.
+// The architecture named by config.json's "architectures" list; LoadError listing the supported ones
+// otherwise.
 const Architecture& find_architecture(const nlohmann::json& config);
 
 }  // namespace capserve::runtime

@@ -1,4 +1,5 @@
-// Mixtral: softmax router over all experts, top-k, always renormalized; experts named w1 (gate), w3 (up), w2 (down).
+// Mixtral: softmax router over all experts, top-k, always renormalized; experts named w1 (gate), w3 (up), w2
+// (down).
 #include "runtime/architectures/architecture.h"
 
 namespace capserve::runtime {

@@ -20,7 +20,9 @@ ModelConfig parse(const ConfigReader& r) {
   c.norm_topk_prob = r.boolean_or("norm_topk_prob", false);
   c.qkv_bias = r.boolean_or("qkv_bias", true);
   if (r.boolean_or("use_sliding_window", false)) {
-    throw LoadError("config.json: key 'use_sliding_window' is true; per-layer sliding windows of Qwen2-MoE are not supported");
+    throw LoadError(
+        "config.json: key 'use_sliding_window' is true; per-layer sliding windows of Qwen2-MoE are not "
+        "supported");
   }
   const std::int64_t step = r.integer_or("decoder_sparse_step", 1);
   if (step <= 0) throw LoadError("config.json: key 'decoder_sparse_step' must be positive");

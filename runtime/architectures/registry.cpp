@@ -13,8 +13,8 @@ const Architecture& find_architecture(const nlohmann::json& config) {
 
   const auto it = config.find("architectures");
   if (it == config.end() || !it->is_array() || it->empty() || !it->front().is_string()) {
-    throw LoadError("config.json: key 'architectures' is missing or not a list of strings (supported: " + supported +
-                    ")");
+    throw LoadError("config.json: key 'architectures' is missing or not a list of strings (supported: " +
+                    supported + ")");
   }
   const auto name = it->front().get<std::string>();
   for (const Architecture* a : known) {

@@ -29,7 +29,8 @@ std::vector<std::int32_t> parse_ids(const std::string& text) {
     } catch (const std::exception&) {
       used = 0;
     }
-    if (used != tok.size() || v < 0 || v > INT32_MAX) throw CLI::ValidationError("--input-ids", "'" + tok + "' is not a token id");
+    if (used != tok.size() || v < 0 || v > INT32_MAX)
+      throw CLI::ValidationError("--input-ids", "'" + tok + "' is not a token id");
     ids.push_back(static_cast<std::int32_t>(v));
   }
   if (ids.empty()) throw CLI::ValidationError("--input-ids", "needs at least one token id");
@@ -48,18 +49,24 @@ int main(int argc, char** argv) {
   bool ignore_eos = false;
   int threads = static_cast<int>(std::max(1U, std::thread::hardware_concurrency()));
   runtime::EngineOptions engine_options;
-  app.add_option("--model", model_dir, "checkpoint directory (config.json + safetensors)")->required()->check(CLI::ExistingDirectory);
+  app.add_option("--model", model_dir, "checkpoint directory (config.json + safetensors)")
+      ->required()
+      ->check(CLI::ExistingDirectory);
   app.add_option("--input-ids", input_ids, "prompt token ids, space-separated")->required();
-  app.add_option("--max-new-tokens", params.max_new_tokens, "tokens to generate")->check(CLI::NonNegativeNumber);
+  app.add_option("--max-new-tokens", params.max_new_tokens, "tokens to generate")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--temperature", params.temperature, "0 = greedy")->check(CLI::NonNegativeNumber);
-  app.add_option("--top-k", params.top_k, "keep the k most likely tokens (0 = off)")->check(CLI::NonNegativeNumber);
+  app.add_option("--top-k", params.top_k, "keep the k most likely tokens (0 = off)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--top-p", params.top_p, "nucleus mass in (0, 1]")->check(CLI::Range(0.0, 1.0));
   app.add_option("--seed", params.seed, "sampling seed");
   app.add_option("--stop-ids", params.stop_token_ids, "extra stop token ids");
   app.add_flag("--ignore-eos", ignore_eos, "do not stop at the model's eos_token_id");
-  app.add_option("--dump-logits", dump_logits, "write the logits of every generated position as float32 .npy [steps, vocab]");
+  app.add_option("--dump-logits", dump_logits,
+                 "write the logits of every generated position as float32 .npy [steps, vocab]");
   app.add_option("--threads", threads, "CPU threads")->check(CLI::PositiveNumber);
-  app.add_option("--kv-blocks", engine_options.kv_blocks, "KV cache blocks of 16 tokens")->check(CLI::PositiveNumber);
+  app.add_option("--kv-blocks", engine_options.kv_blocks, "KV cache blocks of 16 tokens")
+      ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -74,7 +81,8 @@ int main(int argc, char** argv) {
     std::vector<runtime::Generation> out;
     const std::vector<std::vector<std::int32_t>> prompts{prompt};
     const std::vector<runtime::SamplingParams> all_params{params};
-    if (runtime::Status s = runtime::generate(engine, prompts, all_params, !dump_logits.empty(), out); !s.ok()) {
+    if (runtime::Status s = runtime::generate(engine, prompts, all_params, !dump_logits.empty(), out);
+        !s.ok()) {
       std::fprintf(stderr, "capserve-generate: %s\n", s.message().c_str());
       return 2;
     }
@@ -82,7 +90,8 @@ int main(int argc, char** argv) {
     for (const std::int32_t t : out[0].tokens) line += (line.empty() ? "" : " ") + std::to_string(t);
     std::printf("%s\n", line.c_str());
     if (!dump_logits.empty()) {
-      const std::int64_t shape[2] = {static_cast<std::int64_t>(out[0].tokens.size()), model->config().vocab_size};
+      const std::int64_t shape[2] = {static_cast<std::int64_t>(out[0].tokens.size()),
+                                     model->config().vocab_size};
       runtime::write_npy(dump_logits, out[0].logits, shape);
     }
   } catch (const CLI::Error& e) {

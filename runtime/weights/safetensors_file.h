@@ -1,6 +1,7 @@
 #pragma once
-// One .safetensors file, memory-mapped read-only and fully validated on open: header length against the file size,
-// header JSON, dtype, shape x dtype size = byte range, every range inside the data section, no two ranges overlapping.
+// One .safetensors file, memory-mapped read-only and fully validated on open: header length against the file
+// size, header JSON, dtype, shape x dtype size = byte range, every range inside the data section, no two
+// ranges overlapping.
 #include <cstdint>
 #include <filesystem>
 #include <memory>
@@ -35,7 +36,8 @@ class SafetensorsFile {
 
  private:
   struct Mapping;
-  SafetensorsFile(std::filesystem::path path, std::unique_ptr<Mapping> mapping, std::vector<TensorInfo> tensors);
+  SafetensorsFile(std::filesystem::path path, std::unique_ptr<Mapping> mapping,
+                  std::vector<TensorInfo> tensors);
 
   std::filesystem::path path_;
   std::unique_ptr<Mapping> mapping_;

@@ -1,0 +1,104 @@
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "runtime/sampler.h"
+
+namespace capserve::runtime {
+namespace {
+
+const std::vector<float> kLogits = {std::log(0.5F), std::log(0.3F), std::log(0.2F), -1e9F};
+
+std::vector<int> histogram(SamplingParams p, int draws) {
+  Sampler s(p);
+  std::vector<int> h(kLogits.size(), 0);
+  for (int i = 0; i < draws; ++i) ++h[static_cast<std::size_t>(s.sample(kLogits))];
+  return h;
+}
+
+TEST(Sampler, GreedyTakesTheFirstMaximum) {
+  Sampler s({});
+  EXPECT_EQ(s.sample(std::vector<float>{0.1F, 2.0F, 2.0F, -3.0F}), 1);
+}
+
+TEST(Sampler, SameSeedSameTokensOtherSeedOtherTokens) {
+  SamplingParams p;
+  p.temperature = 1.0F;
+  p.seed = 1234;
+  std::vector<float> logits(64);
+  for (std::size_t i = 0; i < logits.size(); ++i) logits[i] = std::sin(static_cast<float>(i));
+  const auto draw = [&](SamplingParams q) {
+    Sampler s(q);
+    std::vector<std::int32_t> out;
+    for (int i = 0; i < 50; ++i) out.push_back(s.sample(logits));
+    return out;
+  };
+  EXPECT_EQ(draw(p), draw(p));
+  SamplingParams other = p;
+  other.seed = 99;
+  EXPECT_NE(draw(p), draw(other));
+}
+
+TEST(Sampler, TemperatureOneFollowsTheSoftmax) {
+  SamplingParams p;
+  p.temperature = 1.0F;
+  const auto h = histogram(p, 20000);
+  EXPECT_NEAR(h[0] / 20000.0, 0.5, 0.02);
+  EXPECT_NEAR(h[1] / 20000.0, 0.3, 0.02);
+  EXPECT_NEAR(h[2] / 20000.0, 0.2, 0.02);
+  EXPECT_EQ(h[3], 0);
+}
+
+TEST(Sampler, TopKKeepsOnlyTheKBest) {
+  SamplingParams p;
+  p.temperature = 1.0F;
+  p.top_k = 2;
+  const auto h = histogram(p, 5000);
+  EXPECT_EQ(h[2], 0);
+  EXPECT_NEAR(h[0] / 5000.0, 0.5 / 0.8, 0.03);
+}
+
+TEST(Sampler, TopPKeepsTheSmallestPrefixReachingP) {
+  SamplingParams p;
+  p.temperature = 1.0F;
+  p.top_p = 0.7F;  // 0.5 < 0.7 <= 0.8: tokens 0 and 1
+  const auto h = histogram(p, 5000);
+  EXPECT_EQ(h[2], 0);
+  EXPECT_GT(h[1], 0);
+  p.top_p = 0.4F;  // the best token alone already reaches it
+  EXPECT_EQ(histogram(p, 1000)[0], 1000);
+}
+
+TEST(Sampler, LowTemperatureSharpens) {
+  SamplingParams p;
+  p.temperature = 0.05F;
+  EXPECT_GT(histogram(p, 2000)[0], 1990);
+}
+
+TEST(Sampler, StopTokens) {
+  SamplingParams p;
+  p.stop_token_ids = {7, 9};
+  Sampler s(p);
+  EXPECT_TRUE(s.is_stop(9));
+  EXPECT_FALSE(s.is_stop(8));
+}
+
+TEST(Sampler, ValidationNamesTheField) {
+  SamplingParams p;
+  p.temperature = -1.0F;
+  EXPECT_NE(validate_sampling(p).find("temperature"), std::string::npos);
+  p = {};
+  p.top_p = 0.0F;
+  EXPECT_NE(validate_sampling(p).find("top_p"), std::string::npos);
+  p = {};
+  p.top_k = -2;
+  EXPECT_NE(validate_sampling(p).find("top_k"), std::string::npos);
+  p = {};
+  p.temperature = std::nanf("");
+  EXPECT_FALSE(validate_sampling(p).empty());
+  EXPECT_TRUE(validate_sampling({}).empty());
+}
+
+}  // namespace
+}  // namespace capserve::runtime
