@@ -3,6 +3,13 @@
 #include <cblas.h>
 #include <omp.h>
 
+#if defined(__AVX512F__)
+// GCC 12's AVX-512 headers build "undefined" vectors from themselves, which -Werror=(maybe-)uninitialized rejects.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -21,31 +28,98 @@ constexpr std::int64_t kDirectMaxRows = 32;
 constexpr std::int64_t kLanes = 16;
 constexpr std::int64_t kRowBlock = 4;
 
+#if defined(__AVX512F__)
 template <DType D>
-void linear_direct(const float* x, std::int64_t m, std::int64_t k, const std::byte* w, std::int64_t n,
-                   float* y) {
-  const std::int64_t k_main = k - k % kLanes;
+__m512 load16(const std::byte* p) {
+  if constexpr (D == DType::f32) {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(p));
+  } else if constexpr (D == DType::bf16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+}
+
+// ROWS activation rows against one weight row; each weight vector is widened once and used ROWS times. A single
+// row keeps four accumulators in flight to cover the FMA latency.
+template <DType D, int ROWS>
+void dot_rows(const float* x, std::int64_t k, const std::byte* wr, float* out) {
+  constexpr std::int64_t kEl = dtype_size(D);
+  const std::int64_t k16 = k - k % kLanes;
+  if constexpr (ROWS == 1) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    std::int64_t i = 0;
+    for (; i + 4 * kLanes <= k16; i += 4 * kLanes) {
+      a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), load16<D>(wr + i * kEl), a0);
+      a1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 16), load16<D>(wr + (i + 16) * kEl), a1);
+      a2 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 32), load16<D>(wr + (i + 32) * kEl), a2);
+      a3 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 48), load16<D>(wr + (i + 48) * kEl), a3);
+    }
+    for (; i < k16; i += kLanes) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), load16<D>(wr + i * kEl), a0);
+    float sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+    for (i = k16; i < k; ++i) sum += x[i] * load_element<D>(wr, i);
+    out[0] = sum;
+  } else {
+    __m512 acc[ROWS];
+    for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+    for (std::int64_t i = 0; i < k16; i += kLanes) {
+      const __m512 wv = load16<D>(wr + i * kEl);
+      for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * k + i), wv, acc[r]);
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      float sum = _mm512_reduce_add_ps(acc[r]);
+      for (std::int64_t i = k16; i < k; ++i) sum += x[r * k + i] * load_element<D>(wr, i);
+      out[r] = sum;
+    }
+  }
+}
+#else
+template <DType D, int ROWS>
+void dot_rows(const float* x, std::int64_t k, const std::byte* wr, float* out) {
+  const std::int64_t k16 = k - k % kLanes;
+  float acc[ROWS][kLanes] = {};
+  for (std::int64_t i = 0; i < k16; i += kLanes) {
+    float wf[kLanes];
+    for (std::int64_t t = 0; t < kLanes; ++t) wf[t] = load_element<D>(wr, i + t);
+    for (int r = 0; r < ROWS; ++r) {
+      for (std::int64_t t = 0; t < kLanes; ++t) acc[r][t] += x[r * k + i + t] * wf[t];
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    float sum = 0.0F;
+    for (std::int64_t t = 0; t < kLanes; ++t) sum += acc[r][t];
+    for (std::int64_t i = k16; i < k; ++i) sum += x[r * k + i] * load_element<D>(wr, i);
+    out[r] = sum;
+  }
+}
+#endif
+
+// Streams each weight row once from memory and dots it with every activation row (in blocks of kRowBlock).
+template <DType D>
+void linear_direct(const float* x, std::int64_t m, std::int64_t k, const std::byte* w, std::int64_t n, float* y) {
 #pragma omp parallel for schedule(static)
   for (std::int64_t j = 0; j < n; ++j) {
     const std::byte* wr = w + static_cast<std::size_t>(j * k) * dtype_size(D);
+    float out[kRowBlock];
     for (std::int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
+      const float* xr = x + r0 * k;
       const std::int64_t rows = std::min(kRowBlock, m - r0);
-      float acc[kRowBlock][kLanes] = {};
-      for (std::int64_t i = 0; i < k_main; i += kLanes) {
-        float wf[kLanes];
-        for (std::int64_t t = 0; t < kLanes; ++t) wf[t] = load_element<D>(wr, i + t);
-        for (std::int64_t r = 0; r < rows; ++r) {
-          const float* xr = x + (r0 + r) * k + i;
-          for (std::int64_t t = 0; t < kLanes; ++t) acc[r][t] += xr[t] * wf[t];
-        }
+      switch (rows) {
+        case 1:
+          dot_rows<D, 1>(xr, k, wr, out);
+          break;
+        case 2:
+          dot_rows<D, 2>(xr, k, wr, out);
+          break;
+        case 3:
+          dot_rows<D, 3>(xr, k, wr, out);
+          break;
+        default:
+          dot_rows<D, 4>(xr, k, wr, out);
+          break;
       }
-      for (std::int64_t r = 0; r < rows; ++r) {
-        float sum = 0.0F;
-        for (std::int64_t t = 0; t < kLanes; ++t) sum += acc[r][t];
-        const float* xr = x + (r0 + r) * k;
-        for (std::int64_t i = k_main; i < k; ++i) sum += xr[i] * load_element<D>(wr, i);
-        y[(r0 + r) * n + j] = sum;
-      }
+      for (std::int64_t r = 0; r < rows; ++r) y[(r0 + r) * n + j] = out[r];
     }
   }
 }
