@@ -4,7 +4,8 @@
 #include <omp.h>
 
 #if defined(__AVX512F__)
-// GCC 12's AVX-512 headers build "undefined" vectors from themselves, which -Werror=(maybe-)uninitialized rejects.
+// GCC 12's AVX-512 headers build "undefined" vectors from themselves, which -Werror=(maybe-)uninitialized
+// rejects.
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
@@ -26,7 +27,6 @@ namespace {
 // rows.
 constexpr std::int64_t kDirectMaxRows = 32;
 constexpr std::int64_t kLanes = 16;
-constexpr std::int64_t kRowBlock = 4;
 
 #if defined(__AVX512F__)
 template <DType D>
@@ -41,86 +41,83 @@ __m512 load16(const std::byte* p) {
   }
 }
 
-// ROWS activation rows against one weight row; each weight vector is widened once and used ROWS times. A single
-// row keeps four accumulators in flight to cover the FMA latency.
-template <DType D, int ROWS>
-void dot_rows(const float* x, std::int64_t k, const std::byte* wr, float* out) {
+// Register-blocked tile: MB activation rows x NB weight rows, MB*NB accumulators. Each weight vector is widened
+// once and used MB times, each activation vector used NB times, so the loads keep pace with the FMAs.
+template <DType D, int MB, int NB>
+void gemm_tile(const float* x, std::int64_t k, const std::byte* w, float* y, std::int64_t ldy) {
   constexpr std::int64_t kEl = dtype_size(D);
   const std::int64_t k16 = k - k % kLanes;
-  if constexpr (ROWS == 1) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    std::int64_t i = 0;
-    for (; i + 4 * kLanes <= k16; i += 4 * kLanes) {
-      a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), load16<D>(wr + i * kEl), a0);
-      a1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 16), load16<D>(wr + (i + 16) * kEl), a1);
-      a2 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 32), load16<D>(wr + (i + 32) * kEl), a2);
-      a3 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 48), load16<D>(wr + (i + 48) * kEl), a3);
+  __m512 acc[MB][NB];
+  for (int r = 0; r < MB; ++r) {
+    for (int c = 0; c < NB; ++c) acc[r][c] = _mm512_setzero_ps();
+  }
+  for (std::int64_t i = 0; i < k16; i += kLanes) {
+    __m512 wv[NB];
+    for (int c = 0; c < NB; ++c) wv[c] = load16<D>(w + (c * k + i) * kEl);
+    for (int r = 0; r < MB; ++r) {
+      const __m512 xv = _mm512_loadu_ps(x + r * k + i);
+      for (int c = 0; c < NB; ++c) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
     }
-    for (; i < k16; i += kLanes) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), load16<D>(wr + i * kEl), a0);
-    float sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-    for (i = k16; i < k; ++i) sum += x[i] * load_element<D>(wr, i);
-    out[0] = sum;
-  } else {
-    __m512 acc[ROWS];
-    for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
-    for (std::int64_t i = 0; i < k16; i += kLanes) {
-      const __m512 wv = load16<D>(wr + i * kEl);
-      for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * k + i), wv, acc[r]);
-    }
-    for (int r = 0; r < ROWS; ++r) {
-      float sum = _mm512_reduce_add_ps(acc[r]);
-      for (std::int64_t i = k16; i < k; ++i) sum += x[r * k + i] * load_element<D>(wr, i);
-      out[r] = sum;
+  }
+  for (int r = 0; r < MB; ++r) {
+    for (int c = 0; c < NB; ++c) {
+      float sum = _mm512_reduce_add_ps(acc[r][c]);
+      for (std::int64_t i = k16; i < k; ++i) sum += x[r * k + i] * load_element<D>(w, c * k + i);
+      y[r * ldy + c] = sum;
     }
   }
 }
 #else
-template <DType D, int ROWS>
-void dot_rows(const float* x, std::int64_t k, const std::byte* wr, float* out) {
-  const std::int64_t k16 = k - k % kLanes;
-  float acc[ROWS][kLanes] = {};
-  for (std::int64_t i = 0; i < k16; i += kLanes) {
-    float wf[kLanes];
-    for (std::int64_t t = 0; t < kLanes; ++t) wf[t] = load_element<D>(wr, i + t);
-    for (int r = 0; r < ROWS; ++r) {
-      for (std::int64_t t = 0; t < kLanes; ++t) acc[r][t] += x[r * k + i + t] * wf[t];
+template <DType D, int MB, int NB>
+void gemm_tile(const float* x, std::int64_t k, const std::byte* w, float* y, std::int64_t ldy) {
+  for (int r = 0; r < MB; ++r) {
+    for (int c = 0; c < NB; ++c) {
+      float acc[kLanes] = {};
+      const std::int64_t k16 = k - k % kLanes;
+      for (std::int64_t i = 0; i < k16; i += kLanes) {
+        for (std::int64_t t = 0; t < kLanes; ++t) acc[t] += x[r * k + i + t] * load_element<D>(w, c * k + i + t);
+      }
+      float sum = 0.0F;
+      for (const float a : acc) sum += a;
+      for (std::int64_t i = k16; i < k; ++i) sum += x[r * k + i] * load_element<D>(w, c * k + i);
+      y[r * ldy + c] = sum;
     }
-  }
-  for (int r = 0; r < ROWS; ++r) {
-    float sum = 0.0F;
-    for (std::int64_t t = 0; t < kLanes; ++t) sum += acc[r][t];
-    for (std::int64_t i = k16; i < k; ++i) sum += x[r * k + i] * load_element<D>(wr, i);
-    out[r] = sum;
   }
 }
 #endif
 
-// Streams each weight row once from memory and dots it with every activation row (in blocks of kRowBlock).
+template <DType D, int NB>
+void gemm_column_block(const float* x, std::int64_t m, std::int64_t k, const std::byte* w, float* y, std::int64_t n) {
+  std::int64_t r = 0;
+  for (; r + 4 <= m; r += 4) gemm_tile<D, 4, NB>(x + r * k, k, w, y + r * n, n);
+  switch (m - r) {
+    case 3:
+      gemm_tile<D, 3, NB>(x + r * k, k, w, y + r * n, n);
+      break;
+    case 2:
+      gemm_tile<D, 2, NB>(x + r * k, k, w, y + r * n, n);
+      break;
+    case 1:
+      gemm_tile<D, 1, NB>(x + r * k, k, w, y + r * n, n);
+      break;
+    default:
+      break;
+  }
+}
+
+// Streams the weights once from memory in blocks of kColBlock rows, each block against every activation row.
 template <DType D>
 void linear_direct(const float* x, std::int64_t m, std::int64_t k, const std::byte* w, std::int64_t n, float* y) {
+  constexpr std::int64_t kColBlock = 4;
+  const std::int64_t blocks = n / kColBlock;
+  const auto row_bytes = static_cast<std::size_t>(k) * dtype_size(D);
 #pragma omp parallel for schedule(static)
-  for (std::int64_t j = 0; j < n; ++j) {
-    const std::byte* wr = w + static_cast<std::size_t>(j * k) * dtype_size(D);
-    float out[kRowBlock];
-    for (std::int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
-      const float* xr = x + r0 * k;
-      const std::int64_t rows = std::min(kRowBlock, m - r0);
-      switch (rows) {
-        case 1:
-          dot_rows<D, 1>(xr, k, wr, out);
-          break;
-        case 2:
-          dot_rows<D, 2>(xr, k, wr, out);
-          break;
-        case 3:
-          dot_rows<D, 3>(xr, k, wr, out);
-          break;
-        default:
-          dot_rows<D, 4>(xr, k, wr, out);
-          break;
-      }
-      for (std::int64_t r = 0; r < rows; ++r) y[(r0 + r) * n + j] = out[r];
-    }
+  for (std::int64_t b = 0; b < blocks; ++b) {
+    const std::int64_t j = b * kColBlock;
+    gemm_column_block<D, kColBlock>(x, m, k, w + static_cast<std::size_t>(j) * row_bytes, y + j, n);
+  }
+  for (std::int64_t j = blocks * kColBlock; j < n; ++j) {
+    gemm_column_block<D, 1>(x, m, k, w + static_cast<std::size_t>(j) * row_bytes, y + j, n);
   }
 }
 

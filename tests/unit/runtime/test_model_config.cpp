@@ -33,6 +33,7 @@ class EditedModel {
   EditedModel& operator=(const EditedModel&) = delete;
 
   nlohmann::json& config() { return config_; }
+  [[nodiscard]] const fs::path& dir() const { return dir_; }
 
   // The LoadError message of loading the edited model, or "" when it loads.
   std::string load_error() { return load_error_of(config_.dump()); }
@@ -58,6 +59,22 @@ class EditedModel {
 TEST(ModelConfig, UneditedFixtureLoads) {
   EditedModel m("mixtral_sharded");
   EXPECT_EQ(m.load_error(), "");
+}
+
+// Hub configs written by transformers 4.x carry top-level rope_theta + rope_scaling instead of
+// rope_parameters.
+TEST(ModelConfig, LegacyRopeKeysGiveTheSameModel) {
+  EditedModel m("olmoe_bf16");
+  const nlohmann::json params = m.config()["rope_parameters"];
+  m.config().erase("rope_parameters");
+  m.config()["rope_theta"] = params["rope_theta"];
+  m.config()["rope_scaling"] = {{"type", params["rope_type"]}, {"factor", params["factor"]}};
+  ASSERT_EQ(m.load_error(), "");
+  const auto legacy = Model::load(m.dir());
+  const auto current = Model::load(testing::fixture_models_dir() / "olmoe_bf16");
+  EXPECT_EQ(legacy->config().rope_theta, current->config().rope_theta);
+  EXPECT_EQ(legacy->config().rope_scaling.type, RopeScaling::Type::linear);
+  EXPECT_EQ(legacy->config().rope_scaling.factor, current->config().rope_scaling.factor);
 }
 
 TEST(ModelConfig, MissingKeyIsNamed) {
