@@ -38,7 +38,8 @@ Model::Model(ModelConfig config, Checkpoint checkpoint, const TensorNames& names
     : config_(std::move(config)),
       checkpoint_(std::move(checkpoint)),
       weights_(load_model_weights(checkpoint_, config_, names)),
-      rope_(config_.head_dim, config_.rope_theta, config_.rope_scaling) {}
+      rope_(config_.head_dim, config_.rope_theta, config_.rope_scaling),
+      expert_load_(static_cast<std::size_t>(config_.num_layers * config_.num_experts), 0) {}
 
 void Model::forward(const ForwardBatch& batch, KvCache& cache, kernels::Backend& backend,
                     std::span<float> logits) {
@@ -124,6 +125,10 @@ void Model::feed_forward(std::int64_t layer, std::int64_t rows, kernels::Backend
                    lw.post_attention_norm, static_cast<float>(config_.rms_norm_eps), s.normed);
   if (lw.is_moe) {
     moe_block(backend, config_, lw.moe, normed, rows, s.proj, s.moe);
+    for (std::int64_t e = 0; e < config_.num_experts; ++e) {
+      expert_load_[static_cast<std::size_t>(layer * config_.num_experts + e)] =
+          s.moe.offsets[static_cast<std::size_t>(e) + 1] - s.moe.offsets[static_cast<std::size_t>(e)];
+    }
   } else {
     const std::int64_t whole[2] = {0, rows};
     backend.grouped_expert_ffn(normed, whole, lw.dense_mlp, s.proj);

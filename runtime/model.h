@@ -36,6 +36,10 @@ class Model {
   // Writes the new tokens' K/V into `cache` and fills logits [logit_rows.size(), vocab_size].
   void forward(const ForwardBatch& batch, KvCache& cache, kernels::Backend& backend, std::span<float> logits);
 
+  // Tokens routed to each expert by the last forward: [num_layers, num_experts], row-major (zero on dense
+  // layers).
+  [[nodiscard]] std::span<const std::int64_t> last_expert_load() const { return expert_load_; }
+
  private:
   Model(ModelConfig config, Checkpoint checkpoint, const TensorNames& names);
 
@@ -46,6 +50,7 @@ class Model {
   Checkpoint checkpoint_;  // owns the mappings the weight views point into
   ModelWeights weights_;
   Rope rope_;
+  std::vector<std::int64_t> expert_load_;
 
   // Grow-only activation buffers, reused by every step.
   struct Scratch {

@@ -41,8 +41,34 @@ __m512 load16(const std::byte* p) {
   }
 }
 
-// Register-blocked tile: MB activation rows x NB weight rows, MB*NB accumulators. Each weight vector is widened
-// once and used MB times, each activation vector used NB times, so the loads keep pace with the FMAs.
+// Fewer than four activation rows: one weight row at a time, read front to back with four accumulators in
+// flight per activation row, which keeps a single sequential stream for the prefetcher (the decode case is
+// memory-bound).
+template <DType D, int ROWS>
+void dot_rows(const float* x, std::int64_t k, const std::byte* wr, float* y, std::int64_t ldy) {
+  constexpr std::int64_t kEl = dtype_size(D);
+  const std::int64_t k64 = k - k % (4 * kLanes);
+  __m512 acc[ROWS][4];
+  for (int r = 0; r < ROWS; ++r) {
+    for (int u = 0; u < 4; ++u) acc[r][u] = _mm512_setzero_ps();
+  }
+  for (std::int64_t i = 0; i < k64; i += 4 * kLanes) {
+    for (int u = 0; u < 4; ++u) {
+      const __m512 wv = load16<D>(wr + (i + u * kLanes) * kEl);
+      for (int r = 0; r < ROWS; ++r)
+        acc[r][u] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * k + i + u * kLanes), wv, acc[r][u]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    float sum = _mm512_reduce_add_ps(
+        _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3])));
+    for (std::int64_t i = k64; i < k; ++i) sum += x[r * k + i] * load_element<D>(wr, i);
+    y[r * ldy] = sum;
+  }
+}
+
+// Register-blocked tile: MB activation rows x NB weight rows, MB*NB accumulators. Each weight vector is
+// widened once and used MB times, each activation vector used NB times, so the loads keep pace with the FMAs.
 template <DType D, int MB, int NB>
 void gemm_tile(const float* x, std::int64_t k, const std::byte* w, float* y, std::int64_t ldy) {
   constexpr std::int64_t kEl = dtype_size(D);
@@ -75,7 +101,8 @@ void gemm_tile(const float* x, std::int64_t k, const std::byte* w, float* y, std
       float acc[kLanes] = {};
       const std::int64_t k16 = k - k % kLanes;
       for (std::int64_t i = 0; i < k16; i += kLanes) {
-        for (std::int64_t t = 0; t < kLanes; ++t) acc[t] += x[r * k + i + t] * load_element<D>(w, c * k + i + t);
+        for (std::int64_t t = 0; t < kLanes; ++t)
+          acc[t] += x[r * k + i + t] * load_element<D>(w, c * k + i + t);
       }
       float sum = 0.0F;
       for (const float a : acc) sum += a;
@@ -84,10 +111,16 @@ void gemm_tile(const float* x, std::int64_t k, const std::byte* w, float* y, std
     }
   }
 }
+
+template <DType D, int ROWS>
+void dot_rows(const float* x, std::int64_t k, const std::byte* wr, float* y, std::int64_t ldy) {
+  gemm_tile<D, ROWS, 1>(x, k, wr, y, ldy);
+}
 #endif
 
 template <DType D, int NB>
-void gemm_column_block(const float* x, std::int64_t m, std::int64_t k, const std::byte* w, float* y, std::int64_t n) {
+void gemm_column_block(const float* x, std::int64_t m, std::int64_t k, const std::byte* w, float* y,
+                       std::int64_t n) {
   std::int64_t r = 0;
   for (; r + 4 <= m; r += 4) gemm_tile<D, 4, NB>(x + r * k, k, w, y + r * n, n);
   switch (m - r) {
@@ -107,10 +140,25 @@ void gemm_column_block(const float* x, std::int64_t m, std::int64_t k, const std
 
 // Streams the weights once from memory in blocks of kColBlock rows, each block against every activation row.
 template <DType D>
-void linear_direct(const float* x, std::int64_t m, std::int64_t k, const std::byte* w, std::int64_t n, float* y) {
+void linear_direct(const float* x, std::int64_t m, std::int64_t k, const std::byte* w, std::int64_t n,
+                   float* y) {
+  const auto row_bytes = static_cast<std::size_t>(k) * dtype_size(D);
+  if (m < 4) {
+#pragma omp parallel for schedule(static)
+    for (std::int64_t j = 0; j < n; ++j) {
+      const std::byte* wr = w + static_cast<std::size_t>(j) * row_bytes;
+      if (m == 1) {
+        dot_rows<D, 1>(x, k, wr, y + j, n);
+      } else if (m == 2) {
+        dot_rows<D, 2>(x, k, wr, y + j, n);
+      } else {
+        dot_rows<D, 3>(x, k, wr, y + j, n);
+      }
+    }
+    return;
+  }
   constexpr std::int64_t kColBlock = 4;
   const std::int64_t blocks = n / kColBlock;
-  const auto row_bytes = static_cast<std::size_t>(k) * dtype_size(D);
 #pragma omp parallel for schedule(static)
   for (std::int64_t b = 0; b < blocks; ++b) {
     const std::int64_t j = b * kColBlock;

@@ -86,6 +86,22 @@ TEST_P(HfParity, BatchOfDifferentLengthsAsOneRaggedBatch) {
   }
 }
 
+TEST_P(HfParity, ExpertLoadCountsEveryAssignmentOfTheStep) {
+  const auto ids = ref_["prompts"][3]["input_ids"].get<std::vector<std::int32_t>>();
+  const runtime::Engine::Work work{1, ids, false};
+  ASSERT_TRUE(engine_->step(std::span(&work, 1)).ok());
+  const runtime::ModelConfig& c = model_->config();
+  const auto load = model_->last_expert_load();
+  ASSERT_EQ(static_cast<std::int64_t>(load.size()), c.num_layers * c.num_experts);
+  for (std::int64_t layer = 0; layer < c.num_layers; ++layer) {
+    std::int64_t total = 0;
+    for (std::int64_t e = 0; e < c.num_experts; ++e)
+      total += load[static_cast<std::size_t>(layer * c.num_experts + e)];
+    const bool moe = c.layer_is_moe[static_cast<std::size_t>(layer)];
+    EXPECT_EQ(total, moe ? static_cast<std::int64_t>(ids.size()) * c.top_k : 0) << "layer " << layer;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Fixtures, HfParity, ::testing::ValuesIn(testing::fixture_model_names()),
                          [](const auto& info) { return info.param; });
 
