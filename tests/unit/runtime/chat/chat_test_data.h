@@ -1,0 +1,35 @@
+#pragma once
+// Where the chat-template tests find their data: the Jinja goldens (tests/fixtures/chat, written by
+// tools/gen_chat_goldens.py) and the real tokenizer_config.json files in ../shared/data/tokenizers.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <string_view>
+
+#include <nlohmann/json.hpp>
+
+namespace capserve::runtime::testing {
+
+inline std::filesystem::path chat_golden_path(std::string_view family) {
+  return std::filesystem::path(CAPSERVE_FIXTURES_DIR) / "chat" / (std::string(family) + ".json");
+}
+
+inline std::filesystem::path shared_tokenizer_config(std::string_view model) {
+  return std::filesystem::path(CAPSERVE_SHARED_DATA_DIR) / "tokenizers" / model / "tokenizer_config.json";
+}
+
+// Parses a JSON file; a missing file fails the test with a message saying what it is and where it comes from.
+inline nlohmann::json read_test_json(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  if (!in) {
+    ADD_FAILURE() << "cannot open " << path
+                  << " (chat goldens come from tools/gen_chat_goldens.py; real tokenizer configs from "
+                     "../shared/data/tokenizers beside the checkout)";
+    return nlohmann::json::object();
+  }
+  return nlohmann::json::parse(in);
+}
+
+}  // namespace capserve::runtime::testing
