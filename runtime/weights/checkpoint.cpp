@@ -25,15 +25,6 @@ bool is_plain_file(const std::filesystem::path& p) {
   return std::filesystem::is_regular_file(p, ec);
 }
 
-std::string shape_text(const std::vector<std::int64_t>& shape) {
-  std::string s = "[";
-  for (std::size_t i = 0; i < shape.size(); ++i) {
-    if (i != 0) s += ", ";
-    s += std::to_string(shape[i]);
-  }
-  return s + "]";
-}
-
 // A shard name must be a plain file name directly inside the checkpoint directory.
 bool is_plain_file_name(const std::string& name) {
   if (name.empty() || name == "." || name == "..") return false;

@@ -57,15 +57,6 @@ std::string json_type(const nlohmann::json& j) {
   return j.type_name();
 }
 
-std::string shape_text(const std::vector<std::int64_t>& shape) {
-  std::string s = "[";
-  for (std::size_t i = 0; i < shape.size(); ++i) {
-    if (i != 0) s += ", ";
-    s += std::to_string(shape[i]);
-  }
-  return s + "]";
-}
-
 struct Entry {
   TensorInfo info;
   std::uint64_t begin = 0;
@@ -303,6 +294,15 @@ const TensorInfo* SafetensorsFile::find(std::string_view name) const {
                                    [](const TensorInfo& t, std::string_view n) { return t.name < n; });
   if (it == tensors_.end() || it->name != name) return nullptr;
   return &*it;
+}
+
+std::string shape_text(const std::vector<std::int64_t>& shape) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) {
+    if (i != 0) s += ", ";
+    s += std::to_string(shape[i]);
+  }
+  return s + "]";
 }
 
 }  // namespace capserve::runtime

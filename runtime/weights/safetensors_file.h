@@ -21,6 +21,9 @@ struct TensorInfo {
   std::size_t nbytes = 0;
 };
 
+// "[2, 3]": a shape as error messages print it.
+std::string shape_text(const std::vector<std::int64_t>& shape);
+
 class SafetensorsFile {
  public:
   // Throws LoadError naming the path and what is wrong.

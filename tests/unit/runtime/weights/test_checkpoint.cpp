@@ -15,6 +15,7 @@
 #include "kernels/dtype.h"
 #include "runtime/load_error.h"
 #include "runtime/weights/checkpoint.h"
+#include "tests/unit/runtime/weights/safetensors_test_files.h"
 
 namespace {
 
@@ -23,44 +24,9 @@ using capserve::kernels::DType;
 using capserve::kernels::WeightView;
 using capserve::runtime::Checkpoint;
 using capserve::runtime::LoadError;
-
-// A fresh directory under the system temp dir, removed with everything in it on destruction.
-class TempDir {
- public:
-  TempDir() {
-    static int counter = 0;
-    for (;;) {
-      path_ = fs::temp_directory_path() /
-              ("capserve_ckpt_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-      std::error_code ec;
-      if (fs::create_directory(path_, ec)) break;
-      if (ec) throw std::runtime_error("cannot create temp dir " + path_.string() + ": " + ec.message());
-    }
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  [[nodiscard]] const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
-
-std::string st_bytes(const std::string& header, const std::string& data = {}) {
-  std::string out(8, '\0');
-  const auto n = static_cast<std::uint64_t>(header.size());
-  for (int i = 0; i < 8; ++i) out[static_cast<std::size_t>(i)] = static_cast<char>((n >> (8 * i)) & 0xff);
-  return out + header + data;
-}
-
-void write_file(const fs::path& p, const std::string& bytes) {
-  std::ofstream out(p, std::ios::binary | std::ios::trunc);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  ASSERT_TRUE(out.good()) << "cannot write " << p;
-}
+using capserve::testing::st_bytes;
+using capserve::testing::TempDir;
+using capserve::testing::write_file;
 
 float f32_at(const WeightView& w, std::int64_t i) {
   float v = 0;

@@ -15,6 +15,7 @@
 #include "kernels/dtype.h"
 #include "runtime/load_error.h"
 #include "runtime/weights/safetensors_file.h"
+#include "tests/unit/runtime/weights/safetensors_test_files.h"
 
 namespace {
 
@@ -23,57 +24,16 @@ using capserve::kernels::DType;
 using capserve::runtime::LoadError;
 using capserve::runtime::SafetensorsFile;
 using capserve::runtime::TensorInfo;
-
-// A fresh directory under the system temp dir, removed with everything in it on destruction.
-class TempDir {
- public:
-  TempDir() {
-    static int counter = 0;
-    for (;;) {
-      path_ = fs::temp_directory_path() /
-              ("capserve_st_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-      std::error_code ec;
-      if (fs::create_directory(path_, ec)) break;
-      if (ec) throw std::runtime_error("cannot create temp dir " + path_.string() + ": " + ec.message());
-    }
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  [[nodiscard]] const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
-
-// The 8-byte little-endian header length, the header, then the data section.
-std::string st_bytes(const std::string& header, const std::string& data = {}) {
-  std::string out(8, '\0');
-  const auto n = static_cast<std::uint64_t>(header.size());
-  for (int i = 0; i < 8; ++i) out[static_cast<std::size_t>(i)] = static_cast<char>((n >> (8 * i)) & 0xff);
-  return out + header + data;
-}
-
-std::string le_u64(std::uint64_t n) {
-  std::string out(8, '\0');
-  for (int i = 0; i < 8; ++i) out[static_cast<std::size_t>(i)] = static_cast<char>((n >> (8 * i)) & 0xff);
-  return out;
-}
+using capserve::testing::le_u64;
+using capserve::testing::st_bytes;
+using capserve::testing::TempDir;
+using capserve::testing::write_file;
 
 template <typename T>
 std::string raw(std::initializer_list<T> values) {
   std::string out(values.size() * sizeof(T), '\0');
   std::memcpy(out.data(), values.begin(), out.size());
   return out;
-}
-
-void write_file(const fs::path& p, const std::string& bytes) {
-  std::ofstream out(p, std::ios::binary | std::ios::trunc);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  ASSERT_TRUE(out.good()) << "cannot write " << p;
 }
 
 float bf16_to_float(std::uint16_t bits) {
