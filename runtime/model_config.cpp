@@ -1,6 +1,5 @@
 #include "runtime/model_config.h"
 
-#include <fstream>
 #include <sstream>
 
 #include "runtime/load_error.h"
@@ -17,16 +16,6 @@ std::string type_of(const nlohmann::json& v) {
 }
 
 }  // namespace
-
-nlohmann::json read_json_file(const std::filesystem::path& path) {
-  std::ifstream in(path);
-  if (!in) throw LoadError("cannot open " + path.string());
-  try {
-    return nlohmann::json::parse(in);
-  } catch (const nlohmann::json::parse_error& e) {
-    throw LoadError(path.string() + ": invalid JSON: " + e.what());
-  }
-}
 
 const nlohmann::json* ConfigReader::find(std::string_view key) const {
   const auto it = json_.find(key);

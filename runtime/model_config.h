@@ -10,6 +10,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "runtime/json_file.h"
+
 namespace capserve::runtime {
 
 struct RopeScaling {
@@ -77,8 +79,5 @@ class ConfigReader {
  private:
   const nlohmann::json& json_;
 };
-
-// Parses a config.json file into JSON; LoadError on a missing file or invalid JSON.
-nlohmann::json read_json_file(const std::filesystem::path& path);
 
 }  // namespace capserve::runtime

@@ -2,7 +2,7 @@
 
 #include <cstring>
 #include <fstream>
-#include <regex>
+#include <sstream>
 #include <string>
 
 #include "runtime/load_error.h"
@@ -59,16 +59,27 @@ NpyArray read_npy(const std::filesystem::path& path) {
     throw fail("dtype is not little-endian float32 ('<f4')");
   if (header.find("'fortran_order': False") == std::string::npos)
     throw fail("Fortran-order arrays are not supported");
-  std::smatch m;
-  if (!std::regex_search(header, m, std::regex(R"('shape':\s*\(([^)]*)\))")))
+  const std::size_t key = header.find("'shape':");
+  const std::size_t open = header.find('(', key);
+  const std::size_t close = header.find(')', open);
+  if (key == std::string::npos || open == std::string::npos || close == std::string::npos)
     throw fail("no shape in header");
   NpyArray a;
   std::int64_t count = 1;
-  const std::string dims = m[1];
-  const std::regex number(R"(\d+)");
-  for (std::sregex_iterator it(dims.begin(), dims.end(), number), end; it != end; ++it) {
-    a.shape.push_back(std::stoll(it->str()));
-    count *= a.shape.back();
+  std::istringstream dims(header.substr(open + 1, close - open - 1));
+  std::string dim;
+  while (std::getline(dims, dim, ',')) {
+    if (dim.find_first_not_of(' ') == std::string::npos) continue;  // the trailing comma of (n,)
+    std::size_t used = 0;
+    std::int64_t d = -1;
+    try {
+      d = std::stoll(dim, &used);
+    } catch (const std::exception&) {
+      d = -1;
+    }
+    if (d < 0 || dim.find_first_not_of(' ', used) != std::string::npos) throw fail("bad shape in header");
+    a.shape.push_back(d);
+    count *= d;
   }
   a.data.resize(static_cast<std::size_t>(count));
   if (!in.read(reinterpret_cast<char*>(a.data.data()), static_cast<std::streamsize>(count * 4))) {
