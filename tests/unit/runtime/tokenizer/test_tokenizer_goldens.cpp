@@ -2,6 +2,8 @@
 // without special tokens), identical decoded text, and streaming decode equal to full decode.
 #include <gtest/gtest.h>
 
+#include <cctype>
+
 #include <memory>
 
 #include "runtime/tokenizer/tokenizer.h"
@@ -128,7 +130,14 @@ TEST_P(TokenizerGoldens, IncrementalDecodeEqualsDecode) {
 }
 
 INSTANTIATE_TEST_SUITE_P(All, TokenizerGoldens, ::testing::ValuesIn(testing::golden_names()),
-                         [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           // GoogleTest names allow only [A-Za-z0-9_]; model directories may hold '-'.
+                           std::string name = info.param;
+                           for (char& c : name) {
+                             if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+                           }
+                           return name;
+                         });
 
 }  // namespace
 }  // namespace capserve::runtime
