@@ -73,7 +73,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const std::string_view rest(reinterpret_cast<const char*>(data + 1), size - 1);
   if (as_ids) {
     std::vector<std::int32_t> ids(rest.size() / 4);
-    std::memcpy(ids.data(), rest.data(), ids.size() * 4);
+    if (!ids.empty()) std::memcpy(ids.data(), rest.data(), ids.size() * 4);
     // Mostly ids in range, some not.
     for (std::int32_t& id : ids) {
       if (id % 8 != 0) id = static_cast<std::int32_t>(static_cast<std::uint32_t>(id) % (t.vocab_size() + 2U));
