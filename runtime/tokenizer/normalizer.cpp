@@ -20,18 +20,20 @@ bool trivially_nfc(std::string_view text) {
 
 // utf8proc's NFC of `text` appended to `out`.
 void append_nfc(std::string_view text, std::string& out, std::vector<std::int32_t>& scratch) {
+  if (text.empty()) return;
   const auto options = static_cast<utf8proc_option_t>(UTF8PROC_STABLE | UTF8PROC_COMPOSE);
   const auto* input = reinterpret_cast<const utf8proc_uint8_t*>(text.data());
   const auto length = static_cast<utf8proc_ssize_t>(text.size());
   // Decompose into a reused buffer (utf8proc_map would malloc), compose in place, re-encode in place: the
-  // UTF-8 form never needs more bytes than 4 per code point, which is what the buffer holds.
+  // UTF-8 form never needs more bytes than 4 per code point, which is what the buffer holds, plus the NUL.
   utf8proc_ssize_t n = 0;
   for (;;) {
     n = utf8proc_decompose(input, length, reinterpret_cast<utf8proc_int32_t*>(scratch.data()),
                            static_cast<utf8proc_ssize_t>(scratch.size()), options);
     if (n < 0) throw std::logic_error(std::string("utf8proc: ") + utf8proc_errmsg(n));
-    if (static_cast<std::size_t>(n) <= scratch.size()) break;
-    scratch.resize(static_cast<std::size_t>(n));
+    // One spare element: utf8proc_reencode appends a NUL after up to 4 bytes per code point.
+    if (static_cast<std::size_t>(n) < scratch.size()) break;
+    scratch.resize(static_cast<std::size_t>(n) + 1);
   }
   auto* buffer = reinterpret_cast<utf8proc_int32_t*>(scratch.data());
   n = utf8proc_normalize_utf32(buffer, n, options);

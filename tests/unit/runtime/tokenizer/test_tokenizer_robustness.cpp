@@ -68,6 +68,16 @@ TEST(TokenizerRobustness, InvalidUtf8IsRefusedWithItsOffset) {
   }
 }
 
+// Found by fuzz_tokenizer: a character HF's older NFC data does not know (U+07FD) at the very start left an
+// empty segment for utf8proc, whose re-encoding then wrote its terminator through a null buffer. Ids as HF
+// tokenizers.
+TEST(TokenizerRobustness, NfcBlockerAtTheStartOfTheText) {
+  const Tokenizer t = Tokenizer::load(testing::shared_data_dir() / "tokenizers" / "qwen3");
+  std::vector<std::int32_t> ids;
+  ASSERT_TRUE(t.encode("\xdf\xbd", false, ids).ok());
+  EXPECT_EQ(ids, (std::vector<std::int32_t>{155, 121}));
+}
+
 TEST(TokenizerRobustness, RandomBytesAndIdsNeverCrash) {
   std::mt19937 rng(7);
   for (const fs::path& dir : tokenizer_dirs()) {
