@@ -4,7 +4,6 @@
 #include <exception>
 #include <filesystem>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -19,26 +18,15 @@
 #include "runtime/load_error.h"
 #include "runtime/model.h"
 #include "runtime/npy.h"
+#include "runtime/token_ids_text.h"
 #include "runtime/tokenizer/tokenizer.h"
 
 namespace {
 
 std::vector<std::int32_t> parse_ids(const std::string& text) {
   std::vector<std::int32_t> ids;
-  std::istringstream in(text);
-  std::string tok;
-  while (in >> tok) {
-    std::size_t used = 0;
-    long long v = 0;
-    try {
-      v = std::stoll(tok, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used != tok.size() || v < 0 || v > INT32_MAX)
-      throw CLI::ValidationError("--input-ids", "'" + tok + "' is not a token id");
-    ids.push_back(static_cast<std::int32_t>(v));
-  }
+  if (!capserve::runtime::parse_token_ids(text, ids))
+    throw CLI::ValidationError("--input-ids", "'" + text + "' is not a list of token ids");
   if (ids.empty()) throw CLI::ValidationError("--input-ids", "needs at least one token id");
   return ids;
 }

@@ -1,7 +1,6 @@
 // capserve-tokenize: encodes each line of stdin to space-separated ids, or with --decode turns each line of
 // ids back into text. One output line per input line; a line that cannot be handled gets an error on stderr,
 // an empty output line, and makes the exit status 1.
-#include <charconv>
 #include <cstdio>
 #include <iostream>
 #include <string>
@@ -10,29 +9,8 @@
 #include <CLI/CLI.hpp>
 
 #include "runtime/load_error.h"
+#include "runtime/token_ids_text.h"
 #include "runtime/tokenizer/tokenizer.h"
-
-namespace {
-
-bool parse_ids(const std::string& line, std::vector<std::int32_t>& ids) {
-  ids.clear();
-  const char* p = line.data();
-  const char* end = p + line.size();
-  while (p < end) {
-    if (*p == ' ' || *p == '\t' || *p == '\r') {
-      ++p;
-      continue;
-    }
-    std::int32_t id = 0;
-    const auto [next, error] = std::from_chars(p, end, id);
-    if (error != std::errc() || id < 0) return false;
-    ids.push_back(id);
-    p = next;
-  }
-  return true;
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   using namespace capserve;
@@ -64,7 +42,7 @@ int main(int argc, char** argv) {
   for (std::size_t number = 1; std::getline(std::cin, line); ++number) {
     out.clear();
     if (decode) {
-      if (parse_ids(line, ids)) {
+      if (runtime::parse_token_ids(line, ids)) {
         out = tokenizer->decode(ids, no_special_tokens);
       } else {
         std::cerr << "capserve-tokenize: line " << number << ": not a list of token ids\n";
