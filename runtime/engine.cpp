@@ -53,14 +53,20 @@ Status Engine::validate(std::span<const Work> work) {
 }
 
 Status Engine::step(std::span<const Work> work) {
-  if (Status s = validate(work); !s.ok()) return s;
   tokens_.clear();
   positions_.clear();
   slices_.clear();
   logit_rows_.clear();
+  decode_rows_.clear();
+  if (Status s = validate(work); !s.ok()) {
+    model_.forward({tokens_, positions_, slices_, logit_rows_, decode_rows_}, cache_, backend_, logits_);
+    return s;
+  }
   for (const Work& w : work) {
     const std::int64_t start = length(w.seq);
     const auto n = static_cast<std::int64_t>(w.tokens.size());
+    // A single token appended to a sequence already in the cache is a decode step.
+    decode_rows_.insert(decode_rows_.end(), static_cast<std::size_t>(n), start > 0 && n == 1 ? 1 : 0);
     cache_.reserve(w.seq, start + n);  // validated above: always fits
     lengths_[w.seq] = start + n;
     const auto first_row = static_cast<std::int64_t>(tokens_.size());
@@ -74,7 +80,17 @@ Status Engine::step(std::span<const Work> work) {
     }
   }
   logits_.resize(logit_rows_.size() * static_cast<std::size_t>(model_.config().vocab_size));
-  model_.forward({tokens_, positions_, slices_, logit_rows_}, cache_, backend_, logits_);
+  model_.forward({tokens_, positions_, slices_, logit_rows_, decode_rows_}, cache_, backend_, logits_);
+  const std::span<const std::int32_t> dropped = model_.last_row_dropped();
+  const std::span<const std::int32_t> rerouted = model_.last_row_rerouted();
+  moe_counts_.assign(work.size(), {});
+  for (std::size_t i = 0; i < work.size(); ++i) {
+    const kernels::SequenceSlice& slice = slices_[i];
+    for (std::int64_t r = slice.first_row; r < slice.first_row + slice.num_tokens; ++r) {
+      moe_counts_[i].dropped += dropped[static_cast<std::size_t>(r)];
+      moe_counts_[i].rerouted += rerouted[static_cast<std::size_t>(r)];
+    }
+  }
   return {};
 }
 

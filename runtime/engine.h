@@ -30,11 +30,20 @@ class Engine {
   };
 
   // Runs one step. On success logits() holds, for each work item in order, one row (or tokens.size() rows
-  // with all_logits) of vocab_size floats. On failure nothing changed: an unknown or invalid token id, an
+  // with all_logits) of vocab_size floats. On failure no sequence changed: an unknown or invalid token id, an
   // empty work item, a sequence past max_position_embeddings (INVALID_ARGUMENT) or too few free KV blocks
-  // (RESOURCE_EXHAUSTED).
+  // (RESOURCE_EXHAUSTED). A collective under expert parallelism: every rank calls it every step, with no work
+  // if it has none, and a rank whose work is refused still joins the step's collectives with zero tokens.
   Status step(std::span<const Work> work);
   [[nodiscard]] std::span<const float> logits() const { return logits_; }
+
+  // Per work item of the last successful step: assignment slots the capacity scheduler dropped or rerouted
+  // for its tokens, summed over layers.
+  struct MoeCounts {
+    std::int64_t dropped = 0;
+    std::int64_t rerouted = 0;
+  };
+  [[nodiscard]] std::span<const MoeCounts> moe_counts() const { return moe_counts_; }
 
   void release(SequenceId seq);
   [[nodiscard]] std::int64_t length(SequenceId seq) const;
@@ -53,7 +62,9 @@ class Engine {
   std::vector<std::int32_t> positions_;
   std::vector<kernels::SequenceSlice> slices_;
   std::vector<std::int64_t> logit_rows_;
+  std::vector<std::uint8_t> decode_rows_;
   std::vector<float> logits_;
+  std::vector<MoeCounts> moe_counts_;
 };
 
 }  // namespace capserve::runtime

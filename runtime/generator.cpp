@@ -28,10 +28,20 @@ Status generate(Engine& engine, std::span<const std::vector<std::int32_t>> promp
       owner.push_back(i);
     }
   }
+  // Steps are collectives under expert parallelism: every rank keeps stepping (with no work once its own
+  // prompts are done) until all ranks are done, and all stop together when any rank's step failed.
+  parallel::Communicator& comm = engine.model().communicator();
   Status status;
-  while (!work.empty()) {
+  while (true) {
+    std::int64_t state[2] = {work.empty() ? 0 : 1, status.ok() ? 0 : 1};
+    comm.allreduce_sum(state);
+    if (state[1] > 0) {
+      if (status.ok()) status = Status::internal("generate: a step failed on another rank");
+      break;
+    }
+    if (state[0] == 0) break;
     status = engine.step(work);
-    if (!status.ok()) break;
+    if (!status.ok()) continue;
     const std::span<const float> logits = engine.logits();
     for (std::size_t w = 0; w < work.size(); ++w) {
       const std::size_t i = owner[w];

@@ -17,7 +17,8 @@ struct Generation {
   std::vector<float> logits;         // [tokens.size(), vocab] when recorded
 };
 
-// params: one per prompt. On error no sequence is left in the engine.
+// params: one per prompt. On error no sequence is left in the engine. A collective under expert parallelism:
+// every rank calls it with its own prompts (possibly none).
 Status generate(Engine& engine, std::span<const std::vector<std::int32_t>> prompts,
                 std::span<const SamplingParams> params, bool record_logits, std::vector<Generation>& out);
 

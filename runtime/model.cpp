@@ -6,6 +6,7 @@
 
 #include "runtime/architectures/architecture.h"
 #include "runtime/load_error.h"
+#include "parallel/self_communicator.h"
 
 namespace capserve::runtime {
 namespace {
@@ -23,23 +24,65 @@ void grow(std::vector<T>& v, std::int64_t n) {
   if (static_cast<std::int64_t>(v.size()) < n) v.resize(static_cast<std::size_t>(n));
 }
 
+std::vector<std::int64_t> moe_layers(const ModelConfig& config) {
+  std::vector<std::int64_t> layers;
+  for (std::int64_t l = 0; l < config.num_layers; ++l) {
+    if (config.layer_is_moe[static_cast<std::size_t>(l)]) layers.push_back(l);
+  }
+  return layers;
+}
+
+parallel::ExpertPlacement make_placement(const ModelConfig& config, const std::string& spec, int ranks) {
+  try {
+    return parallel::ExpertPlacement::from_spec(spec, config.num_layers, config.num_experts, ranks);
+  } catch (const std::exception& e) {
+    throw LoadError(e.what());
+  }
+}
+
 }  // namespace
 
 std::unique_ptr<Model> Model::load(const std::filesystem::path& dir) {
+  auto self = std::make_unique<parallel::SelfCommunicator>();
+  parallel::Communicator& comm = *self;
+  return load_with(dir, std::move(self), comm, ParallelOptions{});
+}
+
+std::unique_ptr<Model> Model::load(const std::filesystem::path& dir, parallel::Communicator& comm,
+                                   const ParallelOptions& options) {
+  return load_with(dir, nullptr, comm, options);
+}
+
+std::unique_ptr<Model> Model::load_with(const std::filesystem::path& dir,
+                                        std::unique_ptr<parallel::Communicator> own_comm,
+                                        parallel::Communicator& comm, const ParallelOptions& options) {
   const nlohmann::json json = read_json_file(dir / "config.json");
   if (!json.is_object()) throw LoadError((dir / "config.json").string() + ": must be a JSON object");
   const Architecture& arch = find_architecture(json);
   ModelConfig config = arch.parse_config(ConfigReader(json));
   config.validate();
-  return std::unique_ptr<Model>(new Model(std::move(config), Checkpoint::open(dir), arch.tensor_names()));
+  if (const std::string why = options.capacity.validate(config.num_layers); !why.empty()) throw LoadError(why);
+  return std::unique_ptr<Model>(new Model(std::move(config), Checkpoint::open(dir), arch.tensor_names(),
+                                          std::move(own_comm), comm, options));
 }
 
-Model::Model(ModelConfig config, Checkpoint checkpoint, const TensorNames& names)
+Model::Model(ModelConfig config, Checkpoint checkpoint, const TensorNames& names,
+             std::unique_ptr<parallel::Communicator> own_comm, parallel::Communicator& comm,
+             const ParallelOptions& options)
     : config_(std::move(config)),
+      own_comm_(std::move(own_comm)),
+      comm_(&comm),
+      placement_(make_placement(config_, options.placement, comm.size())),
       checkpoint_(std::move(checkpoint)),
-      weights_(load_model_weights(checkpoint_, config_, names)),
+      weights_(load_model_weights(checkpoint_, config_, names, placement_, comm.rank())),
       rope_(config_.head_dim, config_.rope_theta, config_.rope_scaling),
-      expert_load_(static_cast<std::size_t>(config_.num_layers * config_.num_experts), 0) {}
+      scheduler_(options.capacity, comm),
+      dispatcher_(comm),
+      stats_(moe_layers(config_), config_.num_experts, comm.size()),
+      moe_index_(static_cast<std::size_t>(config_.num_layers), -1) {
+  std::int64_t i = 0;
+  for (const std::int64_t l : moe_layers(config_)) moe_index_[static_cast<std::size_t>(l)] = i++;
+}
 
 void Model::forward(const ForwardBatch& batch, KvCache& cache, kernels::Backend& backend,
                     std::span<float> logits) {
@@ -52,6 +95,21 @@ void Model::forward(const ForwardBatch& batch, KvCache& cache, kernels::Backend&
 
   backend.embedding(batch.tokens, weights_.embed, s.residual);
   rope_.tables(batch.positions, s.cos, s.sin);
+
+  // Rows of the phase the capacity scheduler leaves alone are exempt from dropping.
+  const parallel::CapacityPhase phase = scheduler_.config().apply_to;
+  exempt_.assign(static_cast<std::size_t>(rows), 0);
+  if (phase != parallel::CapacityPhase::both) {
+    const std::uint8_t exempt_decode = phase == parallel::CapacityPhase::prefill ? 1 : 0;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const bool decode = !batch.decode_rows.empty() && batch.decode_rows[static_cast<std::size_t>(r)] != 0;
+      exempt_[static_cast<std::size_t>(r)] = decode ? exempt_decode : static_cast<std::uint8_t>(1 - exempt_decode);
+    }
+  }
+  row_dropped_.assign(static_cast<std::size_t>(rows), 0);
+  row_rerouted_.assign(static_cast<std::size_t>(rows), 0);
+  stats_.begin_step();
+  scheduler_.begin_step(rows);
 
   for (std::int64_t layer = 0; layer < config_.num_layers; ++layer) {
     attention(layer, batch, cache, backend);
@@ -69,6 +127,7 @@ void Model::forward(const ForwardBatch& batch, KvCache& cache, kernels::Backend&
   backend.rms_norm(final_rows, hidden, weights_.final_norm, static_cast<float>(config_.rms_norm_eps),
                    final_rows);
   backend.linear(final_rows, wanted, weights_.lm_head, {}, logits);
+  stats_.reduce(*comm_, placement_);
 }
 
 void Model::attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache,
@@ -124,11 +183,15 @@ void Model::feed_forward(std::int64_t layer, std::int64_t rows, kernels::Backend
   backend.rms_norm(std::span<const float>(s.residual.data(), static_cast<std::size_t>(rows * hidden)), hidden,
                    lw.post_attention_norm, static_cast<float>(config_.rms_norm_eps), s.normed);
   if (lw.is_moe) {
-    moe_block(backend, config_, lw.moe, normed, rows, s.proj, s.moe);
-    for (std::int64_t e = 0; e < config_.num_experts; ++e) {
-      expert_load_[static_cast<std::size_t>(layer * config_.num_experts + e)] =
-          s.moe.offsets[static_cast<std::size_t>(e) + 1] - s.moe.offsets[static_cast<std::size_t>(e)];
-    }
+    MoeLayerContext context{layer,
+                            placement_,
+                            scheduler_,
+                            dispatcher_,
+                            std::span<const std::uint8_t>(exempt_.data(), static_cast<std::size_t>(rows)),
+                            stats_.layer(moe_index_[static_cast<std::size_t>(layer)]),
+                            row_dropped_,
+                            row_rerouted_};
+    moe_block(backend, config_, lw.moe, normed, rows, s.proj, s.moe, context);
   } else {
     const std::int64_t whole[2] = {0, rows};
     backend.grouped_expert_ffn(normed, whole, lw.dense_mlp, s.proj);

@@ -1,14 +1,22 @@
 #pragma once
 // A loaded model and its shared forward pass: one ragged batch of new tokens from many sequences (prefill
 // chunks and single decode tokens mixed), attention over the paged KV cache, MoE or dense feed-forward per
-// layer.
+// layer. Under expert parallelism every rank holds a Model with the replicated weights and only its own
+// routed experts, runs its own sequences (data-parallel attention) and joins every MoE layer's collectives.
 #include <cstdint>
 #include <filesystem>
 #include <memory>
+#include <string>
 #include <span>
 #include <vector>
 
 #include "kernels/backend.h"
+#include "parallel/capacity_config.h"
+#include "parallel/capacity_scheduler.h"
+#include "parallel/communicator.h"
+#include "parallel/expert_placement.h"
+#include "parallel/moe_stats.h"
+#include "parallel/token_dispatcher.h"
 #include "runtime/kv_cache.h"
 #include "runtime/model_config.h"
 #include "runtime/model_weights.h"
@@ -23,34 +31,64 @@ struct ForwardBatch {
   std::span<const std::int32_t> positions;       // [rows]
   std::span<const kernels::SequenceSlice> seqs;  // which rows belong to which sequence, and its cache blocks
   std::span<const std::int64_t> logit_rows;      // rows whose next-token logits are wanted
+  std::span<const std::uint8_t> decode_rows;     // [rows] or empty (all prefill): 1 = a decode token
+};
+
+// How a model is spread over ranks and how its MoE layers treat capacity.
+struct ParallelOptions {
+  std::string placement = "contiguous";  // contiguous | round-robin | a --moe-stats file
+  parallel::CapacityConfig capacity;
 };
 
 class Model {
  public:
   // Reads config.json and the safetensors checkpoint in `dir`; LoadError naming the key, file or tensor at
-  // fault.
+  // fault (or a bad placement or capacity option). The single-process form owns a size-1 communicator; the
+  // other keeps a reference to `comm`, which must outlive the model.
   static std::unique_ptr<Model> load(const std::filesystem::path& dir);
+  static std::unique_ptr<Model> load(const std::filesystem::path& dir, parallel::Communicator& comm,
+                                     const ParallelOptions& options);
 
   [[nodiscard]] const ModelConfig& config() const { return config_; }
 
-  // Writes the new tokens' K/V into `cache` and fills logits [logit_rows.size(), vocab_size].
+  // Writes the new tokens' K/V into `cache` and fills logits [logit_rows.size(), vocab_size]. A collective:
+  // every rank calls it once per step, with zero rows if it has nothing to run.
   void forward(const ForwardBatch& batch, KvCache& cache, kernels::Backend& backend, std::span<float> logits);
 
-  // Tokens routed to each expert by the last forward: [num_layers, num_experts], row-major (zero on dense
-  // layers).
-  [[nodiscard]] std::span<const std::int64_t> last_expert_load() const { return expert_load_; }
+  // The last forward's MoE statistics over all ranks, one entry per MoE layer.
+  [[nodiscard]] const parallel::MoeStepStats& last_moe_stats() const { return stats_.step(); }
+  // Per row of the last forward's batch: assignment slots dropped / rerouted, summed over layers.
+  [[nodiscard]] std::span<const std::int32_t> last_row_dropped() const { return row_dropped_; }
+  [[nodiscard]] std::span<const std::int32_t> last_row_rerouted() const { return row_rerouted_; }
+
+  [[nodiscard]] parallel::Communicator& communicator() const { return *comm_; }
+  [[nodiscard]] const parallel::ExpertPlacement& placement() const { return placement_; }
+  [[nodiscard]] const parallel::CapacityConfig& capacity() const { return scheduler_.config(); }
 
  private:
-  Model(ModelConfig config, Checkpoint checkpoint, const TensorNames& names);
+  static std::unique_ptr<Model> load_with(const std::filesystem::path& dir,
+                                          std::unique_ptr<parallel::Communicator> own_comm,
+                                          parallel::Communicator& comm, const ParallelOptions& options);
+  Model(ModelConfig config, Checkpoint checkpoint, const TensorNames& names,
+        std::unique_ptr<parallel::Communicator> own_comm, parallel::Communicator& comm,
+        const ParallelOptions& options);
 
   void attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache, kernels::Backend& backend);
   void feed_forward(std::int64_t layer, std::int64_t rows, kernels::Backend& backend);
 
   ModelConfig config_;
+  std::unique_ptr<parallel::Communicator> own_comm_;  // set only for single-process models
+  parallel::Communicator* comm_;
+  parallel::ExpertPlacement placement_;
   Checkpoint checkpoint_;  // owns the mappings the weight views point into
   ModelWeights weights_;
   Rope rope_;
-  std::vector<std::int64_t> expert_load_;
+  parallel::CapacityScheduler scheduler_;
+  parallel::TokenDispatcher dispatcher_;
+  parallel::StepStatsRecorder stats_;
+  std::vector<std::int64_t> moe_index_;  // per layer: its index among the MoE layers, -1 for dense
+  std::vector<std::uint8_t> exempt_;     // [rows]: rows the capacity scheduler may not drop this step
+  std::vector<std::int32_t> row_dropped_, row_rerouted_;
 
   // Grow-only activation buffers, reused by every step.
   struct Scratch {

@@ -34,13 +34,16 @@ AttentionWeights load_attention(Checkpoint& ckpt, const ModelConfig& c, const Te
   return a;
 }
 
-MoeWeights load_moe(Checkpoint& ckpt, const ModelConfig& c, const TensorNames& n, const std::string& p) {
+MoeWeights load_moe(Checkpoint& ckpt, const ModelConfig& c, const TensorNames& n, const std::string& p,
+                    std::span<const std::int32_t> owners, int rank) {
   MoeWeights m;
   m.router = ckpt.get(p + n.router, {c.num_experts, c.hidden_size});
-  m.experts.reserve(static_cast<std::size_t>(c.num_experts));
   for (std::int64_t e = 0; e < c.num_experts; ++e) {
-    m.experts.push_back(load_swiglu(ckpt, p + n.expert_prefix + std::to_string(e) + ".", n.expert_gate,
-                                    n.expert_up, n.expert_down, c.hidden_size, c.moe_intermediate_size));
+    // Every expert's tensors are checked, but only this rank's are kept: the others' pages are never touched.
+    const kernels::ExpertWeights w = load_swiglu(ckpt, p + n.expert_prefix + std::to_string(e) + ".",
+                                                 n.expert_gate, n.expert_up, n.expert_down, c.hidden_size,
+                                                 c.moe_intermediate_size);
+    if (owners[static_cast<std::size_t>(e)] == rank) m.experts.push_back(w);
   }
   if (c.shared_expert_intermediate_size > 0) {
     m.shared.push_back(load_swiglu(ckpt, p + n.shared_expert_prefix, "gate_proj.weight", "up_proj.weight",
@@ -52,7 +55,8 @@ MoeWeights load_moe(Checkpoint& ckpt, const ModelConfig& c, const TensorNames& n
 
 }  // namespace
 
-ModelWeights load_model_weights(Checkpoint& ckpt, const ModelConfig& c, const TensorNames& n) {
+ModelWeights load_model_weights(Checkpoint& ckpt, const ModelConfig& c, const TensorNames& n,
+                                const parallel::ExpertPlacement& placement, int rank) {
   ModelWeights w;
   w.embed = ckpt.get(n.embed, {c.vocab_size, c.hidden_size});
   w.final_norm = ckpt.get(n.final_norm, {c.hidden_size});
@@ -66,7 +70,7 @@ ModelWeights load_model_weights(Checkpoint& ckpt, const ModelConfig& c, const Te
     layer.attention = load_attention(ckpt, c, n, p);
     layer.is_moe = c.layer_is_moe[static_cast<std::size_t>(l)];
     if (layer.is_moe) {
-      layer.moe = load_moe(ckpt, c, n, p);
+      layer.moe = load_moe(ckpt, c, n, p, placement.owners(l), rank);
     } else {
       layer.dense_mlp.push_back(load_swiglu(ckpt, p + n.dense_mlp_prefix, "gate_proj.weight",
                                             "up_proj.weight", "down_proj.weight", c.hidden_size,

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "kernels/backend.h"
+#include "parallel/expert_placement.h"
 #include "runtime/architectures/architecture.h"
 #include "runtime/model_config.h"
 #include "runtime/weights/checkpoint.h"
@@ -19,7 +20,7 @@ struct AttentionWeights {
 
 struct MoeWeights {
   kernels::WeightView router;                   // [num_experts, hidden]
-  std::vector<kernels::ExpertWeights> experts;  // indexed by expert id
+  std::vector<kernels::ExpertWeights> experts;  // this rank's routed experts, by local index
   std::vector<kernels::ExpertWeights> shared;   // zero or one shared expert
   kernels::WeightView shared_gate;              // [1, hidden]
 };
@@ -41,7 +42,8 @@ struct ModelWeights {
 };
 
 // Fetches every tensor (LoadError naming file and tensor on a missing one or a wrong shape) and then rejects
-// tensors the architecture does not use.
-ModelWeights load_model_weights(Checkpoint& ckpt, const ModelConfig& config, const TensorNames& names);
+// tensors the architecture does not use. Routed experts are kept only where `placement` puts them on `rank`.
+ModelWeights load_model_weights(Checkpoint& ckpt, const ModelConfig& config, const TensorNames& names,
+                                const parallel::ExpertPlacement& placement, int rank);
 
 }  // namespace capserve::runtime

@@ -1,8 +1,8 @@
 #include "runtime/moe_block.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
-#include <cstring>
 
 namespace capserve::runtime {
 
@@ -42,48 +42,57 @@ void route_softmax_topk(std::span<const float> router_logits, std::int64_t rows,
 }
 
 void moe_block(kernels::Backend& backend, const ModelConfig& config, const MoeWeights& weights,
-               std::span<const float> h, std::int64_t rows, std::span<float> out, MoeScratch& s) {
+               std::span<const float> h, std::int64_t rows, std::span<float> out, MoeScratch& s,
+               MoeLayerContext& ctx) {
+  using Clock = std::chrono::steady_clock;
   const std::int64_t hidden = config.hidden_size;
   const std::int64_t num_experts = config.num_experts;
   const std::int64_t top_k = config.top_k;
-  const auto hidden_bytes = static_cast<std::size_t>(hidden) * sizeof(float);
+  const auto slots = static_cast<std::size_t>(rows * top_k);
 
   s.router_logits.resize(static_cast<std::size_t>(rows * num_experts));
   backend.linear(h, rows, weights.router, {}, s.router_logits);
   route_softmax_topk(s.router_logits, rows, num_experts, top_k, config.norm_topk_prob, s.routing);
 
-  // Permute: a counting sort of the (token, slot) assignments by expert, stable in token order.
-  s.offsets.assign(static_cast<std::size_t>(num_experts + 1), 0);
-  for (const std::int32_t e : s.routing.experts) ++s.offsets[static_cast<std::size_t>(e) + 1];
-  for (std::int64_t e = 0; e < num_experts; ++e)
-    s.offsets[static_cast<std::size_t>(e) + 1] += s.offsets[static_cast<std::size_t>(e)];
-  const std::int64_t assignments = rows * top_k;
-  s.slot_row.resize(static_cast<std::size_t>(assignments));
-  s.permuted_in.resize(static_cast<std::size_t>(assignments * hidden));
-  s.permuted_out.resize(static_cast<std::size_t>(assignments * hidden));
-  {
-    std::vector<std::int64_t>& cursor = s.offsets;  // advanced while filling, then restored below
-    for (std::int64_t a = 0; a < assignments; ++a) {
-      const auto e = static_cast<std::size_t>(s.routing.experts[static_cast<std::size_t>(a)]);
-      const std::int64_t row = cursor[e]++;
-      s.slot_row[static_cast<std::size_t>(a)] = row;
-      std::memcpy(s.permuted_in.data() + row * hidden, h.data() + (a / top_k) * hidden, hidden_bytes);
-    }
-    for (std::int64_t e = num_experts; e > 0; --e)
-      cursor[static_cast<std::size_t>(e)] = cursor[static_cast<std::size_t>(e) - 1];
-    cursor[0] = 0;
+  parallel::MoeLayerStats& stats = ctx.stats;
+  stats.tokens += rows;
+  stats.assignments += rows * top_k;
+  for (std::size_t a = 0; a < slots; ++a) ++stats.routed_load[static_cast<std::size_t>(s.routing.experts[a])];
+
+  const auto scheduled = Clock::now();
+  s.status.resize(slots);
+  parallel::LayerRouting routing{rows,
+                                 top_k,
+                                 num_experts,
+                                 s.routing.probs,
+                                 std::span<std::int32_t>(s.routing.experts.data(), slots),
+                                 std::span<float>(s.routing.weights.data(), slots),
+                                 s.status,
+                                 ctx.exempt,
+                                 config.norm_topk_prob,
+                                 1.0F};
+  const parallel::LayerCounts counts = ctx.scheduler.apply(ctx.layer, ctx.placement, routing);
+  stats.scheduler_seconds += std::chrono::duration<double>(Clock::now() - scheduled).count();
+  stats.dropped += counts.dropped;
+  stats.rerouted += counts.rerouted;
+  for (std::size_t a = 0; a < slots; ++a) {
+    const std::int32_t e = s.routing.experts[a];
+    if (e >= 0) ++stats.expert_load[static_cast<std::size_t>(e)];
+    const std::size_t row = a / static_cast<std::size_t>(top_k);
+    ctx.row_dropped[row] += s.status[a] == parallel::SlotStatus::dropped ? 1 : 0;
+    ctx.row_rerouted[row] += s.status[a] == parallel::SlotStatus::rerouted ? 1 : 0;
   }
 
-  backend.grouped_expert_ffn(s.permuted_in, s.offsets, weights.experts, s.permuted_out);
-
-  // Unpermute with gate weights, summing each token's experts in slot order.
-  std::fill(out.begin(), out.begin() + rows * hidden, 0.0F);
-  for (std::int64_t a = 0; a < assignments; ++a) {
-    const float w = s.routing.weights[static_cast<std::size_t>(a)];
-    const float* src = s.permuted_out.data() + s.slot_row[static_cast<std::size_t>(a)] * hidden;
-    float* dst = out.data() + (a / top_k) * hidden;
-    for (std::int64_t i = 0; i < hidden; ++i) dst[i] += w * src[i];
-  }
+  const parallel::LayerExperts experts{ctx.placement.owners(ctx.layer), ctx.placement.local_index(ctx.layer),
+                                       weights.experts};
+  ctx.dispatcher.run(h, rows, hidden, top_k, std::span<const std::int32_t>(s.routing.experts.data(), slots),
+                     std::span<const float>(s.routing.weights.data(), slots), experts, backend, out);
+  const parallel::DispatchCounters& moved = ctx.dispatcher.counters();
+  stats.rows_dispatched += moved.rows_sent;
+  stats.wire_bytes += moved.wire_bytes;
+  stats.dispatch_seconds += moved.dispatch_seconds;
+  stats.expert_seconds += moved.expert_seconds;
+  stats.combine_seconds += moved.combine_seconds;
 
   if (!weights.shared.empty()) {
     s.shared_out.resize(static_cast<std::size_t>(rows * hidden));

@@ -1,12 +1,17 @@
 #pragma once
-// The MoE feed-forward block: router (fp32 softmax, top-k, optional renormalization), tokens grouped by
-// expert (permute), one SwiGLU GEMM chain per expert, gate-weighted unpermute, plus the optional
-// sigmoid-gated shared expert.
+// The MoE feed-forward block of one layer: router (fp32 softmax, top-k, optional renormalization), the
+// capacity scheduler, dispatch of each token to the ranks hosting its experts, grouped expert SwiGLU there,
+// gate-weighted combine back, plus the optional sigmoid-gated shared expert, which is local dense compute:
+// it never enters the all-to-all and is never dropped.
 #include <cstdint>
 #include <span>
 #include <vector>
 
 #include "kernels/backend.h"
+#include "parallel/capacity_scheduler.h"
+#include "parallel/expert_placement.h"
+#include "parallel/moe_stats.h"
+#include "parallel/token_dispatcher.h"
 #include "runtime/model_config.h"
 #include "runtime/model_weights.h"
 
@@ -29,16 +34,26 @@ void route_softmax_topk(std::span<const float> router_logits, std::int64_t rows,
 struct MoeScratch {
   std::vector<float> router_logits;
   Routing routing;
-  std::vector<std::int64_t> offsets;
-  std::vector<std::int64_t> slot_row;  // (token * top_k + slot) -> row in the permuted buffers
-  std::vector<float> permuted_in;
-  std::vector<float> permuted_out;
+  std::vector<parallel::SlotStatus> status;
   std::vector<float> shared_out;
   std::vector<float> shared_gate;
 };
 
-// out[rows, hidden] = MoE(h); out is overwritten.
+// The expert-parallel machinery one MoE layer runs through, and where its statistics go.
+struct MoeLayerContext {
+  std::int64_t layer = 0;
+  const parallel::ExpertPlacement& placement;
+  parallel::CapacityScheduler& scheduler;
+  parallel::TokenDispatcher& dispatcher;
+  std::span<const std::uint8_t> exempt;  // [rows] or empty: rows the capacity scheduler never drops
+  parallel::MoeLayerStats& stats;        // this rank's share, added to
+  std::span<std::int32_t> row_dropped;   // [rows]: slots dropped per row, added to
+  std::span<std::int32_t> row_rerouted;  // [rows]: slots rerouted per row, added to
+};
+
+// out[rows, hidden] = MoE(h); out is overwritten. Every rank calls it for every MoE layer, rows may be 0.
 void moe_block(kernels::Backend& backend, const ModelConfig& config, const MoeWeights& weights,
-               std::span<const float> h, std::int64_t rows, std::span<float> out, MoeScratch& scratch);
+               std::span<const float> h, std::int64_t rows, std::span<float> out, MoeScratch& scratch,
+               MoeLayerContext& context);
 
 }  // namespace capserve::runtime

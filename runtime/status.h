@@ -17,6 +17,7 @@ class [[nodiscard]] Status {
   static Status resource_exhausted(std::string message) {
     return {StatusCode::resource_exhausted, std::move(message)};
   }
+  static Status internal(std::string message) { return {StatusCode::internal, std::move(message)}; }
 
   [[nodiscard]] bool ok() const { return code_ == StatusCode::ok; }
   [[nodiscard]] StatusCode code() const { return code_; }

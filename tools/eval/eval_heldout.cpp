@@ -46,6 +46,15 @@ struct DomainResult {
   [[nodiscard]] double perplexity() const { return std::exp(total_nll / static_cast<double>(windows * 255)); }
 };
 
+// The last step's routed tokens per expert, [layers, experts] (zero rows for dense layers).
+std::vector<std::int64_t> routed_load(const capserve::runtime::Model& model) {
+  const capserve::runtime::ModelConfig& c = model.config();
+  std::vector<std::int64_t> load(static_cast<std::size_t>(c.num_layers * c.num_experts), 0);
+  for (const auto& layer : model.last_moe_stats().layers)
+    std::copy(layer.routed_load.begin(), layer.routed_load.end(), load.begin() + layer.layer * c.num_experts);
+  return load;
+}
+
 double cosine(std::span<const std::int64_t> a, std::span<const std::int64_t> b) {
   double ab = 0, aa = 0, bb = 0;
   for (std::size_t i = 0; i < a.size(); ++i) {
@@ -99,8 +108,7 @@ int main(int argc, char** argv) {
     const std::vector<std::int32_t> lone{bos};
     const Engine::Work lone_work{0, lone, false};
     if (auto s = engine.step(std::span(&lone_work, 1)); !s.ok()) throw std::runtime_error(s.message());
-    const std::vector<std::int64_t> bos_load(model->last_expert_load().begin(),
-                                             model->last_expert_load().end());
+    const std::vector<std::int64_t> bos_load = routed_load(*model);
     engine.release(0);
 
     std::vector<std::pair<std::string, DomainResult>> results;
@@ -140,7 +148,7 @@ int main(int argc, char** argv) {
           }
           engine.release(static_cast<runtime::SequenceId>(w + 1));
         }
-        const auto load = model->last_expert_load();
+        const std::vector<std::int64_t> load = routed_load(*model);
         for (std::size_t i = 0; i < cells; ++i) r.load[i] += load[i] - count * bos_load[i];
       }
       results.emplace_back(domain, std::move(r));

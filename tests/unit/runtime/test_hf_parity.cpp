@@ -91,14 +91,18 @@ TEST_P(HfParity, ExpertLoadCountsEveryAssignmentOfTheStep) {
   const runtime::Engine::Work work{1, ids, false};
   ASSERT_TRUE(engine_->step(std::span(&work, 1)).ok());
   const runtime::ModelConfig& c = model_->config();
-  const auto load = model_->last_expert_load();
-  ASSERT_EQ(static_cast<std::int64_t>(load.size()), c.num_layers * c.num_experts);
-  for (std::int64_t layer = 0; layer < c.num_layers; ++layer) {
+  const auto& layers = model_->last_moe_stats().layers;
+  std::int64_t moe_layers = 0;
+  for (std::int64_t layer = 0; layer < c.num_layers; ++layer) moe_layers += c.layer_is_moe[static_cast<std::size_t>(layer)] ? 1 : 0;
+  ASSERT_EQ(static_cast<std::int64_t>(layers.size()), moe_layers);
+  for (const auto& s : layers) {
+    EXPECT_TRUE(c.layer_is_moe[static_cast<std::size_t>(s.layer)]);
+    ASSERT_EQ(static_cast<std::int64_t>(s.routed_load.size()), c.num_experts);
     std::int64_t total = 0;
-    for (std::int64_t e = 0; e < c.num_experts; ++e)
-      total += load[static_cast<std::size_t>(layer * c.num_experts + e)];
-    const bool moe = c.layer_is_moe[static_cast<std::size_t>(layer)];
-    EXPECT_EQ(total, moe ? static_cast<std::int64_t>(ids.size()) * c.top_k : 0) << "layer " << layer;
+    for (const std::int64_t v : s.routed_load) total += v;
+    EXPECT_EQ(total, static_cast<std::int64_t>(ids.size()) * c.top_k) << "layer " << s.layer;
+    EXPECT_EQ(s.expert_load, s.routed_load) << "gamma = inf changes nothing";
+    EXPECT_EQ(s.tokens, static_cast<std::int64_t>(ids.size()));
   }
 }
 

@@ -1,0 +1,127 @@
+#include "parallel/mpi_communicator.h"
+
+#include <climits>
+#include <stdexcept>
+#include <string>
+
+namespace capserve::parallel {
+namespace {
+
+void check(int rc, const char* what) {
+  if (rc == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING] = {};
+  int len = 0;
+  MPI_Error_string(rc, text, &len);
+  throw std::runtime_error(std::string("MpiCommunicator: ") + what + " failed: " + std::string(text, len));
+}
+
+// MPI calls get a valid address even for zero elements (an empty span's data() may be null).
+template <typename T>
+T* address(T* p) {
+  static T dummy{};
+  return p != nullptr ? p : &dummy;
+}
+template <typename T>
+const T* address(const T* p) {
+  static const T dummy{};
+  return p != nullptr ? p : &dummy;
+}
+
+int int_count(std::size_t n, const char* op) {
+  if (n > static_cast<std::size_t>(INT_MAX)) {
+    throw std::length_error(std::string("MpiCommunicator::") + op + ": " + std::to_string(n) +
+                            " elements exceed the MPI int count limit (" + std::to_string(INT_MAX) + ")");
+  }
+  return static_cast<int>(n);
+}
+
+void check_size(std::size_t got, std::size_t want, const char* op, const char* what) {
+  if (got != want) {
+    throw std::invalid_argument(std::string("MpiCommunicator::") + op + ": " + what + " has " +
+                                std::to_string(got) + " entries, expected " + std::to_string(want));
+  }
+}
+
+// counts (one per rank, in bytes) -> int counts and displacements of consecutive blocks; returns the total
+// bytes.
+std::int64_t to_int_blocks(std::span<const std::int64_t> counts, std::vector<int>& out_counts,
+                           std::vector<int>& out_displs, const char* what) {
+  out_counts.resize(counts.size());
+  out_displs.resize(counts.size());
+  std::int64_t offset = 0;
+  for (std::size_t r = 0; r < counts.size(); ++r) {
+    const std::int64_t c = counts[r];
+    if (c < 0) {
+      throw std::invalid_argument(std::string("MpiCommunicator::alltoallv: ") + what + "[" +
+                                  std::to_string(r) + "] is negative (" + std::to_string(c) + ")");
+    }
+    if (c > INT_MAX || offset > INT_MAX) {
+      throw std::length_error(std::string("MpiCommunicator::alltoallv: ") + what + "[" + std::to_string(r) +
+                              "] = " + std::to_string(c) + " bytes at displacement " +
+                              std::to_string(offset) + " exceeds the MPI int count limit (" +
+                              std::to_string(INT_MAX) + "); send less per step");
+    }
+    out_counts[r] = static_cast<int>(c);
+    out_displs[r] = static_cast<int>(offset);
+    offset += c;
+  }
+  return offset;
+}
+
+}  // namespace
+
+MpiCommunicator::MpiCommunicator(MPI_Comm parent) {
+  check(MPI_Comm_dup(parent, &comm_), "MPI_Comm_dup");
+  check(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
+  check(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
+}
+
+MpiCommunicator::~MpiCommunicator() {
+  if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+}
+
+void MpiCommunicator::alltoall(std::span<const std::int64_t> send, std::span<std::int64_t> recv) {
+  const auto n = static_cast<std::size_t>(size_);
+  check_size(send.size(), n, "alltoall", "send");
+  check_size(recv.size(), n, "alltoall", "recv");
+  check(MPI_Alltoall(send.data(), 1, MPI_INT64_T, recv.data(), 1, MPI_INT64_T, comm_), "MPI_Alltoall");
+}
+
+void MpiCommunicator::alltoallv(std::span<const std::byte> send, std::span<const std::int64_t> send_counts,
+                                std::span<std::byte> recv, std::span<const std::int64_t> recv_counts) {
+  const auto n = static_cast<std::size_t>(size_);
+  check_size(send_counts.size(), n, "alltoallv", "send_counts");
+  check_size(recv_counts.size(), n, "alltoallv", "recv_counts");
+  const std::int64_t send_total = to_int_blocks(send_counts, send_counts_, send_displs_, "send_counts");
+  const std::int64_t recv_total = to_int_blocks(recv_counts, recv_counts_, recv_displs_, "recv_counts");
+  if (static_cast<std::uint64_t>(send_total) > send.size() ||
+      static_cast<std::uint64_t>(recv_total) > recv.size()) {
+    throw std::invalid_argument("MpiCommunicator::alltoallv: the counts add up to " +
+                                std::to_string(send_total) + " bytes to send and " +
+                                std::to_string(recv_total) + " to receive, but send has " +
+                                std::to_string(send.size()) + " and recv " + std::to_string(recv.size()));
+  }
+  check(MPI_Alltoallv(address(send.data()), send_counts_.data(), send_displs_.data(), MPI_BYTE,
+                      address(recv.data()), recv_counts_.data(), recv_displs_.data(), MPI_BYTE, comm_),
+        "MPI_Alltoallv");
+  count_sent(send_counts);
+}
+
+void MpiCommunicator::allreduce_sum(std::span<std::int64_t> values) {
+  const int n = int_count(values.size(), "allreduce_sum");
+  check(MPI_Allreduce(MPI_IN_PLACE, address(values.data()), n, MPI_INT64_T, MPI_SUM, comm_), "MPI_Allreduce");
+}
+
+void MpiCommunicator::allreduce_max(std::span<double> values) {
+  const int n = int_count(values.size(), "allreduce_max");
+  check(MPI_Allreduce(MPI_IN_PLACE, address(values.data()), n, MPI_DOUBLE, MPI_MAX, comm_), "MPI_Allreduce");
+}
+
+void MpiCommunicator::allgather(std::span<const std::int64_t> mine, std::span<std::int64_t> all) {
+  const int n = int_count(mine.size(), "allgather");
+  check_size(all.size(), mine.size() * static_cast<std::size_t>(size_), "allgather", "all");
+  check(MPI_Allgather(address(mine.data()), n, MPI_INT64_T, address(all.data()), n, MPI_INT64_T, comm_),
+        "MPI_Allgather");
+}
+
+}  // namespace capserve::parallel

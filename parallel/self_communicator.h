@@ -1,0 +1,63 @@
+#pragma once
+// The group of one: rank 0 of size 1, for single-process runs without MPI. Every collective is a copy (or
+// nothing); the same argument checks as the other communicators, so code that is wrong for N ranks fails here
+// too.
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <stdexcept>
+#include <string>
+
+#include "parallel/communicator.h"
+
+namespace capserve::parallel {
+
+class SelfCommunicator final : public Communicator {
+ public:
+  [[nodiscard]] int rank() const override { return 0; }
+  [[nodiscard]] int size() const override { return 1; }
+
+  void alltoall(std::span<const std::int64_t> send, std::span<std::int64_t> recv) override {
+    check_size(send.size(), 1, "alltoall", "send");
+    check_size(recv.size(), 1, "alltoall", "recv");
+    recv[0] = send[0];
+  }
+
+  void alltoallv(std::span<const std::byte> send, std::span<const std::int64_t> send_counts,
+                 std::span<std::byte> recv, std::span<const std::int64_t> recv_counts) override {
+    check_size(send_counts.size(), 1, "alltoallv", "send_counts");
+    check_size(recv_counts.size(), 1, "alltoallv", "recv_counts");
+    const std::int64_t n = send_counts[0];
+    if (n < 0 || recv_counts[0] != n) {
+      throw std::invalid_argument("SelfCommunicator::alltoallv: send_counts[0] = " + std::to_string(n) +
+                                  " and recv_counts[0] = " + std::to_string(recv_counts[0]) +
+                                  " must be equal and non-negative");
+    }
+    if (static_cast<std::uint64_t>(n) > send.size() || static_cast<std::uint64_t>(n) > recv.size()) {
+      throw std::invalid_argument("SelfCommunicator::alltoallv: " + std::to_string(n) +
+                                  " bytes, but send has " + std::to_string(send.size()) + " and recv " +
+                                  std::to_string(recv.size()));
+    }
+    std::copy_n(send.begin(), n, recv.begin());
+    count_sent(send_counts);  // nothing leaves this rank: stays 0
+  }
+
+  void allreduce_sum(std::span<std::int64_t> /*values*/) override {}
+  void allreduce_max(std::span<double> /*values*/) override {}
+
+  void allgather(std::span<const std::int64_t> mine, std::span<std::int64_t> all) override {
+    check_size(all.size(), mine.size(), "allgather", "all");
+    std::copy(mine.begin(), mine.end(), all.begin());
+  }
+
+ private:
+  static void check_size(std::size_t got, std::size_t want, const char* op, const char* what) {
+    if (got != want) {
+      throw std::invalid_argument(std::string("SelfCommunicator::") + op + ": " + what + " has " +
+                                  std::to_string(got) + " entries, expected " + std::to_string(want));
+    }
+  }
+};
+
+}  // namespace capserve::parallel
