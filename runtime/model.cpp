@@ -4,9 +4,9 @@
 #include <cmath>
 #include <cstring>
 
+#include "parallel/self_communicator.h"
 #include "runtime/architectures/architecture.h"
 #include "runtime/load_error.h"
-#include "parallel/self_communicator.h"
 
 namespace capserve::runtime {
 namespace {
@@ -61,7 +61,8 @@ std::unique_ptr<Model> Model::load_with(const std::filesystem::path& dir,
   const Architecture& arch = find_architecture(json);
   ModelConfig config = arch.parse_config(ConfigReader(json));
   config.validate();
-  if (const std::string why = options.capacity.validate(config.num_layers); !why.empty()) throw LoadError(why);
+  if (const std::string why = options.capacity.validate(config.num_layers); !why.empty())
+    throw LoadError(why);
   return std::unique_ptr<Model>(new Model(std::move(config), Checkpoint::open(dir), arch.tensor_names(),
                                           std::move(own_comm), comm, options));
 }
@@ -103,7 +104,8 @@ void Model::forward(const ForwardBatch& batch, KvCache& cache, kernels::Backend&
     const std::uint8_t exempt_decode = phase == parallel::CapacityPhase::prefill ? 1 : 0;
     for (std::int64_t r = 0; r < rows; ++r) {
       const bool decode = !batch.decode_rows.empty() && batch.decode_rows[static_cast<std::size_t>(r)] != 0;
-      exempt_[static_cast<std::size_t>(r)] = decode ? exempt_decode : static_cast<std::uint8_t>(1 - exempt_decode);
+      exempt_[static_cast<std::size_t>(r)] =
+          decode ? exempt_decode : static_cast<std::uint8_t>(1 - exempt_decode);
     }
   }
   row_dropped_.assign(static_cast<std::size_t>(rows), 0);
@@ -128,6 +130,7 @@ void Model::forward(const ForwardBatch& batch, KvCache& cache, kernels::Backend&
                    final_rows);
   backend.linear(final_rows, wanted, weights_.lm_head, {}, logits);
   stats_.reduce(*comm_, placement_);
+  run_stats_.add(stats_.step());
 }
 
 void Model::attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache,

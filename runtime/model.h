@@ -6,8 +6,8 @@
 #include <cstdint>
 #include <filesystem>
 #include <memory>
-#include <string>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "kernels/backend.h"
@@ -57,6 +57,8 @@ class Model {
 
   // The last forward's MoE statistics over all ranks, one entry per MoE layer.
   [[nodiscard]] const parallel::MoeStepStats& last_moe_stats() const { return stats_.step(); }
+  // Every forward's statistics so far, summed (for --moe-stats and reports).
+  [[nodiscard]] const parallel::RunStats& run_stats() const { return run_stats_; }
   // Per row of the last forward's batch: assignment slots dropped / rerouted, summed over layers.
   [[nodiscard]] std::span<const std::int32_t> last_row_dropped() const { return row_dropped_; }
   [[nodiscard]] std::span<const std::int32_t> last_row_rerouted() const { return row_rerouted_; }
@@ -86,6 +88,7 @@ class Model {
   parallel::CapacityScheduler scheduler_;
   parallel::TokenDispatcher dispatcher_;
   parallel::StepStatsRecorder stats_;
+  parallel::RunStats run_stats_;
   std::vector<std::int64_t> moe_index_;  // per layer: its index among the MoE layers, -1 for dense
   std::vector<std::uint8_t> exempt_;     // [rows]: rows the capacity scheduler may not drop this step
   std::vector<std::int32_t> row_dropped_, row_rerouted_;

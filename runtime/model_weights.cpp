@@ -40,9 +40,9 @@ MoeWeights load_moe(Checkpoint& ckpt, const ModelConfig& c, const TensorNames& n
   m.router = ckpt.get(p + n.router, {c.num_experts, c.hidden_size});
   for (std::int64_t e = 0; e < c.num_experts; ++e) {
     // Every expert's tensors are checked, but only this rank's are kept: the others' pages are never touched.
-    const kernels::ExpertWeights w = load_swiglu(ckpt, p + n.expert_prefix + std::to_string(e) + ".",
-                                                 n.expert_gate, n.expert_up, n.expert_down, c.hidden_size,
-                                                 c.moe_intermediate_size);
+    const kernels::ExpertWeights w =
+        load_swiglu(ckpt, p + n.expert_prefix + std::to_string(e) + ".", n.expert_gate, n.expert_up,
+                    n.expert_down, c.hidden_size, c.moe_intermediate_size);
     if (owners[static_cast<std::size_t>(e)] == rank) m.experts.push_back(w);
   }
   if (c.shared_expert_intermediate_size > 0) {

@@ -1,8 +1,10 @@
-// capserve-generate: single-process generation. From token ids it prints the new ids on one line; from
-// --prompt text (optionally through the model's chat template) it prints the generated text.
+// capserve-generate: offline generation, alone or under mpirun. From token ids it prints the new ids on one
+// line per prompt; from --prompt text (optionally through the model's chat template) the generated text.
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <filesystem>
+#include <fstream>
 #include <optional>
 #include <string>
 #include <thread>
@@ -11,8 +13,11 @@
 #include <CLI/CLI.hpp>
 
 #include "kernels/cpu/cpu_backend.h"
+#include "parallel/mpi_communicator.h"
+#include "parallel/mpi_world.h"
 #include "runtime/chat/chat_family.h"
 #include "runtime/chat/chat_template.h"
+#include "runtime/cli/parallel_flags.h"
 #include "runtime/engine.h"
 #include "runtime/generator.h"
 #include "runtime/load_error.h"
@@ -35,26 +40,41 @@ std::vector<std::int32_t> parse_ids(const std::string& text) {
 
 int main(int argc, char** argv) {
   using namespace capserve;
-  CLI::App app{"Generate tokens with a Hugging Face MoE checkpoint on the CPU"};
+  std::optional<parallel::MpiWorld> world;
+  try {
+    world.emplace(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "capserve-generate: %s\n", e.what());
+    return 1;
+  }
+  const int rank = world->rank();
+  CLI::App app{
+      "Generate tokens with a Hugging Face MoE checkpoint on the CPU; under mpirun the ranks share "
+      "the experts (expert parallelism) and the prompts (data parallelism)"};
   std::string model_dir;
-  std::string input_ids;
-  std::string prompt;
+  std::vector<std::string> input_ids;
+  std::vector<std::string> prompts_text;
   std::string system;
   std::string chat_family;
   bool chat = false;
   std::string dump_logits;
+  std::string moe_stats;
   runtime::SamplingParams params;
   bool ignore_eos = false;
-  int threads = static_cast<int>(std::max(1U, std::thread::hardware_concurrency()));
+  int threads = static_cast<int>(
+      std::max(1U, std::thread::hardware_concurrency() / static_cast<unsigned>(world->local_size())));
   runtime::EngineOptions engine_options;
+  runtime::ParallelFlags parallel_flags;
   app.add_option("--model", model_dir, "checkpoint directory (config.json + safetensors)")
       ->required()
       ->check(CLI::ExistingDirectory);
-  auto* ids_opt = app.add_option("--input-ids", input_ids, "prompt token ids, space-separated");
+  auto* ids_opt =
+      app.add_option("--input-ids", input_ids, "prompt token ids, space-separated; repeat for more prompts");
   auto* prompt_opt =
-      app.add_option("--prompt", prompt, "prompt text (tokenized with the model's tokenizer.json)");
+      app.add_option("--prompt", prompts_text,
+                     "prompt text (tokenized with the model's tokenizer.json); repeat for more prompts");
   ids_opt->excludes(prompt_opt);
-  app.add_flag("--chat", chat, "wrap --prompt as a user turn in the model's chat template")
+  app.add_flag("--chat", chat, "wrap each --prompt as a user turn in the model's chat template")
       ->needs(prompt_opt);
   app.add_option("--system", system, "system message for --chat")->needs("--chat");
   app.add_option("--chat-template", chat_family,
@@ -70,75 +90,137 @@ int main(int argc, char** argv) {
   app.add_option("--stop-ids", params.stop_token_ids, "extra stop token ids");
   app.add_flag("--ignore-eos", ignore_eos, "do not stop at the model's eos_token_id");
   app.add_option("--dump-logits", dump_logits,
-                 "write the logits of every generated position as float32 .npy [steps, vocab]");
-  app.add_option("--threads", threads, "CPU threads")->check(CLI::PositiveNumber);
-  app.add_option("--kv-blocks", engine_options.kv_blocks, "KV cache blocks of 16 tokens")
+                 "write the logits of every generated position as float32 .npy [steps, vocab] (PATH, or "
+                 "PATH with _<i> before the extension for prompt i when there are several)");
+  app.add_option("--moe-stats", moe_stats, "write per-layer MoE statistics of the run as JSON (rank 0)");
+  app.add_option("--threads", threads, "CPU threads per rank")->check(CLI::PositiveNumber);
+  app.add_option("--kv-blocks", engine_options.kv_blocks, "KV cache blocks of 16 tokens per rank")
       ->check(CLI::PositiveNumber);
-  CLI11_PARSE(app, argc, argv);
-  if (input_ids.empty() && prompt.empty()) {
-    std::fprintf(stderr, "capserve-generate: give --input-ids or --prompt\n");
+  runtime::add_parallel_flags(app, parallel_flags);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return rank == 0 ? app.exit(e) : (e.get_exit_code() == 0 ? 0 : 2);
+  }
+  if (input_ids.empty() && prompts_text.empty()) {
+    if (rank == 0) std::fprintf(stderr, "capserve-generate: give --input-ids or --prompt\n");
     return 2;
   }
 
+  // Everything that can fail before the first collective is agreed on, so that no rank is left waiting.
+  std::unique_ptr<parallel::MpiCommunicator> comm;
+  std::unique_ptr<runtime::Model> model;
+  std::optional<runtime::Tokenizer> tokenizer;
+  std::vector<std::vector<std::int32_t>> prompts;
+  std::string failure;
   try {
-    const std::unique_ptr<runtime::Model> model = runtime::Model::load(model_dir);
-    std::optional<runtime::Tokenizer> tokenizer;
-    std::vector<std::int32_t> prompt_ids;
-    if (prompt.empty()) {
-      prompt_ids = parse_ids(input_ids);
-    } else {
+    comm = std::make_unique<parallel::MpiCommunicator>();
+    model = runtime::Model::load(model_dir, *comm, runtime::finish_parallel_flags(parallel_flags));
+    for (const std::string& ids : input_ids) prompts.push_back(parse_ids(ids));
+    if (!prompts_text.empty()) {
       tokenizer = runtime::Tokenizer::load(model_dir);
-      std::string text = prompt;
+      std::optional<runtime::ChatTemplate> chat_template;
       if (chat) {
         std::optional<runtime::ChatFamily> forced;
         if (!chat_family.empty()) forced = runtime::parse_family(chat_family);
-        const auto chat_template =
+        chat_template =
             runtime::ChatTemplate::load(std::filesystem::path(model_dir) / "tokenizer_config.json", forced);
-        std::vector<runtime::ChatMessage> messages;
-        if (!system.empty()) messages.push_back({"system", system});
-        messages.push_back({"user", prompt});
-        if (runtime::Status s = chat_template.render(messages, true, text); !s.ok()) {
-          std::fprintf(stderr, "capserve-generate: %s\n", s.message().c_str());
-          return 2;
+      }
+      for (const std::string& prompt : prompts_text) {
+        std::string text = prompt;
+        if (chat_template) {
+          std::vector<runtime::ChatMessage> messages;
+          if (!system.empty()) messages.push_back({"system", system});
+          messages.push_back({"user", prompt});
+          if (runtime::Status s = chat_template->render(messages, true, text); !s.ok())
+            throw runtime::LoadError(s.message());
         }
+        // A rendered chat prompt already carries its special tokens as text.
+        std::vector<std::int32_t> ids;
+        if (runtime::Status s = tokenizer->encode(text, !chat, ids); !s.ok())
+          throw runtime::LoadError("--prompt: " + s.message());
+        prompts.push_back(std::move(ids));
       }
-      // A rendered chat prompt already carries its special tokens as text.
-      if (runtime::Status s = tokenizer->encode(text, !chat, prompt_ids); !s.ok()) {
-        std::fprintf(stderr, "capserve-generate: --prompt: %s\n", s.message().c_str());
-        return 2;
+    }
+  } catch (const std::exception& e) {
+    failure = e.what();
+  }
+  if (!failure.empty()) std::fprintf(stderr, "capserve-generate: rank %d: %s\n", rank, failure.c_str());
+  if (!world->all_agree(failure.empty())) return 1;
+
+  if (!ignore_eos) {
+    const auto& eos = model->config().eos_token_ids;
+    params.stop_token_ids.insert(params.stop_token_ids.end(), eos.begin(), eos.end());
+  }
+  // Prompt i runs on rank i % size.
+  std::vector<std::vector<std::int32_t>> mine;
+  std::vector<std::size_t> mine_index;
+  for (std::size_t i = 0; i < prompts.size(); ++i) {
+    if (static_cast<int>(i % static_cast<std::size_t>(world->size())) != rank) continue;
+    mine.push_back(prompts[i]);
+    mine_index.push_back(i);
+  }
+  kernels::cpu::CpuBackend backend(threads);
+  runtime::Engine engine(*model, backend, engine_options);
+  std::vector<runtime::Generation> out;
+  const std::vector<runtime::SamplingParams> all_params(mine.size(), params);
+  const runtime::Status status = runtime::generate(engine, mine, all_params, !dump_logits.empty(), out);
+  if (!status.ok()) std::fprintf(stderr, "capserve-generate: rank %d: %s\n", rank, status.message().c_str());
+  if (!world->all_agree(status.ok())) return 2;
+
+  if (!dump_logits.empty()) {
+    for (std::size_t j = 0; j < mine.size(); ++j) {
+      std::filesystem::path path = dump_logits;
+      if (prompts.size() > 1) {
+        path.replace_filename(path.stem().string() + "_" + std::to_string(mine_index[j]) +
+                              path.extension().string());
       }
+      const std::int64_t shape[2] = {static_cast<std::int64_t>(out[j].tokens.size()),
+                                     model->config().vocab_size};
+      runtime::write_npy(path.string(), out[j].logits, shape);
     }
-    if (!ignore_eos) {
-      const auto& eos = model->config().eos_token_ids;
-      params.stop_token_ids.insert(params.stop_token_ids.end(), eos.begin(), eos.end());
+  }
+
+  // Rank 0 prints every prompt's output in prompt order: [index, count, ids...] per prompt from each rank.
+  std::vector<std::int32_t> packed;
+  for (std::size_t j = 0; j < mine.size(); ++j) {
+    packed.push_back(static_cast<std::int32_t>(mine_index[j]));
+    packed.push_back(static_cast<std::int32_t>(out[j].tokens.size()));
+    packed.insert(packed.end(), out[j].tokens.begin(), out[j].tokens.end());
+  }
+  const auto gathered = world->gather(std::as_bytes(std::span(packed)), 0);
+  const std::string stats_json = model->run_stats().to_json(parallel::describe(model->capacity()) +
+                                                            " placement=" + model->placement().kind() +
+                                                            " ranks=" + std::to_string(world->size()));
+  if (rank != 0) return 0;
+  std::vector<std::vector<std::int32_t>> results(prompts.size());
+  for (const std::vector<std::byte>& bytes : gathered) {
+    std::vector<std::int32_t> ints(bytes.size() / sizeof(std::int32_t));
+    std::memcpy(ints.data(), bytes.data(), ints.size() * sizeof(std::int32_t));
+    for (std::size_t i = 0; i < ints.size();) {
+      const auto index = static_cast<std::size_t>(ints[i]);
+      const auto count = static_cast<std::size_t>(ints[i + 1]);
+      results[index].assign(ints.begin() + static_cast<std::ptrdiff_t>(i + 2),
+                            ints.begin() + static_cast<std::ptrdiff_t>(i + 2 + count));
+      i += 2 + count;
     }
-    kernels::cpu::CpuBackend backend(threads);
-    runtime::Engine engine(*model, backend, engine_options);
-    std::vector<runtime::Generation> out;
-    const std::vector<std::vector<std::int32_t>> prompts{prompt_ids};
-    const std::vector<runtime::SamplingParams> all_params{params};
-    if (runtime::Status s = runtime::generate(engine, prompts, all_params, !dump_logits.empty(), out);
-        !s.ok()) {
-      std::fprintf(stderr, "capserve-generate: %s\n", s.message().c_str());
-      return 2;
-    }
+  }
+  for (const std::vector<std::int32_t>& tokens : results) {
     if (tokenizer) {
-      std::printf("%s\n", tokenizer->decode(out[0].tokens, true).c_str());
+      std::printf("%s\n", tokenizer->decode(tokens, true).c_str());
     } else {
       std::string line;
-      for (const std::int32_t t : out[0].tokens) line += (line.empty() ? "" : " ") + std::to_string(t);
+      for (const std::int32_t t : tokens) line += (line.empty() ? "" : " ") + std::to_string(t);
       std::printf("%s\n", line.c_str());
     }
-    if (!dump_logits.empty()) {
-      const std::int64_t shape[2] = {static_cast<std::int64_t>(out[0].tokens.size()),
-                                     model->config().vocab_size};
-      runtime::write_npy(dump_logits, out[0].logits, shape);
+  }
+  if (!moe_stats.empty()) {
+    std::ofstream file(moe_stats);
+    file << stats_json << "\n";
+    if (!file) {
+      std::fprintf(stderr, "capserve-generate: cannot write %s\n", moe_stats.c_str());
+      return 1;
     }
-  } catch (const CLI::Error& e) {
-    return app.exit(e);
-  } catch (const runtime::LoadError& e) {
-    std::fprintf(stderr, "capserve-generate: %s\n", e.what());
-    return 1;
   }
   return 0;
 }

@@ -93,7 +93,8 @@ TEST_P(HfParity, ExpertLoadCountsEveryAssignmentOfTheStep) {
   const runtime::ModelConfig& c = model_->config();
   const auto& layers = model_->last_moe_stats().layers;
   std::int64_t moe_layers = 0;
-  for (std::int64_t layer = 0; layer < c.num_layers; ++layer) moe_layers += c.layer_is_moe[static_cast<std::size_t>(layer)] ? 1 : 0;
+  for (std::int64_t layer = 0; layer < c.num_layers; ++layer)
+    moe_layers += c.layer_is_moe[static_cast<std::size_t>(layer)] ? 1 : 0;
   ASSERT_EQ(static_cast<std::int64_t>(layers.size()), moe_layers);
   for (const auto& s : layers) {
     EXPECT_TRUE(c.layer_is_moe[static_cast<std::size_t>(s.layer)]);
