@@ -1,0 +1,704 @@
+// capserve-bench-moe-layer: time of the MoE layer (capacity scheduler + dispatch + expert compute + combine,
+// slowest rank) against the capacity factor gamma, every configuration side by side in one run, interleaved
+// round-robin across repetitions. Run under `mpirun -np N`; rank 0 prints the table and writes JSON (read by
+// tools/bench/bench_moe_layer.py).
+//
+//   --mode synthetic  a large random layer (default 64 experts top-8, hidden 2048, expert FFN 1024, bf16
+//                     weights, each rank allocating only its own experts) whose routing follows the real
+//                     per-domain OLMoE expert counts: each token's top-k is drawn with inclusion probability
+//                     k * count[e] / sum(count) per expert (ordered systematic sampling over a random
+//                     permutation: exactly k distinct experts, exact marginals), router logits put those k on
+//                     top with random gaps, then the runtime's own softmax + top-k (route_softmax_topk). One
+//                     step = one domain burst = one layer call per count layer in the file (0, 7, 15).
+//   --mode model      the default model on bursts of one domain's held-out corpus text (windows of
+//                     <|endoftext|> + 255 tokens); the MoE time is Model::last_moe_stats() (scheduler +
+//                     dispatch + expert + combine, each the slowest rank's) summed over the MoE layers.
+//
+// Ideal ratio of a configuration = sum over layers of the largest rank load under gamma = inf / the same
+// under the configuration, a rank's load being the (token, expert) assignments its experts compute.
+#include <algorithm>
+#include <bit>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iterator>
+#include <limits>
+#include <memory>
+#include <numeric>
+#include <optional>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "kernels/cpu/cpu_backend.h"
+#include "parallel/capacity_config.h"
+#include "parallel/capacity_scheduler.h"
+#include "parallel/expert_placement.h"
+#include "parallel/mpi_communicator.h"
+#include "parallel/mpi_world.h"
+#include "parallel/token_dispatcher.h"
+#include "runtime/engine.h"
+#include "runtime/load_error.h"
+#include "runtime/model.h"
+#include "runtime/moe_block.h"
+#include "runtime/tokenizer/tokenizer.h"
+
+namespace {
+
+using namespace capserve;
+using Clock = std::chrono::steady_clock;
+using nlohmann::json;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// One contender: a capacity configuration.
+struct Contender {
+  std::string label;
+  parallel::CapacityConfig config;
+  double gamma = std::numeric_limits<double>::infinity();
+};
+
+std::string gamma_text(double g) {
+  if (!std::isfinite(g)) return "inf";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", g);
+  return buf;
+}
+
+// gamma = inf first (the baseline), then drop by gate at every gamma and granularity, then reroute R and
+// expanded m at the reroute gammas.
+std::vector<Contender> make_contenders(const std::vector<double>& gammas,
+                                       const std::vector<double>& reroute_gammas,
+                                       const std::vector<std::string>& granularities, std::int64_t rounds,
+                                       std::int64_t local_experts) {
+  using namespace parallel;
+  std::vector<Contender> out;
+  out.push_back({"inf", CapacityConfig{}, std::numeric_limits<double>::infinity()});
+  const auto add = [&](CapacityPolicy policy, const std::string& gran, double g) {
+    CapacityConfig c;
+    c.gamma = {g};
+    c.policy = policy;
+    const auto granularity = parse_granularity(gran);
+    if (!granularity) throw std::runtime_error("unknown granularity " + gran);
+    c.granularity = *granularity;
+    c.rounds = rounds;
+    c.local_experts = local_experts;
+    std::string label = to_string(policy);
+    if (policy == CapacityPolicy::reroute) label += " R=" + std::to_string(rounds);
+    if (policy == CapacityPolicy::expanded) label += " m=" + std::to_string(local_experts);
+    label += " " + gran + " " + gamma_text(g);
+    out.push_back({label, c, g});
+  };
+  for (const std::string& gran : granularities) {
+    for (const double g : gammas) add(CapacityPolicy::drop, gran, g);
+  }
+  for (const CapacityPolicy p : {CapacityPolicy::reroute, CapacityPolicy::expanded}) {
+    for (const std::string& gran : granularities) {
+      for (const double g : reroute_gammas) add(p, gran, g);
+    }
+  }
+  return out;
+}
+
+// What one step of one contender measured; times are the slowest rank's.
+struct StepResult {
+  double total =
+      0;  // slowest rank's scheduler + dispatch + expert + combine (model mode: sum of phase maxima)
+  double scheduler = 0, dispatch = 0, expert = 0, combine = 0;
+  double step_wall = 0;  // model mode: the whole forward step, slowest rank
+  // Per layer: largest rank load (assignments computed), over all ranks.
+  std::vector<std::int64_t> max_rank_load;
+  std::int64_t assignments = 0, dropped = 0, rerouted = 0;
+  std::int64_t wire_bytes = 0;
+};
+
+// All reps of one (domain, contender).
+struct Cell {
+  std::vector<StepResult> reps;
+};
+
+json summarize(const std::vector<std::string>& domains, const std::vector<Contender>& contenders,
+               const std::vector<std::vector<Cell>>& cells, double per_call_divisor, const json& meta) {
+  json results = json::array();
+  const auto med = [](const Cell& c, double StepResult::*f) {
+    std::vector<double> v;
+    for (const StepResult& r : c.reps) v.push_back(r.*f);
+    return median(v);
+  };
+  const auto load_sum = [](const Cell& c) {
+    const auto& l = c.reps.front().max_rank_load;
+    return std::accumulate(l.begin(), l.end(), std::int64_t{0});
+  };
+  // Per domain, then "all" (sums of the domains' medians and loads).
+  for (std::size_t d = 0; d <= domains.size(); ++d) {
+    const bool all = d == domains.size();
+    double base_t = 0;
+    double base_load = 0;
+    for (std::size_t dd = 0; dd < domains.size(); ++dd) {
+      if (!all && dd != d) continue;
+      base_t += med(cells[dd][0], &StepResult::total);
+      base_load += static_cast<double>(load_sum(cells[dd][0]));
+    }
+    for (std::size_t c = 0; c < contenders.size(); ++c) {
+      double t = 0, sched = 0, disp = 0, expert = 0, comb = 0, wall = 0, load = 0;
+      std::int64_t assignments = 0, dropped = 0, rerouted = 0, wire = 0;
+      json per_rep = json::array();
+      for (std::size_t dd = 0; dd < domains.size(); ++dd) {
+        if (!all && dd != d) continue;
+        const Cell& cell = cells[dd][c];
+        t += med(cell, &StepResult::total);
+        sched += med(cell, &StepResult::scheduler);
+        disp += med(cell, &StepResult::dispatch);
+        expert += med(cell, &StepResult::expert);
+        comb += med(cell, &StepResult::combine);
+        wall += med(cell, &StepResult::step_wall);
+        load += static_cast<double>(load_sum(cell));
+        const StepResult& first = cell.reps.front();
+        assignments += first.assignments;
+        dropped += first.dropped;
+        rerouted += first.rerouted;
+        wire += first.wire_bytes;
+        if (!all) {
+          for (const StepResult& r : cell.reps) per_rep.push_back(r.total);
+        }
+      }
+      const double speedup = base_t / t;
+      const double ideal = base_load / load;
+      json row = {{"domain", all ? "all" : domains[d]},
+                  {"config", contenders[c].label},
+                  {"policy", parallel::to_string(contenders[c].config.policy)},
+                  {"granularity", parallel::to_string(contenders[c].config.granularity)},
+                  {"gamma", std::isfinite(contenders[c].gamma) ? json(contenders[c].gamma) : json("inf")},
+                  {"layer_ms", 1e3 * t / per_call_divisor},
+                  {"scheduler_ms", 1e3 * sched / per_call_divisor},
+                  {"dispatch_ms", 1e3 * disp / per_call_divisor},
+                  {"expert_ms", 1e3 * expert / per_call_divisor},
+                  {"combine_ms", 1e3 * comb / per_call_divisor},
+                  {"measured_speedup", speedup},
+                  {"ideal_ratio", ideal},
+                  {"measured_over_ideal", speedup / ideal},
+                  {"scheduler_share", sched / t},
+                  {"dropped_fraction", static_cast<double>(dropped) / static_cast<double>(assignments)},
+                  {"rerouted_fraction", static_cast<double>(rerouted) / static_cast<double>(assignments)},
+                  {"max_rank_load_sum", load},
+                  {"assignments", assignments},
+                  {"wire_bytes", wire}};
+      if (meta.value("mode", "") == "model") row["step_ms"] = 1e3 * wall;
+      if (!all) row["rep_total_s"] = per_rep;
+      results.push_back(row);
+    }
+  }
+  return results;
+}
+
+void print_table(const json& results, const std::string& unit_note) {
+  std::printf("%-10s %-26s %10s %8s %8s %9s %7s %8s %8s\n", "domain", "config", "layer ms", "speedup",
+              "ideal", "meas/ideal", "sched%", "dropped%", "rerout%");
+  for (const json& r : results) {
+    std::printf("%-10s %-26s %10.2f %8.3f %8.3f %9.3f %6.2f%% %7.2f%% %7.2f%%\n",
+                r["domain"].get<std::string>().c_str(), r["config"].get<std::string>().c_str(),
+                r["layer_ms"].get<double>(), r["measured_speedup"].get<double>(),
+                r["ideal_ratio"].get<double>(), r["measured_over_ideal"].get<double>(),
+                100 * r["scheduler_share"].get<double>(), 100 * r["dropped_fraction"].get<double>(),
+                100 * r["rerouted_fraction"].get<double>());
+  }
+  std::printf("(%s)\n", unit_note.c_str());
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Synthetic layer.
+
+std::uint64_t mix64(std::uint64_t x) {
+  x += 0x9E3779B97F4A7C15ULL;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+  return x ^ (x >> 31);
+}
+
+// Router logits [tokens, E] whose softmax top-k follows inclusion probabilities pi (sum k, each <= 1).
+void synth_logits(std::span<const double> pi, std::int64_t tokens, std::int64_t k, std::mt19937_64& rng,
+                  std::vector<float>& logits) {
+  const auto E = static_cast<std::int64_t>(pi.size());
+  logits.resize(static_cast<std::size_t>(tokens * E));
+  std::vector<std::int32_t> perm(static_cast<std::size_t>(E));
+  std::vector<std::int32_t> chosen;
+  std::uniform_real_distribution<double> unif(0.0, 1.0);
+  std::normal_distribution<float> normal(0.0F, 1.0F);
+  std::exponential_distribution<float> gap(1.0F);
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    // Ordered systematic sampling: points u, u+1, ..., u+k-1 on the cumulative pi of the permuted experts.
+    chosen.clear();
+    const double u = unif(rng);
+    double cum = 0.0;
+    std::int64_t next = 0;
+    for (const std::int32_t e : perm) {
+      const double lo = cum;
+      cum += pi[static_cast<std::size_t>(e)];
+      if (next < k && lo <= u + static_cast<double>(next) && u + static_cast<double>(next) < cum) {
+        chosen.push_back(e);
+        ++next;
+      }
+    }
+    // Rounding at the very end of the cumulative sum: fill up with unchosen experts (practically never).
+    for (std::int64_t e = 0; static_cast<std::int64_t>(chosen.size()) < k && e < E; ++e) {
+      if (std::find(chosen.begin(), chosen.end(), e) == chosen.end())
+        chosen.push_back(static_cast<std::int32_t>(e));
+    }
+    float* row = logits.data() + t * E;
+    float top_other = -std::numeric_limits<float>::infinity();
+    for (std::int64_t e = 0; e < E; ++e) {
+      row[e] = normal(rng);
+      if (std::find(chosen.begin(), chosen.end(), e) == chosen.end()) top_other = std::max(top_other, row[e]);
+    }
+    for (const std::int32_t e : chosen) row[e] = top_other + 0.05F + gap(rng);
+  }
+}
+
+struct SyntheticLayerData {
+  runtime::Routing routing;  // this rank's tokens: probs, top-k experts and weights (pristine)
+};
+
+int run_synthetic(parallel::MpiWorld& world, parallel::MpiCommunicator& comm, const std::string& counts_path,
+                  const std::string& counts_model, std::vector<std::string> domains,
+                  std::vector<std::string> count_layers, std::int64_t tokens, std::int64_t hidden,
+                  std::int64_t ffn, int reps, int warmup, std::uint64_t seed,
+                  const std::vector<Contender>& contenders, int threads, const std::string& out_path) {
+  const int rank = world.rank();
+  const int ranks = world.size();
+  json counts_file;
+  {
+    std::ifstream in(counts_path);
+    if (!in) throw std::runtime_error("cannot open " + counts_path);
+    in >> counts_file;
+  }
+  const json& ec = counts_file.at(counts_model).at("expert_counts");
+  if (domains.empty()) {
+    for (const auto& [name, _] : ec.items()) domains.push_back(name);
+  }
+  if (count_layers.empty()) {
+    for (const auto& [name, _] : ec.at(domains.front()).items()) count_layers.push_back(name);
+    std::sort(count_layers.begin(), count_layers.end(),
+              [](const std::string& a, const std::string& b) { return std::stoi(a) < std::stoi(b); });
+  }
+  const auto E = static_cast<std::int64_t>(ec.at(domains.front()).at(count_layers.front()).size());
+  const std::int64_t k = counts_model.find("olmoe") != std::string::npos ? 8 : 2;
+  const auto L = static_cast<std::int64_t>(count_layers.size());
+
+  // Placement: contiguous, the same on every layer; the layers share one set of expert weights (each rank
+  // allocates only its own experts).
+  const parallel::ExpertPlacement placement = parallel::ExpertPlacement::contiguous(L, E, ranks);
+  const std::span<const std::int32_t> local = placement.local_experts(0, rank);
+  const auto n_local = static_cast<std::int64_t>(local.size());
+  const std::int64_t per_matrix = ffn * hidden;
+  std::vector<std::uint16_t> weight_store(static_cast<std::size_t>(n_local * 3 * per_matrix));
+  {
+    // bf16 of uniform(-a, a), a = sqrt(3 / hidden) (unit-variance outputs for unit-variance inputs).
+    const float a = std::sqrt(3.0F / static_cast<float>(hidden));
+    std::uint64_t s = mix64(seed ^ (0xABCDULL + static_cast<std::uint64_t>(rank)));
+    for (std::uint16_t& w : weight_store) {
+      s = mix64(s);
+      const float u = static_cast<float>(s >> 40) * (1.0F / 16777216.0F);
+      w = static_cast<std::uint16_t>(std::bit_cast<std::uint32_t>(a * (2.0F * u - 1.0F)) >> 16);
+    }
+  }
+  std::vector<kernels::ExpertWeights> local_weights;
+  for (std::int64_t i = 0; i < n_local; ++i) {
+    const auto* base = reinterpret_cast<const std::byte*>(weight_store.data() + i * 3 * per_matrix);
+    const std::size_t mat_bytes = static_cast<std::size_t>(per_matrix) * 2;
+    local_weights.push_back({{kernels::DType::bf16, base, ffn, hidden},
+                             {kernels::DType::bf16, base + mat_bytes, ffn, hidden},
+                             {kernels::DType::bf16, base + 2 * mat_bytes, hidden, ffn}});
+  }
+
+  // Routing of this rank's tokens per (domain, layer), fixed for the run; random hidden states.
+  std::vector<std::vector<SyntheticLayerData>> data(domains.size());
+  std::vector<float> logits;
+  for (std::size_t d = 0; d < domains.size(); ++d) {
+    for (std::int64_t l = 0; l < L; ++l) {
+      const json& c = ec.at(domains[d]).at(count_layers[static_cast<std::size_t>(l)]);
+      std::vector<double> pi(static_cast<std::size_t>(E));
+      double total = 0;
+      for (std::int64_t e = 0; e < E; ++e) total += c.at(static_cast<std::size_t>(e)).get<double>();
+      for (std::int64_t e = 0; e < E; ++e)
+        pi[static_cast<std::size_t>(e)] =
+            std::min(1.0, static_cast<double>(k) * c.at(static_cast<std::size_t>(e)).get<double>() / total);
+      std::mt19937_64 rng(mix64(seed ^ mix64(d * 1000 + static_cast<std::uint64_t>(l) * 10 +
+                                             static_cast<std::uint64_t>(rank) * 7919 + 1)));
+      synth_logits(pi, tokens, k, rng, logits);
+      SyntheticLayerData layer;
+      runtime::route_softmax_topk(logits, tokens, E, k, false, layer.routing);
+      data[d].push_back(std::move(layer));
+    }
+  }
+  std::vector<float> h(static_cast<std::size_t>(tokens * hidden));
+  {
+    std::mt19937_64 rng(mix64(seed + 17 + static_cast<std::uint64_t>(rank)));
+    std::normal_distribution<float> normal(0.0F, 1.0F);
+    for (float& v : h) v = normal(rng);
+  }
+  std::vector<float> out(static_cast<std::size_t>(tokens * hidden));
+
+  kernels::cpu::CpuBackend backend(threads);
+  parallel::TokenDispatcher dispatcher(comm);
+  std::vector<std::unique_ptr<parallel::CapacityScheduler>> schedulers;
+  for (const Contender& c : contenders) {
+    if (const std::string why = c.config.validate(L); !why.empty()) throw std::runtime_error(why);
+    schedulers.push_back(std::make_unique<parallel::CapacityScheduler>(c.config, comm));
+  }
+
+  // Work copies of the routing (the scheduler edits it in place).
+  const auto slots = static_cast<std::size_t>(tokens * k);
+  std::vector<std::vector<std::int32_t>> experts(static_cast<std::size_t>(L));
+  std::vector<std::vector<float>> weights(static_cast<std::size_t>(L));
+  std::vector<parallel::SlotStatus> status(slots);
+  std::vector<std::int64_t> loads(static_cast<std::size_t>(L * E));
+  std::vector<double> times(6);
+  std::vector<std::int64_t> sums(4);
+
+  const auto run_step = [&](std::size_t d, std::size_t c) {
+    for (std::int64_t l = 0; l < L; ++l) {
+      const runtime::Routing& r = data[d][static_cast<std::size_t>(l)].routing;
+      experts[static_cast<std::size_t>(l)] = r.experts;
+      weights[static_cast<std::size_t>(l)] = r.weights;
+    }
+    parallel::CapacityScheduler& sched = *schedulers[c];
+    std::int64_t dropped = 0, rerouted = 0, wire = 0;
+    double t_sched = 0, t_disp = 0, t_exp = 0, t_comb = 0;
+    world.barrier();
+    const auto t0 = Clock::now();
+    sched.begin_step(tokens);
+    t_sched += seconds_since(t0);
+    for (std::int64_t l = 0; l < L; ++l) {
+      const auto li = static_cast<std::size_t>(l);
+      const runtime::Routing& r = data[d][li].routing;
+      parallel::LayerRouting routing{tokens,      k,      E,  r.probs, experts[li],
+                                     weights[li], status, {}, false,   1.0F};
+      const auto ts = Clock::now();
+      const parallel::LayerCounts counts = sched.apply(l, placement, routing);
+      t_sched += seconds_since(ts);
+      const parallel::LayerExperts layer{placement.owners(l), placement.local_index(l), local_weights};
+      dispatcher.run(h, tokens, hidden, k, experts[li], weights[li], layer, backend, out);
+      const parallel::DispatchCounters& m = dispatcher.counters();
+      t_disp += m.dispatch_seconds;
+      t_exp += m.expert_seconds;
+      t_comb += m.combine_seconds;
+      wire += m.wire_bytes;
+      dropped += counts.dropped;
+      rerouted += counts.rerouted;
+    }
+    const double total = seconds_since(t0);
+    // Outside the timed region: slowest rank's times, global loads and counts.
+    times = {total, t_sched, t_disp, t_exp, t_comb, 0.0};
+    comm.allreduce_max(times);
+    std::fill(loads.begin(), loads.end(), 0);
+    for (std::int64_t l = 0; l < L; ++l) {
+      for (const std::int32_t e : experts[static_cast<std::size_t>(l)]) {
+        if (e >= 0) ++loads[static_cast<std::size_t>(l * E + e)];
+      }
+    }
+    comm.allreduce_sum(loads);
+    sums = {tokens * k * L, dropped, rerouted, wire};
+    comm.allreduce_sum(sums);
+    StepResult res;
+    res.total = times[0];
+    res.scheduler = times[1];
+    res.dispatch = times[2];
+    res.expert = times[3];
+    res.combine = times[4];
+    res.assignments = sums[0];
+    res.dropped = sums[1];
+    res.rerouted = sums[2];
+    res.wire_bytes = sums[3];
+    for (std::int64_t l = 0; l < L; ++l) {
+      std::vector<std::int64_t> rank_load(static_cast<std::size_t>(ranks), 0);
+      const auto owners = placement.owners(l);
+      for (std::int64_t e = 0; e < E; ++e)
+        rank_load[static_cast<std::size_t>(owners[static_cast<std::size_t>(e)])] +=
+            loads[static_cast<std::size_t>(l * E + e)];
+      res.max_rank_load.push_back(*std::max_element(rank_load.begin(), rank_load.end()));
+    }
+    return res;
+  };
+
+  // Warm-up: every contender once on the first domain (pages in the weights, grows every buffer).
+  for (int w = 0; w < warmup; ++w) {
+    for (std::size_t c = 0; c < contenders.size(); ++c) (void)run_step(0, c);
+  }
+  std::vector<std::vector<Cell>> cells(domains.size(), std::vector<Cell>(contenders.size()));
+  const auto t_run = Clock::now();
+  for (int rep = 0; rep < reps; ++rep) {
+    for (std::size_t d = 0; d < domains.size(); ++d) {
+      // Round-robin over the contenders, starting one further each repetition.
+      for (std::size_t i = 0; i < contenders.size(); ++i) {
+        const std::size_t c = (i + static_cast<std::size_t>(rep)) % contenders.size();
+        cells[d][c].reps.push_back(run_step(d, c));
+      }
+      if (rank == 0) {
+        std::fprintf(stderr, "rep %d/%d domain %s done (%.0f s)\n", rep + 1, reps, domains[d].c_str(),
+                     seconds_since(t_run));
+      }
+    }
+  }
+
+  if (rank != 0) return 0;
+  json meta = {{"mode", "synthetic"},
+               {"ranks", ranks},
+               {"threads_per_rank", threads},
+               {"experts", E},
+               {"top_k", k},
+               {"hidden", hidden},
+               {"expert_ffn", ffn},
+               {"tokens_per_rank", tokens},
+               {"count_layers", count_layers},
+               {"domains", domains},
+               {"counts_file", counts_path},
+               {"counts_model", counts_model},
+               {"reps", reps},
+               {"warmup", warmup},
+               {"placement", "contiguous"},
+               {"scope", "global"},
+               {"score", "gate"},
+               {"weights", "bf16, random, one set shared by the layer calls"}};
+  const json results = summarize(domains, contenders, cells, static_cast<double>(L), meta);
+  print_table(results,
+              "layer ms = slowest rank's scheduler+dispatch+expert+combine per layer call, median of " +
+                  std::to_string(reps) +
+                  " reps; speedup = t(inf)/t(config); ideal = max rank load "
+                  "before / after");
+  json doc = {{"meta", meta}, {"results", results}};
+  if (!out_path.empty()) {
+    std::ofstream f(out_path);
+    f << doc.dump(1) << "\n";
+  }
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Default model on corpus bursts.
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw runtime::LoadError("cannot open " + path);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+// The held-out tail of a corpus file (the protocol of tools/measure_default_model.py).
+std::string heldout_text(const std::string& data, double fraction) {
+  const auto cut = static_cast<std::size_t>(std::floor(static_cast<double>(data.size()) * (1.0 - fraction)));
+  const std::size_t nl = data.find('\n', cut);
+  return nl == std::string::npos ? std::string() : data.substr(nl + 1);
+}
+
+int run_model(parallel::MpiWorld& world, parallel::MpiCommunicator& comm, const std::string& model_dir,
+              const std::string& corpus_dir, const std::vector<std::string>& domains, int windows_per_rank,
+              int window, int reps, int warmup, const std::vector<Contender>& contenders, int threads,
+              const std::string& out_path) {
+  const int rank = world.rank();
+  const int ranks = world.size();
+  std::vector<std::unique_ptr<runtime::Model>> models;
+  for (const Contender& c : contenders) {
+    runtime::ParallelOptions options;
+    options.capacity = c.config;
+    models.push_back(runtime::Model::load(model_dir, comm, options));
+  }
+  kernels::cpu::CpuBackend backend(threads);
+  runtime::EngineOptions engine_options;
+  engine_options.kv_blocks = windows_per_rank * ((window + 1) / engine_options.kv_block_size + 2);
+  std::vector<std::unique_ptr<runtime::Engine>> engines;
+  for (auto& m : models) engines.push_back(std::make_unique<runtime::Engine>(*m, backend, engine_options));
+
+  // Each rank's burst of a domain: windows [rank * W, (rank + 1) * W) of the held-out text.
+  const runtime::Tokenizer tokenizer = runtime::Tokenizer::load(model_dir);
+  std::vector<std::vector<std::vector<std::int32_t>>> bursts;
+  for (const std::string& domain : domains) {
+    const std::string text = heldout_text(read_text(corpus_dir + "/" + domain + ".txt"), 0.05);
+    std::vector<std::int32_t> ids;
+    if (auto s = tokenizer.encode(text, false, ids); !s.ok())
+      throw std::runtime_error(domain + ": " + s.message());
+    const std::int64_t available = static_cast<std::int64_t>(ids.size()) / window;
+    if (available < static_cast<std::int64_t>(windows_per_rank) * ranks)
+      throw std::runtime_error(domain + ": too few held-out windows");
+    std::vector<std::vector<std::int32_t>> burst;
+    for (int w = 0; w < windows_per_rank; ++w) {
+      const std::int64_t j = static_cast<std::int64_t>(rank) * windows_per_rank + w;
+      std::vector<std::int32_t> in{0};
+      in.insert(in.end(), ids.begin() + j * window, ids.begin() + (j + 1) * window);
+      burst.push_back(std::move(in));
+    }
+    bursts.push_back(std::move(burst));
+  }
+
+  runtime::SequenceId next_id = 1;
+  std::vector<double> wall(1);
+  const auto run_step = [&](std::size_t d, std::size_t c) {
+    std::vector<runtime::Engine::Work> work;
+    for (const auto& in : bursts[d]) work.push_back({next_id++, in, false});
+    world.barrier();
+    const auto t0 = Clock::now();
+    if (auto s = engines[c]->step(work); !s.ok()) throw std::runtime_error(s.message());
+    wall[0] = seconds_since(t0);
+    for (const auto& w : work) engines[c]->release(w.seq);
+    comm.allreduce_max(wall);
+    StepResult res;
+    res.step_wall = wall[0];
+    for (const parallel::MoeLayerStats& s : models[c]->last_moe_stats().layers) {
+      res.scheduler += s.scheduler_seconds;
+      res.dispatch += s.dispatch_seconds;
+      res.expert += s.expert_seconds;
+      res.combine += s.combine_seconds;
+      res.assignments += s.assignments;
+      res.dropped += s.dropped;
+      res.rerouted += s.rerouted;
+      res.wire_bytes += s.wire_bytes;
+      res.max_rank_load.push_back(*std::max_element(s.rank_load.begin(), s.rank_load.end()));
+    }
+    res.total = res.scheduler + res.dispatch + res.expert + res.combine;
+    return res;
+  };
+
+  for (int w = 0; w < warmup; ++w) {
+    for (std::size_t c = 0; c < contenders.size(); ++c) (void)run_step(0, c);
+  }
+  std::vector<std::vector<Cell>> cells(domains.size(), std::vector<Cell>(contenders.size()));
+  for (int rep = 0; rep < reps; ++rep) {
+    for (std::size_t d = 0; d < domains.size(); ++d) {
+      for (std::size_t i = 0; i < contenders.size(); ++i) {
+        const std::size_t c = (i + static_cast<std::size_t>(rep)) % contenders.size();
+        cells[d][c].reps.push_back(run_step(d, c));
+      }
+    }
+  }
+
+  if (rank != 0) return 0;
+  const runtime::ModelConfig& mc = models.front()->config();
+  const auto moe_layers = static_cast<double>(models.front()->last_moe_stats().layers.size());
+  json meta = {{"mode", "model"},
+               {"model", model_dir},
+               {"ranks", ranks},
+               {"threads_per_rank", threads},
+               {"experts", mc.num_experts},
+               {"top_k", mc.top_k},
+               {"hidden", mc.hidden_size},
+               {"moe_layers", moe_layers},
+               {"windows_per_rank", windows_per_rank},
+               {"window_tokens", window + 1},
+               {"tokens_per_rank", windows_per_rank * (window + 1)},
+               {"domains", domains},
+               {"corpus", corpus_dir},
+               {"reps", reps},
+               {"warmup", warmup},
+               {"placement", models.front()->placement().kind()},
+               {"scope", "global"},
+               {"score", "gate"}};
+  const json results = summarize(domains, contenders, cells, moe_layers, meta);
+  print_table(results,
+              "layer ms = sum over phases of the slowest rank's time (last_moe_stats), per MoE layer, "
+              "median of " +
+                  std::to_string(reps) + " reps");
+  json doc = {{"meta", meta}, {"results", results}};
+  if (!out_path.empty()) {
+    std::ofstream f(out_path);
+    f << doc.dump(1) << "\n";
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::optional<parallel::MpiWorld> world;
+  try {
+    world.emplace(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "capserve-bench-moe-layer: %s\n", e.what());
+    return 1;
+  }
+  CLI::App app{"MoE layer time (scheduler + dispatch + experts + combine, slowest rank) vs capacity factor"};
+  std::string mode = "synthetic";
+  std::string out_path;
+  int threads = 1;
+  int reps = 5;
+  int warmup = 1;
+  std::uint64_t seed = 1;
+  std::vector<double> gammas = {3, 2, 1.5, 1.25, 1};
+  std::vector<double> reroute_gammas = {1.25, 1};
+  std::vector<std::string> granularities = {"expert", "device"};
+  std::int64_t rounds = 1;
+  std::int64_t local_experts = 1;
+  // synthetic
+  std::string counts_path = "../shared/data/routing/olmoe_mixtral_expert_counts.json";
+  std::string counts_model = "olmoe";
+  std::vector<std::string> domains;
+  std::vector<std::string> count_layers;
+  std::int64_t tokens = 512;
+  std::int64_t hidden = 2048;
+  std::int64_t ffn = 1024;
+  // model
+  std::string model_dir = "deploy/models/capserve-moe-tiny";
+  std::string corpus_dir = "../shared/data/corpus";
+  int windows_per_rank = 4;
+  int window = 255;
+
+  app.add_option("--mode", mode, "synthetic | model")->check(CLI::IsMember({"synthetic", "model"}));
+  app.add_option("--out", out_path, "JSON results (rank 0)");
+  app.add_option("--threads", threads, "CPU threads per rank")->check(CLI::PositiveNumber);
+  app.add_option("--reps", reps, "measured repetitions (median)")->check(CLI::PositiveNumber);
+  app.add_option("--warmup", warmup, "warm-up passes over the contenders")->check(CLI::NonNegativeNumber);
+  app.add_option("--seed", seed);
+  app.add_option("--gammas", gammas, "drop gammas (besides inf)")->delimiter(',');
+  app.add_option("--reroute-gammas", reroute_gammas, "gammas for reroute and expanded")->delimiter(',');
+  app.add_option("--granularities", granularities, "expert,device")->delimiter(',');
+  app.add_option("--rounds", rounds, "reroute rounds R")->check(CLI::PositiveNumber);
+  app.add_option("--local-experts", local_experts, "expanded m")->check(CLI::PositiveNumber);
+  app.add_option("--counts", counts_path, "routing counts JSON")->check(CLI::ExistingFile);
+  app.add_option("--counts-model", counts_model, "model key in the counts file");
+  app.add_option("--domains", domains, "domains (default: all in the counts file / the five corpus domains)")
+      ->delimiter(',');
+  app.add_option("--count-layers", count_layers, "count-file layers, one layer call each (default all)")
+      ->delimiter(',');
+  app.add_option("--tokens", tokens, "synthetic: tokens per rank per step")->check(CLI::PositiveNumber);
+  app.add_option("--hidden", hidden)->check(CLI::PositiveNumber);
+  app.add_option("--ffn", ffn, "expert FFN width")->check(CLI::PositiveNumber);
+  app.add_option("--model", model_dir)->check(CLI::ExistingDirectory);
+  app.add_option("--corpus", corpus_dir)->check(CLI::ExistingDirectory);
+  app.add_option("--windows-per-rank", windows_per_rank)->check(CLI::PositiveNumber);
+  app.add_option("--window", window, "text tokens per window (after one <|endoftext|>)")
+      ->check(CLI::PositiveNumber);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return world->rank() == 0 ? app.exit(e) : (e.get_exit_code() == 0 ? 0 : 2);
+  }
+
+  try {
+    parallel::MpiCommunicator comm;
+    const std::vector<Contender> contenders =
+        make_contenders(gammas, reroute_gammas, granularities, rounds, local_experts);
+    if (mode == "synthetic") {
+      return run_synthetic(*world, comm, counts_path, counts_model, domains, count_layers, tokens, hidden,
+                           ffn, reps, warmup, seed, contenders, threads, out_path);
+    }
+    if (domains.empty()) domains = {"arxiv", "books", "code", "web", "wikipedia"};
+    return run_model(*world, comm, model_dir, corpus_dir, domains, windows_per_rank, window, reps, warmup,
+                     contenders, threads, out_path);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "capserve-bench-moe-layer: rank %d: %s\n", world->rank(), e.what());
+    world->abort(1);
+  }
+}
