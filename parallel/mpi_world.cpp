@@ -1,12 +1,14 @@
 #include "parallel/mpi_world.h"
 
 #include <algorithm>
+#include <chrono>
 #include <climits>
 #include <cstdint>
 #include <cstdlib>
 #include <exception>
 #include <stdexcept>
 #include <string>
+#include <thread>
 
 namespace capserve::parallel {
 namespace {
@@ -96,7 +98,19 @@ void MpiWorld::check_root(int root) const {
 void MpiWorld::broadcast(std::vector<std::byte>& bytes, int root) {
   check_root(root);
   std::uint64_t n = rank_ == root ? bytes.size() : 0;
-  check(MPI_Bcast(&n, 1, MPI_UINT64_T, root, control_), "MPI_Bcast (size)");
+  // The size goes out non-blocking and the receivers poll with growing sleeps: a server's idle ranks wait here
+  // for the next step plan, and a blocking broadcast would spin a core at 100% the whole time.
+  MPI_Request request = MPI_REQUEST_NULL;
+  check(MPI_Ibcast(&n, 1, MPI_UINT64_T, root, control_, &request), "MPI_Ibcast (size)");
+  const auto started = std::chrono::steady_clock::now();
+  for (int done = 0;;) {
+    check(MPI_Test(&request, &done, MPI_STATUS_IGNORE), "MPI_Test");
+    if (done != 0) break;
+    const auto waited = std::chrono::steady_clock::now() - started;
+    if (waited > std::chrono::microseconds(200)) {
+      std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(waited / 8, std::chrono::microseconds(500)));
+    }
+  }
   if (rank_ != root) bytes.resize(static_cast<std::size_t>(n));
   for (std::size_t off = 0; off < bytes.size(); off += kBroadcastChunk) {
     const std::size_t len = std::min(kBroadcastChunk, bytes.size() - off);

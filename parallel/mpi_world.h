@@ -36,6 +36,7 @@ class MpiWorld {
   [[nodiscard]] int thread_level() const { return thread_level_; }
 
   // Root's bytes to every rank: on the others `bytes` is resized and overwritten. Any size (sent in chunks).
+  // The receivers wait without spinning a core (polling with short sleeps).
   void broadcast(std::vector<std::byte>& bytes, int root);
   // Every rank's bytes (sizes may differ, may be empty) to root: result[r] is rank r's `mine` on root, and
   // empty on the other ranks. Throws std::length_error on every rank when the total exceeds INT_MAX bytes.

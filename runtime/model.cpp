@@ -24,7 +24,7 @@ void grow(std::vector<T>& v, std::int64_t n) {
   if (static_cast<std::int64_t>(v.size()) < n) v.resize(static_cast<std::size_t>(n));
 }
 
-std::vector<std::int64_t> moe_layers(const ModelConfig& config) {
+std::vector<std::int64_t> moe_layer_indices(const ModelConfig& config) {
   std::vector<std::int64_t> layers;
   for (std::int64_t l = 0; l < config.num_layers; ++l) {
     if (config.layer_is_moe[static_cast<std::size_t>(l)]) layers.push_back(l);
@@ -79,10 +79,34 @@ Model::Model(ModelConfig config, Checkpoint checkpoint, const TensorNames& names
       rope_(config_.head_dim, config_.rope_theta, config_.rope_scaling),
       scheduler_(options.capacity, comm),
       dispatcher_(comm),
-      stats_(moe_layers(config_), config_.num_experts, comm.size()),
+      stats_(moe_layer_indices(config_), config_.num_experts, comm.size()),
+      moe_layers_(moe_layer_indices(config_)),
       moe_index_(static_cast<std::size_t>(config_.num_layers), -1) {
   std::int64_t i = 0;
-  for (const std::int64_t l : moe_layers(config_)) moe_index_[static_cast<std::size_t>(l)] = i++;
+  for (const std::int64_t l : moe_layers_) moe_index_[static_cast<std::size_t>(l)] = i++;
+}
+
+void Model::router_dry_run(std::span<const std::int32_t> tokens, std::int64_t layers, kernels::Backend& backend,
+                           std::span<std::int64_t> counts) {
+  const auto rows = static_cast<std::int64_t>(tokens.size());
+  const std::int64_t hidden = config_.hidden_size;
+  const std::int64_t experts = config_.num_experts;
+  DryRunScratch& s = dry_run_;
+  grow(s.embedded, rows * hidden);
+  grow(s.normed, rows * hidden);
+  grow(s.logits, rows * experts);
+  const std::span<float> embedded(s.embedded.data(), static_cast<std::size_t>(rows * hidden));
+  const std::span<float> normed(s.normed.data(), static_cast<std::size_t>(rows * hidden));
+  const std::span<float> logits(s.logits.data(), static_cast<std::size_t>(rows * experts));
+  backend.embedding(tokens, weights_.embed, embedded);
+  const std::int64_t n = std::min<std::int64_t>(layers, static_cast<std::int64_t>(moe_layers_.size()));
+  for (std::int64_t i = 0; i < n; ++i) {
+    const LayerWeights& lw = weights_.layers[static_cast<std::size_t>(moe_layers_[static_cast<std::size_t>(i)])];
+    backend.rms_norm(embedded, hidden, lw.post_attention_norm, static_cast<float>(config_.rms_norm_eps), normed);
+    backend.linear(normed, rows, lw.moe.router, {}, logits);
+    route_softmax_topk(logits, rows, experts, config_.top_k, config_.norm_topk_prob, s.routing);
+    for (const std::int32_t e : s.routing.experts) ++counts[static_cast<std::size_t>(i * experts + e)];
+  }
 }
 
 void Model::forward(const ForwardBatch& batch, KvCache& cache, kernels::Backend& backend,

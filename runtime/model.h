@@ -57,6 +57,13 @@ class Model {
 
   // The last forward's MoE statistics over all ranks, one entry per MoE layer.
   [[nodiscard]] const parallel::MoeStepStats& last_moe_stats() const { return stats_.step(); }
+  // Router dry run for batch selection: each token's embedding through the first `layers` MoE layers'
+  // post-attention RMSNorm and router to its top-k, no attention, no experts, no collective; adds the chosen
+  // experts' counts into counts [layers, num_experts]. Not thread-safe with forward (one engine thread).
+  void router_dry_run(std::span<const std::int32_t> tokens, std::int64_t layers, kernels::Backend& backend,
+                      std::span<std::int64_t> counts);
+  [[nodiscard]] std::span<const std::int64_t> moe_layers() const { return moe_layers_; }
+
   // Every forward's statistics so far, summed (for --moe-stats and reports).
   [[nodiscard]] const parallel::RunStats& run_stats() const { return run_stats_; }
   // Per row of the last forward's batch: assignment slots dropped / rerouted, summed over layers.
@@ -89,6 +96,7 @@ class Model {
   parallel::TokenDispatcher dispatcher_;
   parallel::StepStatsRecorder stats_;
   parallel::RunStats run_stats_;
+  std::vector<std::int64_t> moe_layers_;  // indices of the MoE layers
   std::vector<std::int64_t> moe_index_;  // per layer: its index among the MoE layers, -1 for dense
   std::vector<std::uint8_t> exempt_;     // [rows]: rows the capacity scheduler may not drop this step
   std::vector<std::int32_t> row_dropped_, row_rerouted_;
@@ -98,6 +106,10 @@ class Model {
     std::vector<float> residual, normed, q, k, v, attn, proj, cos, sin, final_rows;
     MoeScratch moe;
   } scratch_;
+  struct DryRunScratch {
+    std::vector<float> embedded, normed, logits;
+    Routing routing;
+  } dry_run_;
 };
 
 }  // namespace capserve::runtime

@@ -1,0 +1,279 @@
+#include "server/inference_service.h"
+
+#include <cmath>
+
+namespace capserve::server {
+namespace {
+
+namespace v1 = capserve::v1;
+
+grpc::Status invalid(const std::string& message) {
+  return {grpc::StatusCode::INVALID_ARGUMENT, message};
+}
+
+Clock::time_point steady_deadline(const grpc::ServerContext& context) {
+  const auto deadline = context.deadline();
+  if (deadline == std::chrono::system_clock::time_point::max()) return Clock::time_point::max();
+  const auto left = deadline - std::chrono::system_clock::now();
+  if (left > std::chrono::hours(24 * 365)) return Clock::time_point::max();
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(left);
+}
+
+// The gRPC status of a terminal event (OK for a normal completion).
+grpc::Status status_of(const RequestEvent& e) {
+  switch (*e.terminal) {
+    case Terminal::ok_stop:
+    case Terminal::ok_length:
+      return grpc::Status::OK;
+    case Terminal::cancelled:
+      return {grpc::StatusCode::CANCELLED, e.message.empty() ? "cancelled" : e.message};
+    case Terminal::deadline_exceeded:
+      return {grpc::StatusCode::DEADLINE_EXCEEDED, e.message};
+    case Terminal::unavailable:
+      return {grpc::StatusCode::UNAVAILABLE, e.message};
+    case Terminal::invalid_argument:
+      return {grpc::StatusCode::INVALID_ARGUMENT, e.message};
+    case Terminal::internal:
+      return {grpc::StatusCode::INTERNAL, e.message};
+  }
+  return {grpc::StatusCode::INTERNAL, "unknown terminal state"};
+}
+
+v1::FinishReason finish_reason(Terminal t) {
+  return t == Terminal::ok_stop ? v1::FINISH_REASON_STOP : v1::FINISH_REASON_LENGTH;
+}
+
+template <typename Message>
+void fill_final(const RequestEvent& e, Message& m) {
+  m.set_finish_reason(finish_reason(*e.terminal));
+  m.mutable_usage()->set_prompt_tokens(e.prompt_tokens);
+  m.mutable_usage()->set_completion_tokens(e.completion_tokens);
+  m.mutable_moe()->set_assignments(e.moe_assignments);
+  m.mutable_moe()->set_dropped(e.moe_dropped);
+  m.mutable_moe()->set_rerouted(e.moe_rerouted);
+}
+
+}  // namespace
+
+InferenceService::InferenceService(Scheduler& scheduler, const runtime::Tokenizer* tokenizer,
+                                   std::optional<runtime::ChatTemplate> chat_template, ServiceLimits limits,
+                                   v1::ServerInfo info, ServerMetrics* metrics)
+    : scheduler_(scheduler),
+      tokenizer_(tokenizer),
+      chat_template_(std::move(chat_template)),
+      limits_(std::move(limits)),
+      info_(std::move(info)),
+      metrics_(metrics) {}
+
+grpc::Status InferenceService::refuse(grpc::StatusCode code, const std::string& message) {
+  if (metrics_ != nullptr) {
+    static const char* const names[] = {
+        "OK",        "CANCELLED",      "UNKNOWN",           "INVALID_ARGUMENT",   "DEADLINE_EXCEEDED",
+        "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+        "ABORTED",   "OUT_OF_RANGE",   "UNIMPLEMENTED",     "INTERNAL",           "UNAVAILABLE",
+        "DATA_LOSS", "UNAUTHENTICATED"};
+    const auto i = static_cast<std::size_t>(code);
+    metrics_->count_error(i < std::size(names) ? names[i] : "UNKNOWN");
+  }
+  return {code, message};
+}
+
+grpc::Status InferenceService::check_sampling(const v1::SamplingOptions& s, std::int64_t prompt_tokens,
+                                              bool text, runtime::SamplingParams& params,
+                                              std::vector<std::string>& stops) const {
+  if (!std::isfinite(s.temperature()) || s.temperature() < 0)
+    return invalid("sampling.temperature: must be a finite number >= 0 (0 is greedy), got " +
+                   std::to_string(s.temperature()));
+  if (!std::isfinite(s.top_p()) || s.top_p() < 0 || s.top_p() > 1)
+    return invalid("sampling.top_p: must be in [0, 1] (0 or 1: off), got " + std::to_string(s.top_p()));
+  if (s.top_k() > static_cast<std::uint32_t>(limits_.vocab_size))
+    return invalid("sampling.top_k: " + std::to_string(s.top_k()) + " exceeds the vocabulary size " +
+                   std::to_string(limits_.vocab_size));
+  const std::int64_t max_tokens = s.max_tokens() == 0 ? limits_.default_max_tokens : s.max_tokens();
+  if (max_tokens > limits_.max_tokens_limit)
+    return invalid("sampling.max_tokens: " + std::to_string(max_tokens) + " exceeds the limit " +
+                   std::to_string(limits_.max_tokens_limit));
+  if (prompt_tokens + 1 > limits_.max_context)
+    return invalid("prompt: " + std::to_string(prompt_tokens) +
+                   " tokens leave no room to generate within the context length " +
+                   std::to_string(limits_.max_context));
+  if (!text && s.stop_size() > 0)
+    return invalid("sampling.stop: stop strings need text output; use stop_token_ids");
+  if (s.stop_size() > limits_.max_stop_strings)
+    return invalid("sampling.stop: " + std::to_string(s.stop_size()) + " stop strings exceed the limit " +
+                   std::to_string(limits_.max_stop_strings));
+  for (int i = 0; i < s.stop_size(); ++i) {
+    const std::string& stop = s.stop(i);
+    if (stop.empty() || static_cast<std::int64_t>(stop.size()) > limits_.max_stop_length)
+      return invalid("sampling.stop[" + std::to_string(i) + "]: must be 1.." +
+                     std::to_string(limits_.max_stop_length) + " bytes");
+    stops.push_back(stop);
+  }
+  for (const std::int32_t id : s.stop_token_ids()) {
+    if (id < 0 || id >= limits_.vocab_size)
+      return invalid("sampling.stop_token_ids: " + std::to_string(id) + " is outside the vocabulary [0, " +
+                     std::to_string(limits_.vocab_size) + ")");
+  }
+  params.temperature = s.temperature();
+  params.top_p = s.top_p() == 0 ? 1.0F : s.top_p();
+  params.top_k = static_cast<std::int32_t>(s.top_k());
+  params.seed = s.seed();
+  params.max_new_tokens = std::min(max_tokens, limits_.max_context - prompt_tokens);
+  params.stop_token_ids.assign(s.stop_token_ids().begin(), s.stop_token_ids().end());
+  if (!s.ignore_eos())
+    params.stop_token_ids.insert(params.stop_token_ids.end(), limits_.eos_token_ids.begin(),
+                                 limits_.eos_token_ids.end());
+  return grpc::Status::OK;
+}
+
+grpc::Status InferenceService::make_chat(grpc::ServerContext* context, const v1::ChatRequest& request,
+                                         std::shared_ptr<Request>& out) {
+  if (!request.model().empty() && request.model() != limits_.model_id)
+    return invalid("model: unknown model '" + request.model() + "'; this server serves '" + limits_.model_id +
+                   "'");
+  if (tokenizer_ == nullptr || !chat_template_)
+    return {grpc::StatusCode::FAILED_PRECONDITION,
+            "this model has no tokenizer or chat template; use Generate"};
+  if (request.messages().empty()) return invalid("messages: at least one message is required");
+  std::vector<runtime::ChatMessage> messages;
+  for (int i = 0; i < request.messages_size(); ++i) {
+    const v1::ChatMessage& m = request.messages(i);
+    if (m.role() != "system" && m.role() != "user" && m.role() != "assistant")
+      return invalid("messages[" + std::to_string(i) + "].role: '" + m.role() +
+                     "' is not system, user or assistant");
+    messages.push_back({m.role(), m.content()});
+  }
+  std::string text;
+  if (runtime::Status s = chat_template_->render(messages, true, text); !s.ok())
+    return invalid("messages: " + s.message());
+  std::vector<std::int32_t> ids;
+  if (runtime::Status s = tokenizer_->encode(text, false, ids); !s.ok())
+    return invalid("messages: " + s.message());
+  runtime::SamplingParams params;
+  std::vector<std::string> stops;
+  if (grpc::Status s =
+          check_sampling(request.sampling(), static_cast<std::int64_t>(ids.size()), true, params, stops);
+      !s.ok())
+    return s;
+  std::string id =
+      request.request_id().empty() ? "req-" + std::to_string(next_request_++) : request.request_id();
+  out = std::make_shared<Request>(std::move(id), std::move(ids), std::move(params), std::move(stops), true,
+                                  steady_deadline(*context));
+  return grpc::Status::OK;
+}
+
+grpc::Status InferenceService::make_generate(grpc::ServerContext* context, const v1::GenerateRequest& request,
+                                             std::shared_ptr<Request>& out) {
+  if (!request.model().empty() && request.model() != limits_.model_id)
+    return invalid("model: unknown model '" + request.model() + "'; this server serves '" + limits_.model_id +
+                   "'");
+  if (request.input_ids().empty()) return invalid("input_ids: at least one token id is required");
+  for (int i = 0; i < request.input_ids_size(); ++i) {
+    const std::int32_t t = request.input_ids(i);
+    if (t < 0 || t >= limits_.vocab_size)
+      return invalid("input_ids[" + std::to_string(i) + "]: " + std::to_string(t) +
+                     " is outside the vocabulary [0, " + std::to_string(limits_.vocab_size) + ")");
+  }
+  std::vector<std::int32_t> ids(request.input_ids().begin(), request.input_ids().end());
+  runtime::SamplingParams params;
+  std::vector<std::string> stops;
+  if (grpc::Status s =
+          check_sampling(request.sampling(), static_cast<std::int64_t>(ids.size()), false, params, stops);
+      !s.ok())
+    return s;
+  std::string id =
+      request.request_id().empty() ? "req-" + std::to_string(next_request_++) : request.request_id();
+  out = std::make_shared<Request>(std::move(id), std::move(ids), std::move(params), std::move(stops), false,
+                                  steady_deadline(*context));
+  return grpc::Status::OK;
+}
+
+grpc::Status InferenceService::submit(const std::shared_ptr<Request>& request) {
+  switch (scheduler_.submit(request)) {
+    case Scheduler::Refusal::none:
+      return grpc::Status::OK;
+    case Scheduler::Refusal::queue_full:
+      return refuse(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                    "queue full: too many waiting requests; retry later");
+    case Scheduler::Refusal::draining:
+      return refuse(grpc::StatusCode::UNAVAILABLE, "the server is shutting down");
+  }
+  return refuse(grpc::StatusCode::INTERNAL, "unknown refusal");
+}
+
+RequestEvent InferenceService::next_event(grpc::ServerContext* context, Request& request) {
+  for (;;) {
+    if (auto e = request.next(std::chrono::milliseconds(20))) return std::move(*e);
+    if (context->IsCancelled()) request.cancel();
+  }
+}
+
+grpc::Status InferenceService::Chat(grpc::ServerContext* context, const v1::ChatRequest* request,
+                                    v1::ChatResponse* response) {
+  std::shared_ptr<Request> req;
+  if (grpc::Status s = make_chat(context, *request, req); !s.ok())
+    return refuse(s.error_code(), s.error_message());
+  if (grpc::Status s = submit(req); !s.ok()) return s;
+  response->set_request_id(req->id());
+  std::string text;
+  for (;;) {
+    RequestEvent e = next_event(context, *req);
+    text += e.text;
+    if (!e.terminal) continue;
+    const grpc::Status status = status_of(e);
+    if (!status.ok()) return status;
+    response->set_text(text);
+    fill_final(e, *response);
+    return status;
+  }
+}
+
+grpc::Status InferenceService::ChatStream(grpc::ServerContext* context, const v1::ChatRequest* request,
+                                          grpc::ServerWriter<v1::ChatChunk>* writer) {
+  std::shared_ptr<Request> req;
+  if (grpc::Status s = make_chat(context, *request, req); !s.ok())
+    return refuse(s.error_code(), s.error_message());
+  if (grpc::Status s = submit(req); !s.ok()) return s;
+  for (;;) {
+    RequestEvent e = next_event(context, *req);
+    if (e.terminal && !status_of(e).ok()) return status_of(e);
+    v1::ChatChunk chunk;
+    chunk.set_request_id(req->id());
+    chunk.set_delta(e.text);
+    if (e.terminal) fill_final(e, chunk);
+    if (!writer->Write(chunk)) req->cancel();  // the client is gone; the terminal event still comes
+    if (e.terminal) return grpc::Status::OK;
+  }
+}
+
+grpc::Status InferenceService::Generate(grpc::ServerContext* context, const v1::GenerateRequest* request,
+                                        grpc::ServerWriter<v1::GenerateChunk>* writer) {
+  std::shared_ptr<Request> req;
+  if (grpc::Status s = make_generate(context, *request, req); !s.ok())
+    return refuse(s.error_code(), s.error_message());
+  if (grpc::Status s = submit(req); !s.ok()) return s;
+  for (;;) {
+    RequestEvent e = next_event(context, *req);
+    if (e.terminal && !status_of(e).ok()) return status_of(e);
+    v1::GenerateChunk chunk;
+    chunk.set_request_id(req->id());
+    chunk.mutable_token_ids()->Add(e.tokens.begin(), e.tokens.end());
+    if (e.terminal) fill_final(e, chunk);
+    if (!writer->Write(chunk)) req->cancel();
+    if (e.terminal) return grpc::Status::OK;
+  }
+}
+
+grpc::Status InferenceService::ListModels(grpc::ServerContext*, const v1::ListModelsRequest*,
+                                          v1::ListModelsResponse* response) {
+  *response->add_models() = info_.model();
+  return grpc::Status::OK;
+}
+
+grpc::Status InferenceService::GetServerInfo(grpc::ServerContext*, const v1::GetServerInfoRequest*,
+                                             v1::ServerInfo* response) {
+  *response = info_;
+  return grpc::Status::OK;
+}
+
+}  // namespace capserve::server

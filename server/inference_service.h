@@ -1,0 +1,68 @@
+#pragma once
+// The capserve.v1.Inference gRPC service on rank 0: validates each request (naming the field and the limit),
+// renders chat messages through the model's template and tokenizes them, hands the request to the scheduler,
+// then relays its events to the client until the single terminal status. A client that goes away cancels its
+// request, whose sequence the engine frees at the next step.
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "capserve/v1/inference.grpc.pb.h"
+#include "runtime/chat/chat_template.h"
+#include "runtime/tokenizer/tokenizer.h"
+#include "server/scheduler.h"
+#include "server/server_metrics.h"
+
+namespace capserve::server {
+
+struct ServiceLimits {
+  std::string model_id;
+  std::int64_t vocab_size = 0;
+  std::int64_t max_context = 4096;
+  std::int64_t default_max_tokens = 256;
+  std::int64_t max_tokens_limit = 4096;
+  std::int64_t max_stop_strings = 8;
+  std::int64_t max_stop_length = 64;
+  std::vector<std::int32_t> eos_token_ids;
+};
+
+class InferenceService final : public capserve::v1::Inference::Service {
+ public:
+  InferenceService(Scheduler& scheduler, const runtime::Tokenizer* tokenizer,
+                   std::optional<runtime::ChatTemplate> chat_template, ServiceLimits limits,
+                   capserve::v1::ServerInfo info, ServerMetrics* metrics);
+
+  grpc::Status Chat(grpc::ServerContext* context, const capserve::v1::ChatRequest* request,
+                    capserve::v1::ChatResponse* response) override;
+  grpc::Status ChatStream(grpc::ServerContext* context, const capserve::v1::ChatRequest* request,
+                          grpc::ServerWriter<capserve::v1::ChatChunk>* writer) override;
+  grpc::Status Generate(grpc::ServerContext* context, const capserve::v1::GenerateRequest* request,
+                        grpc::ServerWriter<capserve::v1::GenerateChunk>* writer) override;
+  grpc::Status ListModels(grpc::ServerContext* context, const capserve::v1::ListModelsRequest* request,
+                          capserve::v1::ListModelsResponse* response) override;
+  grpc::Status GetServerInfo(grpc::ServerContext* context, const capserve::v1::GetServerInfoRequest* request,
+                             capserve::v1::ServerInfo* response) override;
+
+ private:
+  // The validated request ready for the scheduler, or the INVALID_ARGUMENT status saying what is wrong.
+  grpc::Status make_chat(grpc::ServerContext* context, const capserve::v1::ChatRequest& request,
+                         std::shared_ptr<Request>& out);
+  grpc::Status make_generate(grpc::ServerContext* context, const capserve::v1::GenerateRequest& request,
+                             std::shared_ptr<Request>& out);
+  grpc::Status check_sampling(const capserve::v1::SamplingOptions& s, std::int64_t prompt_tokens, bool text,
+                              runtime::SamplingParams& params, std::vector<std::string>& stops) const;
+  grpc::Status submit(const std::shared_ptr<Request>& request);
+  // Waits for the request's next event, cancelling it when the client has gone.
+  RequestEvent next_event(grpc::ServerContext* context, Request& request);
+  grpc::Status refuse(grpc::StatusCode code, const std::string& message);
+
+  Scheduler& scheduler_;
+  const runtime::Tokenizer* tokenizer_;
+  std::optional<runtime::ChatTemplate> chat_template_;
+  ServiceLimits limits_;
+  capserve::v1::ServerInfo info_;
+  ServerMetrics* metrics_;
+  std::atomic<std::uint64_t> next_request_{1};
+};
+
+}  // namespace capserve::server

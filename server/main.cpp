@@ -1,0 +1,295 @@
+// capserve: the expert-parallel MoE inference server. `mpirun -np N capserve --model DIR ...`: every rank
+// loads the replicated weights and its own experts and runs the lockstep step loop; rank 0 also serves gRPC
+// (the capserve.v1.Inference service, health, reflection), schedules (continuous batching + CAPS batch
+// selection) and exposes Prometheus metrics. SIGTERM (or SIGINT) drains: no new requests, running ones
+// finish, exit 0.
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <spdlog/spdlog.h>
+
+#include <atomic>
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <thread>
+
+#include "kernels/cpu/cpu_backend.h"
+#include "parallel/mpi_communicator.h"
+#include "parallel/mpi_world.h"
+#include "runtime/chat/chat_family.h"
+#include "runtime/cli/parallel_flags.h"
+#include "runtime/engine.h"
+#include "runtime/model.h"
+#include "runtime/tokenizer/tokenizer.h"
+#include "server/inference_service.h"
+#include "server/json_config.h"
+#include "server/rank_worker.h"
+#include "server/scheduler.h"
+#include "server/server_metrics.h"
+#include "server/step_plan.h"
+
+namespace {
+
+using namespace capserve;
+
+std::atomic<bool> g_stop_requested{false};
+
+extern "C" void on_stop_signal(int) {
+  g_stop_requested.store(true);
+}
+
+struct Options {
+  std::string model_dir;
+  std::string host = "0.0.0.0";
+  int port = 50051;
+  int metrics_port = 9400;
+  int threads = 0;
+  std::string model_id;
+  runtime::EngineOptions engine;
+  server::SchedulerConfig scheduler;
+  std::string strategy = "fcfs";
+  server::ServiceLimits limits;
+  runtime::ParallelFlags parallel;
+  std::string chat_template;
+};
+
+void add_flags(CLI::App& app, Options& o) {
+  app.add_option("--model", o.model_dir, "Hugging Face checkpoint directory")
+      ->required()
+      ->check(CLI::ExistingDirectory);
+  app.add_option("--model-id", o.model_id, "the model's name in the API (default: the directory name)");
+  app.add_option("--host", o.host, "gRPC listen address")->capture_default_str();
+  app.add_option("--port", o.port, "gRPC port (0: any free port, printed at start)")->capture_default_str();
+  app.add_option("--metrics-port", o.metrics_port, "Prometheus /metrics port on rank 0 (0: any)")
+      ->capture_default_str();
+  app.add_option("--threads", o.threads, "CPU threads per rank (default: cores / ranks on the node)");
+  app.add_option("--kv-blocks", o.engine.kv_blocks, "KV cache blocks of 16 tokens per rank")
+      ->capture_default_str();
+  app.add_option("--max-running", o.scheduler.max_running, "sequences decoding at once, all ranks")
+      ->capture_default_str();
+  app.add_option("--max-batched-tokens", o.scheduler.max_batched_tokens, "tokens per step, all ranks")
+      ->capture_default_str();
+  app.add_option("--max-queue", o.scheduler.max_queue, "waiting requests before RESOURCE_EXHAUSTED")
+      ->capture_default_str();
+  app.add_option("--max-context", o.scheduler.max_context, "prompt + generated tokens (capped by the model)")
+      ->capture_default_str();
+  app.add_option("--default-max-tokens", o.limits.default_max_tokens)->capture_default_str();
+  app.add_option("--max-tokens-limit", o.limits.max_tokens_limit)->capture_default_str();
+  app.add_option("--chat-template", o.chat_template,
+                 "force a chat template family (chatml, deepseek, llama2, mistral, tulu)");
+  app.add_option("--batch-selector", o.strategy, "fcfs | greedy | power_of_d | lpt_balanced | random")
+      ->check(CLI::IsMember({"fcfs", "greedy", "power_of_d", "lpt_balanced", "random"}))
+      ->capture_default_str();
+  server::SelectorConfig& s = o.scheduler.selector;
+  app.add_option("--selector-window", s.window, "candidates considered per decision")->capture_default_str();
+  app.add_option("--selector-min-queue", s.min_queue_depth, "waiting requests below which admission is FCFS")
+      ->capture_default_str();
+  app.add_option("--selector-max-wait-ms", s.max_wait_ms, "anti-starvation bound")->capture_default_str();
+  app.add_option("--selector-interval-ms", s.interval_ms, "selection at most this often (FCFS in between)")
+      ->capture_default_str();
+  app.add_option("--selector-d", s.power_of_d, "power_of_d samples")->capture_default_str();
+  app.add_option("--selector-seed", s.seed)->capture_default_str();
+  app.add_option("--dry-run-layers", o.scheduler.dry_run_layers,
+                 "MoE layers the router dry-run predictor uses")
+      ->capture_default_str();
+  runtime::add_parallel_flags(app, o.parallel);
+  app.set_config("--config", "",
+                 "JSON file of flags (keys = long flag names); command-line flags override it");
+  app.config_formatter(std::make_shared<server::JsonConfig>());
+}
+
+// Rank 0: the front end, the scheduler and the step loop's driving side.
+int serve(parallel::MpiWorld& world, Options& o, runtime::Model& model, runtime::Engine& engine,
+          kernels::Backend& backend, server::RankWorker& worker) {
+  const runtime::ModelConfig& config = model.config();
+  std::optional<runtime::Tokenizer> tokenizer;
+  std::optional<runtime::ChatTemplate> chat;
+  if (std::filesystem::exists(std::filesystem::path(o.model_dir) / "tokenizer.json")) {
+    tokenizer = runtime::Tokenizer::load(o.model_dir);
+    std::optional<runtime::ChatFamily> forced;
+    if (!o.chat_template.empty()) forced = runtime::parse_family(o.chat_template);
+    const auto tokenizer_config = std::filesystem::path(o.model_dir) / "tokenizer_config.json";
+    if (std::filesystem::exists(tokenizer_config))
+      chat = runtime::ChatTemplate::load(tokenizer_config, forced);
+  }
+  server::ServerMetrics metrics(o.host + ":" + std::to_string(o.metrics_port), model.moe_layers(),
+                                config.num_experts, world.size());
+
+  // The router dry run folded through the placement into per-rank loads.
+  const parallel::ExpertPlacement& placement = model.placement();
+  const std::int64_t dry_layers = std::min<std::int64_t>(
+      o.scheduler.dry_run_layers, static_cast<std::int64_t>(model.moe_layers().size()));
+  std::vector<std::int64_t> counts;
+  server::LoadPredictor predictor = [&, dry_layers](std::span<const std::int32_t> prompt,
+                                                    std::span<float> rank_load) {
+    counts.assign(static_cast<std::size_t>(dry_layers * config.num_experts), 0);
+    model.router_dry_run(prompt, dry_layers, backend, counts);
+    for (std::int64_t l = 0; l < dry_layers; ++l) {
+      const auto owners = placement.owners(model.moe_layers()[static_cast<std::size_t>(l)]);
+      for (std::int64_t e = 0; e < config.num_experts; ++e)
+        rank_load[static_cast<std::size_t>(owners[static_cast<std::size_t>(e)])] +=
+            static_cast<float>(counts[static_cast<std::size_t>(l * config.num_experts + e)]);
+    }
+  };
+  server::Scheduler scheduler(o.scheduler, world.size(), tokenizer ? &*tokenizer : nullptr, predictor,
+                              &metrics);
+
+  capserve::v1::ServerInfo info;
+  info.set_version("0.1.0");
+  info.set_ranks(static_cast<std::uint32_t>(world.size()));
+  capserve::v1::ModelCard* card = info.mutable_model();
+  card->set_id(o.limits.model_id);
+  card->set_architecture(config.architecture);
+  card->set_num_layers(static_cast<std::uint32_t>(config.num_layers));
+  card->set_num_experts(static_cast<std::uint32_t>(config.num_experts));
+  card->set_experts_per_token(static_cast<std::uint32_t>(config.top_k));
+  card->set_max_context(static_cast<std::uint32_t>(o.scheduler.max_context));
+  info.set_placement(placement.kind());
+  if (!model.moe_layers().empty()) {
+    for (int r = 0; r < world.size(); ++r)
+      info.add_experts_per_rank(
+          static_cast<std::uint32_t>(placement.local_experts(model.moe_layers().front(), r).size()));
+  }
+  info.set_capacity(parallel::describe(model.capacity()));
+  const server::SelectorConfig& sel = o.scheduler.selector;
+  info.set_batch_selector(
+      "strategy=" + server::to_string(sel.strategy) + " window=" + std::to_string(sel.window) +
+      " min_queue=" + std::to_string(sel.min_queue_depth) +
+      " max_wait_ms=" + std::to_string(sel.max_wait_ms) + " interval_ms=" + std::to_string(sel.interval_ms) +
+      " d=" + std::to_string(sel.power_of_d) + " dry_run_layers=" + std::to_string(dry_layers));
+  info.set_max_running_sequences(static_cast<std::uint32_t>(o.scheduler.max_running));
+  info.set_max_batched_tokens(static_cast<std::uint32_t>(o.scheduler.max_batched_tokens));
+  info.set_kv_blocks_per_rank(static_cast<std::uint32_t>(o.engine.kv_blocks));
+
+  server::InferenceService service(scheduler, tokenizer ? &*tokenizer : nullptr, chat, o.limits, info,
+                                   &metrics);
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int bound_port = 0;
+  builder.AddListeningPort(o.host + ":" + std::to_string(o.port), grpc::InsecureServerCredentials(),
+                           &bound_port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> grpc_server = builder.BuildAndStart();
+  if (!grpc_server || bound_port == 0)
+    throw std::runtime_error("cannot listen on " + o.host + ":" + std::to_string(o.port));
+  // Machine-readable start line: tests and scripts wait for it.
+  std::printf("capserve: serving %s on %s:%d, metrics on port %d, %d ranks\n", o.limits.model_id.c_str(),
+              o.host.c_str(), bound_port, metrics.port(), world.size());
+  std::fflush(stdout);
+
+  try {
+    for (;;) {
+      if (g_stop_requested.load() && !scheduler.draining()) {
+        spdlog::info("capserve: draining (no new requests; running ones finish)");
+        scheduler.drain();
+        grpc_server->GetHealthCheckService()->SetServingStatus(false);
+      }
+      if (scheduler.idle()) {
+        if (scheduler.draining()) break;
+        scheduler.wait_for_work(std::chrono::milliseconds(50));
+        continue;
+      }
+      const auto now = server::Clock::now();
+      server::StepPlan plan = scheduler.plan(now);
+      std::vector<std::byte> bytes = server::serialize(plan);
+      world.broadcast(bytes, 0);
+      const server::StepResult mine = worker.run(plan);
+      const auto gathered = world.gather(server::serialize(mine), 0);
+      std::vector<server::StepResult> results;
+      results.reserve(gathered.size());
+      for (const auto& g : gathered) results.push_back(server::deserialize_result(g));
+      scheduler.complete(results, model.last_moe_stats(), server::Clock::now());
+      if (!plan.starts.empty() || !plan.decodes.empty()) metrics.record_step(model.last_moe_stats());
+    }
+  } catch (const std::exception& e) {
+    spdlog::error("capserve: step loop failed: {}", e.what());
+    scheduler.fail_all(server::Terminal::internal, std::string("server failure: ") + e.what());
+    grpc_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    world.abort(1);
+  }
+  std::vector<std::byte> bytes = server::serialize(server::StepPlan{true, {}, {}, {}});
+  world.broadcast(bytes, 0);
+  grpc_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  (void)engine;
+  spdlog::info("capserve: drained, exiting");
+  return 0;
+}
+
+// Other ranks: follow rank 0's plans until the shutdown plan.
+int follow(parallel::MpiWorld& world, server::RankWorker& worker) {
+  for (;;) {
+    std::vector<std::byte> bytes;
+    world.broadcast(bytes, 0);
+    const server::StepPlan plan = server::deserialize_plan(bytes);
+    if (plan.shutdown) return 0;
+    const server::StepResult result = worker.run(plan);
+    world.gather(server::serialize(result), 0);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::optional<parallel::MpiWorld> world;
+  try {
+    world.emplace(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "capserve: %s\n", e.what());
+    return 1;
+  }
+  const int rank = world->rank();
+  // Only rank 0 acts on a stop signal (it drains and then tells the others); mpirun forwards signals to all.
+  std::signal(SIGTERM, on_stop_signal);
+  std::signal(SIGINT, on_stop_signal);
+
+  CLI::App app{"CapServe: expert-parallel MoE inference server (run under mpirun; rank 0 serves gRPC)"};
+  Options o;
+  add_flags(app, o);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return rank == 0 ? app.exit(e) : (e.get_exit_code() == 0 ? 0 : 2);
+  }
+  if (!server::parse_strategy(o.strategy, o.scheduler.selector.strategy)) return 2;
+
+  std::unique_ptr<parallel::MpiCommunicator> comm;
+  std::unique_ptr<runtime::Model> model;
+  std::string failure;
+  try {
+    comm = std::make_unique<parallel::MpiCommunicator>();
+    model = runtime::Model::load(o.model_dir, *comm, runtime::finish_parallel_flags(o.parallel));
+  } catch (const std::exception& e) {
+    failure = e.what();
+  }
+  if (!failure.empty()) std::fprintf(stderr, "capserve: rank %d: %s\n", rank, failure.c_str());
+  if (!world->all_agree(failure.empty())) return 1;
+
+  const runtime::ModelConfig& config = model->config();
+  o.scheduler.max_context = std::min<std::int64_t>(o.scheduler.max_context, config.max_position_embeddings);
+  o.scheduler.kv_blocks_per_rank = o.engine.kv_blocks;
+  o.scheduler.kv_block_size = o.engine.kv_block_size;
+  o.scheduler.assignments_per_token = config.top_k * static_cast<std::int64_t>(model->moe_layers().size());
+  o.limits.max_context = o.scheduler.max_context;
+  o.limits.vocab_size = config.vocab_size;
+  o.limits.eos_token_ids = config.eos_token_ids;
+  o.limits.model_id =
+      o.model_id.empty() ? std::filesystem::path(o.model_dir).filename().string() : o.model_id;
+  const int threads = o.threads > 0
+                          ? o.threads
+                          : static_cast<int>(std::max(1U, std::thread::hardware_concurrency() /
+                                                              static_cast<unsigned>(world->local_size())));
+  kernels::cpu::CpuBackend backend(threads);
+  runtime::Engine engine(*model, backend, o.engine);
+  server::RankWorker worker(engine, rank);
+  if (rank != 0) return follow(*world, worker);
+  try {
+    return serve(*world, o, *model, engine, backend, worker);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "capserve: %s\n", e.what());
+    world->abort(1);
+  }
+}

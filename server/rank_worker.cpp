@@ -1,0 +1,52 @@
+#include "server/rank_worker.h"
+
+namespace capserve::server {
+
+StepResult RankWorker::run(const StepPlan& plan) {
+  for (const std::uint64_t id : plan.frees) {
+    if (sequences_.erase(id) > 0) engine_.release(id);
+  }
+  work_.clear();
+  work_ids_.clear();
+  for (const SequenceStart& s : plan.starts) {
+    if (s.rank != rank_) continue;
+    runtime::SamplingParams params;
+    params.temperature = s.temperature;
+    params.top_k = s.top_k;
+    params.top_p = s.top_p;
+    params.seed = s.seed;
+    sequences_.insert_or_assign(s.id, Sequence{runtime::Sampler(params), 0});
+    work_.push_back({s.id, s.prompt, false});
+    work_ids_.push_back(s.id);
+  }
+  for (const std::uint64_t id : plan.decodes) {
+    const auto it = sequences_.find(id);
+    if (it == sequences_.end()) continue;  // another rank's
+    work_.push_back({id, std::span<const std::int32_t>(&it->second.last, 1), false});
+    work_ids_.push_back(id);
+  }
+
+  StepResult result;
+  const runtime::Status status = engine_.step(work_);
+  if (!status.ok()) {
+    // The refused sequences are dropped here; rank 0 ends their requests with the error.
+    for (std::size_t i = 0; i < work_ids_.size(); ++i) {
+      if (sequences_.erase(work_ids_[i]) > 0) engine_.release(work_ids_[i]);
+    }
+    result.ok = false;
+    result.error = status.message();
+    return result;
+  }
+  const auto vocab = static_cast<std::size_t>(engine_.model().config().vocab_size);
+  const std::span<const float> logits = engine_.logits();
+  const auto counts = engine_.moe_counts();
+  result.sequences.reserve(work_ids_.size());
+  for (std::size_t i = 0; i < work_ids_.size(); ++i) {
+    Sequence& seq = sequences_.at(work_ids_[i]);
+    seq.last = seq.sampler.sample(logits.subspan(i * vocab, vocab));
+    result.sequences.push_back({work_ids_[i], seq.last, counts[i].dropped, counts[i].rerouted});
+  }
+  return result;
+}
+
+}  // namespace capserve::server

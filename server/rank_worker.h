@@ -1,0 +1,37 @@
+#pragma once
+// One rank's side of the server's step loop: applies a StepPlan to its engine (releases, prefills of the new
+// sequences placed on this rank, decodes of its running ones), samples each of its sequences' next token and
+// reports them. Every rank runs every step, with no work if it has none: the forward pass is a collective.
+#include <cstdint>
+#include <unordered_map>
+#include <vector>
+
+#include "runtime/engine.h"
+#include "runtime/sampler.h"
+#include "server/step_plan.h"
+
+namespace capserve::server {
+
+class RankWorker {
+ public:
+  RankWorker(runtime::Engine& engine, int rank) : engine_(engine), rank_(rank) {}
+
+  StepResult run(const StepPlan& plan);
+
+  [[nodiscard]] std::size_t sequences() const { return sequences_.size(); }
+
+ private:
+  struct Sequence {
+    runtime::Sampler sampler;
+    std::int32_t last = 0;
+  };
+
+  runtime::Engine& engine_;
+  int rank_;
+  std::unordered_map<std::uint64_t, Sequence> sequences_;
+  // Per step, reused.
+  std::vector<runtime::Engine::Work> work_;
+  std::vector<std::uint64_t> work_ids_;
+};
+
+}  // namespace capserve::server

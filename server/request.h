@@ -1,0 +1,98 @@
+#pragma once
+// One client request as it travels between its gRPC handler thread and the engine loop: what was asked
+// (immutable once submitted), and a channel of events back to the handler (text or token deltas, then exactly
+// one terminal event). The handler may flag it cancelled at any time; the engine loop frees its sequence at
+// the next step.
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "runtime/sampler.h"
+
+namespace capserve::server {
+
+using Clock = std::chrono::steady_clock;
+
+// How a request ends. `ok_*` are normal completions; the rest map onto gRPC status codes.
+enum class Terminal {
+  ok_stop,
+  ok_length,
+  cancelled,
+  deadline_exceeded,
+  unavailable,
+  internal,
+  invalid_argument
+};
+
+struct RequestEvent {
+  std::string text;                  // chat: new text (UTF-8 complete, never part of a stop string)
+  std::vector<std::int32_t> tokens;  // generate: new token ids
+  std::optional<Terminal> terminal;  // set on the last event only
+  std::string message;               // for an error terminal
+  std::uint32_t prompt_tokens = 0;
+  std::uint32_t completion_tokens = 0;
+  std::uint64_t moe_assignments = 0, moe_dropped = 0, moe_rerouted = 0;
+};
+
+class Request {
+ public:
+  Request(std::string id, std::vector<std::int32_t> prompt, runtime::SamplingParams params,
+          std::vector<std::string> stop_strings, bool text_output, Clock::time_point deadline)
+      : id_(std::move(id)),
+        prompt_(std::move(prompt)),
+        params_(std::move(params)),
+        stop_strings_(std::move(stop_strings)),
+        text_output_(text_output),
+        deadline_(deadline),
+        arrival_(Clock::now()) {}
+
+  [[nodiscard]] const std::string& id() const { return id_; }
+  [[nodiscard]] const std::vector<std::int32_t>& prompt() const { return prompt_; }
+  [[nodiscard]] const runtime::SamplingParams& params() const { return params_; }
+  [[nodiscard]] const std::vector<std::string>& stop_strings() const { return stop_strings_; }
+  [[nodiscard]] bool text_output() const { return text_output_; }
+  [[nodiscard]] Clock::time_point deadline() const { return deadline_; }
+  [[nodiscard]] Clock::time_point arrival() const { return arrival_; }
+
+  void cancel() { cancelled_.store(true, std::memory_order_relaxed); }
+  [[nodiscard]] bool cancelled() const { return cancelled_.load(std::memory_order_relaxed); }
+
+  // Engine loop side.
+  void push(RequestEvent event) {
+    {
+      std::lock_guard lock(mutex_);
+      events_.push_back(std::move(event));
+    }
+    ready_.notify_one();
+  }
+
+  // Handler side: the next event, or nothing when `timeout` passes first.
+  std::optional<RequestEvent> next(std::chrono::milliseconds timeout) {
+    std::unique_lock lock(mutex_);
+    if (!ready_.wait_for(lock, timeout, [&] { return !events_.empty(); })) return std::nullopt;
+    RequestEvent e = std::move(events_.front());
+    events_.pop_front();
+    return e;
+  }
+
+ private:
+  const std::string id_;
+  const std::vector<std::int32_t> prompt_;
+  const runtime::SamplingParams params_;
+  const std::vector<std::string> stop_strings_;
+  const bool text_output_;
+  const Clock::time_point deadline_;
+  const Clock::time_point arrival_;
+  std::atomic<bool> cancelled_{false};
+  std::mutex mutex_;
+  std::condition_variable ready_;
+  std::deque<RequestEvent> events_;
+};
+
+}  // namespace capserve::server

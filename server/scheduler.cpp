@@ -1,0 +1,382 @@
+#include "server/scheduler.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace capserve::server {
+namespace {
+
+double seconds(Clock::duration d) {
+  return std::chrono::duration<double>(d).count();
+}
+
+Outcome outcome_of(Terminal t) {
+  switch (t) {
+    case Terminal::ok_stop:
+      return Outcome::stop;
+    case Terminal::ok_length:
+      return Outcome::length;
+    case Terminal::cancelled:
+      return Outcome::cancelled;
+    default:
+      return Outcome::error;
+  }
+}
+
+const char* code_name(Terminal t) {
+  switch (t) {
+    case Terminal::cancelled:
+      return "CANCELLED";
+    case Terminal::deadline_exceeded:
+      return "DEADLINE_EXCEEDED";
+    case Terminal::unavailable:
+      return "UNAVAILABLE";
+    case Terminal::invalid_argument:
+      return "INVALID_ARGUMENT";
+    default:
+      return "INTERNAL";
+  }
+}
+
+double cosine(std::span<const float> a, std::span<const std::int64_t> b) {
+  double ab = 0, aa = 0, bb = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    ab += static_cast<double>(a[i]) * static_cast<double>(b[i]);
+    aa += static_cast<double>(a[i]) * static_cast<double>(a[i]);
+    bb += static_cast<double>(b[i]) * static_cast<double>(b[i]);
+  }
+  return aa > 0 && bb > 0 ? ab / std::sqrt(aa * bb) : 1.0;
+}
+
+}  // namespace
+
+Scheduler::Scheduler(SchedulerConfig config, int ranks, const runtime::Tokenizer* tokenizer,
+                     LoadPredictor predictor, ServerMetrics* metrics)
+    : config_(config),
+      ranks_(ranks),
+      tokenizer_(tokenizer),
+      predictor_(std::move(predictor)),
+      metrics_(metrics),
+      selector_(config.selector, ranks),
+      rank_blocks_used_(static_cast<std::size_t>(ranks), 0),
+      rank_sequences_(static_cast<std::size_t>(ranks), 0),
+      running_load_(static_cast<std::size_t>(ranks), 0.0F),
+      predicted_step_load_(static_cast<std::size_t>(ranks), 0.0F) {}
+
+Scheduler::Refusal Scheduler::submit(std::shared_ptr<Request> request) {
+  {
+    std::lock_guard lock(inbox_mutex_);
+    if (draining_) return Refusal::draining;
+    if (queued_ >= config_.max_queue) return Refusal::queue_full;
+    ++queued_;
+    inbox_.push_back(std::move(request));
+  }
+  inbox_ready_.notify_one();
+  return Refusal::none;
+}
+
+void Scheduler::drain() {
+  {
+    std::lock_guard lock(inbox_mutex_);
+    draining_ = true;
+  }
+  inbox_ready_.notify_one();
+}
+
+bool Scheduler::draining() const {
+  std::lock_guard lock(inbox_mutex_);
+  return draining_;
+}
+
+void Scheduler::wait_for_work(std::chrono::milliseconds timeout) {
+  std::unique_lock lock(inbox_mutex_);
+  inbox_ready_.wait_for(lock, timeout, [&] { return !inbox_.empty() || draining_; });
+}
+
+bool Scheduler::idle() const {
+  std::lock_guard lock(inbox_mutex_);
+  return inbox_.empty() && waiting_.empty() && running_.empty() && to_free_.empty();
+}
+
+void Scheduler::end_waiting(Waiting& w, Terminal terminal) {
+  RequestEvent e;
+  e.terminal = terminal;
+  e.prompt_tokens = static_cast<std::uint32_t>(w.request->prompt().size());
+  e.message = terminal == Terminal::deadline_exceeded ? "deadline exceeded while waiting in the queue" : "";
+  if (metrics_ != nullptr) {
+    metrics_->count_outcome(outcome_of(terminal));
+    if (outcome_of(terminal) == Outcome::error) metrics_->count_error(code_name(terminal));
+  }
+  w.request->push(std::move(e));
+}
+
+StepPlan Scheduler::plan(Clock::time_point now) {
+  StepPlan plan;
+  {
+    std::lock_guard lock(inbox_mutex_);
+    for (auto& r : inbox_) waiting_.push_back({std::move(r), {}, false});
+    inbox_.clear();
+  }
+  // Cancellations and deadlines: waiting requests leave the queue, running ones are freed this step.
+  for (auto it = waiting_.begin(); it != waiting_.end();) {
+    const bool cancelled = it->request->cancelled();
+    if (cancelled || now >= it->request->deadline()) {
+      end_waiting(*it, cancelled ? Terminal::cancelled : Terminal::deadline_exceeded);
+      it = waiting_.erase(it);
+      std::lock_guard lock(inbox_mutex_);
+      --queued_;
+    } else {
+      ++it;
+    }
+  }
+  std::vector<std::uint64_t> ended;
+  for (auto& [id, run] : running_) {
+    if (run.request->cancelled()) {
+      finish(id, run, Terminal::cancelled, "", now);
+      ended.push_back(id);
+    } else if (now >= run.request->deadline()) {
+      finish(id, run, Terminal::deadline_exceeded, "deadline exceeded while generating", now);
+      ended.push_back(id);
+    }
+  }
+  for (const std::uint64_t id : ended) running_.erase(id);
+
+  plan.frees = std::move(to_free_);
+  to_free_.clear();
+  in_step_.clear();
+  for (const auto& [id, run] : running_) {
+    plan.decodes.push_back(id);
+    in_step_.emplace_back(id, run.rank);
+  }
+  std::sort(plan.decodes.begin(), plan.decodes.end());
+  admit(now, plan);
+  if (metrics_ != nullptr) {
+    metrics_->set_requests_running(static_cast<std::int64_t>(running_.size()));
+    metrics_->set_requests_waiting(static_cast<std::int64_t>(waiting_.size()));
+  }
+  return plan;
+}
+
+void Scheduler::admit(Clock::time_point now, StepPlan& plan) {
+  if (waiting_.empty()) return;
+  const auto window = static_cast<std::size_t>(
+      std::min<std::int64_t>(config_.selector.window, static_cast<std::int64_t>(waiting_.size())));
+  std::int64_t most_free = 0;
+  for (int r = 0; r < ranks_; ++r)
+    most_free =
+        std::max(most_free, config_.kv_blocks_per_rank - rank_blocks_used_[static_cast<std::size_t>(r)]);
+  candidates_.clear();
+  for (std::size_t i = 0; i < window; ++i) {
+    Waiting& w = waiting_[i];
+    if (!w.predicted) {
+      w.load.assign(static_cast<std::size_t>(ranks_), 0.0F);
+      if (predictor_) predictor_(w.request->prompt(), w.load);
+      w.predicted = true;
+    }
+    const auto prompt = static_cast<std::int64_t>(w.request->prompt().size());
+    const std::int64_t total = std::min(config_.max_context, prompt + w.request->params().max_new_tokens);
+    candidates_.push_back({prompt, (total + config_.kv_block_size - 1) / config_.kv_block_size,
+                           std::chrono::duration<double, std::milli>(now - w.request->arrival()).count(),
+                           w.load});
+  }
+  const AdmissionBudget budget{config_.max_running - static_cast<std::int64_t>(running_.size()),
+                               config_.max_batched_tokens - static_cast<std::int64_t>(plan.decodes.size()),
+                               most_free};
+  const auto started = Clock::now();
+  const Selection selection = selector_.select(candidates_, running_load_, budget, now);
+  if (metrics_ != nullptr && selection.selected)
+    metrics_->observe_selector_decision(seconds(Clock::now() - started));
+
+  std::fill(predicted_step_load_.begin(), predicted_step_load_.end(), 0.0F);
+  for (int r = 0; r < ranks_; ++r)
+    predicted_step_load_[static_cast<std::size_t>(r)] = running_load_[static_cast<std::size_t>(r)];
+  std::vector<std::size_t> taken;
+  for (const std::int64_t index : selection.admitted) {
+    const auto i = static_cast<std::size_t>(index);
+    const Candidate& c = candidates_[i];
+    // The data-parallel rank with the fewest sequences among those with room for its blocks.
+    int rank = -1;
+    for (int r = 0; r < ranks_; ++r) {
+      const auto ri = static_cast<std::size_t>(r);
+      if (config_.kv_blocks_per_rank - rank_blocks_used_[ri] < c.kv_blocks) continue;
+      if (rank < 0 || rank_sequences_[ri] < rank_sequences_[static_cast<std::size_t>(rank)]) rank = r;
+    }
+    if (rank < 0) continue;  // no single rank has the room: it waits
+    Waiting& w = waiting_[i];
+    const std::uint64_t id = next_id_++;
+    rank_blocks_used_[static_cast<std::size_t>(rank)] += c.kv_blocks;
+    ++rank_sequences_[static_cast<std::size_t>(rank)];
+    for (int r = 0; r < ranks_; ++r)
+      predicted_step_load_[static_cast<std::size_t>(r)] += w.load[static_cast<std::size_t>(r)];
+    const runtime::SamplingParams& p = w.request->params();
+    plan.starts.push_back({id, rank, w.request->prompt(), p.temperature, p.top_k, p.top_p, p.seed});
+    in_step_.emplace_back(id, rank);
+    Running run;
+    run.request = w.request;
+    run.rank = rank;
+    run.blocks = c.kv_blocks;
+    if (w.request->text_output() && tokenizer_ != nullptr) run.decoder.emplace(*tokenizer_, true);
+    if (metrics_ != nullptr) {
+      metrics_->observe_queue_time(seconds(now - w.request->arrival()));
+      metrics_->add_prompt_tokens(c.tokens);
+    }
+    running_.emplace(id, std::move(run));
+    taken.push_back(i);
+  }
+  std::sort(taken.rbegin(), taken.rend());
+  for (const std::size_t i : taken) waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
+  if (!taken.empty()) {
+    std::lock_guard lock(inbox_mutex_);
+    queued_ -= static_cast<std::int64_t>(taken.size());
+  }
+}
+
+void Scheduler::emit_token(std::uint64_t id, Running& run, std::int32_t token, Clock::time_point now) {
+  const Request& req = *run.request;
+  ++run.completion;
+  if (metrics_ != nullptr) {
+    metrics_->add_generation_tokens(1);
+    if (run.completion == 1) {
+      metrics_->observe_time_to_first_token(seconds(now - req.arrival()));
+    } else {
+      metrics_->observe_inter_token_latency(seconds(now - run.last_token));
+    }
+  }
+  run.last_token = now;
+  const runtime::SamplingParams& p = req.params();
+  const bool stop_token =
+      std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), token) != p.stop_token_ids.end();
+  if (stop_token) {
+    finish(id, run, Terminal::ok_stop, "", now);
+    return;
+  }
+  RequestEvent e;
+  if (!run.decoder) {
+    e.tokens.push_back(token);
+  } else {
+    run.text += run.decoder->feed(token);
+    // A stop string ends the text before it; text that could still become one is held back.
+    std::size_t longest = 0;
+    for (const std::string& stop : req.stop_strings()) {
+      longest = std::max(longest, stop.size());
+      const std::size_t from = run.sent >= stop.size() ? run.sent - stop.size() + 1 : 0;
+      const std::size_t at = run.text.find(stop, from);
+      if (at != std::string::npos) {
+        run.text.resize(at);
+        run.decoder.reset();  // what it still holds comes after the stop string
+        finish(id, run, Terminal::ok_stop, "", now);
+        return;
+      }
+    }
+    const std::size_t safe =
+        run.text.size() >= longest ? run.text.size() - (longest > 0 ? longest - 1 : 0) : 0;
+    if (safe > run.sent) {
+      e.text = run.text.substr(run.sent, safe - run.sent);
+      run.sent = safe;
+    }
+  }
+  const auto length = static_cast<std::int64_t>(req.prompt().size()) + run.completion;
+  if (!e.text.empty() || !e.tokens.empty()) run.request->push(std::move(e));
+  if (run.completion >= p.max_new_tokens || length >= config_.max_context)
+    finish(id, run, Terminal::ok_length, "", now);
+}
+
+void Scheduler::finish(std::uint64_t id, Running& run, Terminal terminal, const std::string& message,
+                       Clock::time_point now) {
+  RequestEvent e;
+  if (terminal == Terminal::ok_length || terminal == Terminal::ok_stop) {
+    if (run.decoder) run.text += run.decoder->finish();
+    // Text held back for a stop string that never came is sent now.
+    if (run.text.size() > run.sent) e.text = run.text.substr(run.sent);
+  }
+  e.terminal = terminal;
+  e.message = message;
+  e.prompt_tokens = static_cast<std::uint32_t>(run.request->prompt().size());
+  e.completion_tokens = static_cast<std::uint32_t>(run.completion);
+  e.moe_assignments = static_cast<std::uint64_t>((static_cast<std::int64_t>(run.request->prompt().size()) +
+                                                  std::max<std::int64_t>(0, run.completion - 1)) *
+                                                 config_.assignments_per_token);
+  e.moe_dropped = static_cast<std::uint64_t>(run.dropped);
+  e.moe_rerouted = static_cast<std::uint64_t>(run.rerouted);
+  if (metrics_ != nullptr) {
+    metrics_->count_outcome(outcome_of(terminal));
+    if (outcome_of(terminal) == Outcome::error) metrics_->count_error(code_name(terminal));
+    metrics_->observe_end_to_end_latency(seconds(now - run.request->arrival()));
+  }
+  run.request->push(std::move(e));
+  to_free_.push_back(id);
+  rank_blocks_used_[static_cast<std::size_t>(run.rank)] -= run.blocks;
+  --rank_sequences_[static_cast<std::size_t>(run.rank)];
+}
+
+void Scheduler::complete(std::span<const StepResult> results, const parallel::MoeStepStats& stats,
+                         Clock::time_point now) {
+  std::int64_t step_tokens = 0;
+  for (std::size_t r = 0; r < results.size(); ++r) {
+    const StepResult& result = results[r];
+    if (!result.ok) {
+      for (const auto& [id, rank] : in_step_) {
+        if (rank != static_cast<std::int32_t>(r)) continue;
+        const auto it = running_.find(id);
+        if (it == running_.end()) continue;
+        finish(id, it->second, Terminal::internal,
+               "rank " + std::to_string(r) + " refused the step: " + result.error, now);
+        running_.erase(it);
+      }
+      continue;
+    }
+    for (const SequenceResult& s : result.sequences) {
+      const auto it = running_.find(s.id);
+      if (it == running_.end()) continue;
+      Running& run = it->second;
+      step_tokens += run.completion == 0 ? static_cast<std::int64_t>(run.request->prompt().size()) : 1;
+      run.dropped += s.dropped;
+      run.rerouted += s.rerouted;
+      const std::size_t before = to_free_.size();
+      emit_token(s.id, run, s.token, now);
+      if (to_free_.size() > before) running_.erase(it);
+    }
+  }
+  // The running batch's realized per-rank load of the dry-run layers, per decode token, times the decodes
+  // that continue: what the running sequences will weigh in the next step.
+  std::vector<std::int64_t> realized(static_cast<std::size_t>(ranks_), 0);
+  const auto layers = static_cast<std::size_t>(
+      std::min<std::int64_t>(config_.dry_run_layers, static_cast<std::int64_t>(stats.layers.size())));
+  for (std::size_t l = 0; l < layers; ++l) {
+    for (std::size_t r = 0; r < realized.size() && r < stats.layers[l].rank_routed_load.size(); ++r)
+      realized[r] += stats.layers[l].rank_routed_load[r];
+  }
+  if (metrics_ != nullptr && step_tokens > 0) {
+    metrics_->set_predictor_cosine(cosine(predicted_step_load_, realized));
+    std::vector<double> predicted(predicted_step_load_.begin(), predicted_step_load_.end());
+    std::vector<double> real(realized.begin(), realized.end());
+    metrics_->set_selector_imbalance(imbalance(predicted), imbalance(real));
+  }
+  const double per_token = step_tokens > 0 ? 1.0 / static_cast<double>(step_tokens) : 0.0;
+  const auto continuing = static_cast<double>(running_.size());
+  for (std::size_t r = 0; r < realized.size(); ++r)
+    running_load_[r] = static_cast<float>(static_cast<double>(realized[r]) * per_token * continuing);
+  last_step_tokens_ = step_tokens;
+}
+
+void Scheduler::fail_all(Terminal terminal, const std::string& message) {
+  const Clock::time_point now = Clock::now();
+  for (auto& [id, run] : running_) finish(id, run, terminal, message, now);
+  running_.clear();
+  {
+    std::lock_guard lock(inbox_mutex_);
+    for (auto& r : inbox_) waiting_.push_back({std::move(r), {}, false});
+    inbox_.clear();
+    queued_ = 0;
+    draining_ = true;
+  }
+  for (Waiting& w : waiting_) {
+    RequestEvent e;
+    e.terminal = terminal;
+    e.message = message;
+    w.request->push(std::move(e));
+  }
+  waiting_.clear();
+}
+
+}  // namespace capserve::server

@@ -1,0 +1,118 @@
+#pragma once
+// Continuous batching on rank 0 (DESIGN.md section 5): requests wait in a queue, join the running batch when
+// there is room (sequence slots, batched tokens, KV blocks on some rank) in the order the CAPS batch selector
+// chooses, decode one token per step, and end on a stop token, a stop string, their token budget, the context
+// length, cancellation or their deadline. Each sequence runs on the data-parallel rank with the most room.
+// The scheduler turns this state into one StepPlan per step and the ranks' StepResults back into client
+// events.
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "parallel/moe_stats.h"
+#include "runtime/tokenizer/tokenizer.h"
+#include "server/batch_selector.h"
+#include "server/request.h"
+#include "server/server_metrics.h"
+#include "server/step_plan.h"
+
+namespace capserve::server {
+
+struct SchedulerConfig {
+  std::int64_t max_running = 64;           // sequences decoding at once, all ranks together
+  std::int64_t max_batched_tokens = 2048;  // tokens per step, all ranks together
+  std::int64_t max_queue = 512;            // waiting requests beyond this are refused (RESOURCE_EXHAUSTED)
+  std::int64_t kv_blocks_per_rank = 1024;
+  std::int64_t kv_block_size = 16;
+  std::int64_t max_context = 4096;         // prompt + generated tokens
+  std::int64_t assignments_per_token = 0;  // top_k * MoE layers, for the per-request statistics
+  std::int64_t dry_run_layers = 1;         // MoE layers the predictor and the realized load cover
+  SelectorConfig selector;
+};
+
+// Fills `rank_load` (one entry per rank) with the predicted expert load of a prompt on each rank.
+using LoadPredictor = std::function<void(std::span<const std::int32_t> prompt, std::span<float> rank_load)>;
+
+class Scheduler {
+ public:
+  Scheduler(SchedulerConfig config, int ranks, const runtime::Tokenizer* tokenizer, LoadPredictor predictor,
+            ServerMetrics* metrics);
+
+  // Handler threads. Empty on success, else why the request is refused now (queue full: RESOURCE_EXHAUSTED;
+  // draining: UNAVAILABLE) — the handler reports it; nothing is queued.
+  enum class Refusal { none, queue_full, draining };
+  Refusal submit(std::shared_ptr<Request> request);
+  // Stop admitting; running and waiting requests still finish.
+  void drain();
+  [[nodiscard]] bool draining() const;
+  // Wakes the engine loop when there is something to do (or `timeout` passes).
+  void wait_for_work(std::chrono::milliseconds timeout);
+
+  // Engine loop.
+  StepPlan plan(Clock::time_point now);
+  void complete(std::span<const StepResult> results, const parallel::MoeStepStats& stats,
+                Clock::time_point now);
+  // Nothing running, waiting or to free.
+  [[nodiscard]] bool idle() const;
+  // Ends every request with `terminal` (e.g. on shutdown after a fatal error).
+  void fail_all(Terminal terminal, const std::string& message);
+
+ private:
+  struct Waiting {
+    std::shared_ptr<Request> request;
+    std::vector<float> load;  // predicted, per rank
+    bool predicted = false;
+  };
+  struct Running {
+    std::shared_ptr<Request> request;
+    std::int32_t rank = 0;
+    std::int64_t blocks = 0;  // reserved for prompt + max tokens
+    std::int64_t completion = 0;
+    std::int64_t dropped = 0, rerouted = 0;
+    std::optional<runtime::IncrementalDecoder> decoder;
+    std::string text;      // generated so far (chat)
+    std::size_t sent = 0;  // bytes of text already sent
+    Clock::time_point last_token;
+  };
+
+  void admit(Clock::time_point now, StepPlan& plan);
+  void finish(std::uint64_t id, Running& run, Terminal terminal, const std::string& message,
+              Clock::time_point now);
+  void emit_token(std::uint64_t id, Running& run, std::int32_t token, Clock::time_point now);
+  void end_waiting(Waiting& w, Terminal terminal);
+
+  SchedulerConfig config_;
+  int ranks_;
+  const runtime::Tokenizer* tokenizer_;
+  LoadPredictor predictor_;
+  ServerMetrics* metrics_;
+  BatchSelector selector_;
+
+  mutable std::mutex inbox_mutex_;
+  std::condition_variable inbox_ready_;
+  std::vector<std::shared_ptr<Request>> inbox_;
+  std::int64_t queued_ = 0;  // inbox + waiting, guarded by inbox_mutex_
+  bool draining_ = false;
+
+  std::deque<Waiting> waiting_;
+  std::unordered_map<std::uint64_t, Running> running_;
+  std::vector<std::uint64_t> to_free_;
+  std::vector<std::int64_t> rank_blocks_used_;
+  std::vector<std::int64_t> rank_sequences_;
+  std::vector<std::pair<std::uint64_t, std::int32_t>> in_step_;  // (sequence, rank) of the last plan
+  std::uint64_t next_id_ = 1;
+  std::vector<float> running_load_;  // per rank: the decode batch's realized load, from the last step
+  std::vector<float> predicted_step_load_;
+  std::int64_t last_step_tokens_ = 0;
+  // Per step, reused.
+  std::vector<Candidate> candidates_;
+};
+
+}  // namespace capserve::server

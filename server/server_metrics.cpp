@@ -1,0 +1,437 @@
+// The server's Prometheus metrics. Every series is created in the constructor, and the hot paths hold plain
+// pointers to prometheus-cpp's metric objects (owned by their families, which never move them), so recording
+// a step is only atomic increments: no label maps, no lookups, no allocation. prometheus-cpp's counters and
+// gauges are lock-free atomics; a histogram observation takes the histogram's own short mutex.
+#include "server/server_metrics.h"
+
+#include <prometheus/counter.h>
+#include <prometheus/exposer.h>
+#include <prometheus/family.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+
+#include <algorithm>
+#include <array>
+#include <exception>
+#include <stdexcept>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace capserve::server {
+namespace {
+
+using prometheus::Counter;
+using prometheus::Gauge;
+using prometheus::Histogram;
+
+// Request latencies on a CPU server: 1 ms .. 60 s.
+const Histogram::BucketBoundaries& latency_buckets() {
+  static const Histogram::BucketBoundaries b{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                                             0.5,   1,      2.5,   5,    10,    20,   30,  60};
+  return b;
+}
+
+// Batch-selector decisions: 1 us .. 10 ms.
+const Histogram::BucketBoundaries& decision_buckets() {
+  static const Histogram::BucketBoundaries b{1e-6,   2.5e-6, 5e-6, 1e-5,   2.5e-5, 5e-5, 1e-4,
+                                             2.5e-4, 5e-4,   1e-3, 2.5e-3, 5e-3,   1e-2};
+  return b;
+}
+
+// Per-rank max/mean load: 1 is perfect balance, num_ranks the worst possible.
+const Histogram::BucketBoundaries& imbalance_buckets() {
+  static const Histogram::BucketBoundaries b{1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 1.75, 2, 2.5, 3, 4, 6, 8, 16};
+  return b;
+}
+
+// The gRPC status code names (OK excluded); anything else is counted as OTHER so that a caller's typo cannot
+// add series without bound.
+constexpr std::array<std::string_view, 16> kErrorCodes{
+    "CANCELLED",      "UNKNOWN",           "INVALID_ARGUMENT",   "DEADLINE_EXCEEDED",   "NOT_FOUND",
+    "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED",
+    "OUT_OF_RANGE",   "UNIMPLEMENTED",     "INTERNAL",           "UNAVAILABLE",         "DATA_LOSS",
+    "UNAUTHENTICATED"};
+
+constexpr std::array<std::string_view, 4> kOutcomeNames{"stop", "length", "cancelled", "error"};
+
+enum Phase { kScheduler, kDispatch, kExpert, kCombine, kNumPhases };
+constexpr std::array<std::string_view, kNumPhases> kPhaseNames{"scheduler", "dispatch", "expert", "combine"};
+
+void add_count(Counter* c, std::int64_t n) {
+  if (n > 0) c->Increment(static_cast<double>(n));
+}
+
+void add_seconds(Counter* c, double s) {
+  if (s > 0) c->Increment(s);
+}
+
+}  // namespace
+
+struct ServerMetrics::Impl {
+  struct Layer {
+    std::int64_t id = 0;
+    Counter* assignments = nullptr;
+    Counter* dropped = nullptr;
+    Counter* rerouted = nullptr;
+    Counter* wire_bytes = nullptr;
+    Gauge* rank_imbalance = nullptr;
+    std::array<Counter*, kNumPhases> phase{};
+    std::vector<Counter*> expert_tokens;  // [num_experts]
+    std::vector<Counter*> rank_tokens;    // [num_ranks]
+  };
+
+  // Declared first so that it outlives the exposer, which serves it from its own threads.
+  std::shared_ptr<prometheus::Registry> registry = std::make_shared<prometheus::Registry>();
+
+  Histogram* ttft = nullptr;
+  Histogram* itl = nullptr;
+  Histogram* e2e = nullptr;
+  Histogram* queue_time = nullptr;
+  Gauge* running = nullptr;
+  Gauge* waiting = nullptr;
+  Counter* prompt_tokens = nullptr;
+  Counter* generation_tokens = nullptr;
+  std::array<Counter*, kOutcomeNames.size()> outcomes{};
+  std::array<Counter*, kErrorCodes.size()> errors{};
+  Counter* other_error = nullptr;
+
+  Counter* moe_steps = nullptr;
+  Histogram* rank_imbalance_hist = nullptr;
+  std::vector<Layer> layers;
+
+  Histogram* selector_decision = nullptr;
+  Gauge* selector_predicted = nullptr;
+  Gauge* selector_realized = nullptr;
+  Gauge* predictor_cosine = nullptr;
+
+  std::unique_ptr<prometheus::Exposer> exposer;
+  int port = 0;
+
+  Layer* find_layer(std::size_t position, std::int64_t id) {
+    // The step's layers come in the model's order, so the entry at the same position is the one almost
+    // always.
+    if (position < layers.size() && layers[position].id == id) return &layers[position];
+    for (auto& l : layers) {
+      if (l.id == id) return &l;
+    }
+    return nullptr;
+  }
+};
+
+ServerMetrics::ServerMetrics(const std::string& bind_address, std::span<const std::int64_t> moe_layers,
+                             std::int64_t num_experts, int num_ranks)
+    : impl_(std::make_unique<Impl>()) {
+  if (num_experts < 0) throw std::invalid_argument("ServerMetrics: num_experts must be >= 0");
+  if (num_ranks < 1) throw std::invalid_argument("ServerMetrics: num_ranks must be >= 1");
+  for (std::size_t i = 0; i < moe_layers.size(); ++i) {
+    if (std::find(moe_layers.begin(), moe_layers.begin() + static_cast<std::ptrdiff_t>(i), moe_layers[i]) !=
+        moe_layers.begin() + static_cast<std::ptrdiff_t>(i)) {
+      throw std::invalid_argument("ServerMetrics: MoE layer " + std::to_string(moe_layers[i]) +
+                                  " listed twice");
+    }
+  }
+
+  Impl& m = *impl_;
+  auto& reg = *m.registry;
+
+  auto histogram = [&](const char* name, const char* help, const Histogram::BucketBoundaries& buckets) {
+    return &prometheus::BuildHistogram().Name(name).Help(help).Register(reg).Add({}, buckets);
+  };
+  auto gauge = [&](const char* name, const char* help) {
+    return &prometheus::BuildGauge().Name(name).Help(help).Register(reg).Add({});
+  };
+  auto counter = [&](const char* name, const char* help) {
+    return &prometheus::BuildCounter().Name(name).Help(help).Register(reg).Add({});
+  };
+
+  // Requests.
+  m.ttft =
+      histogram("capserve_time_to_first_token_seconds",
+                "Time from a request's arrival to its first generated token (queue time plus prefill). "
+                "High while queue time is low: prefill is slow (long prompts, too few threads); high with "
+                "high queue time: the server is overloaded.",
+                latency_buckets());
+  m.itl = histogram("capserve_inter_token_latency_seconds",
+                    "Time between consecutive generated tokens of one request (one decode step as the client "
+                    "sees it). Rises with batch size and with MoE rank imbalance (see "
+                    "capserve_moe_rank_imbalance and capserve_moe_phase_seconds_total).",
+                    latency_buckets());
+  m.e2e = histogram("capserve_end_to_end_latency_seconds",
+                    "Time from a request's arrival to its terminal status, whatever the finish reason.",
+                    latency_buckets());
+  m.queue_time = histogram("capserve_queue_time_seconds",
+                           "Time a request waited before being admitted to the running batch. Growing: the "
+                           "server is saturated (add ranks or lower load), or the admission limits (max "
+                           "sequences, max batched tokens, KV blocks) are too tight.",
+                           latency_buckets());
+  m.running =
+      gauge("capserve_requests_running",
+            "Requests admitted to the batch and decoding now (at most the configured max sequences).");
+  m.waiting =
+      gauge("capserve_requests_waiting",
+            "Requests queued and not yet admitted. Steadily non-zero means the server is at capacity.");
+  m.prompt_tokens =
+      counter("capserve_prompt_tokens_total",
+              "Prompt tokens of admitted requests (prefill work); rate() gives prefill throughput.");
+  m.generation_tokens = counter("capserve_generation_tokens_total",
+                                "Tokens generated for clients; rate() gives decode throughput.");
+
+  auto& outcomes = prometheus::BuildCounter()
+                       .Name("capserve_requests_total")
+                       .Help(
+                           "Requests finished, by finish_reason: stop (stop sequence or end of sequence), "
+                           "length (max_tokens or context limit reached), cancelled (client went away or "
+                           "deadline passed), error (see capserve_request_errors_total for the code).")
+                       .Register(reg);
+  for (std::size_t i = 0; i < kOutcomeNames.size(); ++i) {
+    m.outcomes[i] = &outcomes.Add({{"finish_reason", std::string(kOutcomeNames[i])}});
+  }
+  auto& errors =
+      prometheus::BuildCounter()
+          .Name("capserve_request_errors_total")
+          .Help(
+              "Requests that ended with a gRPC error status, by code. INVALID_ARGUMENT: fix the "
+              "client's request (parameters, prompt length, model name); RESOURCE_EXHAUSTED: the "
+              "queue is full (add capacity or make clients back off); DEADLINE_EXCEEDED: client "
+              "deadlines are shorter than queue time plus generation; UNAVAILABLE: draining or a rank "
+              "died (check the ranks' logs); INTERNAL: a server bug (check the logs). OTHER: a code "
+              "name this server does not know.")
+          .Register(reg);
+  for (std::size_t i = 0; i < kErrorCodes.size(); ++i) {
+    m.errors[i] = &errors.Add({{"code", std::string(kErrorCodes[i])}});
+  }
+  m.other_error = &errors.Add({{"code", "OTHER"}});
+
+  // MoE layers.
+  m.moe_steps =
+      counter("capserve_moe_steps_total",
+              "Engine steps whose MoE statistics were recorded; divide the other capserve_moe_ rates by "
+              "its rate for per-step figures.");
+  m.rank_imbalance_hist = histogram(
+      "capserve_moe_rank_imbalance_ratio",
+      "Distribution of the per-rank load imbalance (max/mean tokens per rank, after capacity) of every MoE "
+      "layer of "
+      "every step, all layers together. 1 is perfect balance; a step runs at the speed of its most loaded "
+      "rank, "
+      "so a ratio r wastes about 1-1/r of the expert compute. Much above 1: lower --capacity-factor, or "
+      "rebalance the experts over the ranks (--expert-placement).",
+      imbalance_buckets());
+
+  auto& assignments =
+      prometheus::BuildCounter()
+          .Name("capserve_moe_assignments_total")
+          .Help(
+              "Token-to-expert assignments the router made (tokens * top_k), per MoE layer: the "
+              "denominator of the dropped and rerouted ratios.")
+          .Register(reg);
+  auto& dropped =
+      prometheus::BuildCounter()
+          .Name("capserve_moe_dropped_assignments_total")
+          .Help(
+              "Assignments dropped by the capacity scheduler because their expert (or rank) was full: "
+              "the token skipped that expert, which can cost output quality. A high share of "
+              "capserve_moe_assignments_total: raise --capacity-factor, reroute instead of dropping "
+              "(--capacity-policy reroute), or rebalance the placement (--expert-placement).")
+          .Register(reg);
+  auto& rerouted =
+      prometheus::BuildCounter()
+          .Name("capserve_moe_rerouted_assignments_total")
+          .Help(
+              "Assignments moved by the capacity scheduler from a full expert to the token's next "
+              "best expert with room, per MoE layer. A high share of capserve_moe_assignments_total "
+              "means the routing is skewed well past capacity: raise --capacity-factor or rebalance "
+              "the placement.")
+          .Register(reg);
+  auto& expert_tokens =
+      prometheus::BuildCounter()
+          .Name("capserve_moe_expert_tokens_total")
+          .Help(
+              "Tokens each expert computed (after capacity: dropped assignments excluded, "
+              "rerouted ones counted at their new expert), per MoE layer. Hot experts are "
+              "candidates for replication or for a rank of their own in --expert-placement.")
+          .Register(reg);
+  auto& rank_tokens =
+      prometheus::BuildCounter()
+          .Name("capserve_moe_rank_tokens_total")
+          .Help(
+              "Expert tokens each rank computed (after capacity), per MoE layer: shows which rank "
+              "is the straggler. Persistently uneven: move experts off the busiest rank "
+              "(--expert-placement).")
+          .Register(reg);
+  auto& imbalance =
+      prometheus::BuildGauge()
+          .Name("capserve_moe_rank_imbalance")
+          .Help(
+              "Per-rank load imbalance (max/mean tokens per rank, after capacity) of the last "
+              "recorded step, per MoE layer. 1 is perfect balance; the step waits for the most "
+              "loaded rank. See capserve_moe_rank_imbalance_ratio for the distribution over steps.")
+          .Register(reg);
+  auto& phases =
+      prometheus::BuildCounter()
+          .Name("capserve_moe_phase_seconds_total")
+          .Help(
+              "Time spent per MoE layer in each phase (slowest rank of each step): scheduler "
+              "(capacity scheduling), dispatch (all-to-all of tokens to their experts' ranks), expert "
+              "(expert FFNs), combine (all-to-all back). dispatch+combine dominating: the interconnect "
+              "is the bottleneck (fewer ranks per node or less traffic); expert dominating with high "
+              "imbalance: balance the load.")
+          .Register(reg);
+  auto& bytes =
+      prometheus::BuildCounter()
+          .Name("capserve_moe_alltoall_bytes_total")
+          .Help(
+              "Bytes sent between different ranks by the MoE all-to-all (dispatch plus combine), per "
+              "layer; rate() is the interconnect bandwidth the MoE layers use.")
+          .Register(reg);
+
+  m.layers.reserve(moe_layers.size());
+  for (const std::int64_t id : moe_layers) {
+    const std::string layer = std::to_string(id);
+    Impl::Layer l;
+    l.id = id;
+    l.assignments = &assignments.Add({{"layer", layer}});
+    l.dropped = &dropped.Add({{"layer", layer}});
+    l.rerouted = &rerouted.Add({{"layer", layer}});
+    l.wire_bytes = &bytes.Add({{"layer", layer}});
+    l.rank_imbalance = &imbalance.Add({{"layer", layer}});
+    l.rank_imbalance->Set(1);
+    for (int p = 0; p < kNumPhases; ++p) {
+      l.phase[static_cast<std::size_t>(p)] =
+          &phases.Add({{"layer", layer}, {"phase", std::string(kPhaseNames[static_cast<std::size_t>(p)])}});
+    }
+    l.expert_tokens.reserve(static_cast<std::size_t>(num_experts));
+    for (std::int64_t e = 0; e < num_experts; ++e) {
+      l.expert_tokens.push_back(&expert_tokens.Add({{"layer", layer}, {"expert", std::to_string(e)}}));
+    }
+    l.rank_tokens.reserve(static_cast<std::size_t>(num_ranks));
+    for (int r = 0; r < num_ranks; ++r) {
+      l.rank_tokens.push_back(&rank_tokens.Add({{"layer", layer}, {"rank", std::to_string(r)}}));
+    }
+    m.layers.push_back(std::move(l));
+  }
+
+  // Batch selection and the router dry-run predictor.
+  m.selector_decision = histogram(
+      "capserve_batch_selector_decision_seconds",
+      "Time the batch selector took to choose which waiting requests to admit. Approaching the step "
+      "time: shrink the selection window or use a cheaper strategy (power_of_d, fcfs).",
+      decision_buckets());
+  m.selector_predicted = gauge("capserve_batch_selector_predicted_imbalance",
+                               "Per-rank load imbalance (max/mean) the batch selector predicted for its last "
+                               "admitted batch; compare with capserve_batch_selector_realized_imbalance.");
+  m.selector_realized =
+      gauge("capserve_batch_selector_realized_imbalance",
+            "Per-rank load imbalance (max/mean) the last admitted batch actually had. Well above "
+            "the predicted value: the predictor is inaccurate (see capserve_predictor_load_cosine).");
+  m.predictor_cosine =
+      gauge("capserve_predictor_load_cosine",
+            "Cosine similarity of the router dry-run predictor's per-rank load and the realized "
+            "one, last measurement (1 = exact shape). Low: balance-aware selection is working "
+            "from bad predictions; raise the number of dry-run layers or fall back to fcfs.");
+  m.selector_predicted->Set(1);
+  m.selector_realized->Set(1);
+
+  try {
+    m.exposer = std::make_unique<prometheus::Exposer>(bind_address);
+    m.exposer->RegisterCollectable(m.registry);
+    const std::vector<int> ports = m.exposer->GetListeningPorts();
+    if (ports.empty()) throw std::runtime_error("no listening port");
+    m.port = ports.front();
+  } catch (const std::exception& e) {
+    throw std::runtime_error("metrics: cannot serve /metrics on '" + bind_address + "' (" + e.what() +
+                             "); the address may be in use by another process or malformed: choose a free "
+                             "host:port");
+  }
+}
+
+ServerMetrics::~ServerMetrics() = default;
+
+int ServerMetrics::port() const {
+  return impl_->port;
+}
+
+void ServerMetrics::observe_time_to_first_token(double seconds) {
+  impl_->ttft->Observe(seconds);
+}
+void ServerMetrics::observe_inter_token_latency(double seconds) {
+  impl_->itl->Observe(seconds);
+}
+void ServerMetrics::observe_end_to_end_latency(double seconds) {
+  impl_->e2e->Observe(seconds);
+}
+void ServerMetrics::observe_queue_time(double seconds) {
+  impl_->queue_time->Observe(seconds);
+}
+
+void ServerMetrics::set_requests_running(std::int64_t n) {
+  impl_->running->Set(static_cast<double>(n));
+}
+void ServerMetrics::set_requests_waiting(std::int64_t n) {
+  impl_->waiting->Set(static_cast<double>(n));
+}
+void ServerMetrics::add_prompt_tokens(std::int64_t n) {
+  add_count(impl_->prompt_tokens, n);
+}
+void ServerMetrics::add_generation_tokens(std::int64_t n) {
+  add_count(impl_->generation_tokens, n);
+}
+
+void ServerMetrics::count_outcome(Outcome outcome) {
+  const auto i = static_cast<std::size_t>(outcome);
+  if (i < impl_->outcomes.size()) impl_->outcomes[i]->Increment();
+}
+
+void ServerMetrics::count_error(const std::string& grpc_code) {
+  for (std::size_t i = 0; i < kErrorCodes.size(); ++i) {
+    if (kErrorCodes[i] == grpc_code) {
+      impl_->errors[i]->Increment();
+      return;
+    }
+  }
+  impl_->other_error->Increment();
+}
+
+void ServerMetrics::record_step(const parallel::MoeStepStats& step) {
+  Impl& m = *impl_;
+  m.moe_steps->Increment();
+  for (std::size_t i = 0; i < step.layers.size(); ++i) {
+    const parallel::MoeLayerStats& s = step.layers[i];
+    Impl::Layer* l = m.find_layer(i, s.layer);
+    if (l == nullptr) continue;  // not a layer this server was told about: nothing to attribute it to
+    add_count(l->assignments, s.assignments);
+    add_count(l->dropped, s.dropped);
+    add_count(l->rerouted, s.rerouted);
+    add_count(l->wire_bytes, s.wire_bytes);
+    const std::size_t experts = std::min(s.expert_load.size(), l->expert_tokens.size());
+    for (std::size_t e = 0; e < experts; ++e) add_count(l->expert_tokens[e], s.expert_load[e]);
+    const std::size_t ranks = std::min(s.rank_load.size(), l->rank_tokens.size());
+    for (std::size_t r = 0; r < ranks; ++r) add_count(l->rank_tokens[r], s.rank_load[r]);
+    add_seconds(l->phase[kScheduler], s.scheduler_seconds);
+    add_seconds(l->phase[kDispatch], s.dispatch_seconds);
+    add_seconds(l->phase[kExpert], s.expert_seconds);
+    add_seconds(l->phase[kCombine], s.combine_seconds);
+    // Only steps in which the layer did any work say something about balance.
+    if (s.tokens > 0) {
+      const double ratio = s.rank_imbalance();
+      l->rank_imbalance->Set(ratio);
+      m.rank_imbalance_hist->Observe(ratio);
+    }
+  }
+}
+
+void ServerMetrics::observe_selector_decision(double seconds) {
+  impl_->selector_decision->Observe(seconds);
+}
+
+void ServerMetrics::set_selector_imbalance(double predicted, double realized) {
+  impl_->selector_predicted->Set(predicted);
+  impl_->selector_realized->Set(realized);
+}
+
+void ServerMetrics::set_predictor_cosine(double cosine) {
+  impl_->predictor_cosine->Set(cosine);
+}
+
+}  // namespace capserve::server

@@ -1,0 +1,65 @@
+#pragma once
+// The server's Prometheus metrics (DESIGN.md section 6), served by prometheus-cpp on rank 0's /metrics. Names
+// follow Prometheus conventions with the prefix capserve_. Every method is thread-safe (gRPC handler threads
+// and the engine loop both report); none allocates per token.
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "parallel/moe_stats.h"
+
+namespace capserve::server {
+
+// How a request ended, as the outcome counters label it.
+enum class Outcome { stop, length, cancelled, error };
+
+class ServerMetrics {
+ public:
+  // Starts the HTTP exposer on `bind_address` (e.g. "0.0.0.0:9400"); throws std::runtime_error naming the
+  // address when it cannot bind. moe_layers: the model's MoE layer indices (label values), num_experts,
+  // num_ranks.
+  ServerMetrics(const std::string& bind_address, std::span<const std::int64_t> moe_layers,
+                std::int64_t num_experts, int num_ranks);
+  ~ServerMetrics();
+  ServerMetrics(const ServerMetrics&) = delete;
+  ServerMetrics& operator=(const ServerMetrics&) = delete;
+
+  // The port actually bound (useful with port 0).
+  [[nodiscard]] int port() const;
+
+  // Latency histograms, in seconds.
+  void observe_time_to_first_token(double seconds);
+  void observe_inter_token_latency(double seconds);
+  void observe_end_to_end_latency(double seconds);
+  void observe_queue_time(double seconds);
+
+  void set_requests_running(std::int64_t n);
+  void set_requests_waiting(std::int64_t n);
+  void add_prompt_tokens(std::int64_t n);
+  void add_generation_tokens(std::int64_t n);
+
+  // A request's terminal status: by finish reason, and by gRPC status code name for errors
+  // ("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "CANCELLED", "UNAVAILABLE", "INTERNAL",
+  // ...).
+  void count_outcome(Outcome outcome);
+  void count_error(const std::string& grpc_code);
+
+  // One engine step's MoE statistics (global, as every rank holds them after the step): per-layer dropped and
+  // rerouted assignments, per-expert received tokens, per-rank load imbalance (max/mean, after capacity),
+  // dispatch/expert/combine time (slowest rank), all-to-all bytes.
+  void record_step(const parallel::MoeStepStats& step);
+
+  // The batch selector: one decision's time, and the imbalance it predicted for the batch vs the one
+  // realized.
+  void observe_selector_decision(double seconds);
+  void set_selector_imbalance(double predicted, double realized);
+  // Router dry-run predictor accuracy: cosine of predicted vs realized per-rank load.
+  void set_predictor_cosine(double cosine);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace capserve::server

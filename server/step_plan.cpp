@@ -1,0 +1,128 @@
+#include "server/step_plan.h"
+
+#include <cstring>
+#include <stdexcept>
+#include <type_traits>
+
+namespace capserve::server {
+namespace {
+
+class Writer {
+ public:
+  template <typename T>
+  void put(const T& v) {
+    static_assert(std::is_trivially_copyable_v<T>);
+    const auto* p = reinterpret_cast<const std::byte*>(&v);
+    out.insert(out.end(), p, p + sizeof(T));
+  }
+  template <typename T>
+  void put_vector(const std::vector<T>& v) {
+    put(static_cast<std::uint64_t>(v.size()));
+    const auto* p = reinterpret_cast<const std::byte*>(v.data());
+    out.insert(out.end(), p, p + v.size() * sizeof(T));
+  }
+  void put_string(const std::string& s) {
+    put(static_cast<std::uint64_t>(s.size()));
+    const auto* p = reinterpret_cast<const std::byte*>(s.data());
+    out.insert(out.end(), p, p + s.size());
+  }
+  std::vector<std::byte> out;
+};
+
+class Reader {
+ public:
+  explicit Reader(const std::vector<std::byte>& in) : in_(in) {}
+  template <typename T>
+  T get() {
+    T v;
+    take(&v, sizeof(T));
+    return v;
+  }
+  template <typename T>
+  void get_vector(std::vector<T>& v) {
+    const auto n = get<std::uint64_t>();
+    if (n > (in_.size() - pos_) / sizeof(T))
+      throw std::runtime_error("step message: vector longer than the message");
+    v.resize(static_cast<std::size_t>(n));
+    take(v.data(), v.size() * sizeof(T));
+  }
+  std::string get_string() {
+    std::vector<char> chars;
+    get_vector(chars);
+    return {chars.begin(), chars.end()};
+  }
+  void finish() const {
+    if (pos_ != in_.size()) throw std::runtime_error("step message: trailing bytes");
+  }
+
+ private:
+  void take(void* dst, std::size_t n) {
+    if (n > in_.size() - pos_) throw std::runtime_error("step message: truncated");
+    if (n > 0) std::memcpy(dst, in_.data() + pos_, n);
+    pos_ += n;
+  }
+  const std::vector<std::byte>& in_;
+  std::size_t pos_ = 0;
+};
+
+}  // namespace
+
+std::vector<std::byte> serialize(const StepPlan& plan) {
+  Writer w;
+  w.put(static_cast<std::uint8_t>(plan.shutdown ? 1 : 0));
+  w.put_vector(plan.frees);
+  w.put(static_cast<std::uint64_t>(plan.starts.size()));
+  for (const SequenceStart& s : plan.starts) {
+    w.put(s.id);
+    w.put(s.rank);
+    w.put_vector(s.prompt);
+    w.put(s.temperature);
+    w.put(s.top_k);
+    w.put(s.top_p);
+    w.put(s.seed);
+  }
+  w.put_vector(plan.decodes);
+  return std::move(w.out);
+}
+
+StepPlan deserialize_plan(const std::vector<std::byte>& bytes) {
+  Reader r(bytes);
+  StepPlan plan;
+  plan.shutdown = r.get<std::uint8_t>() != 0;
+  r.get_vector(plan.frees);
+  const auto starts = r.get<std::uint64_t>();
+  if (starts > bytes.size()) throw std::runtime_error("step message: too many sequences");
+  plan.starts.resize(static_cast<std::size_t>(starts));
+  for (SequenceStart& s : plan.starts) {
+    s.id = r.get<std::uint64_t>();
+    s.rank = r.get<std::int32_t>();
+    r.get_vector(s.prompt);
+    s.temperature = r.get<float>();
+    s.top_k = r.get<std::int32_t>();
+    s.top_p = r.get<float>();
+    s.seed = r.get<std::uint64_t>();
+  }
+  r.get_vector(plan.decodes);
+  r.finish();
+  return plan;
+}
+
+std::vector<std::byte> serialize(const StepResult& result) {
+  Writer w;
+  w.put(static_cast<std::uint8_t>(result.ok ? 1 : 0));
+  w.put_string(result.error);
+  w.put_vector(result.sequences);
+  return std::move(w.out);
+}
+
+StepResult deserialize_result(const std::vector<std::byte>& bytes) {
+  Reader r(bytes);
+  StepResult result;
+  result.ok = r.get<std::uint8_t>() != 0;
+  result.error = r.get_string();
+  r.get_vector(result.sequences);
+  r.finish();
+  return result;
+}
+
+}  // namespace capserve::server

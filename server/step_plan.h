@@ -1,0 +1,49 @@
+#pragma once
+// What rank 0 tells every rank to do in one engine step, and what each rank answers; both travel over the MPI
+// control plane as compact byte strings (little-endian PODs, length-prefixed vectors).
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace capserve::server {
+
+// A sequence joining the batch on `rank`: its whole prompt is prefilled this step.
+struct SequenceStart {
+  std::uint64_t id = 0;
+  std::int32_t rank = 0;
+  std::vector<std::int32_t> prompt;
+  float temperature = 0.0F;
+  std::int32_t top_k = 0;
+  float top_p = 1.0F;
+  std::uint64_t seed = 0;
+};
+
+struct StepPlan {
+  bool shutdown = false;               // every rank leaves its loop after this plan (nothing else in it runs)
+  std::vector<std::uint64_t> frees;    // sequences to release first (finished, cancelled, failed)
+  std::vector<SequenceStart> starts;   // new sequences
+  std::vector<std::uint64_t> decodes;  // running sequences that take one more token (each on its own rank)
+};
+
+// One sequence's outcome of the step on its rank.
+struct SequenceResult {
+  std::uint64_t id = 0;
+  std::int32_t token = 0;  // the sampled next token
+  std::int64_t dropped = 0;
+  std::int64_t rerouted = 0;
+};
+
+struct StepResult {
+  bool ok = true;
+  std::string error;  // when !ok: why this rank's step was refused (its sequences all failed)
+  std::vector<SequenceResult> sequences;
+};
+
+std::vector<std::byte> serialize(const StepPlan& plan);
+// Throws std::runtime_error on a malformed byte string (a bug or a version mismatch between ranks).
+StepPlan deserialize_plan(const std::vector<std::byte>& bytes);
+std::vector<std::byte> serialize(const StepResult& result);
+StepResult deserialize_result(const std::vector<std::byte>& bytes);
+
+}  // namespace capserve::server
