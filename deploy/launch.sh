@@ -3,6 +3,10 @@
 # Adds what a single machine or container needs: root permission, oversubscription when N exceeds the cores,
 # no core binding (each rank runs its own OpenMP threads), shared-memory transport only. Extra mpirun arguments
 # can be passed in CAPSERVE_MPIRUN_ARGS.
+#
+# SIGTERM/SIGINT sent to this script go to rank 0 (capserve writes its pid to $CAPSERVE_RANK0_PID_FILE), which
+# drains and then stops every rank, exit code 0. (mpirun itself treats SIGTERM as "abort the job": it kills all
+# ranks after about a second, too soon for running requests to finish.)
 set -euo pipefail
 if (($# < 2)); then
   echo "usage: deploy/launch.sh N PROGRAM [ARGS...]" >&2
@@ -16,5 +20,20 @@ if ((np > $(nproc))); then args+=(--oversubscribe); fi
 export OMPI_MCA_btl="${OMPI_MCA_btl:-self,vader}"
 # Containers usually forbid the ptrace-based single-copy path between processes.
 export OMPI_MCA_btl_vader_single_copy_mechanism="${OMPI_MCA_btl_vader_single_copy_mechanism:-none}"
+pid_file="$(mktemp)"
+export CAPSERVE_RANK0_PID_FILE="$pid_file"
 # shellcheck disable=SC2086
-exec mpirun "${args[@]}" ${CAPSERVE_MPIRUN_ARGS:-} "$@"
+mpirun "${args[@]}" -x CAPSERVE_RANK0_PID_FILE ${CAPSERVE_MPIRUN_ARGS:-} "$@" &
+job=$!
+forward() {
+  if [[ -s "$pid_file" ]]; then kill -TERM "$(cat "$pid_file")" 2>/dev/null || true; else kill -TERM "$job" 2>/dev/null || true; fi
+}
+trap forward TERM INT
+status=0
+while true; do
+  wait "$job" && status=0 || status=$?
+  # wait returns early (status > 128) when a trapped signal arrives; keep waiting while the job lives.
+  kill -0 "$job" 2>/dev/null || break
+done
+rm -f "$pid_file"
+exit "$status"

@@ -1,29 +1,42 @@
 #!/usr/bin/env bash
-# The main job, end to end on a fresh Debian machine: installs the dependencies, builds, and continues text prompts
-# with the embedded default model (deploy/models/capserve-moe-tiny) on two expert-parallel ranks under mpirun,
-# first exactly, then with capacity-aware scheduling, printing what the scheduler dropped and rerouted per layer.
-# (The gRPC server quickstart replaces this once the server lands.)
+# The main job, end to end on a fresh Debian machine: installs the dependencies, builds, starts `capserve` on two
+# expert-parallel ranks under mpirun with the embedded default model (deploy/models/capserve-moe-tiny) and
+# capacity-aware scheduling, streams one chat completion from a gRPC client, shows the metrics, and shuts the
+# server down cleanly (SIGTERM drains: running requests finish, exit code 0).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${CAPSERVE_BUILD_DIR:-$root/build}"
 bash "$root/deploy/install_deps.sh"
 bash "$root/deploy/build.sh"
-model="$root/deploy/models/capserve-moe-tiny"
-generate=("$build/runtime/capserve-generate" --model "$model" --threads 1 --max-new-tokens 32
-  --prompt "The theory of general relativity" --prompt "def parse_args(argv):" --prompt "Once upon a time")
-echo "== 2 ranks, exact (gamma = inf)"
-bash "$root/deploy/launch.sh" 2 "${generate[@]}"
-stats="$(mktemp -d)/moe_stats.json"
-echo "== 2 ranks, --capacity-factor 1.25 --capacity-policy expanded --capacity-granularity device"
-bash "$root/deploy/launch.sh" 2 "${generate[@]}" --capacity-factor 1.25 --capacity-policy expanded \
-  --capacity-granularity device --moe-stats "$stats"
-echo "== per-layer MoE statistics ($stats)"
-/usr/bin/python3 - "$stats" <<'PY'
-import json, sys
-stats = json.load(open(sys.argv[1]))
-print(stats["config"])
-print(f"{'layer':>5} {'assignments':>11} {'dropped':>7} {'rerouted':>8}  rank load before -> after (max/mean per step)")
-for l in stats["layers"]:
-    print(f"{l['layer']:>5} {l['assignments']:>11} {l['dropped']:>7} {l['rerouted']:>8}  "
-          f"{l['mean_step_routed_rank_max_over_mean']:.3f} -> {l['mean_step_rank_max_over_mean']:.3f}")
-PY
+
+log="$(mktemp)"
+echo "== starting: deploy/launch.sh 2 capserve --model deploy/models/capserve-moe-tiny --capacity-factor 1.5 --capacity-policy reroute"
+setsid bash "$root/deploy/launch.sh" 2 "$build/server/capserve" --model "$root/deploy/models/capserve-moe-tiny" \
+  --port 0 --metrics-port 0 --threads 1 --capacity-factor 1.5 --capacity-policy reroute \
+  --batch-selector greedy >"$log" 2>&1 &
+server=$!
+trap 'kill -TERM "$server" 2>/dev/null || true' EXIT
+for _ in $(seq 1 120); do
+  grep -q "capserve: serving" "$log" && break
+  if ! kill -0 "$server" 2>/dev/null; then cat "$log"; exit 1; fi
+  sleep 0.5
+done
+cat "$log"
+port="$(sed -n 's/.* on [^ ]*:\([0-9]*\), metrics.*/\1/p' "$log")"
+metrics_port="$(sed -n 's/.*metrics on port \([0-9]*\),.*/\1/p' "$log")"
+
+echo "== a streamed chat completion (tools/capserve_chat.py, gRPC ChatStream)"
+/usr/bin/python3 "$root/tools/capserve_chat.py" --addr "localhost:$port" --stubs "$build/proto/python" \
+  --max-tokens 48 "Write a short story about a robot."
+echo "== metrics (http://localhost:$metrics_port/metrics, a selection)"
+/usr/bin/python3 -c 'import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1]).read().decode())' \
+  "http://localhost:$metrics_port/metrics" |
+  grep -E '^capserve_(requests_total|generation_tokens_total|moe_(dropped|rerouted)_assignments_total|moe_rank_imbalance)' |
+  head -20 || true
+echo "== shutting down (SIGTERM: drain, then exit)"
+kill -TERM "$server"
+status=0
+wait "$server" || status=$?
+trap - EXIT
+echo "capserve exited with status $status"
+exit "$status"

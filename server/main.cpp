@@ -8,10 +8,13 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <spdlog/spdlog.h>
 
+#include <unistd.h>
 #include <atomic>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <optional>
 #include <thread>
@@ -176,6 +179,10 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Model& model, runtime:
   std::unique_ptr<grpc::Server> grpc_server = builder.BuildAndStart();
   if (!grpc_server || bound_port == 0)
     throw std::runtime_error("cannot listen on " + o.host + ":" + std::to_string(o.port));
+  // deploy/launch.sh sends its SIGTERM to this process, which drains and then stops every rank.
+  if (const char* pid_file = std::getenv("CAPSERVE_RANK0_PID_FILE"); pid_file != nullptr && *pid_file != 0) {
+    std::ofstream(pid_file) << ::getpid() << "\n";
+  }
   // Machine-readable start line: tests and scripts wait for it.
   std::printf("capserve: serving %s on %s:%d, metrics on port %d, %d ranks\n", o.limits.model_id.c_str(),
               o.host.c_str(), bound_port, metrics.port(), world.size());
