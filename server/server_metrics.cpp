@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <array>
 #include <exception>
+#include <limits>
 #include <stdexcept>
 #include <string_view>
 #include <utility>
@@ -320,18 +321,24 @@ ServerMetrics::ServerMetrics(const std::string& bind_address, std::span<const st
       decision_buckets());
   m.selector_predicted = gauge("capserve_batch_selector_predicted_imbalance",
                                "Per-rank load imbalance (max/mean) the batch selector predicted for its last "
-                               "admitted batch; compare with capserve_batch_selector_realized_imbalance.");
+                               "admitted batch (NaN until the first decision); compare with "
+                               "capserve_batch_selector_realized_imbalance.");
   m.selector_realized =
       gauge("capserve_batch_selector_realized_imbalance",
             "Per-rank load imbalance (max/mean) the last admitted batch actually had. Well above "
-            "the predicted value: the predictor is inaccurate (see capserve_predictor_load_cosine).");
+            "the predicted value: the predictor is inaccurate (see capserve_predictor_load_cosine). "
+            "NaN until the first measurement.");
   m.predictor_cosine =
       gauge("capserve_predictor_load_cosine",
             "Cosine similarity of the router dry-run predictor's per-rank load and the realized "
             "one, last measurement (1 = exact shape). Low: balance-aware selection is working "
-            "from bad predictions; raise the number of dry-run layers or fall back to fcfs.");
-  m.selector_predicted->Set(1);
-  m.selector_realized->Set(1);
+            "from bad predictions; raise the number of dry-run layers or fall back to fcfs. NaN "
+            "until the first measurement.");
+  // Not measured yet: NaN, which no threshold alert fires on (0 would read as a perfect or a useless
+  // predictor).
+  m.selector_predicted->Set(std::numeric_limits<double>::quiet_NaN());
+  m.selector_realized->Set(std::numeric_limits<double>::quiet_NaN());
+  m.predictor_cosine->Set(std::numeric_limits<double>::quiet_NaN());
 
   try {
     m.exposer = std::make_unique<prometheus::Exposer>(bind_address);

@@ -1,0 +1,329 @@
+// ServerMetrics end to end: serve on an ephemeral port, record requests and MoE steps, scrape /metrics over a
+// raw socket and check the series and their values; lint the exposition with promtool where it is installed.
+#include "server/server_metrics.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace capserve::server {
+namespace {
+
+using Labels = std::map<std::string, std::string>;
+
+// GET http://127.0.0.1:<port><path> with HTTP/1.0 (the server closes the connection after the body); returns
+// the body, failing the test on a non-200 answer.
+std::string http_get(int port, const std::string& path) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) throw std::runtime_error("socket() failed");
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<std::uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) != 0) {
+    ::close(fd);
+    throw std::runtime_error("cannot connect to 127.0.0.1:" + std::to_string(port));
+  }
+  const std::string request = "GET " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+  for (std::size_t sent = 0; sent < request.size();) {
+    const ssize_t n = ::send(fd, request.data() + sent, request.size() - sent, 0);
+    if (n <= 0) {
+      ::close(fd);
+      throw std::runtime_error("send() failed");
+    }
+    sent += static_cast<std::size_t>(n);
+  }
+  std::string response;
+  char buf[4096];
+  for (;;) {
+    const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+    if (n <= 0) break;
+    response.append(buf, static_cast<std::size_t>(n));
+  }
+  ::close(fd);
+  const auto header_end = response.find("\r\n\r\n");
+  if (header_end == std::string::npos) throw std::runtime_error("no HTTP header in: " + response);
+  const std::string status_line = response.substr(0, response.find("\r\n"));
+  EXPECT_NE(status_line.find(" 200 "), std::string::npos) << status_line;
+  return response.substr(header_end + 4);
+}
+
+// The value of the sample `name{labels}` in a text exposition, or nullopt when absent.
+std::optional<double> sample(const std::string& text, const std::string& name, const Labels& labels = {}) {
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    const auto name_end = line.find_first_of("{ ");
+    if (name_end == std::string::npos || line.compare(0, name_end, name) != 0 || name_end != name.size())
+      continue;
+    Labels found;
+    std::size_t pos = name_end;
+    if (line[pos] == '{') {
+      ++pos;
+      while (pos < line.size() && line[pos] != '}') {
+        const auto eq = line.find('=', pos);
+        const std::string key = line.substr(pos, eq - pos);
+        std::string value;
+        pos = eq + 2;  // past ="
+        while (pos < line.size() && line[pos] != '"') {
+          if (line[pos] == '\\') ++pos;
+          value += line[pos++];
+        }
+        found[key] = value;
+        ++pos;  // past the closing quote
+        if (pos < line.size() && line[pos] == ',') ++pos;
+      }
+      ++pos;  // past }
+    }
+    if (found != labels) continue;
+    return std::stod(line.substr(pos));
+  }
+  return std::nullopt;
+}
+
+double value(const std::string& text, const std::string& name, const Labels& labels = {}) {
+  const auto v = sample(text, name, labels);
+  std::string where = name + "{";
+  for (const auto& [k, val] : labels) where += k + "=\"" + val + "\",";
+  where += "}";
+  EXPECT_TRUE(v.has_value()) << "no sample " << where;
+  return v.value_or(-1);
+}
+
+parallel::MoeLayerStats layer_stats(std::int64_t layer, std::int64_t tokens, std::int64_t dropped,
+                                    std::int64_t rerouted, std::vector<std::int64_t> expert_load,
+                                    std::vector<std::int64_t> rank_load, std::int64_t wire_bytes, double t) {
+  parallel::MoeLayerStats s;
+  s.layer = layer;
+  s.tokens = tokens;
+  s.assignments = tokens * 2;
+  s.dropped = dropped;
+  s.rerouted = rerouted;
+  s.expert_load = std::move(expert_load);
+  s.rank_load = std::move(rank_load);
+  s.wire_bytes = wire_bytes;
+  s.scheduler_seconds = t;
+  s.dispatch_seconds = 2 * t;
+  s.expert_seconds = 3 * t;
+  s.combine_seconds = 4 * t;
+  return s;
+}
+
+class ServerMetricsTest : public ::testing::Test {
+ protected:
+  // MoE layers 1 and 3 (layer 0 and 2 dense), 4 experts on 2 ranks (experts 0,1 on rank 0).
+  std::vector<std::int64_t> layers_{1, 3};
+  ServerMetrics metrics_{"127.0.0.1:0", layers_, 4, 2};
+
+  void record() {
+    metrics_.observe_time_to_first_token(0.2);
+    metrics_.observe_time_to_first_token(3.0);
+    metrics_.observe_inter_token_latency(0.04);
+    metrics_.observe_end_to_end_latency(5.5);
+    metrics_.observe_queue_time(0.0005);
+    metrics_.set_requests_running(3);
+    metrics_.set_requests_waiting(7);
+    metrics_.add_prompt_tokens(120);
+    metrics_.add_prompt_tokens(30);
+    metrics_.add_generation_tokens(64);
+    metrics_.count_outcome(Outcome::stop);
+    metrics_.count_outcome(Outcome::stop);
+    metrics_.count_outcome(Outcome::length);
+    metrics_.count_outcome(Outcome::error);
+    metrics_.count_error("RESOURCE_EXHAUSTED");
+    metrics_.count_error("NOT_A_CODE");
+
+    // Step 1: 10 tokens, top-2 -> 20 assignments per layer.
+    parallel::MoeStepStats s1;
+    s1.layers.push_back(layer_stats(1, 10, 3, 1, {8, 4, 3, 2}, {12, 5}, 1000, 0.001));
+    s1.layers.push_back(layer_stats(3, 10, 0, 0, {5, 5, 5, 5}, {10, 10}, 2000, 0.002));
+    metrics_.record_step(s1);
+    // Step 2: 6 tokens; layer 3 listed first (not in model order) to exercise the lookup.
+    parallel::MoeStepStats s2;
+    s2.layers.push_back(layer_stats(3, 6, 2, 2, {1, 2, 3, 4}, {3, 7}, 500, 0.004));
+    s2.layers.push_back(layer_stats(1, 6, 1, 0, {4, 4, 2, 1}, {8, 3}, 300, 0.003));
+    // A layer the metrics were not told about is ignored.
+    s2.layers.push_back(layer_stats(7, 6, 5, 5, {1, 1, 1, 1}, {2, 2}, 9, 0.1));
+    metrics_.record_step(s2);
+
+    metrics_.observe_selector_decision(3e-6);
+    metrics_.observe_selector_decision(0.002);
+    metrics_.set_selector_imbalance(1.25, 1.4);
+    metrics_.set_predictor_cosine(0.93);
+  }
+};
+
+TEST_F(ServerMetricsTest, BindsAnEphemeralPort) {
+  EXPECT_GT(metrics_.port(), 0);
+}
+
+TEST_F(ServerMetricsTest, ExposesEverySeriesBeforeAnythingIsRecorded) {
+  const std::string text = http_get(metrics_.port(), "/metrics");
+  EXPECT_EQ(value(text, "capserve_requests_total", {{"finish_reason", "cancelled"}}), 0);
+  EXPECT_EQ(value(text, "capserve_request_errors_total", {{"code", "DEADLINE_EXCEEDED"}}), 0);
+  EXPECT_EQ(value(text, "capserve_moe_expert_tokens_total", {{"layer", "3"}, {"expert", "3"}}), 0);
+  EXPECT_EQ(value(text, "capserve_moe_rank_tokens_total", {{"layer", "1"}, {"rank", "1"}}), 0);
+  EXPECT_EQ(value(text, "capserve_moe_phase_seconds_total", {{"layer", "1"}, {"phase", "scheduler"}}), 0);
+  EXPECT_EQ(value(text, "capserve_moe_rank_imbalance", {{"layer", "3"}}), 1);
+  EXPECT_EQ(value(text, "capserve_time_to_first_token_seconds_count"), 0);
+  // Not measured yet.
+  EXPECT_TRUE(std::isnan(value(text, "capserve_predictor_load_cosine")));
+  EXPECT_TRUE(std::isnan(value(text, "capserve_batch_selector_realized_imbalance")));
+  // Only the layers, experts and ranks given exist.
+  EXPECT_FALSE(sample(text, "capserve_moe_dropped_assignments_total", {{"layer", "0"}}));
+  EXPECT_FALSE(sample(text, "capserve_moe_expert_tokens_total", {{"layer", "1"}, {"expert", "4"}}));
+}
+
+TEST_F(ServerMetricsTest, ScrapedValuesMatchWhatWasRecorded) {
+  record();
+  const std::string text = http_get(metrics_.port(), "/metrics");
+
+  // Request latencies: bucket boundaries are cumulative, 1 ms .. 60 s.
+  EXPECT_EQ(value(text, "capserve_time_to_first_token_seconds_count"), 2);
+  EXPECT_DOUBLE_EQ(value(text, "capserve_time_to_first_token_seconds_sum"), 3.2);
+  EXPECT_EQ(value(text, "capserve_time_to_first_token_seconds_bucket", {{"le", "0.25"}}), 1);
+  EXPECT_EQ(value(text, "capserve_time_to_first_token_seconds_bucket", {{"le", "5"}}), 2);
+  EXPECT_EQ(value(text, "capserve_time_to_first_token_seconds_bucket", {{"le", "60"}}), 2);
+  EXPECT_EQ(value(text, "capserve_time_to_first_token_seconds_bucket", {{"le", "+Inf"}}), 2);
+  EXPECT_EQ(value(text, "capserve_queue_time_seconds_bucket", {{"le", "0.001"}}), 1);
+  EXPECT_EQ(value(text, "capserve_inter_token_latency_seconds_count"), 1);
+  EXPECT_EQ(value(text, "capserve_end_to_end_latency_seconds_bucket", {{"le", "5"}}), 0);
+  EXPECT_EQ(value(text, "capserve_end_to_end_latency_seconds_bucket", {{"le", "10"}}), 1);
+
+  EXPECT_EQ(value(text, "capserve_requests_running"), 3);
+  EXPECT_EQ(value(text, "capserve_requests_waiting"), 7);
+  EXPECT_EQ(value(text, "capserve_prompt_tokens_total"), 150);
+  EXPECT_EQ(value(text, "capserve_generation_tokens_total"), 64);
+  EXPECT_EQ(value(text, "capserve_requests_total", {{"finish_reason", "stop"}}), 2);
+  EXPECT_EQ(value(text, "capserve_requests_total", {{"finish_reason", "length"}}), 1);
+  EXPECT_EQ(value(text, "capserve_requests_total", {{"finish_reason", "cancelled"}}), 0);
+  EXPECT_EQ(value(text, "capserve_requests_total", {{"finish_reason", "error"}}), 1);
+  EXPECT_EQ(value(text, "capserve_request_errors_total", {{"code", "RESOURCE_EXHAUSTED"}}), 1);
+  EXPECT_EQ(value(text, "capserve_request_errors_total", {{"code", "OTHER"}}), 1);
+  EXPECT_EQ(value(text, "capserve_request_errors_total", {{"code", "INTERNAL"}}), 0);
+  EXPECT_FALSE(sample(text, "capserve_request_errors_total", {{"code", "NOT_A_CODE"}}));
+
+  // MoE: sums over the two steps, per layer; layer 7 (unknown) left out.
+  EXPECT_EQ(value(text, "capserve_moe_steps_total"), 2);
+  EXPECT_EQ(value(text, "capserve_moe_dropped_assignments_total", {{"layer", "1"}}), 3 + 1);
+  EXPECT_EQ(value(text, "capserve_moe_dropped_assignments_total", {{"layer", "3"}}), 0 + 2);
+  EXPECT_EQ(value(text, "capserve_moe_rerouted_assignments_total", {{"layer", "1"}}), 1 + 0);
+  EXPECT_EQ(value(text, "capserve_moe_rerouted_assignments_total", {{"layer", "3"}}), 0 + 2);
+  EXPECT_EQ(value(text, "capserve_moe_assignments_total", {{"layer", "1"}}), 20 + 12);
+  EXPECT_EQ(value(text, "capserve_moe_assignments_total", {{"layer", "3"}}), 20 + 12);
+  EXPECT_FALSE(sample(text, "capserve_moe_dropped_assignments_total", {{"layer", "7"}}));
+  const std::vector<std::vector<double>> expert_tokens{{8 + 4, 4 + 4, 3 + 2, 2 + 1},
+                                                       {5 + 1, 5 + 2, 5 + 3, 5 + 4}};
+  for (std::size_t l = 0; l < 2; ++l) {
+    for (std::size_t e = 0; e < 4; ++e) {
+      EXPECT_EQ(value(text, "capserve_moe_expert_tokens_total",
+                      {{"layer", std::to_string(layers_[l])}, {"expert", std::to_string(e)}}),
+                expert_tokens[l][e])
+          << "layer " << layers_[l] << " expert " << e;
+    }
+  }
+  EXPECT_EQ(value(text, "capserve_moe_rank_tokens_total", {{"layer", "1"}, {"rank", "0"}}), 12 + 8);
+  EXPECT_EQ(value(text, "capserve_moe_rank_tokens_total", {{"layer", "3"}, {"rank", "1"}}), 10 + 7);
+  // Last step's max/mean per rank: layer 1 {8, 3} -> 8/5.5, layer 3 {3, 7} -> 7/5.
+  EXPECT_NEAR(value(text, "capserve_moe_rank_imbalance", {{"layer", "1"}}), 8 / 5.5, 1e-9);
+  EXPECT_NEAR(value(text, "capserve_moe_rank_imbalance", {{"layer", "3"}}), 7 / 5.0, 1e-9);
+  // Every (layer, step) observed once: 12/8.5, 1, 1.4, 8/5.5.
+  EXPECT_EQ(value(text, "capserve_moe_rank_imbalance_ratio_count"), 4);
+  EXPECT_EQ(value(text, "capserve_moe_rank_imbalance_ratio_bucket", {{"le", "1"}}), 1);
+  EXPECT_EQ(value(text, "capserve_moe_rank_imbalance_ratio_bucket", {{"le", "1.3"}}), 1);
+  EXPECT_EQ(value(text, "capserve_moe_rank_imbalance_ratio_bucket", {{"le", "1.5"}}), 4);
+  EXPECT_NEAR(value(text, "capserve_moe_phase_seconds_total", {{"layer", "1"}, {"phase", "scheduler"}}),
+              0.004, 1e-12);
+  EXPECT_NEAR(value(text, "capserve_moe_phase_seconds_total", {{"layer", "1"}, {"phase", "dispatch"}}), 0.008,
+              1e-12);
+  EXPECT_NEAR(value(text, "capserve_moe_phase_seconds_total", {{"layer", "3"}, {"phase", "expert"}}), 0.018,
+              1e-12);
+  EXPECT_NEAR(value(text, "capserve_moe_phase_seconds_total", {{"layer", "3"}, {"phase", "combine"}}), 0.024,
+              1e-12);
+  EXPECT_EQ(value(text, "capserve_moe_alltoall_bytes_total", {{"layer", "1"}}), 1300);
+  EXPECT_EQ(value(text, "capserve_moe_alltoall_bytes_total", {{"layer", "3"}}), 2500);
+
+  // Batch selection.
+  EXPECT_EQ(value(text, "capserve_batch_selector_decision_seconds_count"), 2);
+  EXPECT_EQ(value(text, "capserve_batch_selector_decision_seconds_bucket", {{"le", "5e-06"}}), 1);
+  EXPECT_EQ(value(text, "capserve_batch_selector_decision_seconds_bucket", {{"le", "0.0025"}}), 2);
+  EXPECT_EQ(value(text, "capserve_batch_selector_predicted_imbalance"), 1.25);
+  EXPECT_EQ(value(text, "capserve_batch_selector_realized_imbalance"), 1.4);
+  EXPECT_EQ(value(text, "capserve_predictor_load_cosine"), 0.93);
+}
+
+// `promtool check metrics` on an exposition: its exit status and what it printed.
+std::pair<int, std::string> promtool_check(const std::filesystem::path& promtool, const std::string& text) {
+  const auto file =
+      std::filesystem::temp_directory_path() / ("capserve_metrics_" + std::to_string(::getpid()) + ".txt");
+  std::ofstream(file) << text;
+  const std::string cmd = promtool.string() + " check metrics < " + file.string() + " 2>&1";
+  FILE* pipe = ::popen(cmd.c_str(), "r");
+  if (pipe == nullptr) throw std::runtime_error("cannot run " + cmd);
+  std::string output;
+  char buf[512];
+  while (std::fgets(buf, sizeof buf, pipe) != nullptr) output += buf;
+  const int status = ::pclose(pipe);
+  std::filesystem::remove(file);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output};
+}
+
+TEST_F(ServerMetricsTest, ExpositionPassesPromtool) {
+  const std::filesystem::path promtool = "/usr/bin/promtool";
+  if (!std::filesystem::exists(promtool)) {
+    GTEST_SKIP()
+        << "promtool not found at " << promtool
+        << ": install the Debian package `prometheus` (deploy/install_deps.sh does) to lint /metrics";
+  }
+  // The linter is live: a counter without _total fails.
+  EXPECT_NE(promtool_check(promtool, "# HELP x_bytes x\n# TYPE x_bytes counter\nx_bytes 1\n").first, 0);
+
+  const auto [fresh_rc, fresh_out] = promtool_check(promtool, http_get(metrics_.port(), "/metrics"));
+  EXPECT_EQ(fresh_rc, 0) << "promtool check metrics (nothing recorded yet):\n" << fresh_out;
+  record();
+  const auto [rc, out] = promtool_check(promtool, http_get(metrics_.port(), "/metrics"));
+  EXPECT_EQ(rc, 0) << "promtool check metrics:\n" << out;
+}
+
+TEST(ServerMetricsBind, AddressInUseThrowsNamingTheAddress) {
+  const std::vector<std::int64_t> layers{0};
+  ServerMetrics first("127.0.0.1:0", layers, 2, 1);
+  const std::string address = "127.0.0.1:" + std::to_string(first.port());
+  try {
+    ServerMetrics second(address, layers, 2, 1);
+    FAIL() << "binding " << address << " twice did not throw";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find(address), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("in use"), std::string::npos) << e.what();
+  }
+  // The first server still answers.
+  EXPECT_NE(http_get(first.port(), "/metrics").find("capserve_moe_steps_total"), std::string::npos);
+}
+
+TEST(ServerMetricsBind, RejectsBadShapes) {
+  const std::vector<std::int64_t> twice{2, 2};
+  EXPECT_THROW(ServerMetrics("127.0.0.1:0", twice, 2, 1), std::invalid_argument);
+  const std::vector<std::int64_t> layers{0};
+  EXPECT_THROW(ServerMetrics("127.0.0.1:0", layers, 2, 0), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace capserve::server
