@@ -155,15 +155,20 @@ LayerCounts CapacityScheduler::apply(std::int64_t layer, const ExpertPlacement& 
   const std::span<const std::int32_t> owners = placement.owners(layer);
   const auto bin_of = [&](std::int32_t e) { return device ? owners[static_cast<std::size_t>(e)] : e; };
 
-  // Capacities from the step's tokens over the scope.
-  const double n_bar = static_cast<double>(total_tokens_) * static_cast<double>(k) / static_cast<double>(E);
+  // Capacities from the step's tokens over the scope: ceil(gamma * N_bar * experts in the bin) with
+  // N_bar = T * k / E, evaluated as gamma * (T * k * n) / E. The integer product is exact, so there is one
+  // rounding in the product with gamma and one in the division: when gamma * T * k * n / E is a whole number
+  // (for any gamma with a short binary fraction: 0.25, 0.75, 1.25, ...) the quotient is exact and the ceiling
+  // cannot round it up. (gamma * (T * k / E) * n rounds three times: 0.25 * (84 / 19) * 19 is
+  // 21.000000000000004, a device capacity of 22 instead of 21.)
   const double gamma = config_.gamma_for(layer);
   capacity_.resize(static_cast<std::size_t>(nbins));
   for (std::int64_t b = 0; b < nbins; ++b) {
-    const double experts_in_bin =
-        device ? static_cast<double>(placement.local_experts(layer, static_cast<int>(b)).size()) : 1.0;
-    capacity_[static_cast<std::size_t>(b)] =
-        static_cast<std::int64_t>(std::ceil(gamma * n_bar * experts_in_bin));
+    const std::int64_t experts_in_bin =
+        device ? static_cast<std::int64_t>(placement.local_experts(layer, static_cast<int>(b)).size()) : 1;
+    const std::int64_t assignments = total_tokens_ * k * experts_in_bin;
+    capacity_[static_cast<std::size_t>(b)] = static_cast<std::int64_t>(
+        std::ceil(gamma * static_cast<double>(assignments) / static_cast<double>(E)));
   }
 
   original_.assign(r.experts.begin(), r.experts.begin() + static_cast<std::ptrdiff_t>(slots));

@@ -14,21 +14,64 @@ std::int64_t quota(std::int64_t num_experts, int num_ranks, int rank) {
   return num_experts / num_ranks + (rank < num_experts % num_ranks ? 1 : 0);
 }
 
+std::vector<double> rank_loads(std::span<const std::int32_t> owner, const std::vector<double>& load,
+                               int num_ranks) {
+  std::vector<double> per(static_cast<std::size_t>(num_ranks), 0.0);
+  for (std::size_t e = 0; e < owner.size(); ++e) per[static_cast<std::size_t>(owner[e])] += load[e];
+  return per;
+}
+
+double max_load(std::span<const std::int32_t> owner, const std::vector<double>& load, int num_ranks) {
+  const std::vector<double> per = rank_loads(owner, load, num_ranks);
+  return *std::max_element(per.begin(), per.end());
+}
+
+// Swaps that relieve the most loaded rank M (the lowest such rank): expert a on M trades places with a
+// lighter expert b on another rank r when r stays below M's current load afterwards; of those, the swap with
+// the lowest resulting max(M, r), ties to the lowest (a, b). Per-rank counts never change. Each swap strictly
+// lowers the sum of squared rank loads, so this ends; the bound only guards against rounding drift.
+void refine(std::vector<std::int32_t>& owner, const std::vector<double>& load, int num_ranks) {
+  const std::size_t n = owner.size();
+  for (std::size_t iteration = 0; iteration <= n * n; ++iteration) {
+    const std::vector<double> per = rank_loads(owner, load, num_ranks);
+    const auto m = static_cast<std::int32_t>(std::max_element(per.begin(), per.end()) - per.begin());
+    const double top = per[static_cast<std::size_t>(m)];
+    double best = top;
+    std::size_t best_a = n;
+    std::size_t best_b = n;
+    for (std::size_t a = 0; a < n; ++a) {
+      if (owner[a] != m) continue;
+      for (std::size_t b = 0; b < n; ++b) {
+        if (owner[b] == m || load[b] >= load[a]) continue;
+        const double d = load[a] - load[b];
+        const double other = per[static_cast<std::size_t>(owner[b])] + d;
+        if (other >= top) continue;
+        const double worst = std::max(top - d, other);
+        if (worst < best) {
+          best = worst;
+          best_a = a;
+          best_b = b;
+        }
+      }
+    }
+    if (best_a == n) return;
+    std::swap(owner[best_a], owner[best_b]);
+  }
+}
+
 }  // namespace
 
 ExpertPlacement::ExpertPlacement(std::string kind, std::int64_t num_layers, std::int64_t num_experts,
                                  int num_ranks)
-    : kind_(std::move(kind)),
-      num_layers_(num_layers),
-      num_experts_(num_experts),
-      num_ranks_(num_ranks),
-      owner_(static_cast<std::size_t>(num_layers * num_experts)),
-      local_index_(static_cast<std::size_t>(num_layers * num_experts)),
-      by_rank_(static_cast<std::size_t>(num_layers * num_experts)),
-      rank_start_(static_cast<std::size_t>(num_layers * (num_ranks + 1))) {
+    : kind_(std::move(kind)), num_layers_(num_layers), num_experts_(num_experts), num_ranks_(num_ranks) {
+  // Checked before sizing anything: a negative count would otherwise become a huge size_t.
   if (num_ranks < 1) throw std::invalid_argument("expert placement: the rank count must be at least 1");
   if (num_experts < 1) throw std::invalid_argument("expert placement: the expert count must be at least 1");
   if (num_layers < 0) throw std::invalid_argument("expert placement: negative layer count");
+  owner_.resize(static_cast<std::size_t>(num_layers * num_experts));
+  local_index_.resize(static_cast<std::size_t>(num_layers * num_experts));
+  by_rank_.resize(static_cast<std::size_t>(num_layers * num_experts));
+  rank_start_.resize(static_cast<std::size_t>(num_layers * (num_ranks + 1)));
 }
 
 void ExpertPlacement::finish_layer(std::int64_t layer) {
@@ -93,6 +136,7 @@ ExpertPlacement ExpertPlacement::balanced(std::span<const std::vector<double>> l
     });
     std::fill(rank_load.begin(), rank_load.end(), 0.0);
     std::fill(rank_count.begin(), rank_count.end(), 0);
+    std::vector<std::int32_t> greedy(static_cast<std::size_t>(num_experts));
     for (const std::int32_t e : order) {
       int best = -1;
       for (int r = 0; r < num_ranks; ++r) {
@@ -100,10 +144,29 @@ ExpertPlacement ExpertPlacement::balanced(std::span<const std::vector<double>> l
         if (best < 0 || rank_load[static_cast<std::size_t>(r)] < rank_load[static_cast<std::size_t>(best)])
           best = r;
       }
-      p.owner_[static_cast<std::size_t>(l * num_experts + e)] = best;
+      greedy[static_cast<std::size_t>(e)] = best;
       rank_load[static_cast<std::size_t>(best)] += load[static_cast<std::size_t>(e)];
       ++rank_count[static_cast<std::size_t>(best)];
     }
+    // Greedy alone can lose to the fixed placements (9 experts on 8 ranks, one dominant: it goes to rank 0,
+    // the one rank with room for a second expert). Refine it, and the contiguous and round-robin placements
+    // (same per-rank counts), by swaps; keep the lowest maximum, greedy's on ties.
+    std::vector<std::int32_t> chosen;
+    double chosen_max = 0.0;
+    const std::span<const std::int32_t> fixed = p.owners(l);  // still contiguous
+    std::vector<std::int32_t> robin(static_cast<std::size_t>(num_experts));
+    for (std::int64_t e = 0; e < num_experts; ++e)
+      robin[static_cast<std::size_t>(e)] = static_cast<std::int32_t>(e % num_ranks);
+    for (std::vector<std::int32_t> start :
+         {greedy, std::vector<std::int32_t>(fixed.begin(), fixed.end()), robin}) {
+      refine(start, load, num_ranks);
+      const double m = max_load(start, load, num_ranks);
+      if (chosen.empty() || m < chosen_max) {
+        chosen = std::move(start);
+        chosen_max = m;
+      }
+    }
+    std::copy(chosen.begin(), chosen.end(), p.owner_.begin() + l * num_experts);
     p.finish_layer(l);
   }
   return p;

@@ -18,7 +18,10 @@ class ExpertPlacement {
   static ExpertPlacement round_robin(std::int64_t num_layers, std::int64_t num_experts, int num_ranks);
   // Per layer, experts sorted by measured load (heaviest first, ties by id) go one by one to the rank with
   // the least load so far among those still below their expert quota (the contiguous counts), ties to the
-  // lower rank: per-rank loads as even as greedy can make them, per-rank memory as even as the counts allow.
+  // lower rank; then swaps between the most loaded rank and the others lower its load while they can. The
+  // contiguous and round-robin placements, refined by the same swaps, are kept instead when their most
+  // loaded rank is strictly lighter, so the result is never worse than either: per-rank loads as even as
+  // greedy plus local search can make them, per-rank memory as even as the counts allow.
   // loads[layer] is empty (layer without routed experts: contiguous) or has num_experts entries.
   static ExpertPlacement balanced(std::span<const std::vector<double>> loads, std::int64_t num_experts,
                                   int num_ranks);
