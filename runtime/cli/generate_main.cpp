@@ -11,6 +11,7 @@
 #include <vector>
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
 #include "kernels/cpu/cpu_backend.h"
 #include "parallel/mpi_communicator.h"
@@ -34,6 +35,15 @@ std::vector<std::int32_t> parse_ids(const std::string& text) {
     throw CLI::ValidationError("--input-ids", "'" + text + "' is not a list of token ids");
   if (ids.empty()) throw CLI::ValidationError("--input-ids", "needs at least one token id");
   return ids;
+}
+
+// A "Field:   123 kB" line of /proc/self/status, in KiB (0 when absent).
+std::int64_t status_kib(const std::string& field) {
+  std::ifstream in("/proc/self/status");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind(field, 0) == 0) return std::stoll(line.substr(field.size()));
+  }
+  return 0;
 }
 
 }  // namespace
@@ -189,9 +199,19 @@ int main(int argc, char** argv) {
     packed.insert(packed.end(), out[j].tokens.begin(), out[j].tokens.end());
   }
   const auto gathered = world->gather(std::as_bytes(std::span(packed)), 0);
-  const std::string stats_json = model->run_stats().to_json(parallel::describe(model->capacity()) +
-                                                            " placement=" + model->placement().kind() +
-                                                            " ranks=" + std::to_string(world->size()));
+  // Each rank's resident memory (all of it, and the part that is mapped checkpoint pages): with expert
+  // parallelism a rank touches only its own experts' pages.
+  const std::int64_t resident[2] = {status_kib("VmRSS:"), status_kib("RssFile:")};
+  std::vector<std::int64_t> all_resident(2 * static_cast<std::size_t>(world->size()));
+  comm->allgather(resident, all_resident);
+  nlohmann::json stats = nlohmann::json::parse(model->run_stats().to_json(
+      parallel::describe(model->capacity()) + " placement=" + model->placement().kind() +
+      " ranks=" + std::to_string(world->size())));
+  for (int r = 0; r < world->size(); ++r) {
+    stats["rank_resident_kib"].push_back(all_resident[2 * static_cast<std::size_t>(r)]);
+    stats["rank_resident_file_kib"].push_back(all_resident[2 * static_cast<std::size_t>(r) + 1]);
+  }
+  const std::string stats_json = stats.dump(1);
   if (rank != 0) return 0;
   std::vector<std::vector<std::int32_t>> results(prompts.size());
   for (const std::vector<std::byte>& bytes : gathered) {
