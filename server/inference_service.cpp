@@ -203,8 +203,11 @@ grpc::Status InferenceService::submit(const std::shared_ptr<Request>& request) {
 
 RequestEvent InferenceService::next_event(grpc::ServerContext* context, Request& request) {
   for (;;) {
+    // Checked before every event, not only when none comes for a while: a unary Chat gets an event every
+    // step, so a client that went away would otherwise go unnoticed until its request ends. gRPC also cancels
+    // the call when its deadline passes; that one the scheduler ends as DEADLINE_EXCEEDED by itself.
+    if (context->IsCancelled() && std::chrono::system_clock::now() < context->deadline()) request.cancel();
     if (auto e = request.next(std::chrono::milliseconds(20))) return std::move(*e);
-    if (context->IsCancelled()) request.cancel();
   }
 }
 

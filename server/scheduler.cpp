@@ -119,9 +119,10 @@ StepPlan Scheduler::plan(Clock::time_point now) {
   }
   // Cancellations and deadlines: waiting requests leave the queue, running ones are freed this step.
   for (auto it = waiting_.begin(); it != waiting_.end();) {
-    const bool cancelled = it->request->cancelled();
-    if (cancelled || now >= it->request->deadline()) {
-      end_waiting(*it, cancelled ? Terminal::cancelled : Terminal::deadline_exceeded);
+    // A passed deadline wins over cancellation: gRPC cancels the call at its deadline too.
+    const bool expired = now >= it->request->deadline();
+    if (expired || it->request->cancelled()) {
+      end_waiting(*it, expired ? Terminal::deadline_exceeded : Terminal::cancelled);
       it = waiting_.erase(it);
       std::lock_guard lock(inbox_mutex_);
       --queued_;
@@ -131,11 +132,11 @@ StepPlan Scheduler::plan(Clock::time_point now) {
   }
   std::vector<std::uint64_t> ended;
   for (auto& [id, run] : running_) {
-    if (run.request->cancelled()) {
-      finish(id, run, Terminal::cancelled, "", now);
-      ended.push_back(id);
-    } else if (now >= run.request->deadline()) {
+    if (now >= run.request->deadline()) {
       finish(id, run, Terminal::deadline_exceeded, "deadline exceeded while generating", now);
+      ended.push_back(id);
+    } else if (run.request->cancelled()) {
+      finish(id, run, Terminal::cancelled, "", now);
       ended.push_back(id);
     }
   }

@@ -183,8 +183,8 @@ ServerMetrics::ServerMetrics(const std::string& bind_address, std::span<const st
                        .Name("capserve_requests_total")
                        .Help(
                            "Requests finished, by finish_reason: stop (stop sequence or end of sequence), "
-                           "length (max_tokens or context limit reached), cancelled (client went away or "
-                           "deadline passed), error (see capserve_request_errors_total for the code).")
+                           "length (max_tokens or context limit reached), cancelled (the client went away), "
+                           "error (see capserve_request_errors_total for the code, e.g. DEADLINE_EXCEEDED).")
                        .Register(reg);
   for (std::size_t i = 0; i < kOutcomeNames.size(); ++i) {
     m.outcomes[i] = &outcomes.Add({{"finish_reason", std::string(kOutcomeNames[i])}});

@@ -1,0 +1,92 @@
+"""A real Prometheus server scrapes a capacity-dropping capserve (gamma = 0.5, drop) every second; its query API
+reads back the same per-layer dropped-assignment counts as the server's own /metrics."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import urllib.parse
+import urllib.request
+
+from capserve_e2e import ServerTestCase, chat_request, main, metric, pb
+
+DROPPED = "capserve_moe_dropped_assignments_total"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class PrometheusTest(ServerTestCase):
+    FLAGS = ["--capacity-factor", "0.5", "--capacity-policy", "drop"]
+
+    def setUp(self):
+        self.prometheus = shutil.which("prometheus")
+        if self.prometheus is None:
+            self.skipTest("prometheus not found: install the Debian package 'prometheus' (deploy/install_deps.sh)")
+
+    def start_prometheus(self):
+        tmp = tempfile.mkdtemp(prefix="capserve-e2e-prometheus-")
+        self.addCleanup(shutil.rmtree, tmp, ignore_errors=True)
+        config = os.path.join(tmp, "prometheus.yml")
+        with open(config, "w") as f:
+            f.write("global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
+                    "scrape_configs:\n  - job_name: capserve-e2e\n    static_configs:\n"
+                    f"      - targets: ['127.0.0.1:{self.server.metrics_port}']\n")
+        address = f"127.0.0.1:{free_port()}"
+        self.api = f"http://{address}/api/v1/query?query="
+        self.log = os.path.join(tmp, "prometheus.log")
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen([self.prometheus, f"--config.file={config}",
+                                          f"--storage.tsdb.path={tmp}/data", f"--web.listen-address={address}"],
+                                         stdout=log, stderr=subprocess.STDOUT)
+        self.addCleanup(self.proc.wait, 10)
+        self.addCleanup(self.proc.kill)
+
+    def query(self, promql):
+        """{layer: value} of an instant query, or None while Prometheus is not answering yet."""
+        if self.proc.poll() is not None:
+            with open(self.log) as f:
+                self.fail(f"prometheus exited with status {self.proc.returncode}:\n{f.read()}")
+        try:
+            with urllib.request.urlopen(self.api + urllib.parse.quote(promql), timeout=5) as r:
+                body = json.load(r)
+        except OSError:
+            return None
+        return {s["metric"].get("layer", ""): float(s["value"][1]) for s in body["data"]["result"]}
+
+    def test_prometheus_reads_the_dropped_counter(self):
+        info = self.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+        self.assertRegex(info.capacity, r"^gamma=0.5 policy=drop ")
+        self.start_prometheus()
+        dropped = 0
+        for i in range(4):
+            reply = self.stub.Chat(chat_request(f"Describe the weather in city number {i}.", max_tokens=16),
+                                   timeout=120)
+            dropped += reply.moe.dropped
+        self.assertGreater(dropped, 0, "gamma = 0.5 dropped nothing on these requests' behalf")
+
+        def idle():
+            m = self.server.metrics()
+            return m if metric(m, "capserve_requests_running") == 0 else None
+        samples = self.wait_for(idle, 10, "the server to finish the requests")
+        expected = {dict(ls)["layer"]: v for (name, ls), v in samples.items() if name == DROPPED}
+        self.assertGreater(sum(expected.values()), 0)
+        self.assertGreaterEqual(sum(expected.values()), dropped)
+        last = None
+
+        def read_back():
+            nonlocal last
+            last = self.query(DROPPED + '{job="capserve-e2e"}')
+            return last == expected
+
+        self.wait_for(read_back, 60, lambda: f"Prometheus to read back {DROPPED} = {expected} (last read: {last})")
+        self.assertEqual(self.query('up{job="capserve-e2e"}'), {"": 1.0})
+
+
+if __name__ == "__main__":
+    main()
