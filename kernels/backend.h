@@ -26,6 +26,15 @@ struct PagedKvLayer {
   std::int64_t head_dim = 0;
 };
 
+// One paged latent-cache layer of multi-head latent attention: rows [num_blocks, block_size, kv_lora_rank +
+// rope_dim], each a token's normalized KV latent followed by its rotated rope key (shared by all heads).
+struct PagedLatentLayer {
+  std::span<float> rows;
+  std::int64_t block_size = 0;
+  std::int64_t kv_lora_rank = 0;
+  std::int64_t rope_dim = 0;
+};
+
 // The new tokens of one sequence inside a ragged batch: rows [first_row, first_row + num_tokens) of the
 // batch, at positions [start_pos, start_pos + num_tokens); its cache blocks in order.
 struct SequenceSlice {
@@ -39,6 +48,34 @@ struct AttentionParams {
   std::int64_t num_heads = 0;
   float scale = 1.0F;
   std::int64_t sliding_window = 0;  // 0: full causal attention
+};
+
+// Which dims of each head a rotary embedding turns: x is [tokens, heads, head_dim] and the rotated part of a
+// head is [offset, offset + dim). Pairs are (i, i + dim / 2) (rotate-half, most models) or (2i, 2i + 1)
+// (interleaved: DeepSeek-V2's complex form).
+struct RotaryLayout {
+  std::int64_t heads = 0;
+  std::int64_t head_dim = 0;
+  std::int64_t offset = 0;
+  std::int64_t dim = 0;
+  bool interleaved = false;
+};
+
+// The two ways to compute multi-head latent attention; both give the same result. Expanded: kv_b_proj turns
+// every context latent into per-head keys and values, then ordinary attention. Absorbed: kv_b_proj's key
+// half is folded into the queries and its value half applied after the softmax, so attention runs on the
+// latents themselves — the context is never expanded, which wins when few queries meet a long context
+// (decode).
+enum class LatentForm : std::uint8_t { cheaper, absorbed, expanded };
+
+struct LatentAttentionParams {
+  std::int64_t num_heads = 0;
+  std::int64_t qk_nope_head_dim = 0;
+  std::int64_t qk_rope_head_dim = 0;
+  std::int64_t v_head_dim = 0;
+  float scale = 1.0F;
+  // cheaper: per sequence, whichever form needs fewer multiply-adds for its new tokens and context.
+  LatentForm form = LatentForm::cheaper;
 };
 
 class Backend {
@@ -60,9 +97,9 @@ class Backend {
   virtual void rms_norm(std::span<const float> x, std::int64_t cols, const WeightView& weight, float eps,
                         std::span<float> out) = 0;
 
-  // Rotary embedding in place on x [tokens, heads, head_dim] with the rotate-half layout; cos/sin are
-  // [tokens, head_dim / 2] for each token's position.
-  virtual void rope(std::span<float> x, std::int64_t heads, std::int64_t head_dim, std::span<const float> cos,
+  // Rotary embedding in place on the `layout` part of x [tokens, heads, head_dim]; cos/sin are [tokens,
+  // layout.dim / 2] for each token's position.
+  virtual void rope(std::span<float> x, const RotaryLayout& layout, std::span<const float> cos,
                     std::span<const float> sin) = 0;
 
   // Writes the new tokens' k/v rows [rows, num_kv_heads * head_dim] into their cache slots.
@@ -74,6 +111,19 @@ class Backend {
   virtual void paged_attention(std::span<const SequenceSlice> seqs, std::span<const float> q,
                                const PagedKvLayer& cache, const AttentionParams& params,
                                std::span<float> out) = 0;
+
+  // Writes the new tokens' latent rows [rows, kv_lora_rank] and rope keys [rows, rope_dim] into their cache
+  // slots.
+  virtual void latent_store(std::span<const SequenceSlice> seqs, std::span<const float> latent,
+                            std::span<const float> rope_key, const PagedLatentLayer& cache) = 0;
+
+  // Causal multi-head latent attention of each sequence's new queries q [rows, num_heads, qk_nope_head_dim +
+  // qk_rope_head_dim] (rope part already rotated) over its cached latents; kv_b is kv_b_proj [num_heads *
+  // (qk_nope_head_dim + v_head_dim), kv_lora_rank], per head its key rows then its value rows. out [rows,
+  // num_heads * v_head_dim].
+  virtual void latent_attention(std::span<const SequenceSlice> seqs, std::span<const float> q,
+                                const PagedLatentLayer& cache, const WeightView& kv_b,
+                                const LatentAttentionParams& params, std::span<float> out) = 0;
 
   // SwiGLU experts over rows already grouped by expert: rows [offsets[e], offsets[e+1]) go through
   // experts[e]. x and out are [offsets.back(), hidden].

@@ -46,6 +46,10 @@ struct WeightView {
   [[nodiscard]] WeightView row_range(std::int64_t first, std::int64_t count) const {
     return {dtype, data + static_cast<std::size_t>(first * cols) * dtype_size(dtype), count, cols};
   }
+  // Elements [first, first + count) of a vector.
+  [[nodiscard]] WeightView element_range(std::int64_t first, std::int64_t count) const {
+    return {dtype, data + static_cast<std::size_t>(first) * dtype_size(dtype), 1, count};
+  }
 };
 
 }  // namespace capserve::kernels

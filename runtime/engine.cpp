@@ -8,8 +8,7 @@ namespace capserve::runtime {
 Engine::Engine(Model& model, kernels::Backend& backend, const EngineOptions& options)
     : model_(model),
       backend_(backend),
-      cache_(KvCacheShape{model.config().num_layers, model.config().num_kv_heads, model.config().head_dim,
-                          options.kv_block_size, options.kv_blocks}) {}
+      cache_(kv_cache_shape(model.config(), options.kv_block_size, options.kv_blocks)) {}
 
 std::int64_t Engine::length(SequenceId seq) const {
   const auto it = lengths_.find(seq);

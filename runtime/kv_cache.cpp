@@ -4,11 +4,39 @@
 
 namespace capserve::runtime {
 
+namespace {
+
+// Floats of one token in one layer's first pool (K, or the latent row); the V pool, if any, has as many.
+std::int64_t row_floats(const KvCacheShape& s) {
+  return s.latent() ? s.kv_lora_rank + s.rope_dim : s.num_kv_heads * s.head_dim;
+}
+
+}  // namespace
+
+std::int64_t KvCacheShape::bytes_per_token_per_layer() const {
+  return row_floats(*this) * (latent() ? 1 : 2) * static_cast<std::int64_t>(sizeof(float));
+}
+
+KvCacheShape kv_cache_shape(const ModelConfig& config, std::int64_t block_size, std::int64_t num_blocks) {
+  KvCacheShape s;
+  s.num_layers = config.num_layers;
+  if (config.mla) {
+    s.kv_lora_rank = config.mla->kv_lora_rank;
+    s.rope_dim = config.mla->qk_rope_head_dim;
+  } else {
+    s.num_kv_heads = config.num_kv_heads;
+    s.head_dim = config.head_dim;
+  }
+  s.block_size = block_size;
+  s.num_blocks = num_blocks;
+  return s;
+}
+
 KvCache::KvCache(const KvCacheShape& shape) : shape_(shape) {
-  const auto floats = static_cast<std::size_t>(shape.num_layers * shape.num_blocks * shape.block_size *
-                                               shape.num_kv_heads * shape.head_dim);
+  const auto floats =
+      static_cast<std::size_t>(shape.num_layers * shape.num_blocks * shape.block_size * row_floats(shape));
   k_.assign(floats, 0.0F);
-  v_.assign(floats, 0.0F);
+  if (!shape.latent()) v_.assign(floats, 0.0F);
   free_.reserve(static_cast<std::size_t>(shape.num_blocks));
   // Lowest block ids are handed out first.
   for (std::int64_t b = shape.num_blocks - 1; b >= 0; --b) free_.push_back(static_cast<std::int32_t>(b));
@@ -43,12 +71,23 @@ std::span<const std::int32_t> KvCache::block_table(SequenceId seq) const {
   return it->second;
 }
 
+std::int64_t KvCache::bytes() const {
+  return static_cast<std::int64_t>((k_.size() + v_.size()) * sizeof(float));
+}
+
 kernels::PagedKvLayer KvCache::layer(std::int64_t layer) {
-  const auto per_layer =
-      static_cast<std::size_t>(shape_.num_blocks * shape_.block_size * shape_.num_kv_heads * shape_.head_dim);
+  if (shape_.latent()) throw std::logic_error("KvCache: a latent cache has no K/V layers");
+  const auto per_layer = static_cast<std::size_t>(shape_.num_blocks * shape_.block_size * row_floats(shape_));
   const auto offset = static_cast<std::size_t>(layer) * per_layer;
   return {std::span<float>(k_).subspan(offset, per_layer), std::span<float>(v_).subspan(offset, per_layer),
           shape_.block_size, shape_.num_kv_heads, shape_.head_dim};
+}
+
+kernels::PagedLatentLayer KvCache::latent_layer(std::int64_t layer) {
+  if (!shape_.latent()) throw std::logic_error("KvCache: a K/V cache has no latent layers");
+  const auto per_layer = static_cast<std::size_t>(shape_.num_blocks * shape_.block_size * row_floats(shape_));
+  return {std::span<float>(k_).subspan(static_cast<std::size_t>(layer) * per_layer, per_layer),
+          shape_.block_size, shape_.kv_lora_rank, shape_.rope_dim};
 }
 
 }  // namespace capserve::runtime

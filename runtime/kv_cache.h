@@ -1,13 +1,16 @@
 #pragma once
 // Paged KV cache: fixed-size blocks of token slots shared by all sequences, a free list, and one block table
-// per sequence. Every layer has its own K and V pools laid out [num_blocks, block_size, num_kv_heads,
-// head_dim].
+// per sequence. Every layer has its own pools: K and V [num_blocks, block_size, num_kv_heads, head_dim] for
+// standard attention, or for multi-head latent attention one pool of latent rows [num_blocks, block_size,
+// kv_lora_rank + rope_dim] (the compressed latent and the shared rope key; keys and values of every head are
+// recovered from it, so nothing per head is stored).
 #include <cstdint>
 #include <span>
 #include <unordered_map>
 #include <vector>
 
 #include "kernels/backend.h"
+#include "runtime/model_config.h"
 
 namespace capserve::runtime {
 
@@ -15,11 +18,22 @@ using SequenceId = std::uint64_t;
 
 struct KvCacheShape {
   std::int64_t num_layers = 0;
+  // Standard attention.
   std::int64_t num_kv_heads = 0;
   std::int64_t head_dim = 0;
+  // Multi-head latent attention instead, when kv_lora_rank > 0.
+  std::int64_t kv_lora_rank = 0;
+  std::int64_t rope_dim = 0;
   std::int64_t block_size = 16;
   std::int64_t num_blocks = 0;
+
+  [[nodiscard]] bool latent() const { return kv_lora_rank > 0; }
+  // What one token costs in one layer.
+  [[nodiscard]] std::int64_t bytes_per_token_per_layer() const;
 };
+
+// The cache a model needs: latent rows for MLA models, K and V otherwise.
+KvCacheShape kv_cache_shape(const ModelConfig& config, std::int64_t block_size, std::int64_t num_blocks);
 
 class KvCache {
  public:
@@ -29,6 +43,8 @@ class KvCache {
   [[nodiscard]] std::int64_t blocks_for(std::int64_t tokens) const;
   [[nodiscard]] std::int64_t free_blocks() const { return static_cast<std::int64_t>(free_.size()); }
   [[nodiscard]] const KvCacheShape& shape() const { return shape_; }
+  // Bytes allocated for all layers' pools.
+  [[nodiscard]] std::int64_t bytes() const;
 
   // Grows the sequence's block table to hold `tokens` tokens; false (and no change) when the pool is too
   // small.
@@ -36,12 +52,14 @@ class KvCache {
   void release(SequenceId seq);
   [[nodiscard]] std::span<const std::int32_t> block_table(SequenceId seq) const;
 
+  // The layer's pools: layer() for standard attention, latent_layer() for multi-head latent attention.
   [[nodiscard]] kernels::PagedKvLayer layer(std::int64_t layer);
+  [[nodiscard]] kernels::PagedLatentLayer latent_layer(std::int64_t layer);
 
  private:
   KvCacheShape shape_;
-  std::vector<float> k_;
-  std::vector<float> v_;
+  std::vector<float> k_;  // K, or the latent rows
+  std::vector<float> v_;  // V; empty for a latent cache
   std::vector<std::int32_t> free_;
   std::unordered_map<SequenceId, std::vector<std::int32_t>> tables_;
 };

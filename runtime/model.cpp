@@ -76,7 +76,7 @@ Model::Model(ModelConfig config, Checkpoint checkpoint, const TensorNames& names
       placement_(make_placement(config_, options.placement, comm.size())),
       checkpoint_(std::move(checkpoint)),
       weights_(load_model_weights(checkpoint_, config_, names, placement_, comm.rank())),
-      rope_(config_.head_dim, config_.rope_theta, config_.rope_scaling),
+      rope_(config_.rotary_dim(), config_.rope_theta, config_.rope_scaling),
       scheduler_(options.capacity, comm),
       dispatcher_(comm),
       stats_(moe_layer_indices(config_), config_.num_experts, comm.size()),
@@ -86,8 +86,8 @@ Model::Model(ModelConfig config, Checkpoint checkpoint, const TensorNames& names
   for (const std::int64_t l : moe_layers_) moe_index_[static_cast<std::size_t>(l)] = i++;
 }
 
-void Model::router_dry_run(std::span<const std::int32_t> tokens, std::int64_t layers, kernels::Backend& backend,
-                           std::span<std::int64_t> counts) {
+void Model::router_dry_run(std::span<const std::int32_t> tokens, std::int64_t layers,
+                           kernels::Backend& backend, std::span<std::int64_t> counts) {
   const auto rows = static_cast<std::int64_t>(tokens.size());
   const std::int64_t hidden = config_.hidden_size;
   const std::int64_t experts = config_.num_experts;
@@ -101,10 +101,13 @@ void Model::router_dry_run(std::span<const std::int32_t> tokens, std::int64_t la
   backend.embedding(tokens, weights_.embed, embedded);
   const std::int64_t n = std::min<std::int64_t>(layers, static_cast<std::int64_t>(moe_layers_.size()));
   for (std::int64_t i = 0; i < n; ++i) {
-    const LayerWeights& lw = weights_.layers[static_cast<std::size_t>(moe_layers_[static_cast<std::size_t>(i)])];
-    backend.rms_norm(embedded, hidden, lw.post_attention_norm, static_cast<float>(config_.rms_norm_eps), normed);
+    const LayerWeights& lw =
+        weights_.layers[static_cast<std::size_t>(moe_layers_[static_cast<std::size_t>(i)])];
+    backend.rms_norm(embedded, hidden, lw.post_attention_norm, static_cast<float>(config_.rms_norm_eps),
+                     normed);
     backend.linear(normed, rows, lw.moe.router, {}, logits);
-    route_softmax_topk(logits, rows, experts, config_.top_k, config_.norm_topk_prob, s.routing);
+    route_softmax_topk(logits, rows, experts, config_.top_k, config_.norm_topk_prob, s.routing,
+                       config_.router);
     for (const std::int32_t e : s.routing.experts) ++counts[static_cast<std::size_t>(i * experts + e)];
   }
 }
@@ -160,11 +163,32 @@ void Model::forward(const ForwardBatch& batch, KvCache& cache, kernels::Backend&
 void Model::attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache,
                       kernels::Backend& backend) {
   const LayerWeights& lw = weights_.layers[static_cast<std::size_t>(layer)];
-  const AttentionWeights& a = lw.attention;
   const auto rows = static_cast<std::int64_t>(batch.tokens.size());
   const std::int64_t hidden = config_.hidden_size;
-  const std::int64_t q_width = config_.num_heads * config_.head_dim;
-  const std::int64_t kv_width = config_.num_kv_heads * config_.head_dim;
+  Scratch& s = scratch_;
+  backend.rms_norm(std::span<const float>(s.residual.data(), static_cast<std::size_t>(rows * hidden)), hidden,
+                   lw.input_norm, static_cast<float>(config_.rms_norm_eps), s.normed);
+  if (config_.mla) {
+    latent_attention(layer, batch, cache, backend);
+  } else {
+    grouped_query_attention(layer, batch, cache, backend);
+  }
+  backend.linear(s.attn, rows, lw.attention.o, lw.attention.o_bias, s.proj);
+  add_into(s.residual, s.proj, static_cast<std::size_t>(rows * hidden));
+}
+
+float Model::softmax_scale() const {
+  return static_cast<float>(
+      config_.softmax_scale.value_or(1.0 / std::sqrt(static_cast<double>(config_.head_dim))));
+}
+
+void Model::grouped_query_attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache,
+                                    kernels::Backend& backend) {
+  const AttentionWeights& a = weights_.layers[static_cast<std::size_t>(layer)].attention;
+  const auto rows = static_cast<std::int64_t>(batch.tokens.size());
+  const std::int64_t d = config_.head_dim;
+  const std::int64_t q_width = config_.num_heads * d;
+  const std::int64_t kv_width = config_.num_kv_heads * d;
   const auto eps = static_cast<float>(config_.rms_norm_eps);
   Scratch& s = scratch_;
   grow(s.q, rows * q_width);
@@ -175,8 +199,6 @@ void Model::attention(std::int64_t layer, const ForwardBatch& batch, KvCache& ca
   const std::span<float> k(s.k.data(), static_cast<std::size_t>(rows * kv_width));
   const std::span<float> v(s.v.data(), static_cast<std::size_t>(rows * kv_width));
 
-  backend.rms_norm(std::span<const float>(s.residual.data(), static_cast<std::size_t>(rows * hidden)), hidden,
-                   lw.input_norm, eps, s.normed);
   backend.linear(s.normed, rows, a.q, a.q_bias, q);
   backend.linear(s.normed, rows, a.k, a.k_bias, k);
   backend.linear(s.normed, rows, a.v, a.v_bias, v);
@@ -190,16 +212,54 @@ void Model::attention(std::int64_t layer, const ForwardBatch& batch, KvCache& ca
     clamp_all(k, k.size(), c);
     clamp_all(v, v.size(), c);
   }
-  backend.rope(q, config_.num_heads, config_.head_dim, s.cos, s.sin);
-  backend.rope(k, config_.num_kv_heads, config_.head_dim, s.cos, s.sin);
+  backend.rope(q, {config_.num_heads, d, 0, d, config_.interleaved_rope}, s.cos, s.sin);
+  backend.rope(k, {config_.num_kv_heads, d, 0, d, config_.interleaved_rope}, s.cos, s.sin);
 
   const kernels::PagedKvLayer kv = cache.layer(layer);
   backend.kv_store(batch.seqs, k, v, kv);
-  const kernels::AttentionParams params{
-      config_.num_heads, 1.0F / std::sqrt(static_cast<float>(config_.head_dim)), config_.sliding_window};
-  backend.paged_attention(batch.seqs, q, kv, params, s.attn);
-  backend.linear(s.attn, rows, a.o, a.o_bias, s.proj);
-  add_into(s.residual, s.proj, static_cast<std::size_t>(rows * hidden));
+  backend.paged_attention(batch.seqs, q, kv, {config_.num_heads, softmax_scale(), config_.sliding_window},
+                          s.attn);
+}
+
+void Model::latent_attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache,
+                             kernels::Backend& backend) {
+  const AttentionWeights& a = weights_.layers[static_cast<std::size_t>(layer)].attention;
+  const MlaConfig& m = *config_.mla;
+  const auto rows = static_cast<std::int64_t>(batch.tokens.size());
+  const std::int64_t heads = config_.num_heads;
+  const std::int64_t qk = m.qk_nope_head_dim + m.qk_rope_head_dim;
+  const std::int64_t r = m.kv_lora_rank;
+  const std::int64_t dr = m.qk_rope_head_dim;
+  const auto eps = static_cast<float>(m.norm_eps);
+  Scratch& s = scratch_;
+  grow(s.q, rows * heads * qk);
+  grow(s.k, rows * r);
+  grow(s.v, rows * dr);
+  grow(s.attn, rows * heads * m.v_head_dim);
+  const std::span<float> q(s.q.data(), static_cast<std::size_t>(rows * heads * qk));
+  const std::span<float> latent(s.k.data(), static_cast<std::size_t>(rows * r));
+  const std::span<float> rope_key(s.v.data(), static_cast<std::size_t>(rows * dr));
+
+  if (m.q_lora_rank > 0) {
+    grow(s.q_lora, rows * m.q_lora_rank);
+    const std::span<float> q_lora(s.q_lora.data(), static_cast<std::size_t>(rows * m.q_lora_rank));
+    backend.linear(s.normed, rows, a.q_a, a.q_a_bias, q_lora);
+    backend.rms_norm(q_lora, m.q_lora_rank, a.q_a_norm, eps, q_lora);
+    backend.linear(q_lora, rows, a.q_b, {}, q);
+  } else {
+    backend.linear(s.normed, rows, a.q, {}, q);
+  }
+  backend.linear(s.normed, rows, a.kv_a_latent, a.kv_a_latent_bias, latent);
+  backend.rms_norm(latent, r, a.kv_a_norm, eps, latent);
+  backend.linear(s.normed, rows, a.kv_a_rope, a.kv_a_rope_bias, rope_key);
+  backend.rope(q, {heads, qk, m.qk_nope_head_dim, dr, config_.interleaved_rope}, s.cos, s.sin);
+  backend.rope(rope_key, {1, dr, 0, dr, config_.interleaved_rope}, s.cos, s.sin);
+
+  const kernels::PagedLatentLayer kv = cache.latent_layer(layer);
+  backend.latent_store(batch.seqs, latent, rope_key, kv);
+  const kernels::LatentAttentionParams params{heads,        m.qk_nope_head_dim, dr,
+                                              m.v_head_dim, softmax_scale(),    latent_form_};
+  backend.latent_attention(batch.seqs, q, kv, a.kv_b, params, s.attn);
 }
 
 void Model::feed_forward(std::int64_t layer, std::int64_t rows, kernels::Backend& backend) {

@@ -70,6 +70,10 @@ class Model {
   [[nodiscard]] std::span<const std::int32_t> last_row_dropped() const { return row_dropped_; }
   [[nodiscard]] std::span<const std::int32_t> last_row_rerouted() const { return row_rerouted_; }
 
+  // Which form multi-head latent attention takes (default: per sequence, the cheaper one); for tests and
+  // benchmarks that compare the forms.
+  void set_latent_form(kernels::LatentForm form) { latent_form_ = form; }
+
   [[nodiscard]] parallel::Communicator& communicator() const { return *comm_; }
   [[nodiscard]] const parallel::ExpertPlacement& placement() const { return placement_; }
   [[nodiscard]] const parallel::CapacityConfig& capacity() const { return scheduler_.config(); }
@@ -82,7 +86,14 @@ class Model {
         std::unique_ptr<parallel::Communicator> own_comm, parallel::Communicator& comm,
         const ParallelOptions& options);
 
+  // Input norm, the layer's attention (grouped-query or multi-head latent) into scratch_.attn, o_proj,
+  // residual.
   void attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache, kernels::Backend& backend);
+  void grouped_query_attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache,
+                               kernels::Backend& backend);
+  void latent_attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache,
+                        kernels::Backend& backend);
+  [[nodiscard]] float softmax_scale() const;
   void feed_forward(std::int64_t layer, std::int64_t rows, kernels::Backend& backend);
 
   ModelConfig config_;
@@ -97,13 +108,15 @@ class Model {
   parallel::StepStatsRecorder stats_;
   parallel::RunStats run_stats_;
   std::vector<std::int64_t> moe_layers_;  // indices of the MoE layers
-  std::vector<std::int64_t> moe_index_;  // per layer: its index among the MoE layers, -1 for dense
-  std::vector<std::uint8_t> exempt_;     // [rows]: rows the capacity scheduler may not drop this step
+  std::vector<std::int64_t> moe_index_;   // per layer: its index among the MoE layers, -1 for dense
+  std::vector<std::uint8_t> exempt_;      // [rows]: rows the capacity scheduler may not drop this step
   std::vector<std::int32_t> row_dropped_, row_rerouted_;
+  kernels::LatentForm latent_form_ = kernels::LatentForm::cheaper;
 
   // Grow-only activation buffers, reused by every step.
   struct Scratch {
-    std::vector<float> residual, normed, q, k, v, attn, proj, cos, sin, final_rows;
+    // MLA: k holds the latents, v the rope keys, q_lora the low-rank queries.
+    std::vector<float> residual, normed, q, q_lora, k, v, attn, proj, cos, sin, final_rows;
     MoeScratch moe;
   } scratch_;
   struct DryRunScratch {

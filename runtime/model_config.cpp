@@ -1,5 +1,6 @@
 #include "runtime/model_config.h"
 
+#include <cmath>
 #include <sstream>
 
 #include "runtime/load_error.h"
@@ -57,6 +58,13 @@ bool ConfigReader::boolean_or(std::string_view key, bool fallback) const {
   return v->get<bool>();
 }
 
+std::string ConfigReader::string_or(std::string_view key, std::string_view fallback) const {
+  const nlohmann::json* v = find(key);
+  if (v == nullptr) return std::string(fallback);
+  if (!v->is_string()) fail(key, "must be a string, got " + type_of(*v));
+  return v->get<std::string>();
+}
+
 std::vector<std::int64_t> ConfigReader::integer_list_or_empty(std::string_view key) const {
   const nlohmann::json* v = find(key);
   if (v == nullptr) return {};
@@ -69,10 +77,15 @@ std::vector<std::int64_t> ConfigReader::integer_list_or_empty(std::string_view k
   return out;
 }
 
+double yarn_mscale(double scale, double mscale) {
+  return scale <= 1.0 ? 1.0 : 0.1 * mscale * std::log(scale) + 1.0;
+}
+
 namespace {
 
 // rope_scaling (transformers 4.x, and the Hub) or rope_parameters (transformers 5.x) share their inner keys.
-RopeScaling read_rope_scaling(const nlohmann::json& obj, std::string_view key) {
+RopeScaling read_rope_scaling(const nlohmann::json& obj, std::string_view key,
+                              std::int64_t max_position_embeddings) {
   if (!obj.is_object()) fail(key, "must be an object, got " + type_of(obj));
   const ConfigReader r(obj);
   std::string type = "default";
@@ -102,9 +115,32 @@ RopeScaling read_rope_scaling(const nlohmann::json& obj, std::string_view key) {
     s.low_freq_factor = sub("low_freq_factor");
     s.high_freq_factor = sub("high_freq_factor");
     s.original_max_position_embeddings = sub("original_max_position_embeddings");
+  } else if (type == "yarn") {
+    // transformers' _compute_yarn_parameters, defaults included.
+    s.type = RopeScaling::Type::yarn;
+    s.factor = sub("factor");
+    s.original_max_position_embeddings =
+        r.number_or("original_max_position_embeddings", static_cast<double>(max_position_embeddings));
+    // A 0 or absent beta means the paper's default, as in transformers (`or 32`, `or 1`).
+    const double beta_fast = r.number_or("beta_fast", 0.0);
+    const double beta_slow = r.number_or("beta_slow", 0.0);
+    s.beta_fast = beta_fast != 0.0 ? beta_fast : 32.0;
+    s.beta_slow = beta_slow != 0.0 ? beta_slow : 1.0;
+    s.truncate = r.boolean_or("truncate", true);
+    const double mscale = r.number_or("mscale", 0.0);
+    const double mscale_all_dim = r.number_or("mscale_all_dim", 0.0);
+    if (const std::optional<double> given = r.optional_number("attention_factor")) {
+      s.attention_factor = *given;
+    } else if (mscale != 0.0 && mscale_all_dim != 0.0) {
+      s.attention_factor = yarn_mscale(s.factor, mscale) / yarn_mscale(s.factor, mscale_all_dim);
+    } else {
+      s.attention_factor = yarn_mscale(s.factor, 1.0);
+    }
   } else {
-    fail(key, "has rope type '" + type + "', which is not supported (supported: default, linear, llama3)");
+    fail(key,
+         "has rope type '" + type + "', which is not supported (supported: default, linear, llama3, yarn)");
   }
+  s.mscale_all_dim = r.number_or("mscale_all_dim", 0.0);
   return s;
 }
 
@@ -122,12 +158,12 @@ void ConfigReader::read_common(ModelConfig& c) const {
   c.tie_word_embeddings = boolean_or("tie_word_embeddings", false);
 
   if (const nlohmann::json* params = find("rope_parameters")) {
-    c.rope_scaling = read_rope_scaling(*params, "rope_parameters");
+    c.rope_scaling = read_rope_scaling(*params, "rope_parameters", c.max_position_embeddings);
     c.rope_theta = ConfigReader(*params).number_or("rope_theta", number_or("rope_theta", 10000.0));
   } else {
     c.rope_theta = number_or("rope_theta", 10000.0);
     if (const nlohmann::json* scaling = find("rope_scaling"))
-      c.rope_scaling = read_rope_scaling(*scaling, "rope_scaling");
+      c.rope_scaling = read_rope_scaling(*scaling, "rope_scaling", c.max_position_embeddings);
   }
 
   if (const nlohmann::json* eos = find("eos_token_id")) {
@@ -155,10 +191,21 @@ void ModelConfig::validate() const {
     fail("num_key_value_heads", "(" + std::to_string(num_kv_heads) + ") must divide num_attention_heads (" +
                                     std::to_string(num_heads) + ")");
   }
-  if (head_dim % 2 != 0) fail("head_dim", "must be even for rotary embeddings");
+  if (mla) {
+    positive("kv_lora_rank", mla->kv_lora_rank);
+    positive("qk_rope_head_dim", mla->qk_rope_head_dim);
+    positive("v_head_dim", mla->v_head_dim);
+    if (mla->q_lora_rank < 0) fail("q_lora_rank", "must not be negative");
+    positive("qk_nope_head_dim", mla->qk_nope_head_dim);
+    if (mla->qk_rope_head_dim % 2 != 0) fail("qk_rope_head_dim", "must be even for rotary embeddings");
+  } else if (head_dim % 2 != 0) {
+    fail("head_dim", "must be even for rotary embeddings");
+  }
   if (rms_norm_eps <= 0) fail("rms_norm_eps", "must be positive");
   if (rope_theta <= 0) fail("rope_theta", "must be positive");
   if (rope_scaling.factor <= 0) fail("rope_scaling.factor", "must be positive");
+  if (rope_scaling.type == RopeScaling::Type::yarn && rope_scaling.original_max_position_embeddings <= 0)
+    fail("rope_scaling.original_max_position_embeddings", "must be positive");
   if (sliding_window < 0) fail("sliding_window", "must not be negative");
   if (static_cast<std::int64_t>(layer_is_moe.size()) != num_layers)
     fail("num_hidden_layers", "does not match the layer plan");
@@ -173,6 +220,22 @@ void ModelConfig::validate() const {
       fail("num_experts_per_tok", "(" + std::to_string(top_k) + ") exceeds the number of experts (" +
                                       std::to_string(num_experts) + ")");
     }
+    positive("n_group", router.n_group);
+    if (num_experts % router.n_group != 0) {
+      fail("n_group", "(" + std::to_string(router.n_group) + ") must divide the number of experts (" +
+                          std::to_string(num_experts) + ")");
+    }
+    if (router.topk_group <= 0 || router.topk_group > router.n_group) {
+      fail("topk_group", "(" + std::to_string(router.topk_group) + ") must be between 1 and n_group (" +
+                             std::to_string(router.n_group) + ")");
+    }
+    const std::int64_t eligible = router.topk_group * (num_experts / router.n_group);
+    if (top_k > eligible) {
+      fail("num_experts_per_tok", "(" + std::to_string(top_k) + ") exceeds the " + std::to_string(eligible) +
+                                      " experts of the topk_group best groups");
+    }
+    if (!(router.scaling > 0) || !std::isfinite(router.scaling))
+      fail("routed_scaling_factor", "must be a positive number");
   }
   if (any_dense) positive("intermediate_size", dense_intermediate_size);
   for (const std::int32_t id : eos_token_ids) {

@@ -15,13 +15,48 @@
 namespace capserve::runtime {
 
 struct RopeScaling {
-  enum class Type { none, linear, llama3 };
+  enum class Type { none, linear, llama3, yarn };
   Type type = Type::none;
   double factor = 1.0;
+  // llama3 and yarn
+  double original_max_position_embeddings = 8192.0;
   // llama3 only
   double low_freq_factor = 1.0;
   double high_freq_factor = 4.0;
-  double original_max_position_embeddings = 8192.0;
+  // yarn only: the rotation counts bounding the blend from extrapolated to interpolated frequencies, whether
+  // that range is widened to whole dims, and the factor cos/sin are multiplied by.
+  double beta_fast = 32.0;
+  double beta_slow = 1.0;
+  bool truncate = true;
+  double attention_factor = 1.0;
+  // Any scaled type, as written in the config (0 when absent): DeepSeek-V2 folds mscale(factor,
+  // mscale_all_dim)^2 into its softmax scale.
+  double mscale_all_dim = 0.0;
+};
+
+// Multi-head latent attention (DeepSeek-V2): queries from q_proj, or through the low-rank q_a_proj ->
+// q_a_layernorm -> q_b_proj when q_lora_rank > 0; keys and values of every head recovered by kv_b_proj from
+// one compressed latent of kv_lora_rank per token plus one rope key of qk_rope_head_dim shared by the heads.
+struct MlaConfig {
+  std::int64_t q_lora_rank = 0;
+  std::int64_t kv_lora_rank = 0;
+  std::int64_t qk_nope_head_dim = 0;
+  std::int64_t qk_rope_head_dim = 0;
+  std::int64_t v_head_dim = 0;
+  bool bias = false;  // q_a_proj and kv_a_proj_with_mqa biases (attention_bias)
+  // q_a_layernorm and kv_a_layernorm are built without the config's eps in DeepSeek's code and
+  // transformers' port alike, so they keep the RMSNorm default.
+  double norm_eps = 1e-6;
+};
+
+// How the router picks each token's experts from its softmax probabilities.
+struct RouterConfig {
+  // Group-limited top-k (DeepSeek-V2 group_limited_greedy): the experts form n_group equal groups, ranked by
+  // their best expert; only the best topk_group groups are eligible. n_group 1: plain top-k.
+  std::int64_t n_group = 1;
+  std::int64_t topk_group = 1;
+  // The chosen weights, after the optional norm_topk_prob renormalization, are multiplied by this.
+  double scaling = 1.0;
 };
 
 struct ModelConfig {
@@ -31,7 +66,7 @@ struct ModelConfig {
   std::int64_t num_layers = 0;
   std::int64_t num_heads = 0;
   std::int64_t num_kv_heads = 0;
-  std::int64_t head_dim = 0;
+  std::int64_t head_dim = 0;  // MLA: the query-key head dim, qk_nope_head_dim + qk_rope_head_dim
   std::int64_t max_position_embeddings = 0;
   double rms_norm_eps = 1e-6;
   double rope_theta = 10000.0;
@@ -42,21 +77,32 @@ struct ModelConfig {
   std::optional<double> clip_qkv;   // clamp q/k/v projections to [-c, c] (OLMoE)
   std::int64_t sliding_window = 0;  // 0: full attention
   bool tie_word_embeddings = false;
+  std::optional<MlaConfig> mla;         // set: multi-head latent attention replaces q/k/v projections
+  std::optional<double> softmax_scale;  // default 1 / sqrt(head_dim)
+  bool interleaved_rope = false;        // rotate pairs (2i, 2i+1) instead of (i, i + dim / 2)
 
   // Feed-forward: MoE layers and dense MLP layers.
   std::int64_t num_experts = 0;
   std::int64_t top_k = 0;
   bool norm_topk_prob = false;
+  RouterConfig router;
   std::int64_t moe_intermediate_size = 0;
-  std::int64_t shared_expert_intermediate_size = 0;  // 0: no shared expert
-  std::int64_t dense_intermediate_size = 0;          // dense MLP layers
-  std::vector<bool> layer_is_moe;                    // per layer
+  // 0: no shared expert. DeepSeek's n_shared_experts are one MLP of n_shared_experts * moe_intermediate_size.
+  std::int64_t shared_expert_intermediate_size = 0;
+  std::int64_t dense_intermediate_size = 0;  // dense MLP layers
+  std::vector<bool> layer_is_moe;            // per layer
 
   std::vector<std::int32_t> eos_token_ids;
+
+  // The dims RoPE rotates in each query and key head.
+  [[nodiscard]] std::int64_t rotary_dim() const { return mla ? mla->qk_rope_head_dim : head_dim; }
 
   // Checks the cross-field invariants (divisibility, ranges); throws LoadError naming the key.
   void validate() const;
 };
+
+// YaRN's magnitude correction for a context stretched by `scale` (transformers' get_mscale).
+double yarn_mscale(double scale, double mscale);
 
 // Checked accessors over one config.json object; errors read "config.json: key 'X' ...".
 class ConfigReader {
@@ -69,6 +115,7 @@ class ConfigReader {
   [[nodiscard]] double number_or(std::string_view key, double fallback) const;
   [[nodiscard]] std::optional<double> optional_number(std::string_view key) const;
   [[nodiscard]] bool boolean_or(std::string_view key, bool fallback) const;
+  [[nodiscard]] std::string string_or(std::string_view key, std::string_view fallback) const;
   [[nodiscard]] std::vector<std::int64_t> integer_list_or_empty(std::string_view key) const;
   [[nodiscard]] const nlohmann::json* find(std::string_view key) const;
 

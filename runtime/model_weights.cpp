@@ -12,8 +12,39 @@ kernels::ExpertWeights load_swiglu(Checkpoint& ckpt, const std::string& prefix, 
           ckpt.get(prefix + down, {hidden, ffn})};
 }
 
+AttentionWeights load_latent_attention(Checkpoint& ckpt, const ModelConfig& c, const TensorNames& n,
+                                       const std::string& p) {
+  const MlaConfig& m = *c.mla;
+  const std::int64_t q_width = c.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim);
+  const std::int64_t r = m.kv_lora_rank;
+  const std::int64_t dr = m.qk_rope_head_dim;
+  AttentionWeights a;
+  if (m.q_lora_rank > 0) {
+    a.q_a = ckpt.get(p + n.q_a_proj + ".weight", {m.q_lora_rank, c.hidden_size});
+    if (m.bias) a.q_a_bias = ckpt.get(p + n.q_a_proj + ".bias", {m.q_lora_rank});
+    a.q_a_norm = ckpt.get(p + n.q_a_norm, {m.q_lora_rank});
+    a.q_b = ckpt.get(p + n.q_b_proj + ".weight", {q_width, m.q_lora_rank});
+  } else {
+    a.q = ckpt.get(p + n.q_proj + ".weight", {q_width, c.hidden_size});
+  }
+  const kernels::WeightView kv_a = ckpt.get(p + n.kv_a_proj + ".weight", {r + dr, c.hidden_size});
+  a.kv_a_latent = kv_a.row_range(0, r);
+  a.kv_a_rope = kv_a.row_range(r, dr);
+  if (m.bias) {
+    const kernels::WeightView bias = ckpt.get(p + n.kv_a_proj + ".bias", {r + dr});
+    a.kv_a_latent_bias = bias.element_range(0, r);
+    a.kv_a_rope_bias = bias.element_range(r, dr);
+  }
+  a.kv_a_norm = ckpt.get(p + n.kv_a_norm, {r});
+  a.kv_b = ckpt.get(p + n.kv_b_proj + ".weight", {c.num_heads * (m.qk_nope_head_dim + m.v_head_dim), r});
+  a.o = ckpt.get(p + n.o_proj + ".weight", {c.hidden_size, c.num_heads * m.v_head_dim});
+  if (c.o_bias) a.o_bias = ckpt.get(p + n.o_proj + ".bias", {c.hidden_size});
+  return a;
+}
+
 AttentionWeights load_attention(Checkpoint& ckpt, const ModelConfig& c, const TensorNames& n,
                                 const std::string& p) {
+  if (c.mla) return load_latent_attention(ckpt, c, n, p);
   const std::int64_t q_width = c.num_heads * c.head_dim;
   const std::int64_t kv_width = c.num_kv_heads * c.head_dim;
   AttentionWeights a;
@@ -48,7 +79,7 @@ MoeWeights load_moe(Checkpoint& ckpt, const ModelConfig& c, const TensorNames& n
   if (c.shared_expert_intermediate_size > 0) {
     m.shared.push_back(load_swiglu(ckpt, p + n.shared_expert_prefix, "gate_proj.weight", "up_proj.weight",
                                    "down_proj.weight", c.hidden_size, c.shared_expert_intermediate_size));
-    m.shared_gate = ckpt.get(p + n.shared_expert_gate, {1, c.hidden_size});
+    if (!n.shared_expert_gate.empty()) m.shared_gate = ckpt.get(p + n.shared_expert_gate, {1, c.hidden_size});
   }
   return m;
 }

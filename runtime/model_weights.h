@@ -16,13 +16,19 @@ struct AttentionWeights {
   kernels::WeightView q_bias, k_bias, v_bias;  // empty without qkv_bias
   kernels::WeightView o_bias;                  // empty without o_bias
   kernels::WeightView q_norm, k_norm;          // empty without qk_norm
+  // Multi-head latent attention: q is q_proj without q LoRA, else empty and q_a -> q_a_norm -> q_b;
+  // kv_a_proj_with_mqa split into the rows giving the latent and those giving the rope key; biases empty
+  // without attention_bias.
+  kernels::WeightView q_a, q_a_bias, q_a_norm, q_b;
+  kernels::WeightView kv_a_latent, kv_a_latent_bias, kv_a_rope, kv_a_rope_bias;
+  kernels::WeightView kv_a_norm, kv_b;
 };
 
 struct MoeWeights {
   kernels::WeightView router;                   // [num_experts, hidden]
   std::vector<kernels::ExpertWeights> experts;  // this rank's routed experts, by local index
   std::vector<kernels::ExpertWeights> shared;   // zero or one shared expert
-  kernels::WeightView shared_gate;              // [1, hidden]
+  kernels::WeightView shared_gate;              // [1, hidden]; empty: the shared expert is ungated
 };
 
 struct LayerWeights {

@@ -7,10 +7,14 @@
 namespace capserve::runtime {
 
 void route_softmax_topk(std::span<const float> router_logits, std::int64_t rows, std::int64_t num_experts,
-                        std::int64_t top_k, bool normalize, Routing& out) {
+                        std::int64_t top_k, bool normalize, Routing& out, const RouterConfig& router) {
   out.experts.resize(static_cast<std::size_t>(rows * top_k));
   out.weights.resize(static_cast<std::size_t>(rows * top_k));
   out.probs.resize(static_cast<std::size_t>(rows * num_experts));
+  out.eligible.assign(static_cast<std::size_t>(num_experts), 1);
+  const std::int64_t group_size = num_experts / router.n_group;
+  const bool limited = router.topk_group < router.n_group;
+  const auto scaling = static_cast<float>(router.scaling);
   for (std::int64_t t = 0; t < rows; ++t) {
     const float* logit = router_logits.data() + t * num_experts;
     float* probs = out.probs.data() + t * num_experts;
@@ -21,12 +25,29 @@ void route_softmax_topk(std::span<const float> router_logits, std::int64_t rows,
       sum += probs[e];
     }
     for (std::int64_t e = 0; e < num_experts; ++e) probs[e] /= sum;
+    if (limited) {
+      // The topk_group groups with the highest best-expert probability (ties to the lower group) are
+      // eligible.
+      std::fill(out.eligible.begin(), out.eligible.end(), 0);
+      const auto group_best = [&](std::int64_t g) {
+        return *std::max_element(probs + g * group_size, probs + (g + 1) * group_size);
+      };
+      for (std::int64_t chosen = 0; chosen < router.topk_group; ++chosen) {
+        std::int64_t best = -1;
+        for (std::int64_t g = 0; g < router.n_group; ++g) {
+          if (out.eligible[static_cast<std::size_t>(g * group_size)] != 0) continue;
+          if (best < 0 || group_best(g) > group_best(best)) best = g;
+        }
+        std::fill_n(out.eligible.begin() + best * group_size, group_size, 1);
+      }
+    }
     std::int32_t* ids = out.experts.data() + t * top_k;
     float* w = out.weights.data() + t * top_k;
     // Selection of the k best by repeated scan: k is small (2..8) and E modest, so this beats a sort.
     for (std::int64_t s = 0; s < top_k; ++s) {
       std::int64_t best = -1;
       for (std::int64_t e = 0; e < num_experts; ++e) {
+        if (out.eligible[static_cast<std::size_t>(e)] == 0) continue;
         if (std::find(ids, ids + s, static_cast<std::int32_t>(e)) != ids + s) continue;
         if (best < 0 || probs[e] > probs[best]) best = e;
       }
@@ -37,6 +58,9 @@ void route_softmax_topk(std::span<const float> router_logits, std::int64_t rows,
       float total = 0.0F;
       for (std::int64_t s = 0; s < top_k; ++s) total += w[s];
       for (std::int64_t s = 0; s < top_k; ++s) w[s] /= total;
+    }
+    if (scaling != 1.0F) {
+      for (std::int64_t s = 0; s < top_k; ++s) w[s] *= scaling;
     }
   }
 }
@@ -52,7 +76,8 @@ void moe_block(kernels::Backend& backend, const ModelConfig& config, const MoeWe
 
   s.router_logits.resize(static_cast<std::size_t>(rows * num_experts));
   backend.linear(h, rows, weights.router, {}, s.router_logits);
-  route_softmax_topk(s.router_logits, rows, num_experts, top_k, config.norm_topk_prob, s.routing);
+  route_softmax_topk(s.router_logits, rows, num_experts, top_k, config.norm_topk_prob, s.routing,
+                     config.router);
 
   parallel::MoeLayerStats& stats = ctx.stats;
   stats.tokens += rows;
@@ -70,7 +95,7 @@ void moe_block(kernels::Backend& backend, const ModelConfig& config, const MoeWe
                                  s.status,
                                  ctx.exempt,
                                  config.norm_topk_prob,
-                                 1.0F};
+                                 static_cast<float>(config.router.scaling)};
   const parallel::LayerCounts counts = ctx.scheduler.apply(ctx.layer, ctx.placement, routing);
   stats.scheduler_seconds += std::chrono::duration<double>(Clock::now() - scheduled).count();
   stats.dropped += counts.dropped;
@@ -96,12 +121,15 @@ void moe_block(kernels::Backend& backend, const ModelConfig& config, const MoeWe
 
   if (!weights.shared.empty()) {
     s.shared_out.resize(static_cast<std::size_t>(rows * hidden));
-    s.shared_gate.resize(static_cast<std::size_t>(rows));
     const std::int64_t whole[2] = {0, rows};
     backend.grouped_expert_ffn(h, whole, weights.shared, s.shared_out);
-    backend.linear(h, rows, weights.shared_gate, {}, s.shared_gate);
+    const bool gated = !weights.shared_gate.empty();
+    if (gated) {
+      s.shared_gate.resize(static_cast<std::size_t>(rows));
+      backend.linear(h, rows, weights.shared_gate, {}, s.shared_gate);
+    }
     for (std::int64_t t = 0; t < rows; ++t) {
-      const float g = 1.0F / (1.0F + std::exp(-s.shared_gate[static_cast<std::size_t>(t)]));
+      const float g = gated ? 1.0F / (1.0F + std::exp(-s.shared_gate[static_cast<std::size_t>(t)])) : 1.0F;
       const float* src = s.shared_out.data() + t * hidden;
       float* dst = out.data() + t * hidden;
       for (std::int64_t i = 0; i < hidden; ++i) dst[i] += g * src[i];

@@ -1,8 +1,8 @@
 #pragma once
-// The MoE feed-forward block of one layer: router (fp32 softmax, top-k, optional renormalization), the
-// capacity scheduler, dispatch of each token to the ranks hosting its experts, grouped expert SwiGLU there,
-// gate-weighted combine back, plus the optional sigmoid-gated shared expert, which is local dense compute:
-// it never enters the all-to-all and is never dropped.
+// The MoE feed-forward block of one layer: router (fp32 softmax, top-k, optionally group-limited, optional
+// renormalization, scaling), the capacity scheduler, dispatch of each token to the ranks hosting its experts,
+// grouped expert SwiGLU there, gate-weighted combine back, plus the optional shared expert (sigmoid-gated, or
+// ungated as DeepSeek's), which is local dense compute: it never enters the all-to-all and is never dropped.
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -23,12 +23,15 @@ struct Routing {
   std::vector<float> probs;
   std::vector<std::int32_t> experts;
   std::vector<float> weights;
+  std::vector<std::uint8_t> eligible;  // scratch: one token's experts in its best groups
 };
 
-// Softmax over the router logits [rows, num_experts] in fp32, top-k (ties to the lower expert id), then the
-// weights renormalized to sum to 1 when `normalize` is set.
+// Softmax over the router logits [rows, num_experts] in fp32, top-k (ties to the lower expert id) among the
+// experts of the router's topk_group best groups (all experts when n_group is 1), then the weights
+// renormalized to sum to 1 when `normalize` is set, and multiplied by the router's scaling. `probs` keeps the
+// whole softmax: the capacity scheduler may reroute a slot outside the token's groups, where capacity is.
 void route_softmax_topk(std::span<const float> router_logits, std::int64_t rows, std::int64_t num_experts,
-                        std::int64_t top_k, bool normalize, Routing& out);
+                        std::int64_t top_k, bool normalize, Routing& out, const RouterConfig& router = {});
 
 // Grow-only buffers reused across layers and steps.
 struct MoeScratch {

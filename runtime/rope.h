@@ -11,9 +11,11 @@ namespace capserve::runtime {
 
 class Rope {
  public:
-  Rope(std::int64_t head_dim, double theta, const RopeScaling& scaling);
+  // `dim`: the rotated dims of a head.
+  Rope(std::int64_t dim, double theta, const RopeScaling& scaling);
 
-  // Fills cos/sin [positions.size(), head_dim / 2] (grow-only buffers).
+  // Fills cos/sin [positions.size(), dim / 2] (grow-only buffers), both multiplied by the scaling's attention
+  // factor (YaRN; 1 otherwise), as transformers does.
   void tables(std::span<const std::int32_t> positions, std::vector<float>& cos,
               std::vector<float>& sin) const;
 
@@ -21,6 +23,7 @@ class Rope {
 
  private:
   std::vector<float> inv_freq_;
+  float attention_factor_ = 1.0F;
 };
 
 }  // namespace capserve::runtime

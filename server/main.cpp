@@ -82,7 +82,7 @@ void add_flags(CLI::App& app, Options& o) {
   app.add_option("--default-max-tokens", o.limits.default_max_tokens)->capture_default_str();
   app.add_option("--max-tokens-limit", o.limits.max_tokens_limit)->capture_default_str();
   app.add_option("--chat-template", o.chat_template,
-                 "force a chat template family (chatml, deepseek, llama2, mistral, tulu)");
+                 "force a chat template family (chatml, deepseek, deepseek_v2, llama2, mistral, tulu)");
   app.add_option("--batch-selector", o.strategy, "fcfs | greedy | power_of_d | lpt_balanced | random")
       ->check(CLI::IsMember({"fcfs", "greedy", "power_of_d", "lpt_balanced", "random"}))
       ->capture_default_str();

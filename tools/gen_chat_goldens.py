@@ -67,6 +67,9 @@ FAMILIES = {
     "tulu": lambda: from_written_template(
         "olmoe_1b_7b_0924_instruct.jinja", "allenai/OLMoE-1B-7B-0924-Instruct", "<|endoftext|>", "<|endoftext|>"
     ),
+    "deepseek_v2": lambda: from_written_template(
+        "deepseek_v2_chat.jinja", "deepseek-ai/DeepSeek-V2-Chat", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+    ),
 }
 
 

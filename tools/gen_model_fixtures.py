@@ -3,16 +3,17 @@
 
 Usage (from the repository root):
 
-    tools/.venv/bin/python tools/gen_model_fixtures.py
+    tools/.venv/bin/python tools/gen_model_fixtures.py [FIXTURE ...]
 
-Writes tests/fixtures/models/<fixture>/ (deleting tests/fixtures/models/ first):
+Writes tests/fixtures/models/<fixture>/ (deleting tests/fixtures/models/ first; with FIXTURE names, only those
+directories are rewritten) and tests/fixtures/models/README.md:
 
     config.json, generation_config.json          as written by save_pretrained
     model.safetensors  or  model-0000X-of-0000N.safetensors + model.safetensors.index.json
     reference.json + *.npy                       HF reference outputs (see README.md written next to them)
 
 The checkpoints use the classic per-expert Hub tensor names (Mixtral `block_sparse_moe.experts.E.w1/w2/w3`,
-OLMoE/Qwen2-MoE `mlp.experts.E.{gate,up,down}_proj`). transformers v5 fuses the experts in memory
+OLMoE/Qwen2-MoE/DeepSeek-V2 `mlp.experts.E.{gate,up,down}_proj`). transformers v5 fuses the experts in memory
 (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]) and its save_pretrained reverses that
 conversion; this script checks the written names and values tensor by tensor against the in-memory model, and
 computes every reference output from the directory re-loaded with from_pretrained (checking it reproduces the
@@ -33,7 +34,10 @@ import torch
 
 import transformers
 from safetensors import safe_open
+from transformers.models.deepseek_v2 import modeling_deepseek_v2
 from transformers import (
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
     OlmoeConfig,
@@ -176,6 +180,93 @@ FIXTURES = [
     ),
 ]
 
+# DeepSeek-V2: multi-head latent attention with its own head sizes (every head has its own keys and values, so
+# num_key_value_heads = num_attention_heads as in the released configs), YaRN RoPE on the 16 rope dims with
+# original_max_position_embeddings 32: with rope_theta 1e4 the correction range is dims [0, 2), so rope dim
+# pair 0 keeps its frequency, pair 1 is blended and pairs 2..7 are interpolated by `factor`, and the longest
+# cases (29-token prompt + 16 generated) run past position 32.
+DEEPSEEK_COMMON = dict(
+    COMMON,
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=16,
+    v_head_dim=16,
+    intermediate_size=96,
+    moe_intermediate_size=16,
+    n_shared_experts=2,
+    first_k_dense_replace=1,
+    tie_word_embeddings=False,
+)
+
+FIXTURES += [
+    dict(
+        name="deepseek_v2_lite",
+        cls=DeepseekV2ForCausalLM,
+        config_cls=DeepseekV2Config,
+        config=dict(
+            DEEPSEEK_COMMON,
+            num_hidden_layers=3,
+            max_position_embeddings=40 * 32,  # factor x original, as the released config
+            q_lora_rank=None,
+            n_routed_experts=16,
+            num_experts_per_tok=4,
+            topk_method="greedy",
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=False,
+            routed_scaling_factor=1.0,
+            moe_layer_freq=1,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 0.707,
+                             "mscale_all_dim": 0.707, "original_max_position_embeddings": 32, "beta_fast": 32,
+                             "beta_slow": 1},
+        ),
+        disk_dtype=torch.float32,
+        max_shard_size=None,
+        seed=10,
+        description=(
+            "DeepseekV2ForCausalLM shaped like DeepSeek-V2-Lite, f32; 3 layers: layer 0 dense (first_k_dense_replace "
+            "1, intermediate 96), 1 and 2 MoE (16 routed experts top-4 greedy, moe_intermediate 16, 2 shared experts, "
+            "routed_scaling_factor 1, norm_topk_prob false); MLA without q LoRA (q_proj), kv_lora_rank 32, "
+            "qk_nope/qk_rope/v head dims 16/16/16, 4 heads; YaRN factor 40, mscale = mscale_all_dim = 0.707 (the "
+            "released values), original_max_position_embeddings 32, max_position_embeddings 1280."
+        ),
+    ),
+    dict(
+        name="deepseek_v2",
+        cls=DeepseekV2ForCausalLM,
+        config_cls=DeepseekV2Config,
+        config=dict(
+            DEEPSEEK_COMMON,
+            num_hidden_layers=5,
+            q_lora_rank=48,
+            attention_bias=True,
+            n_routed_experts=16,
+            num_experts_per_tok=3,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+            norm_topk_prob=False,
+            routed_scaling_factor=2.5,
+            moe_layer_freq=2,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "mscale": 1.0,
+                             "mscale_all_dim": 0.707, "original_max_position_embeddings": 32, "beta_fast": 32,
+                             "beta_slow": 1},
+        ),
+        disk_dtype=torch.float32,
+        max_shard_size=None,
+        seed=27,
+        description=(
+            "DeepseekV2ForCausalLM shaped like DeepSeek-V2, f32; 5 layers, first_k_dense_replace 1 and moe_layer_freq "
+            "2: layers 2 and 4 MoE (16 routed experts in 4 groups, group_limited_greedy top-3 within the best 2 "
+            "groups, routed_scaling_factor 2.5, 2 shared experts), 0, 1 and 3 dense; MLA with q LoRA (q_a_proj, "
+            "q_a_layernorm, q_b_proj; q_lora_rank 48), kv_lora_rank 32, attention_bias (q_a/kv_a/o biases, which "
+            "the released checkpoints lack); YaRN factor 8, mscale 1.0 != mscale_all_dim 0.707 (so cos/sin carry "
+            "an attention factor besides the softmax mscale), original_max_position_embeddings 32."
+        ),
+    ),
+]
+
 MAX_SEED_TRIES = 200
 # init scales (see reinit_)
 LM_HEAD_ROW_TAIL = 0.0  # >0 gives log-normal lm_head row scales; makes greedy collapse onto a few tokens
@@ -196,8 +287,33 @@ def log(*args):
 # model construction
 
 
+def _deepseek_layer_rule():
+    """transformers' DeepseekV2 makes every layer from first_k_dense_replace on an MoE layer and ignores
+    moe_layer_freq; DeepSeek's own modeling code (which wrote the released checkpoints) makes layer i MoE iff
+    i >= first_k_dense_replace and i % moe_layer_freq == 0, so a checkpoint with moe_layer_freq > 1 holds dense
+    MLP tensors on the other layers. The decoder layer is patched to follow that rule with transformers' own
+    blocks (no-op for moe_layer_freq 1, the released value)."""
+    layer_cls = modeling_deepseek_v2.DeepseekV2DecoderLayer
+    original_init = layer_cls.__init__
+
+    def init(self, config, layer_idx):
+        original_init(self, config, layer_idx)
+        if isinstance(self.mlp, modeling_deepseek_v2.DeepseekV2Moe) and layer_idx % getattr(
+                config, "moe_layer_freq", 1) != 0:
+            self.mlp = modeling_deepseek_v2.DeepseekV2MLP(config)
+
+    layer_cls.__init__ = init
+
+
+_deepseek_layer_rule()
+
+
 def build_config(fx):
-    cfg = fx["config_cls"](**fx["config"])
+    return build_config_with(fx)
+
+
+def build_config_with(fx, **overrides):
+    cfg = fx["config_cls"](**{**fx["config"], **overrides})
     cfg._attn_implementation = "eager"
     return cfg
 
@@ -235,7 +351,7 @@ def reinit_(model, seed, round_to=None):
                 v = randn(p.shape)
             elif name.endswith("mlp.gate.weight"):  # router [E, H]: logit std ~1.5 (best top-k spacing)
                 v = 1.5 / fan_in**0.5 * randn(p.shape)
-            elif name.endswith(("q_proj.weight", "k_proj.weight")):
+            elif name.endswith(("q_proj.weight", "k_proj.weight", "q_b_proj.weight")):
                 v = QK_GAIN / fan_in**0.5 * randn(p.shape)
             elif name.endswith("shared_expert_gate.weight"):  # [1, H]
                 v = 1.0 / fan_in**0.5 * randn(p.shape)
@@ -267,6 +383,27 @@ def expected_hub_names(cfg):
             names |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight", p + "mlp.gate.weight"}
             for e in range(cfg.num_experts):
                 names |= {p + f"mlp.experts.{e}.{w}_proj.weight" for w in ("gate", "up", "down")}
+        elif mt == "deepseek_v2":
+            names.remove(p + "self_attn.q_proj.weight")
+            names.remove(p + "self_attn.k_proj.weight")
+            names.remove(p + "self_attn.v_proj.weight")
+            a = p + "self_attn."
+            if cfg.q_lora_rank is None:
+                names.add(a + "q_proj.weight")
+            else:
+                names |= {a + "q_a_proj.weight", a + "q_a_layernorm.weight", a + "q_b_proj.weight"}
+            names |= {a + "kv_a_proj_with_mqa.weight", a + "kv_a_layernorm.weight", a + "kv_b_proj.weight"}
+            if cfg.attention_bias:
+                names |= {a + "kv_a_proj_with_mqa.bias", a + "o_proj.bias"}
+                if cfg.q_lora_rank is not None:
+                    names.add(a + "q_a_proj.bias")
+            if is_deepseek_moe_layer(cfg, i):
+                names.add(p + "mlp.gate.weight")
+                names |= {p + f"mlp.shared_experts.{w}_proj.weight" for w in ("gate", "up", "down")}
+                for e in range(cfg.n_routed_experts):
+                    names |= {p + f"mlp.experts.{e}.{w}_proj.weight" for w in ("gate", "up", "down")}
+            else:
+                names |= {p + f"mlp.{w}_proj.weight" for w in ("gate", "up", "down")}
         elif mt == "qwen2_moe":
             names |= {p + f"self_attn.{x}_proj.bias" for x in "qkv"}
             if is_qwen_moe_layer(cfg, i):
@@ -284,6 +421,11 @@ def expected_hub_names(cfg):
 def is_qwen_moe_layer(cfg, i):
     # HF Qwen2MoeDecoderLayer rule
     return i not in cfg.mlp_only_layers and cfg.num_experts > 0 and (i + 1) % cfg.decoder_sparse_step == 0
+
+
+def is_deepseek_moe_layer(cfg, i):
+    # DeepSeek's own rule (see _deepseek_layer_rule)
+    return i >= cfg.first_k_dense_replace and i % cfg.moe_layer_freq == 0
 
 
 def read_checkpoint(d: Path):
@@ -383,14 +525,18 @@ def load_saved(d: Path):
 
 
 class RouterRecorder:
-    """Records router logits of every MoE layer (forward hooks on the *TopKRouter modules)."""
+    """Records router logits of every MoE layer (forward hooks on the *TopKRouter / *TopkRouter modules)."""
 
     def __init__(self, model):
-        self.top_k = model.config.num_experts_per_tok
+        cfg = model.config
+        self.top_k = cfg.num_experts_per_tok
+        # DeepSeek-V2 group_limited_greedy: the best topk_group groups (by their best expert) first
+        self.groups = (cfg.n_group, cfg.topk_group) if getattr(cfg, "topk_method", None) == "group_limited_greedy" \
+            else None
         self.calls = []
         self.handles = []
         for mod in model.modules():
-            if type(mod).__name__.endswith("TopKRouter"):
+            if type(mod).__name__.lower().endswith("topkrouter"):
                 self.handles.append(mod.register_forward_hook(self._hook))
         if not self.handles:
             raise CheckFailed("no router modules found")
@@ -400,10 +546,19 @@ class RouterRecorder:
         self.calls.append(out[0].detach().float().clone())
 
     def min_gap(self):
-        """min over recorded tokens and layers of p[k-1] - p[k] (router softmax sorted descending)."""
+        """min over recorded tokens and layers of p[k-1] - p[k] (router softmax sorted descending; with group
+        limiting also g[topk_group-1] - g[topk_group] of the sorted group scores, and p over the kept groups)."""
         gaps = []
         for logits in self.calls:
-            p = torch.softmax(logits.float(), dim=-1).sort(dim=-1, descending=True).values
+            p = torch.softmax(logits.float(), dim=-1)
+            if self.groups:
+                n_group, topk_group = self.groups
+                g = p.view(p.shape[0], n_group, -1).amax(-1)
+                gs = g.sort(dim=-1, descending=True).values
+                gaps.append((gs[:, topk_group - 1] - gs[:, topk_group]).min().item())
+                keep = torch.zeros_like(g).scatter_(1, g.topk(topk_group, dim=-1).indices, 1.0)
+                p = p * keep.repeat_interleave(p.shape[1] // n_group, dim=-1)
+            p = p.sort(dim=-1, descending=True).values
             gaps.append((p[:, self.top_k - 1] - p[:, self.top_k]).min().item())
         self.calls = []
         return min(gaps)
@@ -612,9 +767,9 @@ def generate_fixture(fx, seed):
     ref = record_reference(loaded, d, stats)
 
     extra = {}
+    cfg = loaded.config
     if fx["name"] == "mixtral_sharded":
         # the sliding window must matter for these cases: the same weights without it give different logits
-        cfg = loaded.config
         with torch.no_grad():
             prompts, _ = make_inputs(cfg.vocab_size)
             ids = prompts[-1][None]
@@ -626,6 +781,23 @@ def generate_fixture(fx, seed):
         extra["sliding_window_effect_rel_on_prompt3"] = rel_diff(with_w, without_w)
         if extra["sliding_window_effect_rel_on_prompt3"] < 1e-3:
             raise CheckFailed("sliding window has no visible effect")
+
+    if cfg.model_type == "deepseek_v2":
+        # YaRN must matter for these cases: the same weights with plain RoPE (no frequency interpolation, no
+        # attention factor on cos/sin, no mscale in the softmax scale) give different logits
+        plain = fx["cls"]._from_config(build_config_with(fx, rope_parameters={
+            "rope_type": "default", "rope_theta": fx["config"]["rope_parameters"]["rope_theta"]}),
+            attn_implementation="eager", experts_implementation="eager", dtype=torch.float32)
+        plain.load_state_dict(loaded.state_dict())
+        plain.eval()
+        with torch.no_grad():
+            prompts, _ = make_inputs(cfg.vocab_size)
+            ids = torch.cat([prompts[-1], torch.tensor(ref["prompts"][-1]["greedy_ids"])])[None]
+            yarn_logits = loaded(input_ids=ids).logits
+            plain_logits = plain(input_ids=ids).logits
+        extra["yarn_effect_rel_on_prompt3_plus_greedy"] = rel_diff(yarn_logits, plain_logits)
+        if extra["yarn_effect_rel_on_prompt3_plus_greedy"] < 1e-2:
+            raise CheckFailed("YaRN scaling has no visible effect")
 
     cfg_json = json.loads((d / "config.json").read_text())
     reference = {
@@ -685,13 +857,13 @@ def write_readme(results):
         lines.append(f"| `{d.name}` | {dir_size(d) / 1e3:.0f} kB | {ref['description']} |")
     lines += [
         "",
-        "Common: hidden 64, 4 heads, 2 KV heads (GQA), head_dim 16, vocab 512, max_position_embeddings 256, "
+        "Common: hidden 64, 4 heads, 2 KV heads (GQA; DeepSeek: MLA, see below), head_dim 16, vocab 512, max_position_embeddings 256, "
         "rms_norm_eps 1e-5, silu, pad/bos/eos ids 0/1/2 (never in the inputs, never generated). Weights are "
         "re-initialized with larger scales than HF's std 0.02 (embeddings N(0,1); matrices N(0, 1/fan_in); q/k "
-        "projections N(0, 4/fan_in); routers N(0, 2.25/fan_in); lm_head N(0, 4/fan_in), tied embedding "
+        "projections (and DeepSeek's q_b_proj) N(0, 4/fan_in); routers N(0, 2.25/fan_in); lm_head N(0, 4/fan_in), tied embedding "
         "N(0, 1/fan_in), rows 0..2 x0.1; norms 1 + 0.1 N(0,1); biases 0.2 N(0,1)). Seeds were picked so that every "
-        "recorded greedy step has top1 - top2 >= 1e-3 max|logit|, every routed token has router p[k-1] - p[k] >= 1e-4, "
-        "and no continuation is degenerate (>= 4 distinct ids in 16); measured values are in each `checks`.",
+        "recorded greedy step has top1 - top2 >= 1e-3 max|logit|, every routed token has router p[k-1] - p[k] >= 1e-4 "
+        "(group-limited routing: also between the topk_group-th and the next group), and no continuation is degenerate (>= 4 distinct ids in 16); measured values are in each `checks`.",
         "",
         "HF semantics these fixtures pin down (transformers " + transformers.__version__ + "):",
         "",
@@ -706,6 +878,16 @@ def write_readme(results):
         "norms.",
         "- Mixtral sliding window W: query at position i attends to keys j with `i - W < j <= i` (itself and the W-1 "
         "previous tokens).",
+        "- DeepSeek-V2 (MLA): q = `q_proj x` or `q_b_proj(q_a_layernorm(q_a_proj x))`, per head [qk_nope | qk_rope]; "
+        "`kv_a_proj_with_mqa x` = [latent (kv_lora_rank) | shared rope key (qk_rope_head_dim)], the latent through "
+        "`kv_a_layernorm` (q_a_layernorm and kv_a_layernorm use eps 1e-6, not rms_norm_eps); `kv_b_proj` maps the latent to per-head [k_nope | v]; RoPE on the rope parts rotates "
+        "interleaved pairs (2i, 2i+1) (complex form), cos/sin times YaRN's attention factor; softmax scale "
+        "(qk_nope + qk_rope)^-0.5 * mscale(factor, mscale_all_dim)^2. Router: softmax, `greedy` top-k or "
+        "`group_limited_greedy` (groups ranked by their best expert, top-k among the best `topk_group` groups), "
+        "weights times `routed_scaling_factor` (transformers ignores `norm_topk_prob`; false here, as in the released "
+        "checkpoints); plus the `shared_experts` MLP (moe_intermediate_size * n_shared_experts), ungated. Layer i "
+        "is MoE iff i >= first_k_dense_replace and i % moe_layer_freq == 0 (DeepSeek's rule; transformers ignores "
+        "moe_layer_freq, so the generator builds those layers from transformers' own dense MLP block).",
         "- RoPE config is v5's `rope_parameters` (`{rope_type, rope_theta[, factor]}`); `linear` divides the inverse "
         "frequencies (equivalently the positions) by `factor`. Real Hub configs written by transformers 4.x use "
         "top-level `rope_theta` + `rope_scaling` instead.",
@@ -722,7 +904,10 @@ def write_readme(results):
         ".npy [4, vocab] = logits at each sequence's last token; `greedy_ids` = batched greedy continuation "
         "(16 each), checked equal to the unbatched one.",
         "- `checks`: margins and tolerances measured at generation time (min top1-top2 gap / max|logit|, min "
-        "router p[k-1]-p[k], cached-decode vs full-forward and batched vs unbatched relative differences).",
+        "router p[k-1]-p[k], cached-decode vs full-forward and batched vs unbatched relative differences; mixtral: "
+        "the sliding window's effect on prompt 3's logits; DeepSeek: YaRN's effect on the logits of prompt 3 plus "
+        "its continuation (45 positions, past original_max_position_embeddings 32), against the same weights "
+        "with plain RoPE).",
         "",
         ".npy files: little-endian float32, C order, format version 1.0.",
         "",
@@ -733,11 +918,19 @@ def write_readme(results):
 def main():
     torch.set_num_threads(min(2, torch.get_num_threads()))
     torch.use_deterministic_algorithms(True)
-    if OUT_ROOT.exists():
+    wanted = set(sys.argv[1:])
+    unknown = wanted - {fx["name"] for fx in FIXTURES}
+    if unknown:
+        sys.exit(f"unknown fixtures {sorted(unknown)}")
+    if not wanted and OUT_ROOT.exists():
         shutil.rmtree(OUT_ROOT)
-    OUT_ROOT.mkdir(parents=True)
+    OUT_ROOT.mkdir(parents=True, exist_ok=True)
     results = []
     for fx in FIXTURES:
+        if wanted and fx["name"] not in wanted:
+            d = OUT_ROOT / fx["name"]
+            results.append((d, json.loads((d / "reference.json").read_text())))
+            continue
         for attempt in range(MAX_SEED_TRIES):
             seed = fx["seed"] + attempt
             try:

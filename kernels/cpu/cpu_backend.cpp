@@ -169,10 +169,12 @@ void linear_direct(const float* x, std::int64_t m, std::int64_t k, const std::by
   }
 }
 
-void sgemm_xwt(const float* x, std::int64_t m, std::int64_t k, const float* w, std::int64_t n, float* y) {
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(m), static_cast<blasint>(n),
-              static_cast<blasint>(k), 1.0F, x, static_cast<blasint>(k), w, static_cast<blasint>(k), 0.0F, y,
-              static_cast<blasint>(n));
+// c[m, n] = a[m, k] * b (b[k, n], or b[n, k] transposed), row-major with leading dimensions.
+void sgemm(bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, const float* a, std::int64_t lda,
+           const float* b, std::int64_t ldb, float* c, std::int64_t ldc) {
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, static_cast<blasint>(m),
+              static_cast<blasint>(n), static_cast<blasint>(k), 1.0F, a, static_cast<blasint>(lda), b,
+              static_cast<blasint>(ldb), 0.0F, c, static_cast<blasint>(ldc));
 }
 
 template <DType D>
@@ -200,6 +202,23 @@ void convert_to_f32(DType dtype, const std::byte* base, std::int64_t first, std:
   }
 }
 
+namespace {
+
+// The weight as float32 for sgemm: the mapped data itself when it already is aligned f32, else a widened copy
+// in `scratch`.
+const float* widen(const WeightView& w, std::vector<float>& scratch) {
+  if (w.dtype == DType::f32 && reinterpret_cast<std::uintptr_t>(w.data) % alignof(float) == 0)
+    return reinterpret_cast<const float*>(w.data);
+  const std::int64_t k = w.cols;
+  scratch.resize(static_cast<std::size_t>(w.numel()));
+  float* dst = scratch.data();
+#pragma omp parallel for schedule(static)
+  for (std::int64_t j = 0; j < w.rows; ++j) convert_to_f32(w.dtype, w.data, j * k, k, dst + j * k);
+  return dst;
+}
+
+}  // namespace
+
 CpuBackend::CpuBackend(int num_threads) : num_threads_(num_threads) {
   set_num_threads(num_threads);
 }
@@ -219,17 +238,7 @@ void CpuBackend::linear(std::span<const float> x, std::int64_t m, const WeightVi
   }
   if (m == 0) return;
   if (m > kDirectMaxRows) {
-    const float* wf = nullptr;
-    if (w.dtype == DType::f32 && reinterpret_cast<std::uintptr_t>(w.data) % alignof(float) == 0) {
-      wf = reinterpret_cast<const float*>(w.data);
-    } else {
-      widened_weight_.resize(static_cast<std::size_t>(n * k));
-      float* dst = widened_weight_.data();
-#pragma omp parallel for schedule(static)
-      for (std::int64_t j = 0; j < n; ++j) convert_to_f32(w.dtype, w.data, j * k, k, dst + j * k);
-      wf = dst;
-    }
-    sgemm_xwt(x.data(), m, k, wf, n, y.data());
+    sgemm(true, m, n, k, x.data(), k, widen(w, widened_weight_), k, y.data(), n);
   } else {
     switch (w.dtype) {
       case DType::f32:
@@ -280,20 +289,25 @@ void CpuBackend::rms_norm(std::span<const float> x, std::int64_t cols, const Wei
   }
 }
 
-void CpuBackend::rope(std::span<float> x, std::int64_t heads, std::int64_t head_dim,
-                      std::span<const float> cos, std::span<const float> sin) {
-  const std::int64_t half = head_dim / 2;
-  const auto tokens = static_cast<std::int64_t>(x.size()) / (heads * head_dim);
+void CpuBackend::rope(std::span<float> x, const RotaryLayout& layout, std::span<const float> cos,
+                      std::span<const float> sin) {
+  const std::int64_t half = layout.dim / 2;
+  const auto tokens = static_cast<std::int64_t>(x.size()) / (layout.heads * layout.head_dim);
   for (std::int64_t t = 0; t < tokens; ++t) {
     const float* c = cos.data() + t * half;
     const float* s = sin.data() + t * half;
-    for (std::int64_t h = 0; h < heads; ++h) {
-      float* v = x.data() + (t * heads + h) * head_dim;
+    for (std::int64_t h = 0; h < layout.heads; ++h) {
+      float* v = x.data() + (t * layout.heads + h) * layout.head_dim + layout.offset;
+      // Pair i, turned by the angle of frequency i: elements i and i + half, or 2i and 2i + 1.
+      const std::int64_t stride = layout.interleaved ? 2 : 1;
+      const std::int64_t partner = layout.interleaved ? 1 : half;
       for (std::int64_t i = 0; i < half; ++i) {
-        const float a = v[i];
-        const float b = v[i + half];
-        v[i] = a * c[i] - b * s[i];
-        v[i + half] = b * c[i] + a * s[i];
+        float* pa = v + i * stride;
+        float* pb = pa + partner;
+        const float a = *pa;
+        const float b = *pb;
+        *pa = a * c[i] - b * s[i];
+        *pb = b * c[i] + a * s[i];
       }
     }
   }
@@ -301,10 +315,31 @@ void CpuBackend::rope(std::span<float> x, std::int64_t heads, std::int64_t head_
 
 namespace {
 
-std::int64_t cache_row(const PagedKvLayer& cache, std::span<const std::int32_t> block_table,
-                       std::int64_t pos) {
-  const std::int64_t block = block_table[static_cast<std::size_t>(pos / cache.block_size)];
-  return block * cache.block_size + pos % cache.block_size;
+// The cache slot of position `pos`, given the sequence's block table.
+std::int64_t cache_row(std::int64_t block_size, std::span<const std::int32_t> block_table, std::int64_t pos) {
+  const std::int64_t block = block_table[static_cast<std::size_t>(pos / block_size)];
+  return block * block_size + pos % block_size;
+}
+
+// Softmax in place over scores[lo..hi] (inclusive).
+void softmax_range(float* scores, std::int64_t lo, std::int64_t hi) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (std::int64_t p = lo; p <= hi; ++p) mx = std::max(mx, scores[p]);
+  float sum = 0.0F;
+  for (std::int64_t p = lo; p <= hi; ++p) {
+    scores[p] = std::exp(scores[p] - mx);
+    sum += scores[p];
+  }
+  const float inv = 1.0F / sum;
+  for (std::int64_t p = lo; p <= hi; ++p) scores[p] *= inv;
+}
+
+float dot(const float* a, const float* b, std::int64_t n) {
+  float acc = 0.0F;
+  // Lets the compiler split the sum over vector lanes (a float reduction is otherwise kept in order).
+#pragma omp simd reduction(+ : acc)
+  for (std::int64_t e = 0; e < n; ++e) acc += a[e] * b[e];
+  return acc;
 }
 
 }  // namespace
@@ -314,7 +349,7 @@ void CpuBackend::kv_store(std::span<const SequenceSlice> seqs, std::span<const f
   const std::int64_t width = cache.num_kv_heads * cache.head_dim;
   for (const SequenceSlice& s : seqs) {
     for (std::int64_t i = 0; i < s.num_tokens; ++i) {
-      const std::int64_t dst = cache_row(cache, s.block_table, s.start_pos + i) * width;
+      const std::int64_t dst = cache_row(cache.block_size, s.block_table, s.start_pos + i) * width;
       const std::int64_t src = (s.first_row + i) * width;
       std::memcpy(cache.k.data() + dst, k.data() + src, static_cast<std::size_t>(width) * sizeof(float));
       std::memcpy(cache.v.data() + dst, v.data() + src, static_cast<std::size_t>(width) * sizeof(float));
@@ -342,33 +377,22 @@ void CpuBackend::paged_attention(std::span<const SequenceSlice> seqs, std::span<
         const std::int64_t context = s.start_pos + s.num_tokens;
         rows.resize(static_cast<std::size_t>(context));
         for (std::int64_t p = 0; p < context; ++p)
-          rows[static_cast<std::size_t>(p)] = cache_row(cache, s.block_table, p);
+          rows[static_cast<std::size_t>(p)] = cache_row(cache.block_size, s.block_table, p);
         scores.resize(static_cast<std::size_t>(context));
         for (std::int64_t i = 0; i < s.num_tokens; ++i) {
           const std::int64_t pos = s.start_pos + i;
           const std::int64_t lo =
               params.sliding_window > 0 ? std::max<std::int64_t>(0, pos - params.sliding_window + 1) : 0;
           const float* qv = q.data() + ((s.first_row + i) * heads + h) * d;
-          float mx = -std::numeric_limits<float>::infinity();
           for (std::int64_t p = lo; p <= pos; ++p) {
             const float* kv = cache.k.data() + rows[static_cast<std::size_t>(p)] * kv_width + kv_off;
-            float dot = 0.0F;
-            for (std::int64_t e = 0; e < d; ++e) dot += qv[e] * kv[e];
-            dot *= params.scale;
-            scores[static_cast<std::size_t>(p)] = dot;
-            mx = std::max(mx, dot);
+            scores[static_cast<std::size_t>(p)] = dot(qv, kv, d) * params.scale;
           }
-          float sum = 0.0F;
-          for (std::int64_t p = lo; p <= pos; ++p) {
-            const float e = std::exp(scores[static_cast<std::size_t>(p)] - mx);
-            scores[static_cast<std::size_t>(p)] = e;
-            sum += e;
-          }
-          const float inv = 1.0F / sum;
+          softmax_range(scores.data(), lo, pos);
           float* o = out.data() + ((s.first_row + i) * heads + h) * d;
           std::fill(o, o + d, 0.0F);
           for (std::int64_t p = lo; p <= pos; ++p) {
-            const float w = scores[static_cast<std::size_t>(p)] * inv;
+            const float w = scores[static_cast<std::size_t>(p)];
             const float* vv = cache.v.data() + rows[static_cast<std::size_t>(p)] * kv_width + kv_off;
             for (std::int64_t e = 0; e < d; ++e) o[e] += w * vv[e];
           }
@@ -376,6 +400,192 @@ void CpuBackend::paged_attention(std::span<const SequenceSlice> seqs, std::span<
       }
     }
   }
+}
+
+void CpuBackend::latent_store(std::span<const SequenceSlice> seqs, std::span<const float> latent,
+                              std::span<const float> rope_key, const PagedLatentLayer& cache) {
+  const std::int64_t r = cache.kv_lora_rank;
+  const std::int64_t dr = cache.rope_dim;
+  for (const SequenceSlice& s : seqs) {
+    for (std::int64_t i = 0; i < s.num_tokens; ++i) {
+      float* dst = cache.rows.data() + cache_row(cache.block_size, s.block_table, s.start_pos + i) * (r + dr);
+      const std::int64_t row = s.first_row + i;
+      std::memcpy(dst, latent.data() + row * r, static_cast<std::size_t>(r) * sizeof(float));
+      std::memcpy(dst + r, rope_key.data() + row * dr, static_cast<std::size_t>(dr) * sizeof(float));
+    }
+  }
+}
+
+namespace {
+
+// Multiply-adds per head of each form for n new tokens over a context of L, counting every (query, key)
+// pair (the causal mask halves both forms alike). Absorbed: fold W_uk into the queries (n dn r), scores on
+// latent + rope key (n L (r + dr)), weighted latent sum (n L r), W_uv after (n r dv). Expanded: keys and
+// values of the whole context (L r (dn + dv)), then attention at head size (n L (dn + dr + dv)).
+bool absorbed_is_cheaper(std::int64_t n, std::int64_t context, std::int64_t r,
+                         const LatentAttentionParams& p) {
+  const std::int64_t dn = p.qk_nope_head_dim;
+  const std::int64_t dr = p.qk_rope_head_dim;
+  const std::int64_t dv = p.v_head_dim;
+  const std::int64_t absorbed = n * r * (dn + dv) + n * context * (2 * r + dr);
+  const std::int64_t expanded = context * r * (dn + dv) + n * context * (dn + dr + dv);
+  return absorbed <= expanded;
+}
+
+}  // namespace
+
+void CpuBackend::latent_attention(std::span<const SequenceSlice> seqs, std::span<const float> q,
+                                  const PagedLatentLayer& cache, const WeightView& kv_b,
+                                  const LatentAttentionParams& params, std::span<float> out) {
+  const std::int64_t heads = params.num_heads;
+  const std::int64_t dn = params.qk_nope_head_dim;
+  const std::int64_t dr = params.qk_rope_head_dim;
+  const std::int64_t dv = params.v_head_dim;
+  const std::int64_t qk = dn + dr;
+  const std::int64_t r = cache.kv_lora_rank;
+  const std::int64_t row_width = r + dr;
+  const std::int64_t kv_width = heads * (dn + dv);  // one context token's expanded keys and values
+  const auto num_seqs = static_cast<std::int64_t>(seqs.size());
+  if (num_seqs == 0) return;  // an idle rank's step: nothing to widen kv_b for
+  const float* wkv = widen(kv_b, widened_weight_);
+  // Head h: W_uk = wkv rows [h (dn + dv), + dn), W_uv = the dv rows after it; both [., r].
+  const auto w_uk = [&](std::int64_t h) { return wkv + h * (dn + dv) * r; };
+  const auto w_uv = [&](std::int64_t h) { return wkv + (h * (dn + dv) + dn) * r; };
+
+  // Per sequence: its form, and where its rows live in the form's scratch (absorbed: row index among the
+  // absorbed rows in latent_q_/latent_o_; expanded: first float of its context's keys/values in latent_kv_).
+  latent_absorbed_.resize(static_cast<std::size_t>(num_seqs));
+  latent_offset_.resize(static_cast<std::size_t>(num_seqs));
+  std::int64_t absorbed_rows = 0;
+  std::int64_t expanded_floats = 0;
+  for (std::int64_t si = 0; si < num_seqs; ++si) {
+    const SequenceSlice& s = seqs[static_cast<std::size_t>(si)];
+    const std::int64_t context = s.start_pos + s.num_tokens;
+    const bool absorbed = params.form == LatentForm::cheaper
+                              ? absorbed_is_cheaper(s.num_tokens, context, r, params)
+                              : params.form == LatentForm::absorbed;
+    latent_absorbed_[static_cast<std::size_t>(si)] = absorbed ? 1 : 0;
+    if (absorbed) {
+      latent_offset_[static_cast<std::size_t>(si)] = absorbed_rows;
+      absorbed_rows += s.num_tokens;
+    } else {
+      latent_offset_[static_cast<std::size_t>(si)] = expanded_floats;
+      expanded_floats += context * kv_width;
+    }
+  }
+  latent_q_.resize(static_cast<std::size_t>(absorbed_rows * heads * r));
+  latent_o_.resize(static_cast<std::size_t>(absorbed_rows * heads * r));
+  latent_kv_.resize(static_cast<std::size_t>(expanded_floats));
+
+  // Runs of consecutive absorbed sequences whose rows are adjacent, so that folding W_uk in and applying W_uv
+  // is one product per head per run (a decode batch is one run).
+  const auto for_each_absorbed_run = [&](const auto& fn) {
+    for (std::int64_t si = 0; si < num_seqs;) {
+      if (latent_absorbed_[static_cast<std::size_t>(si)] == 0) {
+        ++si;
+        continue;
+      }
+      const SequenceSlice& first = seqs[static_cast<std::size_t>(si)];
+      std::int64_t rows = first.num_tokens;
+      std::int64_t next = si + 1;
+      while (next < num_seqs && latent_absorbed_[static_cast<std::size_t>(next)] != 0 &&
+             seqs[static_cast<std::size_t>(next)].first_row == first.first_row + rows) {
+        rows += seqs[static_cast<std::size_t>(next)].num_tokens;
+        ++next;
+      }
+      fn(first.first_row, latent_offset_[static_cast<std::size_t>(si)], rows);
+      si = next;
+    }
+  };
+
+  // Absorbed: q_lat[h] = q_nope[h] W_uk[h], [rows, r] per head.
+  for_each_absorbed_run([&](std::int64_t first_row, std::int64_t lat_row, std::int64_t rows) {
+    for (std::int64_t h = 0; h < heads; ++h) {
+      sgemm(false, rows, r, dn, q.data() + first_row * heads * qk + h * qk, heads * qk, w_uk(h), r,
+            latent_q_.data() + (lat_row * heads + h) * r, heads * r);
+    }
+  });
+
+  // Expanded: the context's keys and values [context, heads, dn + dv] = latents [context, r] kv_b^T.
+  for (std::int64_t si = 0; si < num_seqs; ++si) {
+    if (latent_absorbed_[static_cast<std::size_t>(si)] != 0) continue;
+    const SequenceSlice& s = seqs[static_cast<std::size_t>(si)];
+    const std::int64_t context = s.start_pos + s.num_tokens;
+    latent_ctx_.resize(static_cast<std::size_t>(context * r));
+    for (std::int64_t p = 0; p < context; ++p) {
+      std::memcpy(latent_ctx_.data() + p * r,
+                  cache.rows.data() + cache_row(cache.block_size, s.block_table, p) * row_width,
+                  static_cast<std::size_t>(r) * sizeof(float));
+    }
+    sgemm(true, context, kv_width, r, latent_ctx_.data(), r, wkv, r,
+          latent_kv_.data() + latent_offset_[static_cast<std::size_t>(si)], kv_width);
+  }
+
+#pragma omp parallel
+  {
+    std::vector<float> scores;
+    std::vector<const float*> rows;
+#pragma omp for collapse(2) schedule(dynamic)
+    for (std::int64_t si = 0; si < num_seqs; ++si) {
+      for (std::int64_t h = 0; h < heads; ++h) {
+        const SequenceSlice& s = seqs[static_cast<std::size_t>(si)];
+        const bool absorbed = latent_absorbed_[static_cast<std::size_t>(si)] != 0;
+        const std::int64_t offset = latent_offset_[static_cast<std::size_t>(si)];
+        const std::int64_t context = s.start_pos + s.num_tokens;
+        rows.resize(static_cast<std::size_t>(context));
+        for (std::int64_t p = 0; p < context; ++p) {
+          rows[static_cast<std::size_t>(p)] =
+              cache.rows.data() + cache_row(cache.block_size, s.block_table, p) * row_width;
+        }
+        scores.resize(static_cast<std::size_t>(context));
+        for (std::int64_t i = 0; i < s.num_tokens; ++i) {
+          const std::int64_t pos = s.start_pos + i;
+          const float* q_nope = q.data() + ((s.first_row + i) * heads + h) * qk;
+          const float* q_rope = q_nope + dn;
+          if (absorbed) {
+            // Scores on the latents themselves; the output stays a latent until W_uv below.
+            const float* q_lat = latent_q_.data() + ((offset + i) * heads + h) * r;
+            for (std::int64_t p = 0; p <= pos; ++p) {
+              const float* row = rows[static_cast<std::size_t>(p)];
+              scores[static_cast<std::size_t>(p)] =
+                  (dot(q_lat, row, r) + dot(q_rope, row + r, dr)) * params.scale;
+            }
+            softmax_range(scores.data(), 0, pos);
+            float* o = latent_o_.data() + ((offset + i) * heads + h) * r;
+            std::fill(o, o + r, 0.0F);
+            for (std::int64_t p = 0; p <= pos; ++p) {
+              const float w = scores[static_cast<std::size_t>(p)];
+              const float* row = rows[static_cast<std::size_t>(p)];
+              for (std::int64_t e = 0; e < r; ++e) o[e] += w * row[e];
+            }
+          } else {
+            const float* kv = latent_kv_.data() + offset + h * (dn + dv);
+            for (std::int64_t p = 0; p <= pos; ++p) {
+              scores[static_cast<std::size_t>(p)] = (dot(q_nope, kv + p * kv_width, dn) +
+                                                     dot(q_rope, rows[static_cast<std::size_t>(p)] + r, dr)) *
+                                                    params.scale;
+            }
+            softmax_range(scores.data(), 0, pos);
+            float* o = out.data() + ((s.first_row + i) * heads + h) * dv;
+            std::fill(o, o + dv, 0.0F);
+            for (std::int64_t p = 0; p <= pos; ++p) {
+              const float w = scores[static_cast<std::size_t>(p)];
+              const float* v = kv + p * kv_width + dn;
+              for (std::int64_t e = 0; e < dv; ++e) o[e] += w * v[e];
+            }
+          }
+        }
+      }
+    }
+  }
+
+  // Absorbed: out[h] = o_lat[h] W_uv[h]^T, [rows, dv] per head.
+  for_each_absorbed_run([&](std::int64_t first_row, std::int64_t lat_row, std::int64_t rows) {
+    for (std::int64_t h = 0; h < heads; ++h) {
+      sgemm(true, rows, dv, r, latent_o_.data() + (lat_row * heads + h) * r, heads * r, w_uv(h), r,
+            out.data() + first_row * heads * dv + h * dv, heads * dv);
+    }
+  });
 }
 
 void CpuBackend::grouped_expert_ffn(std::span<const float> x, std::span<const std::int64_t> offsets,

@@ -23,13 +23,21 @@ struct TensorNames {
   std::string o_proj = "self_attn.o_proj";
   std::string q_norm;  // full tensor name suffix, e.g. "self_attn.q_norm.weight"
   std::string k_norm;
+  // Multi-head latent attention (used when the config has MLA): projections get ".weight" / ".bias"
+  // appended, norms are full suffixes. q_proj above serves when there is no q LoRA.
+  std::string q_a_proj;
+  std::string q_a_norm;
+  std::string q_b_proj;
+  std::string kv_a_proj;  // [kv_lora_rank + qk_rope_head_dim, hidden]: latent rows, then the rope-key rows
+  std::string kv_a_norm;
+  std::string kv_b_proj;
   std::string router;         // e.g. "mlp.gate.weight"
   std::string expert_prefix;  // followed by "<E>."
   std::string expert_gate;    // e.g. "gate_proj.weight" or "w1.weight"
   std::string expert_up;
   std::string expert_down;
   std::string shared_expert_prefix;       // e.g. "mlp.shared_expert."; empty: none
-  std::string shared_expert_gate;         // e.g. "mlp.shared_expert_gate.weight"
+  std::string shared_expert_gate;         // e.g. "mlp.shared_expert_gate.weight"; empty: ungated
   std::string dense_mlp_prefix = "mlp.";  // dense layers: <prefix>{gate,up,down}_proj.weight
 };
 
@@ -42,6 +50,7 @@ struct Architecture {
 const Architecture& mixtral_architecture();
 const Architecture& olmoe_architecture();
 const Architecture& qwen2_moe_architecture();
+const Architecture& deepseek_v2_architecture();
 
 // The architecture named by config.json's "architectures" list; LoadError listing the supported ones
 // otherwise.

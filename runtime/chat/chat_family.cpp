@@ -20,6 +20,12 @@ constexpr std::string_view kDeepseekRequired[] = {"<｜User｜>", "<｜Assistant
 // DeepSeek-R1 templates drop the reasoning of earlier assistant turns.
 constexpr std::string_view kDeepseekForbidden[] = {"</think>"};
 
+// Both turn prefixes with their exact continuation (eos after assistant turns), and the generation prompt
+// without a trailing space.
+constexpr std::string_view kDeepseekV2Required[] = {"'User: ' + message['content'] + '\\n\\n'",
+                                                    "'Assistant: ' + message['content'] + eos_token",
+                                                    "{{ 'Assistant:' }}", "{{ bos_token }}"};
+
 constexpr std::string_view kLlama2Required[] = {"[INST]", "[/INST]", "<<SYS>>", "content.strip()"};
 
 constexpr std::string_view kMistralRequired[] = {"' [INST] '", "' [/INST]'", "system_message + '\\n\\n'"};
@@ -41,9 +47,10 @@ struct FamilyInfo {
   std::span<const std::string_view> forbidden;
 };
 
-constexpr std::array<FamilyInfo, 5> kFamilies = {{
+constexpr std::array<FamilyInfo, 6> kFamilies = {{
     {ChatFamily::chatml, "chatml", "Qwen3", false, false, kChatmlRequired, kChatmlForbidden},
     {ChatFamily::deepseek, "deepseek", "DeepSeek-V3", true, false, kDeepseekRequired, kDeepseekForbidden},
+    {ChatFamily::deepseek_v2, "deepseek_v2", "DeepSeek-V2-Chat", true, true, kDeepseekV2Required, {}},
     {ChatFamily::llama2, "llama2", "Llama-2-chat", true, true, kLlama2Required, {}},
     {ChatFamily::mistral, "mistral", "Mixtral-8x7B-Instruct", true, true, kMistralRequired,
      kMistralForbidden},

@@ -10,11 +10,12 @@
 namespace capserve::runtime {
 
 enum class ChatFamily {
-  chatml,    // Qwen3 (ChatML with <think> handling)
-  deepseek,  // DeepSeek-V3 (<｜User｜>/<｜Assistant｜>)
-  llama2,    // Llama-2-chat ([INST] with <<SYS>>)
-  mistral,   // Mixtral-8x7B-Instruct ([INST], system prompt prefixed to the first user turn)
-  tulu,      // OLMoE-Instruct (<|user|>/<|assistant|>)
+  chatml,       // Qwen3 (ChatML with <think> handling)
+  deepseek,     // DeepSeek-V3 (<｜User｜>/<｜Assistant｜>)
+  deepseek_v2,  // DeepSeek-V2-Chat / V2-Lite-Chat ("User: " / "Assistant: ")
+  llama2,       // Llama-2-chat ([INST] with <<SYS>>)
+  mistral,      // Mixtral-8x7B-Instruct ([INST], system prompt prefixed to the first user turn)
+  tulu,         // OLMoE-Instruct (<|user|>/<|assistant|>)
 };
 
 // The name `--chat-template` takes, e.g. "chatml".

@@ -90,6 +90,8 @@ Status render_turns(ChatFamily family, const chat::Conversation& c, std::string&
       return chat::render_chatml(c, out);
     case ChatFamily::deepseek:
       return chat::render_deepseek(c, out);
+    case ChatFamily::deepseek_v2:
+      return chat::render_deepseek_v2(c, out);
     case ChatFamily::llama2:
       return chat::render_llama2(c, out);
     case ChatFamily::mistral:

@@ -34,6 +34,7 @@ inline Status rejected(std::size_t message_index, std::string_view template_mess
 // Each appends the rendering to `out`.
 Status render_chatml(const Conversation& c, std::string& out);
 Status render_deepseek(const Conversation& c, std::string& out);
+Status render_deepseek_v2(const Conversation& c, std::string& out);
 Status render_llama2(const Conversation& c, std::string& out);
 Status render_mistral(const Conversation& c, std::string& out);
 Status render_tulu(const Conversation& c, std::string& out);

@@ -88,7 +88,7 @@ int main(int argc, char** argv) {
       ->needs(prompt_opt);
   app.add_option("--system", system, "system message for --chat")->needs("--chat");
   app.add_option("--chat-template", chat_family,
-                 "force a chat template family (chatml, deepseek, llama2, mistral, tulu)")
+                 "force a chat template family (chatml, deepseek, deepseek_v2, llama2, mistral, tulu)")
       ->needs("--chat");
   app.add_option("--max-new-tokens", params.max_new_tokens, "tokens to generate")
       ->check(CLI::NonNegativeNumber);

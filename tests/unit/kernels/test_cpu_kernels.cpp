@@ -125,12 +125,96 @@ TEST(CpuKernels, RopeRotatesHalves) {
   std::vector<float> x = {1.0F, 2.0F, 3.0F, 4.0F};  // one token, one head, head_dim 4
   const std::vector<float> cos = {0.0F, 1.0F};
   const std::vector<float> sin = {1.0F, 0.0F};
-  CpuBackend(1).rope(x, 1, 4, cos, sin);
+  CpuBackend(1).rope(x, {1, 4, 0, 4, false}, cos, sin);
   // pair (x0, x2) rotated by 90 degrees, pair (x1, x3) unchanged
   EXPECT_FLOAT_EQ(x[0], -3.0F);
   EXPECT_FLOAT_EQ(x[2], 1.0F);
   EXPECT_FLOAT_EQ(x[1], 2.0F);
   EXPECT_FLOAT_EQ(x[3], 4.0F);
+}
+
+TEST(CpuKernels, RopeInterleavedPairsAfterAnOffset) {
+  // one token, two heads of 6: dims [2, 6) rotate as pairs (2, 3) and (4, 5)
+  std::vector<float> x = {1.0F, 2.0F, 3.0F, 4.0F, 5.0F, 6.0F, 7.0F, 8.0F, 9.0F, 10.0F, 11.0F, 12.0F};
+  const std::vector<float> cos = {0.0F, 1.0F};
+  const std::vector<float> sin = {1.0F, 0.0F};
+  CpuBackend(1).rope(x, {2, 6, 2, 4, true}, cos, sin);
+  const std::vector<float> want = {1.0F, 2.0F, -4.0F,  3.0F, 5.0F,  6.0F,
+                                   7.0F, 8.0F, -10.0F, 9.0F, 11.0F, 12.0F};
+  EXPECT_EQ(x, want);
+}
+
+// Multi-head latent attention in either form, and in the per-sequence cheaper one, equals DeepSeek-V2's
+// attention written out: per head keys [W_uk c | rope key] and values W_uv c of every cached latent, causal
+// softmax. One call holds a prefill chunk behind cached context and a decode token, over scattered blocks.
+TEST(CpuKernels, LatentAttentionFormsMatchExpandedReference) {
+  const std::int64_t heads = 3, dn = 6, dr = 4, dv = 5, r = 8, block = 4;
+  const std::int64_t qk = dn + dr;
+  const float scale = 0.35F;
+  const StoredWeight kv_b = make_weight(DType::bf16, heads * (dn + dv), r, 20);
+  const std::vector<std::int32_t> table0 = {3, 0, 5};
+  const std::vector<std::int32_t> table1 = {1, 6, 2};
+  const std::int64_t context[2] = {11, 10};
+  std::vector<float> pool(static_cast<std::size_t>(8 * block * (r + dr)));
+  const PagedLatentLayer cache{pool, block, r, dr};
+  CpuBackend backend(2);
+  std::vector<std::vector<float>> latents, rope_keys;
+  for (int s = 0; s < 2; ++s) {
+    latents.push_back(random_vector(static_cast<std::size_t>(context[s] * r), 21 + s));
+    rope_keys.push_back(random_vector(static_cast<std::size_t>(context[s] * dr), 23 + s));
+    const SequenceSlice all{0, context[s], 0, s == 0 ? table0 : table1};
+    backend.latent_store(std::span(&all, 1), latents.back(), rope_keys.back(), cache);
+  }
+  // Sequence 0: its last 9 positions are new (a prefill chunk: the cheaper form expands it); sequence 1: its
+  // last position (decode: the cheaper form absorbs).
+  const std::vector<SequenceSlice> seqs = {{0, 9, context[0] - 9, table0}, {9, 1, context[1] - 1, table1}};
+  const std::vector<float> q = random_vector(static_cast<std::size_t>(10 * heads * qk), 25);
+
+  std::vector<double> want(static_cast<std::size_t>(10 * heads * dv));
+  for (int si = 0; si < 2; ++si) {
+    const SequenceSlice& s = seqs[static_cast<std::size_t>(si)];
+    const auto& c = latents[static_cast<std::size_t>(si)];
+    const auto& kr = rope_keys[static_cast<std::size_t>(si)];
+    for (std::int64_t i = 0; i < s.num_tokens; ++i) {
+      const std::int64_t row = s.first_row + i;
+      for (std::int64_t h = 0; h < heads; ++h) {
+        const auto w = [&](std::int64_t out, std::int64_t in) {
+          return static_cast<double>(kv_b.values[static_cast<std::size_t>((h * (dn + dv) + out) * r + in)]);
+        };
+        const float* qh = q.data() + (row * heads + h) * qk;
+        std::vector<double> score;
+        for (std::int64_t p = 0; p <= s.start_pos + i; ++p) {
+          double dot = 0;
+          for (std::int64_t e = 0; e < dn; ++e) {
+            double k = 0;
+            for (std::int64_t j = 0; j < r; ++j) k += w(e, j) * c[static_cast<std::size_t>(p * r + j)];
+            dot += qh[e] * k;
+          }
+          for (std::int64_t e = 0; e < dr; ++e) dot += qh[dn + e] * kr[static_cast<std::size_t>(p * dr + e)];
+          score.push_back(dot * scale);
+        }
+        const double mx = *std::max_element(score.begin(), score.end());
+        double sum = 0;
+        for (double& x : score) sum += (x = std::exp(x - mx));
+        for (std::int64_t e = 0; e < dv; ++e) {
+          double acc = 0;
+          for (std::size_t p = 0; p < score.size(); ++p) {
+            double v = 0;
+            for (std::int64_t j = 0; j < r; ++j)
+              v += w(dn + e, j) * c[p * static_cast<std::size_t>(r) + static_cast<std::size_t>(j)];
+            acc += score[p] / sum * v;
+          }
+          want[static_cast<std::size_t>((row * heads + h) * dv + e)] = acc;
+        }
+      }
+    }
+  }
+  for (const LatentForm form : {LatentForm::absorbed, LatentForm::expanded, LatentForm::cheaper}) {
+    std::vector<float> out(want.size());
+    backend.latent_attention(seqs, q, cache, kv_b.view, {heads, dn, dr, dv, scale, form}, out);
+    for (std::size_t i = 0; i < want.size(); ++i)
+      EXPECT_NEAR(out[i], want[i], 1e-5 * (1 + std::fabs(want[i]))) << "form " << static_cast<int>(form);
+  }
 }
 
 // Paged attention over a scattered block table equals dense causal (and sliding-window) attention.

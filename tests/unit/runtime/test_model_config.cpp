@@ -2,6 +2,7 @@
 // tensor.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 
@@ -98,7 +99,8 @@ TEST(ModelConfig, WrongTypeIsNamed) {
 TEST(ModelConfig, UnsupportedArchitectureListsTheSupportedOnes) {
   EditedModel m("mixtral_sharded");
   m.config()["architectures"] = {"GPT2LMHeadModel"};
-  EXPECT_ERROR_MENTIONS(m, "MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM");
+  EXPECT_ERROR_MENTIONS(m,
+                        "MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM, DeepseekV2ForCausalLM");
   m.config().erase("architectures");
   EXPECT_ERROR_MENTIONS(m, "'architectures' is missing");
 }
@@ -146,6 +148,118 @@ TEST(ModelConfig, MissingOrBrokenConfigFile) {
   m.config() = nlohmann::json::array({1, 2});
   EXPECT_ERROR_MENTIONS(m, "must be a JSON object");
   EXPECT_NE(m.load_error_of("{\"vocab_size\": 12,").find("invalid JSON"), std::string::npos);
+}
+
+TEST(ModelConfig, DeepSeekFixturesLoadAndHoldTheirShape) {
+  EditedModel lite("deepseek_v2_lite");
+  EXPECT_EQ(lite.load_error(), "");
+  const auto model = Model::load(testing::fixture_models_dir() / "deepseek_v2");
+  const ModelConfig& c = model->config();
+  ASSERT_TRUE(c.mla.has_value());
+  EXPECT_EQ(c.mla->q_lora_rank, 48);
+  EXPECT_EQ(c.head_dim, 32);  // query-key head dim, not config.json's head_dim (the rope dim)
+  EXPECT_EQ(c.rotary_dim(), 16);
+  EXPECT_EQ(c.rope_scaling.type, RopeScaling::Type::yarn);
+  EXPECT_EQ(c.router.n_group, 4);
+  EXPECT_EQ(c.router.topk_group, 2);
+  EXPECT_EQ(c.router.scaling, 2.5);
+  EXPECT_EQ(c.shared_expert_intermediate_size, 2 * c.moe_intermediate_size);
+  // first_k_dense_replace 1, moe_layer_freq 2
+  EXPECT_EQ(c.layer_is_moe, (std::vector<bool>{false, false, true, false, true}));
+  // YaRN: mscale(8, 0.707)^2 / sqrt(32) in the softmax scale; mscale(8, 1) / mscale(8, 0.707) on cos/sin
+  const double mscale_all = 0.1 * 0.707 * std::log(8.0) + 1.0;
+  EXPECT_NEAR(*c.softmax_scale, mscale_all * mscale_all / std::sqrt(32.0), 1e-12);
+  EXPECT_NEAR(c.rope_scaling.attention_factor, (0.1 * std::log(8.0) + 1.0) / mscale_all, 1e-12);
+}
+
+// Hub configs (DeepSeek's own config.json) use the legacy keys: top-level rope_theta + rope_scaling with
+// "type": "yarn", no head_dim, and the routing keys transformers does not know.
+TEST(ModelConfig, DeepSeekHubStyleConfigGivesTheSameModel) {
+  EditedModel m("deepseek_v2_lite");
+  const nlohmann::json params = m.config()["rope_parameters"];
+  m.config().erase("rope_parameters");
+  m.config().erase("head_dim");
+  m.config()["rope_theta"] = params["rope_theta"];
+  nlohmann::json scaling = params;
+  scaling.erase("rope_type");
+  scaling.erase("rope_theta");
+  scaling["type"] = "yarn";
+  m.config()["rope_scaling"] = scaling;
+  m.config()["scoring_func"] = "softmax";
+  m.config()["aux_loss_alpha"] = 0.001;
+  ASSERT_EQ(m.load_error(), "");
+  const auto hub = Model::load(m.dir());
+  const auto current = Model::load(testing::fixture_models_dir() / "deepseek_v2_lite");
+  EXPECT_EQ(hub->config().softmax_scale, current->config().softmax_scale);
+  EXPECT_EQ(hub->config().rope_scaling.attention_factor, current->config().rope_scaling.attention_factor);
+  EXPECT_EQ(hub->config().head_dim, current->config().head_dim);
+}
+
+TEST(ModelConfig, DeepSeekRoutingErrorsAreNamed) {
+  EditedModel m("deepseek_v2");
+  m.config()["topk_method"] = "noaux_tc";
+  EXPECT_ERROR_MENTIONS(m, "'topk_method' is 'noaux_tc'; supported: greedy, group_limited_greedy");
+  m.config()["topk_method"] = "group_limited_greedy";
+  m.config()["n_group"] = 3;
+  EXPECT_ERROR_MENTIONS(m, "'n_group' (3) must divide the number of experts (16)");
+  m.config()["n_group"] = 4;
+  m.config()["topk_group"] = 5;
+  EXPECT_ERROR_MENTIONS(m, "'topk_group' (5) must be between 1 and n_group (4)");
+  m.config()["topk_group"] = 1;
+  m.config()["num_experts_per_tok"] = 5;
+  EXPECT_ERROR_MENTIONS(m, "'num_experts_per_tok' (5) exceeds the 4 experts of the topk_group best groups");
+  m.config()["num_experts_per_tok"] = 3;
+  m.config().erase("n_group");
+  EXPECT_ERROR_MENTIONS(m, "'n_group' is missing");
+  m.config()["n_group"] = 4;
+  m.config()["scoring_func"] = "sigmoid";
+  EXPECT_ERROR_MENTIONS(m, "'scoring_func' is 'sigmoid'");
+  m.config()["scoring_func"] = "softmax";
+  m.config()["routed_scaling_factor"] = 0;
+  EXPECT_ERROR_MENTIONS(m, "'routed_scaling_factor' must be a positive number");
+  m.config()["routed_scaling_factor"] = 2.5;
+  m.config()["moe_layer_freq"] = 0;
+  EXPECT_ERROR_MENTIONS(m, "'moe_layer_freq' must be positive");
+}
+
+// DeepSeek's MoEGate: norm_topk_prob renormalizes the top-k weights instead of scaling them.
+TEST(ModelConfig, DeepSeekNormTopkProbReplacesTheScaling) {
+  EditedModel m("deepseek_v2");
+  m.config()["norm_topk_prob"] = true;
+  ASSERT_EQ(m.load_error(), "");
+  const auto model = Model::load(m.dir());
+  EXPECT_TRUE(model->config().norm_topk_prob);
+  EXPECT_EQ(model->config().router.scaling, 1.0);
+}
+
+TEST(ModelConfig, DeepSeekAttentionErrorsAreNamed) {
+  EditedModel m("deepseek_v2_lite");
+  m.config().erase("kv_lora_rank");
+  EXPECT_ERROR_MENTIONS(m, "'kv_lora_rank' is missing");
+  m.config()["kv_lora_rank"] = 32;
+  m.config()["qk_rope_head_dim"] = 15;
+  EXPECT_ERROR_MENTIONS(m, "'qk_rope_head_dim' must be even");
+  m.config()["qk_rope_head_dim"] = 16;
+  m.config()["rope_parameters"].erase("factor");
+  EXPECT_ERROR_MENTIONS(m, "rope_parameters.factor");
+}
+
+TEST(ModelConfig, DeepSeekTensorErrorsAreNamed) {
+  EditedModel m("deepseek_v2_lite");
+  m.config()["q_lora_rank"] = 24;  // the checkpoint has q_proj, not the q LoRA
+  EXPECT_ERROR_MENTIONS(m, "model.layers.0.self_attn.q_a_proj.weight");
+  m.config()["q_lora_rank"] = nullptr;
+  m.config()["kv_lora_rank"] = 30;
+  std::string err = m.load_error();
+  EXPECT_NE(err.find("self_attn.kv_a_proj_with_mqa.weight"), std::string::npos) << err;
+  EXPECT_NE(err.find(".safetensors"), std::string::npos) << err;
+  m.config()["kv_lora_rank"] = 32;
+  m.config()["moe_layer_freq"] = 2;  // layer 1 becomes dense: no mlp.gate_proj there
+  EXPECT_ERROR_MENTIONS(m, "model.layers.1.mlp.gate_proj.weight");
+  m.config()["moe_layer_freq"] = 1;
+  m.config()["n_shared_experts"] = nullptr;  // the checkpoint's shared experts are then left over
+  err = m.load_error();
+  EXPECT_NE(err.find("mlp.shared_experts."), std::string::npos) << err;
 }
 
 }  // namespace

@@ -12,7 +12,7 @@
 namespace capserve::runtime {
 namespace {
 
-constexpr const char* kFamilies[] = {"chatml", "deepseek", "llama2", "mistral", "tulu"};
+constexpr const char* kFamilies[] = {"chatml", "deepseek", "deepseek_v2", "llama2", "mistral", "tulu"};
 
 // The LoadError message of `make`, or "" when it does not throw.
 template <typename Make>
@@ -98,8 +98,8 @@ TEST(ChatDetection, LookAlikeTemplatesThatRenderDifferentlyAreRefused) {
 {{ '<|assistant|>' }}
 {% endif %}
 {% endfor %})",
-      // DeepSeek-V2-Lite-Chat: "User: " / "Assistant:" turns.
-      R"({% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}{{ 'User: ' + message['content'] + '\n\n' }}{% elif message['role'] == 'assistant' %}{{ 'Assistant: ' + message['content'] + eos_token }}{% elif message['role'] == 'system' %}{{ message['content'] + '\n\n' }}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %})",
+      // DeepSeek-V2-Chat's turns without eos after the assistant's, and a generation prompt with a space.
+      R"({% for message in messages %}{% if message['role'] == 'system' %}{{ message['content'] + '\n\n' }}{% elif message['role'] == 'user' %}{{ 'User: ' + message['content'] + '\n\n' }}{% elif message['role'] == 'assistant' %}{{ 'Assistant: '  + message['content'] }}{% if not loop.last %}{{ '\n\n' }}{% endif %}{% endif %}{% endfor %}{{ 'Assistant: ' }})",
       "",
   };
   for (const char* source : look_alikes) {

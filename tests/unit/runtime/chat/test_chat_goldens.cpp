@@ -47,7 +47,7 @@ TEST_P(ChatGoldens, MatchJinjaRendering) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, ChatGoldens,
-                         ::testing::Values("chatml", "deepseek", "llama2", "mistral", "tulu"),
+                         ::testing::Values("chatml", "deepseek", "deepseek_v2", "llama2", "mistral", "tulu"),
                          [](const ::testing::TestParamInfo<const char*>& info) {
                            return std::string(info.param);
                          });
