@@ -1,21 +1,32 @@
 // capserve-eval-heldout: per-domain held-out perplexity and expert routing of a model on the shared corpus,
 // computed by the C++ runtime (its tokenizer, forward pass and per-step expert-load statistics), following
 // the protocol of tools/measure_default_model.py; with --reference it prints the relative difference to the
-// HF transformers figures.
+// HF transformers figures. Alone or under mpirun: every step is --batch-windows windows of one domain, split
+// into contiguous shares over the ranks (data parallelism; the experts are spread by the placement flags),
+// so the step's token order, and with it every global-scope capacity decision, does not depend on the
+// number of ranks. --json writes the figures and the capacity scheduler's counts for tools/eval scripts.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iterator>
+#include <memory>
 #include <numeric>
-#include <sstream>
+#include <optional>
+#include <span>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include "kernels/cpu/cpu_backend.h"
+#include "parallel/mpi_communicator.h"
+#include "parallel/mpi_world.h"
+#include "runtime/cli/parallel_flags.h"
 #include "runtime/engine.h"
 #include "runtime/load_error.h"
 #include "runtime/model.h"
@@ -24,11 +35,59 @@
 
 namespace {
 
-using capserve::runtime::Engine;
+namespace parallel = capserve::parallel;
+namespace runtime = capserve::runtime;
+using runtime::Engine;
+
+struct Options {
+  std::string model_dir;
+  std::string corpus_dir = "../shared/data/corpus";
+  std::vector<std::string> domains = {"arxiv", "books", "code", "web", "wikipedia"};
+  std::string reference;
+  std::string json_path;
+  int window = 255;
+  int batch_windows = 8;
+  std::int64_t max_windows = 0;  // per domain; 0 = all
+  int threads = 1;
+  double fraction = 0.05;
+  runtime::ParallelFlags parallel;
+};
+
+void add_options(CLI::App& app, Options& o) {
+  app.add_option("--model", o.model_dir, "model directory (config, safetensors, tokenizer)")
+      ->required()
+      ->check(CLI::ExistingDirectory);
+  app.add_option("--corpus", o.corpus_dir, "directory of <domain>.txt files")->check(CLI::ExistingDirectory);
+  app.add_option("--domains", o.domains, "domains to evaluate");
+  app.add_option("--reference", o.reference,
+                 "HF figures (tools/results/default_model_eval.json) to compare with");
+  app.add_option("--json", o.json_path,
+                 "write per-domain perplexity and the capacity scheduler's counts as JSON (rank 0)");
+  app.add_option("--heldout-fraction", o.fraction, "held-out tail of each file");
+  app.add_option("--window", o.window, "text tokens per window (after one <|endoftext|>)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--batch-windows", o.batch_windows, "windows per ragged step, over all ranks")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--max-windows", o.max_windows, "windows per domain, the first ones (0 = all)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--threads", o.threads, "CPU threads per rank")->check(CLI::PositiveNumber);
+  runtime::add_parallel_flags(app, o.parallel);
+}
+
+struct DomainResult {
+  std::string name;
+  std::vector<std::int32_t> ids;  // the held-out text's tokens
+  std::int64_t windows = 0;
+  std::int64_t tokens = 0;         // scored: windows * window
+  double total_nll = 0.0;          // this rank's windows, then (after gather_nll, on rank 0) all of them
+  parallel::RunStats moe;          // this domain's steps, all ranks
+  std::vector<std::int64_t> load;  // [layers, experts]: the router's choices at text positions
+  [[nodiscard]] double perplexity() const { return std::exp(total_nll / static_cast<double>(tokens)); }
+};
 
 std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw capserve::runtime::LoadError("cannot open " + path);
+  if (!in) throw runtime::LoadError("cannot open " + path);
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
@@ -39,20 +98,106 @@ std::string heldout_text(const std::string& data, double fraction) {
   return nl == std::string::npos ? std::string() : data.substr(nl + 1);
 }
 
-struct DomainResult {
-  std::int64_t windows = 0;
-  double total_nll = 0.0;
-  std::vector<std::int64_t> load;  // [layers, experts], text positions only
-  [[nodiscard]] double perplexity() const { return std::exp(total_nll / static_cast<double>(windows * 255)); }
-};
+std::vector<DomainResult> load_domains(const Options& o, const runtime::Tokenizer& tokenizer) {
+  std::vector<DomainResult> results;
+  for (const std::string& domain : o.domains) {
+    DomainResult r;
+    r.name = domain;
+    const std::string text = heldout_text(read_file(o.corpus_dir + "/" + domain + ".txt"), o.fraction);
+    if (auto s = tokenizer.encode(text, false, r.ids); !s.ok())
+      throw runtime::LoadError(domain + ": " + s.message());
+    r.windows = static_cast<std::int64_t>(r.ids.size()) / o.window;
+    if (o.max_windows > 0) r.windows = std::min(r.windows, o.max_windows);
+    r.tokens = r.windows * o.window;
+    results.push_back(std::move(r));
+  }
+  return results;
+}
 
-// The last step's routed tokens per expert, [layers, experts] (zero rows for dense layers).
-std::vector<std::int64_t> routed_load(const capserve::runtime::Model& model) {
-  const capserve::runtime::ModelConfig& c = model.config();
+// Routed tokens per expert, [layers, experts] (zero rows for dense layers), all ranks.
+std::vector<std::int64_t> routed_load(const parallel::MoeStepStats& stats, const runtime::ModelConfig& c) {
   std::vector<std::int64_t> load(static_cast<std::size_t>(c.num_layers * c.num_experts), 0);
-  for (const auto& layer : model.last_moe_stats().layers)
+  for (const auto& layer : stats.layers)
     std::copy(layer.routed_load.begin(), layer.routed_load.end(), load.begin() + layer.layer * c.num_experts);
   return load;
+}
+
+// Sum over the window's positions 0..window-1 of -log softmax(logits[i])[input[i + 1]], in float64.
+double window_nll(std::span<const float> logits, std::span<const std::int32_t> input, std::size_t vocab) {
+  double nll = 0.0;
+  for (std::size_t i = 0; i + 1 < input.size(); ++i) {
+    const auto row = logits.subspan(i * vocab, vocab);
+    const float mx = *std::max_element(row.begin(), row.end());
+    double sum = 0.0;
+    for (const float v : row) sum += std::exp(static_cast<double>(v - mx));
+    nll += std::log(sum) - static_cast<double>(row[static_cast<std::size_t>(input[i + 1])] - mx);
+  }
+  return nll;
+}
+
+// This rank's contiguous share [begin, end) of `count` windows.
+std::pair<std::int64_t, std::int64_t> share(std::int64_t count, int rank, int ranks) {
+  return {count * rank / ranks, count * (rank + 1) / ranks};
+}
+
+// Runs one domain's windows, `batch_windows` per step over all ranks (a collective: every rank runs the same
+// number of steps, with no work when its share is empty).
+void evaluate_domain(Engine& engine, const runtime::Model& model, const Options& o, int rank, int ranks,
+                     DomainResult& r) {
+  const auto vocab = static_cast<std::size_t>(model.config().vocab_size);
+  const std::int32_t bos = 0;
+  std::vector<std::vector<std::int32_t>> inputs;
+  std::vector<Engine::Work> work;
+  for (std::int64_t first = 0; first < r.windows; first += o.batch_windows) {
+    const auto [begin, end] = share(std::min<std::int64_t>(o.batch_windows, r.windows - first), rank, ranks);
+    inputs.assign(static_cast<std::size_t>(end - begin), {});
+    work.clear();
+    for (std::int64_t w = begin; w < end; ++w) {
+      auto& in = inputs[static_cast<std::size_t>(w - begin)];
+      in.push_back(bos);
+      const auto text = r.ids.begin() + (first + w) * o.window;
+      in.insert(in.end(), text, text + o.window);
+      work.push_back({static_cast<runtime::SequenceId>(w + 1), in, true});
+    }
+    if (auto s = engine.step(work); !s.ok()) throw std::runtime_error(r.name + ": " + s.message());
+    const auto logits = engine.logits();
+    const std::size_t rows_per_window = static_cast<std::size_t>(o.window + 1) * vocab;
+    for (std::size_t j = 0; j < inputs.size(); ++j) {
+      r.total_nll += window_nll(logits.subspan(j * rows_per_window, rows_per_window), inputs[j], vocab);
+      engine.release(work[j].seq);
+    }
+    r.moe.add(model.last_moe_stats());
+  }
+}
+
+// Position 0 (<|endoftext|> with no context) routes identically in every window: one probe step measures
+// its load, to be taken out of each domain's. A collective; rank 0 runs the token.
+std::vector<std::int64_t> bos_load(Engine& engine, const runtime::Model& model, int rank) {
+  const std::vector<std::int32_t> lone{0};
+  const Engine::Work lone_work{0, lone, false};
+  if (auto s = engine.step(std::span(&lone_work, rank == 0 ? 1 : 0)); !s.ok())
+    throw std::runtime_error(s.message());
+  if (rank == 0) engine.release(0);
+  return routed_load(model.last_moe_stats(), model.config());
+}
+
+void set_text_load(const runtime::ModelConfig& c, std::span<const std::int64_t> bos, DomainResult& r) {
+  r.load = routed_load(r.moe.totals(), c);
+  for (std::size_t i = 0; i < bos.size(); ++i) r.load[i] -= r.windows * bos[i];
+}
+
+// Sums every rank's NLL of each domain into rank 0's results.
+void gather_nll(parallel::MpiWorld& world, std::vector<DomainResult>& results) {
+  std::vector<double> mine;
+  for (const DomainResult& r : results) mine.push_back(r.total_nll);
+  const auto gathered = world.gather(std::as_bytes(std::span(mine)), 0);
+  if (world.rank() != 0) return;
+  for (std::size_t i = 0; i < results.size(); ++i) results[i].total_nll = 0.0;
+  for (const std::vector<std::byte>& bytes : gathered) {
+    std::vector<double> nll(results.size());
+    std::memcpy(nll.data(), bytes.data(), nll.size() * sizeof(double));
+    for (std::size_t i = 0; i < results.size(); ++i) results[i].total_nll += nll[i];
+  }
 }
 
 double cosine(std::span<const std::int64_t> a, std::span<const std::int64_t> b) {
@@ -65,139 +210,167 @@ double cosine(std::span<const std::int64_t> a, std::span<const std::int64_t> b) 
   return ab / std::sqrt(aa * bb);
 }
 
+void print_perplexity(const std::vector<DomainResult>& results, const std::string& reference) {
+  nlohmann::json ref;
+  if (!reference.empty()) ref = runtime::read_json_file(reference);
+  std::printf("%-10s %8s %12s %12s %12s\n", "domain", "windows", "perplexity", "HF ppl", "rel diff");
+  for (const DomainResult& r : results) {
+    double hf = NAN;
+    if (!ref.is_null()) hf = ref["domains"][r.name]["perplexity"].get<double>();
+    std::printf("%-10s %8lld %12.4f %12.4f %12.2e\n", r.name.c_str(), static_cast<long long>(r.windows),
+                r.perplexity(), hf, std::fabs(r.perplexity() - hf) / hf);
+  }
+}
+
+void print_routing(const std::vector<DomainResult>& results, const runtime::ModelConfig& c) {
+  std::printf("\nrouting (text positions): max/mean tokens per expert, per layer\n%-10s", "domain");
+  for (std::int64_t l = 0; l < c.num_layers; ++l) std::printf("  layer %-3lld", static_cast<long long>(l));
+  std::printf("\n");
+  for (const DomainResult& r : results) {
+    std::printf("%-10s", r.name.c_str());
+    for (std::int64_t l = 0; l < c.num_layers; ++l) {
+      const std::span<const std::int64_t> row(r.load.data() + l * c.num_experts,
+                                              static_cast<std::size_t>(c.num_experts));
+      const double total = static_cast<double>(std::accumulate(row.begin(), row.end(), std::int64_t{0}));
+      std::printf("  %9.3f", total == 0 ? 0.0
+                                        : static_cast<double>(*std::max_element(row.begin(), row.end())) /
+                                              (total / static_cast<double>(c.num_experts)));
+    }
+    std::printf("\n");
+  }
+}
+
+void print_cosines(const std::vector<DomainResult>& results, const runtime::ModelConfig& c) {
+  std::printf("\nlowest cosine between two domains' expert-load vectors, per layer\n");
+  const auto n = static_cast<std::size_t>(c.num_experts);
+  for (std::int64_t l = 0; l < c.num_layers; ++l) {
+    const auto off = static_cast<std::size_t>(l * c.num_experts);
+    double lowest = 2.0;
+    std::string pair;
+    for (std::size_t a = 0; a < results.size(); ++a) {
+      for (std::size_t b = a + 1; b < results.size(); ++b) {
+        const double cs =
+            cosine(std::span(results[a].load).subspan(off, n), std::span(results[b].load).subspan(off, n));
+        if (cs < lowest) {
+          lowest = cs;
+          pair = results[a].name + "/" + results[b].name;
+        }
+      }
+    }
+    std::printf("layer %lld: %.4f (%s)\n", static_cast<long long>(l), lowest, pair.c_str());
+  }
+}
+
+double fraction_of(std::int64_t part, std::int64_t whole) {
+  return whole == 0 ? 0.0 : static_cast<double>(part) / static_cast<double>(whole);
+}
+
+// Assignment slots summed over the MoE layers.
+nlohmann::json slot_totals(const parallel::MoeStepStats& stats) {
+  std::int64_t assignments = 0, dropped = 0, rerouted = 0;
+  for (const auto& l : stats.layers) {
+    assignments += l.assignments;
+    dropped += l.dropped;
+    rerouted += l.rerouted;
+  }
+  return {{"assignments", assignments},
+          {"dropped", dropped},
+          {"rerouted", rerouted},
+          {"drop_fraction", fraction_of(dropped, assignments)},
+          {"reroute_fraction", fraction_of(rerouted, assignments)}};
+}
+
+void write_json(const std::string& path, const Options& o, const runtime::Model& model, int ranks,
+                const std::vector<DomainResult>& results, const parallel::RunStats& run) {
+  nlohmann::json domains = nlohmann::json::object();
+  double nll = 0.0;
+  std::int64_t tokens = 0;
+  for (const DomainResult& r : results) {
+    domains[r.name] = {{"perplexity", r.perplexity()},
+                       {"windows", r.windows},
+                       {"tokens", r.tokens},
+                       {"total_nll", r.total_nll},
+                       {"moe", slot_totals(r.moe.totals())}};
+    nll += r.total_nll;
+    tokens += r.tokens;
+  }
+  // The run's sums, plus its per-layer statistics in the --moe-stats format (drop fraction, loads, ...).
+  nlohmann::json moe = slot_totals(run.totals());
+  const std::string config = parallel::describe(model.capacity());
+  moe["layers"] = nlohmann::json::parse(run.to_json(config))["layers"];
+  const nlohmann::json j = {
+      {"model", o.model_dir},
+      {"capacity", config},
+      {"placement", model.placement().kind()},
+      {"ranks", ranks},
+      {"window", o.window},
+      {"batch_windows", o.batch_windows},
+      {"max_windows", o.max_windows},
+      {"heldout_fraction", o.fraction},
+      {"domains", domains},
+      {"all", {{"perplexity", std::exp(nll / static_cast<double>(tokens))}, {"tokens", tokens}}},
+      {"moe", moe}};
+  std::ofstream file(path);
+  file << j.dump(1) << "\n";
+  if (!file) throw std::runtime_error("cannot write " + path);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  using namespace capserve;
-  CLI::App app{"Held-out perplexity and routing of a model on the shared corpus, by the C++ runtime"};
-  std::string model_dir;
-  std::string corpus_dir = "../shared/data/corpus";
-  std::vector<std::string> domains = {"arxiv", "books", "code", "web", "wikipedia"};
-  std::string reference;
-  int window = 255;
-  int batch_windows = 8;
-  int threads = 2;
-  double fraction = 0.05;
-  app.add_option("--model", model_dir, "model directory (config, safetensors, tokenizer)")
-      ->required()
-      ->check(CLI::ExistingDirectory);
-  app.add_option("--corpus", corpus_dir, "directory of <domain>.txt files")->check(CLI::ExistingDirectory);
-  app.add_option("--domains", domains, "domains to evaluate");
-  app.add_option("--reference", reference,
-                 "HF figures (tools/results/default_model_eval.json) to compare with");
-  app.add_option("--heldout-fraction", fraction, "held-out tail of each file");
-  app.add_option("--window", window, "text tokens per window (after one <|endoftext|>)")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--batch-windows", batch_windows, "windows per ragged step")->check(CLI::PositiveNumber);
-  app.add_option("--threads", threads)->check(CLI::PositiveNumber);
-  CLI11_PARSE(app, argc, argv);
-
+  std::optional<parallel::MpiWorld> world;
   try {
-    const auto model = runtime::Model::load(model_dir);
-    const runtime::Tokenizer tokenizer = runtime::Tokenizer::load(model_dir);
-    const runtime::ModelConfig& c = model->config();
-    kernels::cpu::CpuBackend backend(threads);
-    runtime::EngineOptions options;
-    options.kv_blocks = batch_windows * ((window + 1) / options.kv_block_size + 1);
-    Engine engine(*model, backend, options);
-    const auto vocab = static_cast<std::size_t>(c.vocab_size);
-    const auto cells = static_cast<std::size_t>(c.num_layers * c.num_experts);
-    const std::int32_t bos = 0;
-
-    // Position 0 (<|endoftext|> with no context) routes identically in every window; its load is subtracted.
-    const std::vector<std::int32_t> lone{bos};
-    const Engine::Work lone_work{0, lone, false};
-    if (auto s = engine.step(std::span(&lone_work, 1)); !s.ok()) throw std::runtime_error(s.message());
-    const std::vector<std::int64_t> bos_load = routed_load(*model);
-    engine.release(0);
-
-    std::vector<std::pair<std::string, DomainResult>> results;
-    for (const std::string& domain : domains) {
-      const std::string text = heldout_text(read_file(corpus_dir + "/" + domain + ".txt"), fraction);
-      std::vector<std::int32_t> ids;
-      if (auto s = tokenizer.encode(text, false, ids); !s.ok())
-        throw std::runtime_error(domain + ": " + s.message());
-      DomainResult r;
-      r.windows = static_cast<std::int64_t>(ids.size()) / window;
-      r.load.assign(cells, 0);
-      std::vector<std::vector<std::int32_t>> inputs;
-      for (std::int64_t first = 0; first < r.windows; first += batch_windows) {
-        const std::int64_t count = std::min<std::int64_t>(batch_windows, r.windows - first);
-        inputs.assign(static_cast<std::size_t>(count), {});
-        std::vector<Engine::Work> work;
-        for (std::int64_t w = 0; w < count; ++w) {
-          auto& in = inputs[static_cast<std::size_t>(w)];
-          in.push_back(bos);
-          const auto begin = ids.begin() + (first + w) * window;
-          in.insert(in.end(), begin, begin + window);
-          work.push_back({static_cast<runtime::SequenceId>(w + 1), in, true});
-        }
-        if (auto s = engine.step(work); !s.ok()) throw std::runtime_error(s.message());
-        const auto logits = engine.logits();
-        for (std::int64_t w = 0; w < count; ++w) {
-          const auto& in = inputs[static_cast<std::size_t>(w)];
-          for (int i = 0; i < window; ++i) {
-            const auto row = logits.subspan(
-                (static_cast<std::size_t>(w) * (window + 1) + static_cast<std::size_t>(i)) * vocab, vocab);
-            const float mx = *std::max_element(row.begin(), row.end());
-            double sum = 0.0;
-            for (const float v : row) sum += std::exp(static_cast<double>(v - mx));
-            r.total_nll +=
-                std::log(sum) -
-                static_cast<double>(row[static_cast<std::size_t>(in[static_cast<std::size_t>(i) + 1])] - mx);
-          }
-          engine.release(static_cast<runtime::SequenceId>(w + 1));
-        }
-        const std::vector<std::int64_t> load = routed_load(*model);
-        for (std::size_t i = 0; i < cells; ++i) r.load[i] += load[i] - count * bos_load[i];
-      }
-      results.emplace_back(domain, std::move(r));
-    }
-
-    nlohmann::json ref;
-    if (!reference.empty()) ref = runtime::read_json_file(reference);
-    std::printf("%-10s %8s %12s %12s %12s\n", "domain", "windows", "perplexity", "HF ppl", "rel diff");
-    for (const auto& [domain, r] : results) {
-      double hf = NAN;
-      if (!ref.is_null()) hf = ref["domains"][domain]["perplexity"].get<double>();
-      std::printf("%-10s %8lld %12.4f %12.4f %12.2e\n", domain.c_str(), static_cast<long long>(r.windows),
-                  r.perplexity(), hf, std::fabs(r.perplexity() - hf) / hf);
-    }
-    std::printf("\nrouting (text positions): max/mean tokens per expert, per layer\n%-10s", "domain");
-    for (std::int64_t l = 0; l < c.num_layers; ++l) std::printf("  layer %-3lld", static_cast<long long>(l));
-    std::printf("\n");
-    for (const auto& [domain, r] : results) {
-      std::printf("%-10s", domain.c_str());
-      for (std::int64_t l = 0; l < c.num_layers; ++l) {
-        const std::span<const std::int64_t> row(r.load.data() + l * c.num_experts,
-                                                static_cast<std::size_t>(c.num_experts));
-        const double total = static_cast<double>(std::accumulate(row.begin(), row.end(), std::int64_t{0}));
-        std::printf("  %9.3f", total == 0 ? 0.0
-                                          : static_cast<double>(*std::max_element(row.begin(), row.end())) /
-                                                (total / static_cast<double>(c.num_experts)));
-      }
-      std::printf("\n");
-    }
-    std::printf("\nlowest cosine between two domains' expert-load vectors, per layer\n");
-    for (std::int64_t l = 0; l < c.num_layers; ++l) {
-      double lowest = 2.0;
-      std::string pair;
-      for (std::size_t a = 0; a < results.size(); ++a) {
-        for (std::size_t b = a + 1; b < results.size(); ++b) {
-          const auto off = static_cast<std::size_t>(l * c.num_experts);
-          const auto n = static_cast<std::size_t>(c.num_experts);
-          const double cs = cosine(std::span(results[a].second.load).subspan(off, n),
-                                   std::span(results[b].second.load).subspan(off, n));
-          if (cs < lowest) {
-            lowest = cs;
-            pair = results[a].first + "/" + results[b].first;
-          }
-        }
-      }
-      std::printf("layer %lld: %.4f (%s)\n", static_cast<long long>(l), lowest, pair.c_str());
-    }
+    world.emplace(argc, argv);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "capserve-eval-heldout: %s\n", e.what());
+    return 1;
+  }
+  const int rank = world->rank();
+  const int ranks = world->size();
+  CLI::App app{"Held-out perplexity and routing of a model on the shared corpus, by the C++ runtime"};
+  Options o;
+  o.threads = static_cast<int>(
+      std::max(1U, std::thread::hardware_concurrency() / static_cast<unsigned>(world->local_size())));
+  add_options(app, o);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return rank == 0 ? app.exit(e) : (e.get_exit_code() == 0 ? 0 : 2);
+  }
+
+  // Everything that can fail before the first collective is agreed on, so that no rank is left waiting.
+  std::unique_ptr<parallel::MpiCommunicator> comm;
+  std::unique_ptr<runtime::Model> model;
+  std::vector<DomainResult> results;
+  std::string failure;
+  try {
+    comm = std::make_unique<parallel::MpiCommunicator>();
+    model = runtime::Model::load(o.model_dir, *comm, runtime::finish_parallel_flags(o.parallel));
+    results = load_domains(o, runtime::Tokenizer::load(o.model_dir));
+  } catch (const std::exception& e) {
+    failure = e.what();
+  }
+  if (!failure.empty()) std::fprintf(stderr, "capserve-eval-heldout: rank %d: %s\n", rank, failure.c_str());
+  if (!world->all_agree(failure.empty())) return 1;
+
+  try {
+    capserve::kernels::cpu::CpuBackend backend(o.threads);
+    runtime::EngineOptions options;
+    options.kv_blocks = o.batch_windows * ((o.window + 1) / options.kv_block_size + 1);
+    Engine engine(*model, backend, options);
+    for (DomainResult& r : results) evaluate_domain(engine, *model, o, rank, ranks, r);
+    const parallel::RunStats run = model->run_stats();  // before the probe step
+    const std::vector<std::int64_t> bos = bos_load(engine, *model, rank);
+    for (DomainResult& r : results) set_text_load(model->config(), bos, r);
+    gather_nll(*world, results);
+    if (rank != 0) return 0;
+    print_perplexity(results, o.reference);
+    print_routing(results, model->config());
+    print_cosines(results, model->config());
+    if (!o.json_path.empty()) write_json(o.json_path, o, *model, ranks, results, run);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "capserve-eval-heldout: rank %d: %s\n", rank, e.what());
+    if (ranks > 1) world->abort(1);
     return 1;
   }
   return 0;
