@@ -116,12 +116,21 @@ std::vector<Contender> make_contenders(const std::vector<double>& gammas,
 
 // What one step of one contender measured; times are the slowest rank's.
 struct StepResult {
-  double total =
-      0;  // slowest rank's scheduler + dispatch + expert + combine (model mode: sum of phase maxima)
+  // Slowest rank's scheduler + dispatch + expert + combine (model mode: the sum of the phase maxima).
+  double total = 0;
   double scheduler = 0, dispatch = 0, expert = 0, combine = 0;
   double step_wall = 0;  // model mode: the whole forward step, slowest rank
+  // Synthetic mode: the fastest rank's scheduler and expert times. The scheduler's first collective absorbs
+  // the ranks' arrival skew, so the slowest rank's scheduler time includes waiting; the fastest rank's is
+  // close to the scheduler's own cost.
+  double scheduler_min = 0, expert_min = 0;
+  // Model mode, from the timed communicator, each the largest over ranks: time in the first collective of
+  // each MoE layer (waiting for the other ranks to arrive), the part of it inside the scheduler, and the
+  // scheduler's collectives in all; arrival_min is the smallest rank's arrival time.
+  double arrival = 0, arrival_in_scheduler = 0, scheduler_comm = 0, arrival_min = 0;
   // Per layer: largest rank load (assignments computed), over all ranks.
   std::vector<std::int64_t> max_rank_load;
+  std::vector<std::vector<std::int64_t>> expert_load;  // per layer: assignments each expert computed
   std::int64_t assignments = 0, dropped = 0, rerouted = 0;
   std::int64_t wire_bytes = 0;
 };
@@ -148,13 +157,16 @@ json summarize(const std::vector<std::string>& domains, const std::vector<Conten
     const bool all = d == domains.size();
     double base_t = 0;
     double base_load = 0;
+    // Per layer call: pooled rows average over their domains too.
+    const double calls = per_call_divisor * (all ? static_cast<double>(domains.size()) : 1.0);
     for (std::size_t dd = 0; dd < domains.size(); ++dd) {
       if (!all && dd != d) continue;
       base_t += med(cells[dd][0], &StepResult::total);
       base_load += static_cast<double>(load_sum(cells[dd][0]));
     }
     for (std::size_t c = 0; c < contenders.size(); ++c) {
-      double t = 0, sched = 0, disp = 0, expert = 0, comb = 0, wall = 0, load = 0;
+      double t = 0, sched = 0, disp = 0, expert = 0, comb = 0, wall = 0, load = 0, sched_min = 0,
+             expert_min = 0, arrival = 0, arrival_sched = 0, sched_comm = 0, arrival_min = 0;
       std::int64_t assignments = 0, dropped = 0, rerouted = 0, wire = 0;
       json per_rep = json::array();
       for (std::size_t dd = 0; dd < domains.size(); ++dd) {
@@ -166,6 +178,12 @@ json summarize(const std::vector<std::string>& domains, const std::vector<Conten
         expert += med(cell, &StepResult::expert);
         comb += med(cell, &StepResult::combine);
         wall += med(cell, &StepResult::step_wall);
+        sched_min += med(cell, &StepResult::scheduler_min);
+        expert_min += med(cell, &StepResult::expert_min);
+        arrival += med(cell, &StepResult::arrival);
+        arrival_sched += med(cell, &StepResult::arrival_in_scheduler);
+        sched_comm += med(cell, &StepResult::scheduler_comm);
+        arrival_min += med(cell, &StepResult::arrival_min);
         load += static_cast<double>(load_sum(cell));
         const StepResult& first = cell.reps.front();
         assignments += first.assignments;
@@ -183,11 +201,11 @@ json summarize(const std::vector<std::string>& domains, const std::vector<Conten
                   {"policy", parallel::to_string(contenders[c].config.policy)},
                   {"granularity", parallel::to_string(contenders[c].config.granularity)},
                   {"gamma", std::isfinite(contenders[c].gamma) ? json(contenders[c].gamma) : json("inf")},
-                  {"layer_ms", 1e3 * t / per_call_divisor},
-                  {"scheduler_ms", 1e3 * sched / per_call_divisor},
-                  {"dispatch_ms", 1e3 * disp / per_call_divisor},
-                  {"expert_ms", 1e3 * expert / per_call_divisor},
-                  {"combine_ms", 1e3 * comb / per_call_divisor},
+                  {"layer_ms", 1e3 * t / calls},
+                  {"scheduler_ms", 1e3 * sched / calls},
+                  {"dispatch_ms", 1e3 * disp / calls},
+                  {"expert_ms", 1e3 * expert / calls},
+                  {"combine_ms", 1e3 * comb / calls},
                   {"measured_speedup", speedup},
                   {"ideal_ratio", ideal},
                   {"measured_over_ideal", speedup / ideal},
@@ -197,8 +215,24 @@ json summarize(const std::vector<std::string>& domains, const std::vector<Conten
                   {"max_rank_load_sum", load},
                   {"assignments", assignments},
                   {"wire_bytes", wire}};
-      if (meta.value("mode", "") == "model") row["step_ms"] = 1e3 * wall;
-      if (!all) row["rep_total_s"] = per_rep;
+      if (meta.value("mode", "") == "model") {
+        row["step_ms"] = 1e3 * wall / (all ? static_cast<double>(domains.size()) : 1.0);
+        row["arrival_wait_ms"] = 1e3 * arrival / calls;
+        row["arrival_wait_min_ms"] = 1e3 * arrival_min / calls;
+        row["arrival_wait_in_scheduler_ms"] = 1e3 * arrival_sched / calls;
+        row["scheduler_comm_ms"] = 1e3 * sched_comm / calls;
+        // The scheduler's time less the wait for the other ranks in its first collective.
+        row["scheduler_net_ms"] = 1e3 * std::max(0.0, sched - arrival_sched) / calls;
+        row["scheduler_net_share"] = std::max(0.0, sched - arrival_sched) / t;
+      } else {
+        row["scheduler_min_ms"] = 1e3 * sched_min / calls;
+        row["expert_min_ms"] = 1e3 * expert_min / calls;
+        row["scheduler_min_share"] = sched_min / t;
+      }
+      if (!all) {
+        row["rep_total_s"] = per_rep;
+        row["expert_load"] = cells[d][c].reps.front().expert_load;
+      }
       results.push_back(row);
     }
   }
@@ -278,7 +312,8 @@ int run_synthetic(parallel::MpiWorld& world, parallel::MpiCommunicator& comm, co
                   const std::string& counts_model, std::vector<std::string> domains,
                   std::vector<std::string> count_layers, std::int64_t tokens, std::int64_t hidden,
                   std::int64_t ffn, int reps, int warmup, std::uint64_t seed,
-                  const std::vector<Contender>& contenders, int threads, const std::string& out_path) {
+                  const std::vector<Contender>& contenders, int threads,
+                  const std::vector<std::int64_t>& expert_cost_rows, const std::string& out_path) {
   const int rank = world.rank();
   const int ranks = world.size();
   json counts_file;
@@ -368,7 +403,7 @@ int run_synthetic(parallel::MpiWorld& world, parallel::MpiCommunicator& comm, co
   std::vector<std::vector<float>> weights(static_cast<std::size_t>(L));
   std::vector<parallel::SlotStatus> status(slots);
   std::vector<std::int64_t> loads(static_cast<std::size_t>(L * E));
-  std::vector<double> times(6);
+  std::vector<double> times(7);
   std::vector<std::int64_t> sums(4);
 
   const auto run_step = [&](std::size_t d, std::size_t c) {
@@ -404,7 +439,7 @@ int run_synthetic(parallel::MpiWorld& world, parallel::MpiCommunicator& comm, co
     }
     const double total = seconds_since(t0);
     // Outside the timed region: slowest rank's times, global loads and counts.
-    times = {total, t_sched, t_disp, t_exp, t_comb, 0.0};
+    times = {total, t_sched, t_disp, t_exp, t_comb, -t_sched, -t_exp};
     comm.allreduce_max(times);
     std::fill(loads.begin(), loads.end(), 0);
     for (std::int64_t l = 0; l < L; ++l) {
@@ -421,6 +456,8 @@ int run_synthetic(parallel::MpiWorld& world, parallel::MpiCommunicator& comm, co
     res.dispatch = times[2];
     res.expert = times[3];
     res.combine = times[4];
+    res.scheduler_min = -times[5];
+    res.expert_min = -times[6];
     res.assignments = sums[0];
     res.dropped = sums[1];
     res.rerouted = sums[2];
@@ -432,6 +469,7 @@ int run_synthetic(parallel::MpiWorld& world, parallel::MpiCommunicator& comm, co
         rank_load[static_cast<std::size_t>(owners[static_cast<std::size_t>(e)])] +=
             loads[static_cast<std::size_t>(l * E + e)];
       res.max_rank_load.push_back(*std::max_element(rank_load.begin(), rank_load.end()));
+      res.expert_load.emplace_back(loads.begin() + l * E, loads.begin() + (l + 1) * E);
     }
     return res;
   };
@@ -440,6 +478,35 @@ int run_synthetic(parallel::MpiWorld& world, parallel::MpiCommunicator& comm, co
   for (int w = 0; w < warmup; ++w) {
     for (std::size_t c = 0; c < contenders.size(); ++c) (void)run_step(0, c);
   }
+  // The grouped expert FFN's cost per expert against its row count, on rank 0 alone (the other ranks wait at
+  // the barrier): the kernel-level reason why time is not proportional to load. Best of 3, over up to 8
+  // experts at a time.
+  json expert_cost = json::array();
+  if (expert_cost_rows.size() > 0) {
+    if (rank == 0) {
+      const std::int64_t group = std::min<std::int64_t>(8, n_local);
+      const std::int64_t max_rows = *std::max_element(expert_cost_rows.begin(), expert_cost_rows.end());
+      std::vector<float> x(static_cast<std::size_t>(group * max_rows * hidden), 0.5F);
+      std::vector<float> y(x.size());
+      std::vector<std::int64_t> offsets(static_cast<std::size_t>(group + 1));
+      for (const std::int64_t n : expert_cost_rows) {
+        for (std::int64_t e = 0; e <= group; ++e) offsets[static_cast<std::size_t>(e)] = e * n;
+        const auto rows = static_cast<std::size_t>(group * n * hidden);
+        double best = std::numeric_limits<double>::infinity();
+        for (int r = 0; r < 4; ++r) {
+          const auto t0 = Clock::now();
+          backend.grouped_expert_ffn(
+              std::span<const float>(x.data(), rows), offsets,
+              std::span<const kernels::ExpertWeights>(local_weights.data(), static_cast<std::size_t>(group)),
+              std::span<float>(y.data(), rows));
+          if (r > 0) best = std::min(best, seconds_since(t0));
+        }
+        expert_cost.push_back({{"rows", n}, {"ms", 1e3 * best / static_cast<double>(group)}});
+      }
+    }
+    world.barrier();
+  }
+
   std::vector<std::vector<Cell>> cells(domains.size(), std::vector<Cell>(contenders.size()));
   const auto t_run = Clock::now();
   for (int rep = 0; rep < reps; ++rep) {
@@ -474,7 +541,8 @@ int run_synthetic(parallel::MpiWorld& world, parallel::MpiCommunicator& comm, co
                {"placement", "contiguous"},
                {"scope", "global"},
                {"score", "gate"},
-               {"weights", "bf16, random, one set shared by the layer calls"}};
+               {"weights", "bf16, random, one set shared by the layer calls"},
+               {"expert_cost", expert_cost}};
   const json results = summarize(domains, contenders, cells, static_cast<double>(L), meta);
   print_table(results,
               "layer ms = slowest rank's scheduler+dispatch+expert+combine per layer call, median of " +
@@ -491,6 +559,93 @@ int run_synthetic(parallel::MpiWorld& world, parallel::MpiCommunicator& comm, co
 
 // ---------------------------------------------------------------------------------------------------------
 // Default model on corpus bursts.
+
+// The model's data-plane communicator, timing every collective on this rank, so that the time a rank
+// spends waiting for the other ranks to arrive at a layer can be told apart from the scheduler's own cost:
+// the first collective of each MoE layer (the scheduler's count allreduce when capacity is on, the
+// dispatcher's first count exchange when it is off) absorbs the ranks' arrival skew.
+class TimingCommunicator final : public parallel::Communicator {
+ public:
+  explicit TimingCommunicator(parallel::Communicator& inner) : inner_(inner) {}
+  [[nodiscard]] int rank() const override { return inner_.rank(); }
+  [[nodiscard]] int size() const override { return inner_.size(); }
+  void alltoall(std::span<const std::int64_t> send, std::span<std::int64_t> recv) override {
+    const auto t0 = Clock::now();
+    inner_.alltoall(send, recv);
+    events_.push_back({'a', seconds_since(t0)});
+  }
+  void alltoallv(std::span<const std::byte> send, std::span<const std::int64_t> send_counts,
+                 std::span<std::byte> recv, std::span<const std::int64_t> recv_counts) override {
+    const auto t0 = Clock::now();
+    inner_.alltoallv(send, send_counts, recv, recv_counts);
+    count_sent(send_counts);
+    events_.push_back({'v', seconds_since(t0)});
+  }
+  void allreduce_sum(std::span<std::int64_t> values) override {
+    const auto t0 = Clock::now();
+    inner_.allreduce_sum(values);
+    events_.push_back({'s', seconds_since(t0)});
+  }
+  void allreduce_max(std::span<double> values) override {
+    const auto t0 = Clock::now();
+    inner_.allreduce_max(values);
+    events_.push_back({'m', seconds_since(t0)});
+  }
+  void allgather(std::span<const std::int64_t> mine, std::span<std::int64_t> all) override {
+    const auto t0 = Clock::now();
+    inner_.allgather(mine, all);
+    events_.push_back({'g', seconds_since(t0)});
+  }
+
+  void clear() { events_.clear(); }
+
+  // One forward's collectives on this rank: begin_step's allgather (capacity on), per MoE layer the
+  // scheduler's allreduces then the dispatcher's alltoall, alltoall, alltoallv x 3, and at the end the
+  // statistics' allreduce_sum + allreduce_max.
+  struct Split {
+    double arrival = 0;               // first collective of each layer, summed over layers
+    double scheduler_comm = 0;        // all the scheduler's collectives (allgather included)
+    double arrival_in_scheduler = 0;  // the part of `arrival` spent inside the scheduler
+  };
+  [[nodiscard]] Split split() const {
+    Split out;
+    std::size_t end = events_.size();
+    if (end >= 2 && events_[end - 1].kind == 'm' && events_[end - 2].kind == 's') end -= 2;
+    bool layer_start = true;
+    int dispatch_calls = 0;
+    for (std::size_t i = 0; i < end; ++i) {
+      const Event& e = events_[i];
+      if (e.kind == 'g') {
+        out.scheduler_comm += e.seconds;
+        continue;
+      }
+      if (e.kind == 's') {
+        out.scheduler_comm += e.seconds;
+        if (layer_start) {
+          out.arrival += e.seconds;
+          out.arrival_in_scheduler += e.seconds;
+        }
+        layer_start = false;
+        continue;
+      }
+      if (layer_start) out.arrival += e.seconds;  // capacity off: the dispatcher's first exchange
+      layer_start = false;
+      if (++dispatch_calls == 5) {  // alltoall, alltoall, alltoallv (entries, rows), alltoallv (combine)
+        dispatch_calls = 0;
+        layer_start = true;
+      }
+    }
+    return out;
+  }
+
+ private:
+  struct Event {
+    char kind;
+    double seconds;
+  };
+  parallel::Communicator& inner_;
+  std::vector<Event> events_;
+};
 
 std::string read_text(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -511,11 +666,12 @@ int run_model(parallel::MpiWorld& world, parallel::MpiCommunicator& comm, const 
               const std::string& out_path) {
   const int rank = world.rank();
   const int ranks = world.size();
+  TimingCommunicator timed(comm);
   std::vector<std::unique_ptr<runtime::Model>> models;
   for (const Contender& c : contenders) {
     runtime::ParallelOptions options;
     options.capacity = c.config;
-    models.push_back(runtime::Model::load(model_dir, comm, options));
+    models.push_back(runtime::Model::load(model_dir, timed, options));
   }
   kernels::cpu::CpuBackend backend(threads);
   runtime::EngineOptions engine_options;
@@ -545,18 +701,25 @@ int run_model(parallel::MpiWorld& world, parallel::MpiCommunicator& comm, const 
   }
 
   runtime::SequenceId next_id = 1;
-  std::vector<double> wall(1);
+  std::vector<double> wall(5);
   const auto run_step = [&](std::size_t d, std::size_t c) {
     std::vector<runtime::Engine::Work> work;
     for (const auto& in : bursts[d]) work.push_back({next_id++, in, false});
     world.barrier();
     const auto t0 = Clock::now();
+    timed.clear();
     if (auto s = engines[c]->step(work); !s.ok()) throw std::runtime_error(s.message());
-    wall[0] = seconds_since(t0);
+    const double step_seconds = seconds_since(t0);
     for (const auto& w : work) engines[c]->release(w.seq);
+    const TimingCommunicator::Split split = timed.split();
+    wall = {step_seconds, split.arrival, split.arrival_in_scheduler, split.scheduler_comm, -split.arrival};
     comm.allreduce_max(wall);
     StepResult res;
     res.step_wall = wall[0];
+    res.arrival = wall[1];
+    res.arrival_in_scheduler = wall[2];
+    res.scheduler_comm = wall[3];
+    res.arrival_min = -wall[4];
     for (const parallel::MoeLayerStats& s : models[c]->last_moe_stats().layers) {
       res.scheduler += s.scheduler_seconds;
       res.dispatch += s.dispatch_seconds;
@@ -567,6 +730,7 @@ int run_model(parallel::MpiWorld& world, parallel::MpiCommunicator& comm, const 
       res.rerouted += s.rerouted;
       res.wire_bytes += s.wire_bytes;
       res.max_rank_load.push_back(*std::max_element(s.rank_load.begin(), s.rank_load.end()));
+      res.expert_load.push_back(s.expert_load);
     }
     res.total = res.scheduler + res.dispatch + res.expert + res.combine;
     return res;
@@ -649,6 +813,8 @@ int main(int argc, char** argv) {
   std::int64_t tokens = 512;
   std::int64_t hidden = 2048;
   std::int64_t ffn = 1024;
+  std::vector<std::int64_t> expert_cost_rows = {1,  2,   4,   8,   16,  24,  32,  33,  40,  48,  64,
+                                                96, 128, 160, 192, 256, 320, 384, 512, 768, 1024};
   // model
   std::string model_dir = "deploy/models/capserve-moe-tiny";
   std::string corpus_dir = "../shared/data/corpus";
@@ -675,6 +841,9 @@ int main(int argc, char** argv) {
   app.add_option("--tokens", tokens, "synthetic: tokens per rank per step")->check(CLI::PositiveNumber);
   app.add_option("--hidden", hidden)->check(CLI::PositiveNumber);
   app.add_option("--ffn", ffn, "expert FFN width")->check(CLI::PositiveNumber);
+  app.add_option("--expert-cost-rows", expert_cost_rows,
+                 "synthetic: row counts at which to time one expert's FFN alone (empty: skip)")
+      ->delimiter(',');
   app.add_option("--model", model_dir)->check(CLI::ExistingDirectory);
   app.add_option("--corpus", corpus_dir)->check(CLI::ExistingDirectory);
   app.add_option("--windows-per-rank", windows_per_rank)->check(CLI::PositiveNumber);
@@ -692,7 +861,7 @@ int main(int argc, char** argv) {
         make_contenders(gammas, reroute_gammas, granularities, rounds, local_experts);
     if (mode == "synthetic") {
       return run_synthetic(*world, comm, counts_path, counts_model, domains, count_layers, tokens, hidden,
-                           ffn, reps, warmup, seed, contenders, threads, out_path);
+                           ffn, reps, warmup, seed, contenders, threads, expert_cost_rows, out_path);
     }
     if (domains.empty()) domains = {"arxiv", "books", "code", "web", "wikipedia"};
     return run_model(*world, comm, model_dir, corpus_dir, domains, windows_per_rank, window, reps, warmup,

@@ -1,0 +1,457 @@
+#!/usr/bin/env python3
+"""MoE layer speed vs capacity factor gamma: measured speedup next to the ideal ratio.
+
+Runs capserve-bench-moe-layer (tools/bench/bench_moe_layer.cpp) under mpirun, twice:
+  (b) --mode synthetic: a large random layer (64 experts top-8, hidden 2048, expert FFN 1024, bf16) whose
+      routing follows the real per-domain OLMoE expert counts of
+      ../shared/data/routing/olmoe_mixtral_expert_counts.json (layers 0, 7, 15: one layer call each per step);
+  (a) --mode model: the default model (deploy/models/capserve-moe-tiny) on bursts of one domain's held-out
+      corpus text.
+Every capacity configuration runs side by side in one process group, interleaved round-robin across
+repetitions (median of --reps). Per configuration: the slowest rank's MoE layer time (scheduler + dispatch +
+expert + combine), measured speedup t(inf) / t(config), ideal ratio (largest rank load under gamma = inf /
+under the config, a rank's load being the assignments its experts compute), measured / ideal, the scheduler's
+share of the layer time and the fraction of assignments dropped.
+
+Writes tools/results/bench_moe_layer.{json,md,png}. Goal of the issue: measured >= 0.8 x ideal and scheduler
+<= 3 % of the layer.
+
+Run (from the repository root, after building capserve-bench-moe-layer; matplotlib from tools/.venv):
+    tools/.venv/bin/python tools/bench/bench_moe_layer.py --bin build/tools/capserve-bench-moe-layer
+On a shared machine, run the final measurement under `flock /tmp/capserve-heavy.lock`.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+GOAL_EFFICIENCY = 0.8
+GOAL_SCHEDULER_SHARE = 0.03
+# Rows whose ideal ratio is below this are "nothing to gain": measured / ideal there is noise around 1.
+MIN_IDEAL_FOR_GOAL = 1.05
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def cpu_jiffies():
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return sum(fields), fields[3] + fields[4]
+
+
+def cpu_name():
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.machine()
+
+
+def mpi_env():
+    env = dict(os.environ)
+    env.update({
+        "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+        "OMPI_MCA_btl": "self,vader", "OMPI_MCA_btl_vader_single_copy_mechanism": "none",
+        "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+    })
+    return env
+
+
+def cpu_busy(interval=1.0):
+    t0, i0 = cpu_jiffies()
+    time.sleep(interval)
+    t1, i1 = cpu_jiffies()
+    return 1.0 - (i1 - i0) / max(t1 - t0, 1)
+
+
+def wait_for_idle(max_wait_s, threshold=0.15):
+    """Waits (up to max_wait_s) until other processes leave the cores idle; returns the last busy fraction."""
+    deadline = time.monotonic() + max_wait_s
+    busy = cpu_busy()
+    while busy > threshold and time.monotonic() < deadline:
+        time.sleep(5)
+        busy = cpu_busy()
+    if busy > threshold:
+        log(f"  warning: cores still {busy:.0%} busy with other work; timings will be noisy")
+    return busy
+
+
+def run_bench(args, mode, extra):
+    """Runs one mode; returns its JSON document, with how busy the cores were before and during the run."""
+    busy_before = wait_for_idle(args.max_idle_wait)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / f"{mode}.json"
+        cmd = ["mpirun", "-np", str(args.np), "--oversubscribe", str(args.bin), "--mode", mode,
+               "--threads", str(args.threads), "--out", str(out)] + extra
+        log("$ " + " ".join(cmd))
+        tick = os.sysconf("SC_CLK_TCK")
+        la0 = os.getloadavg()[0]
+        t0, i0 = cpu_jiffies()
+        start = time.monotonic()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(), stdout=subprocess.PIPE)
+        _, status, _ = os.wait4(proc.pid, 0)
+        stdout = proc.stdout.read().decode(errors="replace")
+        wall = time.monotonic() - start
+        t1, i1 = cpu_jiffies()
+        if os.waitstatus_to_exitcode(status) != 0:
+            sys.exit(f"{mode} run failed:\n{stdout}")
+        print(stdout, flush=True)
+        doc = json.loads(out.read_text())
+        busy_s = ((t1 - t0) - (i1 - i0)) / tick
+        doc["meta"]["wall_s"] = wall
+        doc["meta"]["cores_busy_before"] = busy_before
+        # The ranks alone keep np cores busy (they spin while waiting in MPI); more than that is other work.
+        doc["meta"]["cores_busy_during"] = busy_s / (wall * os.cpu_count())
+        doc["meta"]["loadavg_start_end"] = [la0, os.getloadavg()[0]]
+        shown = [x for i, x in enumerate(cmd) if x != "--out" and (i == 0 or cmd[i - 1] != "--out")]
+        shown[4] = Path(args.bin).name
+        doc["meta"]["command"] = " ".join(shown)
+        return doc
+
+
+def add_cost_model(doc):
+    """Synthetic mode: the speedup that the grouped expert FFN alone predicts, from its measured cost per
+    expert against row count (meta.expert_cost) and the per-expert loads of each configuration: the rank time
+    is the sum of its experts' costs, the layer time the largest rank time, summed over the layer calls. Its
+    ratio to the ideal isolates the kernel's per-expert fixed costs and row-count-dependent efficiency; the
+    rest of the gap to the measured speedup is communication, scheduling, gathering and noise."""
+    curve = sorted((c["rows"], c["ms"]) for c in doc["meta"].get("expert_cost", []))
+    if not curve:
+        return
+
+    def cost(n):
+        if n <= 0:
+            return 0.0
+        for (n0, t0), (n1, t1) in zip(curve, curve[1:]):
+            if n0 <= n <= n1:
+                return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
+        if n < curve[0][0]:
+            return curve[0][1]
+        return curve[-1][1] * n / curve[-1][0]  # beyond the largest count: per-row cost of the largest
+
+    experts, ranks = doc["meta"]["experts"], doc["meta"]["ranks"]
+    sizes = [experts // ranks + (1 if r < experts % ranks else 0) for r in range(ranks)]  # contiguous
+    starts = [sum(sizes[:r]) for r in range(ranks)]
+    per_domain = [r for r in doc["results"] if r["domain"] != "all"]
+    for r in per_domain:
+        r["cost_model_ms"] = sum(max(sum(cost(n) for n in layer[starts[q]:starts[q] + sizes[q]])
+                                     for q in range(ranks)) for layer in r["expert_load"])
+    for r in doc["results"]:
+        if r["domain"] == "all":
+            r["cost_model_ms"] = sum(x["cost_model_ms"] for x in per_domain if x["config"] == r["config"])
+    base = {r["domain"]: r["cost_model_ms"] for r in doc["results"] if r["config"] == "inf"}
+    for r in doc["results"]:
+        r["cost_model_speedup"] = base[r["domain"]] / r["cost_model_ms"]
+        r["cost_model_over_ideal"] = r["cost_model_speedup"] / r["ideal_ratio"]
+        r["measured_over_cost_model"] = r["measured_speedup"] / r["cost_model_speedup"]
+
+
+def add_arrival_net(doc):
+    """Model mode: layer time less the wait for the other rank in the layer's first collective, and the
+    speedup on that basis (the wait is the ranks' skew from attention and routing, not MoE work)."""
+    if "arrival_wait_ms" not in doc["results"][0]:
+        return
+    for r in doc["results"]:
+        r["layer_net_ms"] = r["layer_ms"] - r["arrival_wait_ms"]
+    base = {r["domain"]: r["layer_net_ms"] for r in doc["results"] if r["config"] == "inf"}
+    for r in doc["results"]:
+        r["measured_speedup_net"] = base[r["domain"]] / r["layer_net_ms"]
+        r["measured_net_over_ideal"] = r["measured_speedup_net"] / r["ideal_ratio"]
+
+
+def fmt_gamma(g):
+    return "inf" if g == "inf" else f"{g:g}"
+
+
+def table(rows, with_step=False):
+    synth = "scheduler_min_share" in rows[0]
+    head = ("| domain | config | layer ms | sched ms | dispatch ms | expert ms | combine ms | measured speedup "
+            "| ideal ratio | measured / ideal | scheduler share |")
+    sep = "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    if synth:
+        head += " sched share, fastest rank |"
+        sep += "---:|"
+    net = "scheduler_net_share" in rows[0]
+    if net:
+        head += (" arrival wait ms | sched net ms | sched net share | layer ms net of arrival wait "
+                 "| speedup net of arrival wait | net / ideal |")
+        sep += "---:|---:|---:|---:|---:|---:|"
+    model_cols = "cost_model_speedup" in rows[0]
+    if model_cols:
+        head += " kernel-model speedup | kernel-model / ideal |"
+        sep += "---:|---:|"
+    head += " dropped | rerouted |"
+    sep += "---:|---:|"
+    if with_step:
+        head += " step ms |"
+        sep += "---:|"
+    lines = [head, sep]
+    for r in rows:
+        eff = r["measured_over_ideal"]
+        mark = "" if r["ideal_ratio"] < MIN_IDEAL_FOR_GOAL or eff >= GOAL_EFFICIENCY else " ✗"
+        line = (f"| {r['domain']} | {r['config']} | {r['layer_ms']:.2f} | {r['scheduler_ms']:.3f} "
+                f"| {r['dispatch_ms']:.2f} | {r['expert_ms']:.2f} | {r['combine_ms']:.2f} "
+                f"| {r['measured_speedup']:.3f} | {r['ideal_ratio']:.3f} | {eff:.3f}{mark} "
+                f"| {100 * r['scheduler_share']:.2f}% |")
+        if synth:
+            line += f" {100 * r['scheduler_min_share']:.2f}% |"
+        if net:
+            net_eff = r["measured_net_over_ideal"]
+            net_mark = "" if r["ideal_ratio"] < MIN_IDEAL_FOR_GOAL or net_eff >= GOAL_EFFICIENCY else " ✗"
+            line += (f" {r['arrival_wait_ms']:.3f} | {r['scheduler_net_ms']:.3f} "
+                     f"| {100 * r['scheduler_net_share']:.2f}% | {r['layer_net_ms']:.2f} "
+                     f"| {r['measured_speedup_net']:.3f} | {net_eff:.3f}{net_mark} |")
+        if model_cols:
+            line += f" {r['cost_model_speedup']:.3f} | {r['cost_model_over_ideal']:.3f} |"
+        line += f" {100 * r['dropped_fraction']:.1f}% | {100 * r['rerouted_fraction']:.1f}% |"
+        if with_step:
+            line += f" {r['step_ms']:.1f} |"
+        lines.append(line)
+    return lines
+
+
+def goal_status(doc):
+    """(worst measured/ideal over rows with something to gain, its row, worst scheduler share, its row)."""
+    rows = [r for r in doc["results"] if r["config"] != "inf"]
+    gain = [r for r in rows if r["ideal_ratio"] >= MIN_IDEAL_FOR_GOAL]
+    worst_eff = min(gain, key=lambda r: r["measured_over_ideal"]) if gain else None
+    worst_sched = max(doc["results"], key=lambda r: r["scheduler_share"])
+    return worst_eff, worst_sched, gain
+
+
+def summary_lines(name, doc):
+    worst_eff, worst_sched, gain = goal_status(doc)
+    all_gain = [r for r in gain if r["domain"] == "all"]
+    passed = sum(r["measured_over_ideal"] >= GOAL_EFFICIENCY for r in gain)
+    lines = [f"**{name}**: measured >= {GOAL_EFFICIENCY} x ideal in {passed} of {len(gain)} rows with an ideal "
+             f"ratio >= {MIN_IDEAL_FOR_GOAL} (per domain and all domains)"]
+    if all_gain:
+        lo = min(all_gain, key=lambda r: r["measured_over_ideal"])
+        lines[-1] += (f"; all domains pooled: measured / ideal {min(r['measured_over_ideal'] for r in all_gain):.2f}"
+                      f" ({lo['config']}) to {max(r['measured_over_ideal'] for r in all_gain):.2f}")
+    if worst_eff:
+        lines[-1] += (f"; lowest {worst_eff['measured_over_ideal']:.2f} ({worst_eff['domain']}, "
+                      f"{worst_eff['config']}: speedup {worst_eff['measured_speedup']:.2f} vs ideal "
+                      f"{worst_eff['ideal_ratio']:.2f})")
+    lines[-1] += (f". Scheduler share (slowest rank) at most {100 * worst_sched['scheduler_share']:.2f}% "
+                  f"({worst_sched['domain']}, {worst_sched['config']}): goal <= {100 * GOAL_SCHEDULER_SHARE:.0f}% "
+                  f"{'met' if worst_sched['scheduler_share'] <= GOAL_SCHEDULER_SHARE else 'NOT met'}")
+    for key, what in (("scheduler_min_share", "fastest rank"),
+                      ("scheduler_net_share", "net of the wait for the other rank in its first collective")):
+        if key in doc["results"][0]:
+            w = max(doc["results"], key=lambda r: r[key])
+            lines[-1] += (f"; {what}: at most {100 * w[key]:.2f}% ({w['domain']}, {w['config']}), "
+                          f"{'met' if w[key] <= GOAL_SCHEDULER_SHARE else 'NOT met'}")
+    lines[-1] += "."
+    if "measured_net_over_ideal" in doc["results"][0]:
+        net_rows = [r for r in gain]
+        lo = min(net_rows, key=lambda r: r["measured_net_over_ideal"])
+        pooled = [r["measured_net_over_ideal"] for r in net_rows if r["domain"] == "all"]
+        lines.append(f"{name}, layer time net of the arrival wait: measured >= {GOAL_EFFICIENCY} x ideal in "
+                     f"{sum(r['measured_net_over_ideal'] >= GOAL_EFFICIENCY for r in net_rows)} of "
+                     f"{len(net_rows)} rows; all domains pooled {min(pooled):.2f} to {max(pooled):.2f}; lowest "
+                     f"{lo['measured_net_over_ideal']:.2f} ({lo['domain']}, {lo['config']}).")
+    return lines
+
+
+def plot(docs, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5.2))
+    for ax, (name, doc) in zip(axes[:2], docs):
+        rows = [r for r in doc["results"] if r["domain"] == "all" and r["policy"] in ("drop", "none")]
+        for gran, color in (("expert", "tab:blue"), ("device", "tab:orange")):
+            pts = sorted(((float(r["gamma"]), r) for r in rows
+                          if r["gamma"] != "inf" and r["granularity"] == gran), key=lambda p: -p[0])
+            xs = [0.0] + [1 / g for g, _ in pts]
+            ax.plot(xs, [1.0] + [r["measured_speedup"] for _, r in pts], "o-", color=color,
+                    label=f"measured, drop {gran}")
+            ax.plot(xs, [1.0] + [r["ideal_ratio"] for _, r in pts], "s--", color=color, alpha=0.6,
+                    label=f"ideal, drop {gran}")
+            if pts and "measured_speedup_net" in pts[0][1]:
+                ax.plot(xs, [1.0] + [r["measured_speedup_net"] for _, r in pts], "^:", color=color,
+                        alpha=0.8, label=f"measured net of arrival wait, drop {gran}")
+        ticks = [0.0] + sorted({1 / float(r["gamma"]) for r in rows if r["gamma"] != "inf"})
+        ax.set_xticks(ticks)
+        ax.set_xticklabels(["inf"] + [f"{1 / t:g}" for t in ticks[1:]])
+        ax.set_xlabel("capacity factor gamma (axis: 1/gamma)")
+        ax.set_ylabel("t(inf) / t(gamma)  or  max rank load ratio")
+        ax.set_title(name + " (all domains)", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    ax = axes[2]
+    top = 1.0
+    for (name, doc), marker in zip(docs, ("o", "^")):
+        rows = [r for r in doc["results"] if r["config"] != "inf" and r["domain"] != "all"]
+        for pol, color in (("drop", "tab:blue"), ("reroute", "tab:green"), ("expanded", "tab:red")):
+            sel = [r for r in rows if r["policy"] == pol]
+            ax.scatter([r["ideal_ratio"] for r in sel], [r["measured_speedup"] for r in sel], s=14,
+                       marker=marker, color=color, alpha=0.6, label=f"{name.split(':')[0]} {pol}")
+            top = max([top] + [r["ideal_ratio"] for r in sel] + [r["measured_speedup"] for r in sel])
+    xs = [1.0, top * 1.05]
+    ax.plot(xs, xs, "k-", lw=0.8, label="measured = ideal")
+    ax.plot(xs, [GOAL_EFFICIENCY * x for x in xs], "k--", lw=0.8, label=f"{GOAL_EFFICIENCY} x ideal")
+    ax.set_xlabel("ideal ratio (max rank load before / after)")
+    ax.set_ylabel("measured speedup")
+    ax.set_title("every domain x config", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+NOTES = """\
+## What limits measured vs ideal
+
+(See the notes written from the profile of this run in the repository's report; summarized here.)
+"""
+
+
+def load_text(m):
+    la = m["loadavg_start_end"]
+    return (f"cores {100 * m['cores_busy_before']:.0f}% busy before the run, {100 * m['cores_busy_during']:.0f}% "
+            f"during it (the ranks themselves account for up to {100 * m['ranks'] / os.cpu_count():.0f}%), "
+            f"load average {la[0]:.1f} at start, {la[1]:.1f} at end")
+
+
+def render(synth, model, notes):
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = ["# MoE layer speed vs capacity factor", ""]
+    lines += [f"{date}, {cpu_name()}, {os.cpu_count()} cores. Generated by `tools/bench/bench_moe_layer.py`; "
+              "every configuration runs side by side in one MPI job, interleaved round-robin across "
+              "repetitions, median of the repetitions.", ""]
+    lines += ["Columns: *layer ms* = the slowest rank's scheduler + dispatch + expert + combine time per MoE "
+              "layer call (median); the phase columns are each the slowest rank's; *measured speedup* = "
+              "t(inf) / t(config); *ideal ratio* = largest rank load under gamma = inf / under the config "
+              "(rank load = (token, expert) assignments its experts compute), summed over the layer calls; "
+              "*scheduler share* = scheduler ms / layer ms; *dropped* / *rerouted* = share of the "
+              "assignments. Rows 'all' pool the domains (sums of medians and of loads). Capacity scope "
+              "global, score gate, contiguous placement. ✗ marks measured / ideal < "
+              f"{GOAL_EFFICIENCY} where the ideal ratio is >= {MIN_IDEAL_FOR_GOAL}.", ""]
+    lines += ["## Goal status", ""]
+    for name, doc in (("(b) synthetic layer", synth), ("(a) default model", model)):
+        if doc:
+            lines += ["- " + x for x in summary_lines(name, doc)]
+    lines.append("")
+    if synth:
+        m = synth["meta"]
+        lines += ["## (b) Synthetic layer: OLMoE routing", "",
+                  f"{m['experts']} experts top-{m['top_k']}, hidden {m['hidden']}, expert FFN {m['expert_ffn']}, "
+                  f"bf16 random weights (each rank allocates only its own experts), {m['ranks']} ranks x "
+                  f"{m['threads_per_rank']} thread, {m['tokens_per_rank']} tokens per rank per step "
+                  f"({m['ranks'] * m['tokens_per_rank']} per step, mean {m['ranks'] * m['tokens_per_rank'] * m['top_k'] // m['experts']} rows per expert). "
+                  f"One step = one domain burst = one layer call per count layer ({', '.join(m['count_layers'])}) "
+                  f"of `{Path(m['counts_file']).name}` ({m['counts_model']}), routing drawn with exactly the "
+                  f"real per-expert inclusion probabilities. {m['reps']} repetitions after {m['warmup']} warm-up "
+                  f"pass; run took {m['wall_s']:.0f} s; {load_text(m)}. "
+                  f"Command: `{m['command']}`.", "",
+                  "Every step starts after a barrier. *sched share, fastest rank*: the scheduler time of the "
+                  "rank that spent least in it (the other one also waits in the first allreduce for its peer). "
+                  "*kernel-model speedup*: what the grouped expert FFN alone predicts, from its cost per expert "
+                  "against row count measured in the same run (below) and each configuration's per-expert "
+                  "loads (rank time = sum of its experts' costs, layer = slowest rank); *kernel-model / ideal* "
+                  "isolates the kernel's per-expert fixed cost and row-count-dependent efficiency.", "",
+                  "### All domains pooled", ""]
+        lines += table([r for r in synth["results"] if r["domain"] == "all"])
+        lines += ["", "### Per domain", ""]
+        lines += table([r for r in synth["results"] if r["domain"] != "all"])
+        lines.append("")
+        cost = m.get("expert_cost", [])
+        if cost:
+            lines += ["### Grouped expert FFN: cost of one expert against its rows (rank 0 alone, best of 3)", "",
+                      "| rows | ms per expert | ms per row | GFLOP/s |", "|---:|---:|---:|---:|"]
+            flop_per_row = 6 * m["hidden"] * m["expert_ffn"]
+            for c in cost:
+                lines.append(f"| {c['rows']} | {c['ms']:.3f} | {c['ms'] / c['rows']:.4f} "
+                             f"| {flop_per_row * c['rows'] / (c['ms'] * 1e6):.1f} |")
+            lines.append("")
+    if model:
+        m = model["meta"]
+        lines += ["## (a) Default model on corpus bursts", "",
+                  f"`{m['model']}` ({m['experts']} experts top-{m['top_k']}, hidden {m['hidden']}, "
+                  f"{int(m['moe_layers'])} MoE layers), {m['ranks']} ranks x {m['threads_per_rank']} thread; one "
+                  f"step = one prefill of {m['windows_per_rank']} windows x {m['window_tokens']} tokens per rank "
+                  f"({m['ranks'] * m['tokens_per_rank']} tokens) of one domain's held-out text. MoE time from "
+                  "`Model::last_moe_stats()` (each phase the slowest rank's), per MoE layer; *step ms* is the "
+                  f"whole forward step (slowest rank). The model's communicator is wrapped to time every "
+                  "collective: *arrival wait* is the time (slowest rank) spent in the first collective of each "
+                  "MoE layer, i.e. waiting for the other rank to finish attention and routing; with capacity on "
+                  "that collective is the scheduler's count allreduce, so the scheduler's measured time "
+                  "contains it; *sched net* = scheduler time less that wait (an estimate of the scheduler's "
+                  "own cost on the slowest rank). "
+                  f"{m['reps']} repetitions after {m['warmup']} warm-up pass; "
+                  f"run took {m['wall_s']:.0f} s; {load_text(m)}. Command: `{m['command']}`.", "",
+                  "### All domains pooled", ""]
+        lines += table([r for r in model["results"] if r["domain"] == "all"], with_step=True)
+        lines += ["", "### Per domain", ""]
+        lines += table([r for r in model["results"] if r["domain"] != "all"], with_step=True)
+        lines.append("")
+    lines += [notes.rstrip(), ""]
+    lines += ["![speedup vs gamma](bench_moe_layer.png)", ""]
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bin", type=Path, default=ROOT / "build" / "tools" / "capserve-bench-moe-layer")
+    ap.add_argument("--np", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--model-reps", type=int, help="repetitions of the model run (default --reps)")
+    ap.add_argument("--tokens", type=int, default=512, help="synthetic: tokens per rank per step")
+    ap.add_argument("--synthetic-args", default="", help="extra flags for the synthetic run")
+    ap.add_argument("--model-args", default="", help="extra flags for the model run")
+    ap.add_argument("--skip-synthetic", action="store_true")
+    ap.add_argument("--skip-model", action="store_true")
+    ap.add_argument("--max-idle-wait", type=float, default=300,
+                    help="seconds to wait before each run for other load on the cores to stop")
+    ap.add_argument("--notes", type=Path, help="markdown file with the notes section (default: built in)")
+    ap.add_argument("--from-json", type=Path,
+                    help="re-render the table and plot from a bench_moe_layer.json instead of measuring")
+    ap.add_argument("--out-dir", type=Path, default=ROOT / "tools" / "results")
+    args = ap.parse_args()
+
+    synth = model = None
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        synth, model = saved["synthetic"], saved["model"]
+        if synth:
+            add_cost_model(synth)
+        if model:
+            add_arrival_net(model)
+    elif not args.bin.is_file():
+        sys.exit(f"{args.bin} not found: build capserve-bench-moe-layer first")
+    if not args.from_json and not args.skip_synthetic:
+        synth = run_bench(args, "synthetic", ["--tokens", str(args.tokens), "--reps", str(args.reps)]
+                          + args.synthetic_args.split())
+        add_cost_model(synth)
+    if not args.from_json and not args.skip_model:
+        model = run_bench(args, "model", ["--reps", str(args.model_reps or args.reps)] + args.model_args.split())
+        add_arrival_net(model)
+    notes = args.notes.read_text() if args.notes else NOTES
+    md = render(synth, model, notes)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "bench_moe_layer.md").write_text(md)
+    (args.out_dir / "bench_moe_layer.json").write_text(
+        json.dumps({"synthetic": synth, "model": model}, indent=1) + "\n")
+    docs = [(n, d) for n, d in (("(b) synthetic: OLMoE routing", synth), ("(a) default model", model)) if d]
+    plot(docs, args.out_dir / "bench_moe_layer.png")
+    for name, doc in docs:
+        for line in summary_lines(name, doc):
+            print(line)
+    log(f"wrote {args.out_dir / 'bench_moe_layer.md'}, .json, .png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+#pragma once
+// What the server's /metrics says about a run: counters as differences between a scrape before and one after
+// the run, gauges as they are after it. Names are server/server_metrics.cpp's; a metric the server does not
+// export is left out (nullopt / empty), never reported as zero.
+#include <map>
+#include <optional>
+#include <string>
+
+#include "tools/loadgen/prometheus_text.h"
+
+namespace capserve::loadgen {
+
+struct ServerFigures {
+  std::optional<double> moe_steps;
+  std::optional<double> assignments;
+  std::optional<double> dropped;
+  std::optional<double> rerouted;
+  std::optional<double> generation_tokens;
+  std::optional<double> prompt_tokens;
+  // Per-rank load imbalance (max/mean, after capacity).
+  std::map<std::string, double> imbalance_last_by_layer;  // the gauge after the run (last step), per layer
+  std::map<std::string, double> imbalance_run_by_layer;   // from the per-rank token counters over the run
+  std::optional<double> imbalance_mean;                   // mean over the run's steps and layers (histogram)
+  std::optional<double> predictor_cosine;
+  std::optional<double> selector_predicted_imbalance;
+  std::optional<double> selector_realized_imbalance;
+  std::optional<double> selector_decision_mean_s;
+  std::optional<double> ttft_mean_s;
+  std::optional<double> itl_mean_s;
+  std::optional<double> e2e_mean_s;
+  std::optional<double> queue_time_mean_s;
+  std::map<std::string, double> requests_by_finish_reason;
+  std::map<std::string, double> errors_by_code;  // non-zero only
+  std::size_t unreadable_lines = 0;
+};
+
+ServerFigures server_figures(const Scrape& before, const Scrape& after);
+
+}  // namespace capserve::loadgen
