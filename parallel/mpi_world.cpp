@@ -98,8 +98,8 @@ void MpiWorld::check_root(int root) const {
 void MpiWorld::broadcast(std::vector<std::byte>& bytes, int root) {
   check_root(root);
   std::uint64_t n = rank_ == root ? bytes.size() : 0;
-  // The size goes out non-blocking and the receivers poll with growing sleeps: a server's idle ranks wait here
-  // for the next step plan, and a blocking broadcast would spin a core at 100% the whole time.
+  // The size goes out non-blocking and the receivers poll with growing sleeps: a server's idle ranks wait
+  // here for the next step plan, and a blocking broadcast would spin a core at 100% the whole time.
   MPI_Request request = MPI_REQUEST_NULL;
   check(MPI_Ibcast(&n, 1, MPI_UINT64_T, root, control_, &request), "MPI_Ibcast (size)");
   const auto started = std::chrono::steady_clock::now();
@@ -108,7 +108,8 @@ void MpiWorld::broadcast(std::vector<std::byte>& bytes, int root) {
     if (done != 0) break;
     const auto waited = std::chrono::steady_clock::now() - started;
     if (waited > std::chrono::microseconds(200)) {
-      std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(waited / 8, std::chrono::microseconds(500)));
+      std::this_thread::sleep_for(
+          std::min<std::chrono::steady_clock::duration>(waited / 8, std::chrono::microseconds(500)));
     }
   }
   if (rank_ != root) bytes.resize(static_cast<std::size_t>(n));
