@@ -10,6 +10,11 @@
 //                     permutation: exactly k distinct experts, exact marginals), router logits put those k on
 //                     top with random gaps, then the runtime's own softmax + top-k (route_softmax_topk). One
 //                     step = one domain burst = one layer call per count layer in the file (0, 7, 15).
+//                     Default 512 tokens per rank: with 2 ranks a step has 1024 tokens, a mean of 128 rows
+//                     per expert, so even the experts capped at gamma = 1 stay above the CPU backend's
+//                     32-row switch to its sgemm path (time then tracks rows, not the direct kernel's
+//                     per-row cost); it is a prefill-sized burst; and a layer call takes ~0.7 s on one
+//                     core, so 19 configurations x 6 domains x 5 repetitions fit in ~20 minutes.
 //   --mode model      the default model on bursts of one domain's held-out corpus text (windows of
 //                     <|endoftext|> + 255 tokens); the MoE time is Model::last_moe_stats() (scheduler +
 //                     dispatch + expert + combine, each the slowest rank's) summed over the MoE layers.
@@ -128,6 +133,9 @@ struct StepResult {
   // each MoE layer (waiting for the other ranks to arrive), the part of it inside the scheduler, and the
   // scheduler's collectives in all; arrival_min is the smallest rank's arrival time.
   double arrival = 0, arrival_in_scheduler = 0, scheduler_comm = 0, arrival_min = 0;
+  // Model mode, each the largest over ranks of the rank's own figure: its MoE time (sum of its phases), the
+  // same less its arrival waits, and its scheduler time less the arrival wait inside the scheduler.
+  double moe_rank = 0, moe_net = 0, scheduler_net = 0;
   // Per layer: largest rank load (assignments computed), over all ranks.
   std::vector<std::int64_t> max_rank_load;
   std::vector<std::vector<std::int64_t>> expert_load;  // per layer: assignments each expert computed
@@ -157,16 +165,19 @@ json summarize(const std::vector<std::string>& domains, const std::vector<Conten
     const bool all = d == domains.size();
     double base_t = 0;
     double base_load = 0;
+    double base_net = 0;
     // Per layer call: pooled rows average over their domains too.
     const double calls = per_call_divisor * (all ? static_cast<double>(domains.size()) : 1.0);
     for (std::size_t dd = 0; dd < domains.size(); ++dd) {
       if (!all && dd != d) continue;
       base_t += med(cells[dd][0], &StepResult::total);
       base_load += static_cast<double>(load_sum(cells[dd][0]));
+      base_net += med(cells[dd][0], &StepResult::moe_net);
     }
     for (std::size_t c = 0; c < contenders.size(); ++c) {
       double t = 0, sched = 0, disp = 0, expert = 0, comb = 0, wall = 0, load = 0, sched_min = 0,
-             expert_min = 0, arrival = 0, arrival_sched = 0, sched_comm = 0, arrival_min = 0;
+             expert_min = 0, arrival = 0, arrival_sched = 0, sched_comm = 0, arrival_min = 0, moe_rank = 0,
+             moe_net = 0, sched_net = 0;
       std::int64_t assignments = 0, dropped = 0, rerouted = 0, wire = 0;
       json per_rep = json::array();
       for (std::size_t dd = 0; dd < domains.size(); ++dd) {
@@ -184,6 +195,9 @@ json summarize(const std::vector<std::string>& domains, const std::vector<Conten
         arrival_sched += med(cell, &StepResult::arrival_in_scheduler);
         sched_comm += med(cell, &StepResult::scheduler_comm);
         arrival_min += med(cell, &StepResult::arrival_min);
+        moe_rank += med(cell, &StepResult::moe_rank);
+        moe_net += med(cell, &StepResult::moe_net);
+        sched_net += med(cell, &StepResult::scheduler_net);
         load += static_cast<double>(load_sum(cell));
         const StepResult& first = cell.reps.front();
         assignments += first.assignments;
@@ -221,9 +235,15 @@ json summarize(const std::vector<std::string>& domains, const std::vector<Conten
         row["arrival_wait_min_ms"] = 1e3 * arrival_min / calls;
         row["arrival_wait_in_scheduler_ms"] = 1e3 * arrival_sched / calls;
         row["scheduler_comm_ms"] = 1e3 * sched_comm / calls;
-        // The scheduler's time less the wait for the other ranks in its first collective.
-        row["scheduler_net_ms"] = 1e3 * std::max(0.0, sched - arrival_sched) / calls;
-        row["scheduler_net_share"] = std::max(0.0, sched - arrival_sched) / t;
+        // Per rank: its own MoE time, and the same less the time it waited for the other ranks to arrive at
+        // each layer's first collective; its scheduler time less that wait where the scheduler took it.
+        // Each the slowest rank's (median over the repetitions).
+        row["layer_rank_ms"] = 1e3 * moe_rank / calls;
+        row["layer_net_ms"] = 1e3 * moe_net / calls;
+        row["scheduler_net_ms"] = 1e3 * sched_net / calls;
+        row["scheduler_net_share"] = sched_net / moe_net;
+        row["measured_speedup_net"] = base_net / moe_net;
+        row["measured_net_over_ideal"] = base_net / moe_net / ideal;
       } else {
         row["scheduler_min_ms"] = 1e3 * sched_min / calls;
         row["expert_min_ms"] = 1e3 * expert_min / calls;
@@ -587,6 +607,7 @@ class TimingCommunicator final : public parallel::Communicator {
     events_.push_back({'s', seconds_since(t0)});
   }
   void allreduce_max(std::span<double> values) override {
+    last_max_input_.assign(values.begin(), values.end());
     const auto t0 = Clock::now();
     inner_.allreduce_max(values);
     events_.push_back({'m', seconds_since(t0)});
@@ -597,7 +618,10 @@ class TimingCommunicator final : public parallel::Communicator {
     events_.push_back({'g', seconds_since(t0)});
   }
 
-  void clear() { events_.clear(); }
+  void clear() {
+    events_.clear();
+    last_max_input_.clear();
+  }
 
   // One forward's collectives on this rank: begin_step's allgather (capacity on), per MoE layer the
   // scheduler's allreduces then the dispatcher's alltoall, alltoall, alltoallv x 3, and at the end the
@@ -606,9 +630,17 @@ class TimingCommunicator final : public parallel::Communicator {
     double arrival = 0;               // first collective of each layer, summed over layers
     double scheduler_comm = 0;        // all the scheduler's collectives (allgather included)
     double arrival_in_scheduler = 0;  // the part of `arrival` spent inside the scheduler
+    // This rank's own phase times, summed over the MoE layers: the statistics' allreduce_max input
+    // (scheduler, dispatch, expert, combine per layer) as it was before the reduction.
+    double moe_local = 0;
+    double scheduler_local = 0;
   };
   [[nodiscard]] Split split() const {
     Split out;
+    for (std::size_t i = 0; i < last_max_input_.size(); ++i) {
+      out.moe_local += last_max_input_[i];
+      if (i % 4 == 0) out.scheduler_local += last_max_input_[i];
+    }
     std::size_t end = events_.size();
     if (end >= 2 && events_[end - 1].kind == 'm' && events_[end - 2].kind == 's') end -= 2;
     bool layer_start = true;
@@ -645,6 +677,7 @@ class TimingCommunicator final : public parallel::Communicator {
   };
   parallel::Communicator& inner_;
   std::vector<Event> events_;
+  std::vector<double> last_max_input_;
 };
 
 std::string read_text(const std::string& path) {
@@ -701,7 +734,7 @@ int run_model(parallel::MpiWorld& world, parallel::MpiCommunicator& comm, const 
   }
 
   runtime::SequenceId next_id = 1;
-  std::vector<double> wall(5);
+  std::vector<double> wall(8);
   const auto run_step = [&](std::size_t d, std::size_t c) {
     std::vector<runtime::Engine::Work> work;
     for (const auto& in : bursts[d]) work.push_back({next_id++, in, false});
@@ -712,7 +745,14 @@ int run_model(parallel::MpiWorld& world, parallel::MpiCommunicator& comm, const 
     const double step_seconds = seconds_since(t0);
     for (const auto& w : work) engines[c]->release(w.seq);
     const TimingCommunicator::Split split = timed.split();
-    wall = {step_seconds, split.arrival, split.arrival_in_scheduler, split.scheduler_comm, -split.arrival};
+    wall = {step_seconds,
+            split.arrival,
+            split.arrival_in_scheduler,
+            split.scheduler_comm,
+            -split.arrival,
+            split.moe_local,
+            split.moe_local - split.arrival,
+            split.scheduler_local - split.arrival_in_scheduler};
     comm.allreduce_max(wall);
     StepResult res;
     res.step_wall = wall[0];
@@ -720,6 +760,9 @@ int run_model(parallel::MpiWorld& world, parallel::MpiCommunicator& comm, const 
     res.arrival_in_scheduler = wall[2];
     res.scheduler_comm = wall[3];
     res.arrival_min = -wall[4];
+    res.moe_rank = wall[5];
+    res.moe_net = wall[6];
+    res.scheduler_net = wall[7];
     for (const parallel::MoeLayerStats& s : models[c]->last_moe_stats().layers) {
       res.scheduler += s.scheduler_seconds;
       res.dispatch += s.dispatch_seconds;
