@@ -1,5 +1,7 @@
 #include "parallel/mpi_communicator.h"
 
+#include "parallel/mpi_call.h"
+
 #include <climits>
 #include <stdexcept>
 #include <string>
@@ -8,24 +10,9 @@ namespace capserve::parallel {
 namespace {
 
 void check(int rc, const char* what) {
-  if (rc == MPI_SUCCESS) return;
-  char text[MPI_MAX_ERROR_STRING] = {};
-  int len = 0;
-  MPI_Error_string(rc, text, &len);
-  throw std::runtime_error(std::string("MpiCommunicator: ") + what + " failed: " + std::string(text, len));
+  mpi::check(rc, "MpiCommunicator", what);
 }
-
-// MPI calls get a valid address even for zero elements (an empty span's data() may be null).
-template <typename T>
-T* address(T* p) {
-  static T dummy{};
-  return p != nullptr ? p : &dummy;
-}
-template <typename T>
-const T* address(const T* p) {
-  static const T dummy{};
-  return p != nullptr ? p : &dummy;
-}
+using mpi::address;
 
 int int_count(std::size_t n, const char* op) {
   if (n > static_cast<std::size_t>(INT_MAX)) {

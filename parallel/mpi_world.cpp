@@ -1,9 +1,12 @@
 #include "parallel/mpi_world.h"
 
+#include "parallel/mpi_call.h"
+
 #include <algorithm>
 #include <chrono>
 #include <climits>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <stdexcept>
@@ -14,22 +17,9 @@ namespace capserve::parallel {
 namespace {
 
 void check(int rc, const char* what) {
-  if (rc == MPI_SUCCESS) return;
-  char text[MPI_MAX_ERROR_STRING] = {};
-  int len = 0;
-  MPI_Error_string(rc, text, &len);
-  throw std::runtime_error(std::string("MpiWorld: ") + what + " failed: " + std::string(text, len));
+  mpi::check(rc, "MpiWorld", what);
 }
-
-// MPI calls get a valid address even for zero bytes (std::vector::data() may be null).
-std::byte* address(std::byte* p) {
-  static std::byte dummy{};
-  return p != nullptr ? p : &dummy;
-}
-const std::byte* address(const std::byte* p) {
-  static const std::byte dummy{};
-  return p != nullptr ? p : &dummy;
-}
+using mpi::address;
 
 const char* thread_level_name(int level) {
   switch (level) {
@@ -161,6 +151,16 @@ void MpiWorld::barrier() {
 void MpiWorld::abort(int code) {
   MPI_Abort(MPI_COMM_WORLD, code);
   std::abort();  // MPI_Abort does not return; this only tells the compiler so
+}
+
+bool start_mpi(std::optional<MpiWorld>& world, int& argc, char**& argv, const char* program) {
+  try {
+    world.emplace(argc, argv);
+    return true;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: %s\n", program, e.what());
+    return false;
+  }
 }
 
 }  // namespace capserve::parallel

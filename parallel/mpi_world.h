@@ -8,6 +8,7 @@
 #include <mpi.h>
 
 #include <cstddef>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -59,5 +60,9 @@ class MpiWorld {
   MPI_Comm control_ = MPI_COMM_NULL;
   MPI_Comm local_ = MPI_COMM_NULL;
 };
+
+// The first thing a program's main does: starts MPI into `world`, or prints "<program>: <why>" to stderr and
+// returns false (the program then exits 1).
+bool start_mpi(std::optional<MpiWorld>& world, int& argc, char**& argv, const char* program);
 
 }  // namespace capserve::parallel

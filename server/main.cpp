@@ -242,12 +242,7 @@ int follow(parallel::MpiWorld& world, server::RankWorker& worker) {
 
 int main(int argc, char** argv) {
   std::optional<parallel::MpiWorld> world;
-  try {
-    world.emplace(argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "capserve: %s\n", e.what());
-    return 1;
-  }
+  if (!parallel::start_mpi(world, argc, argv, "capserve")) return 1;
   const int rank = world->rank();
   // Only rank 0 acts on a stop signal (it drains and then tells the others); mpirun forwards signals to all.
   std::signal(SIGTERM, on_stop_signal);

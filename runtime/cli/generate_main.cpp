@@ -51,12 +51,7 @@ std::int64_t status_kib(const std::string& field) {
 int main(int argc, char** argv) {
   using namespace capserve;
   std::optional<parallel::MpiWorld> world;
-  try {
-    world.emplace(argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "capserve-generate: %s\n", e.what());
-    return 1;
-  }
+  if (!parallel::start_mpi(world, argc, argv, "capserve-generate")) return 1;
   const int rank = world->rank();
   CLI::App app{
       "Generate tokens with a Hugging Face MoE checkpoint on the CPU; under mpirun the ranks share "

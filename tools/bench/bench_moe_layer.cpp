@@ -830,12 +830,7 @@ int run_model(parallel::MpiWorld& world, parallel::MpiCommunicator& comm, const 
 
 int main(int argc, char** argv) {
   std::optional<parallel::MpiWorld> world;
-  try {
-    world.emplace(argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "capserve-bench-moe-layer: %s\n", e.what());
-    return 1;
-  }
+  if (!parallel::start_mpi(world, argc, argv, "capserve-bench-moe-layer")) return 1;
   CLI::App app{"MoE layer time (scheduler + dispatch + experts + combine, slowest rank) vs capacity factor"};
   std::string mode = "synthetic";
   std::string out_path;

@@ -319,12 +319,7 @@ void write_json(const std::string& path, const Options& o, const runtime::Model&
 
 int main(int argc, char** argv) {
   std::optional<parallel::MpiWorld> world;
-  try {
-    world.emplace(argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "capserve-eval-heldout: %s\n", e.what());
-    return 1;
-  }
+  if (!parallel::start_mpi(world, argc, argv, "capserve-eval-heldout")) return 1;
   const int rank = world->rank();
   const int ranks = world->size();
   CLI::App app{"Held-out perplexity and routing of a model on the shared corpus, by the C++ runtime"};
