@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 namespace capserve::server {
 namespace {
@@ -45,7 +46,7 @@ double cosine(std::span<const float> a, std::span<const std::int64_t> b) {
     aa += static_cast<double>(a[i]) * static_cast<double>(a[i]);
     bb += static_cast<double>(b[i]) * static_cast<double>(b[i]);
   }
-  return aa > 0 && bb > 0 ? ab / std::sqrt(aa * bb) : 1.0;
+  return aa > 0 && bb > 0 ? ab / std::sqrt(aa * bb) : std::numeric_limits<double>::quiet_NaN();
 }
 
 }  // namespace
@@ -347,8 +348,10 @@ void Scheduler::complete(std::span<const StepResult> results, const parallel::Mo
     for (std::size_t r = 0; r < realized.size() && r < stats.layers[l].rank_routed_load.size(); ++r)
       realized[r] += stats.layers[l].rank_routed_load[r];
   }
-  if (metrics_ != nullptr && step_tokens > 0) {
-    metrics_->set_predictor_cosine(cosine(predicted_step_load_, realized));
+  const double similarity = cosine(predicted_step_load_, realized);
+  // An all-zero side (no predictor, or a step without routed tokens) has no direction to compare.
+  if (metrics_ != nullptr && step_tokens > 0 && !std::isnan(similarity)) {
+    metrics_->set_predictor_cosine(similarity);
     std::vector<double> predicted(predicted_step_load_.begin(), predicted_step_load_.end());
     std::vector<double> real(realized.begin(), realized.end());
     metrics_->set_selector_imbalance(imbalance(predicted), imbalance(real));

@@ -47,6 +47,12 @@ const Histogram::BucketBoundaries& imbalance_buckets() {
   return b;
 }
 
+// Cosine similarity of two non-negative load vectors: 0 .. 1, dense near 1 where predictors live.
+const Histogram::BucketBoundaries& cosine_buckets() {
+  static const Histogram::BucketBoundaries b{0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999, 1.0};
+  return b;
+}
+
 // The gRPC status code names (OK excluded); anything else is counted as OTHER so that a caller's typo cannot
 // add series without bound.
 constexpr std::array<std::string_view, 16> kErrorCodes{
@@ -106,6 +112,9 @@ struct ServerMetrics::Impl {
   Gauge* selector_predicted = nullptr;
   Gauge* selector_realized = nullptr;
   Gauge* predictor_cosine = nullptr;
+  Histogram* selector_predicted_hist = nullptr;
+  Histogram* selector_realized_hist = nullptr;
+  Histogram* predictor_cosine_hist = nullptr;
 
   std::unique_ptr<prometheus::Exposer> exposer;
   int port = 0;
@@ -334,6 +343,22 @@ ServerMetrics::ServerMetrics(const std::string& bind_address, std::span<const st
             "one, last measurement (1 = exact shape). Low: balance-aware selection is working "
             "from bad predictions; raise the number of dry-run layers or fall back to fcfs. NaN "
             "until the first measurement.");
+  // The same per step as distributions, so that a run's mean (sum / count) can be read, not only the last
+  // step.
+  auto& step_imbalance =
+      prometheus::BuildHistogram()
+          .Name("capserve_batch_selector_step_imbalance_ratio")
+          .Help(
+              "Per-rank load imbalance (max/mean) of every step's batch over the dry-run layers: kind "
+              "predicted (running sequences' last loads + the admitted requests' dry runs) and realized. "
+              "Selection lowers realized only as far as predicted follows it.")
+          .Register(reg);
+  m.selector_predicted_hist = &step_imbalance.Add({{"kind", "predicted"}}, imbalance_buckets());
+  m.selector_realized_hist = &step_imbalance.Add({{"kind", "realized"}}, imbalance_buckets());
+  m.predictor_cosine_hist = histogram("capserve_predictor_step_load_cosine",
+                                      "Cosine similarity of predicted and realized per-rank load, every step "
+                                      "(see capserve_predictor_load_cosine).",
+                                      cosine_buckets());
   // Not measured yet: NaN, which no threshold alert fires on (0 would read as a perfect or a useless
   // predictor).
   m.selector_predicted->Set(std::numeric_limits<double>::quiet_NaN());
@@ -435,10 +460,13 @@ void ServerMetrics::observe_selector_decision(double seconds) {
 void ServerMetrics::set_selector_imbalance(double predicted, double realized) {
   impl_->selector_predicted->Set(predicted);
   impl_->selector_realized->Set(realized);
+  impl_->selector_predicted_hist->Observe(predicted);
+  impl_->selector_realized_hist->Observe(realized);
 }
 
 void ServerMetrics::set_predictor_cosine(double cosine) {
   impl_->predictor_cosine->Set(cosine);
+  impl_->predictor_cosine_hist->Observe(cosine);
 }
 
 }  // namespace capserve::server

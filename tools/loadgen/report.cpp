@@ -202,9 +202,9 @@ void print_report(const Report& r) {
     std::printf("  %-34s %s\n", "rank imbalance over the run", layer_list(s.imbalance_run_by_layer).c_str());
     std::printf("  %-34s %s\n", "rank imbalance gauge (last step)",
                 layer_list(s.imbalance_last_by_layer).c_str());
-    print_optional("predictor load cosine (last)", s.predictor_cosine, "%.4f");
-    print_optional("selector predicted imbalance", s.selector_predicted_imbalance, "%.4f");
-    print_optional("selector realized imbalance", s.selector_realized_imbalance, "%.4f");
+    print_optional("predictor load cosine (step mean)", s.predictor_cosine, "%.4f");
+    print_optional("predicted imbalance (step mean)", s.selector_predicted_imbalance, "%.4f");
+    print_optional("realized imbalance (step mean)", s.selector_realized_imbalance, "%.4f");
     if (s.selector_decision_mean_s)
       print_optional("selector decision mean (us)", *s.selector_decision_mean_s * 1e6, "%.2f");
     if (s.ttft_mean_s) print_optional("server TTFT mean (ms)", *s.ttft_mean_s * 1e3, "%.1f");

@@ -6,10 +6,13 @@
 namespace capserve::loadgen {
 namespace {
 
-std::optional<double> delta(const Scrape& before, const Scrape& after, std::string_view name) {
-  const std::optional<double> a = after.sum(name);
+using LabelMatch = std::vector<std::pair<std::string, std::string>>;
+
+std::optional<double> delta(const Scrape& before, const Scrape& after, std::string_view name,
+                            const LabelMatch& match = {}) {
+  const std::optional<double> a = after.sum(name, match);
   if (!a) return std::nullopt;
-  return *a - before.sum(name).value_or(0);
+  return *a - before.sum(name, match).value_or(0);
 }
 
 std::map<std::string, double> delta_by_label(const Scrape& before, const Scrape& after, std::string_view name,
@@ -20,9 +23,10 @@ std::map<std::string, double> delta_by_label(const Scrape& before, const Scrape&
 }
 
 // Mean of a histogram over the run: delta(_sum) / delta(_count).
-std::optional<double> histogram_mean(const Scrape& before, const Scrape& after, const std::string& name) {
-  const std::optional<double> sum = delta(before, after, name + "_sum");
-  const std::optional<double> count = delta(before, after, name + "_count");
+std::optional<double> histogram_mean(const Scrape& before, const Scrape& after, const std::string& name,
+                                     const LabelMatch& match = {}) {
+  const std::optional<double> sum = delta(before, after, name + "_sum", match);
+  const std::optional<double> count = delta(before, after, name + "_count", match);
   if (!sum || !count || *count <= 0) return std::nullopt;
   return *sum / *count;
 }
@@ -62,9 +66,11 @@ ServerFigures server_figures(const Scrape& before, const Scrape& after) {
   }
 
   f.imbalance_mean = histogram_mean(before, after, "capserve_moe_rank_imbalance_ratio");
-  f.predictor_cosine = after.sum("capserve_predictor_load_cosine");
-  f.selector_predicted_imbalance = after.sum("capserve_batch_selector_predicted_imbalance");
-  f.selector_realized_imbalance = after.sum("capserve_batch_selector_realized_imbalance");
+  f.predictor_cosine = histogram_mean(before, after, "capserve_predictor_step_load_cosine");
+  f.selector_predicted_imbalance =
+      histogram_mean(before, after, "capserve_batch_selector_step_imbalance_ratio", {{"kind", "predicted"}});
+  f.selector_realized_imbalance =
+      histogram_mean(before, after, "capserve_batch_selector_step_imbalance_ratio", {{"kind", "realized"}});
   f.selector_decision_mean_s = histogram_mean(before, after, "capserve_batch_selector_decision_seconds");
   f.ttft_mean_s = histogram_mean(before, after, "capserve_time_to_first_token_seconds");
   f.itl_mean_s = histogram_mean(before, after, "capserve_inter_token_latency_seconds");

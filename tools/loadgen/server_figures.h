@@ -21,6 +21,8 @@ struct ServerFigures {
   std::map<std::string, double> imbalance_last_by_layer;  // the gauge after the run (last step), per layer
   std::map<std::string, double> imbalance_run_by_layer;   // from the per-rank token counters over the run
   std::optional<double> imbalance_mean;                   // mean over the run's steps and layers (histogram)
+  // Means over the run's steps: the predictor's per-rank load cosine, and the batch's per-rank imbalance
+  // over the dry-run layers as predicted at admission and as realized.
   std::optional<double> predictor_cosine;
   std::optional<double> selector_predicted_imbalance;
   std::optional<double> selector_realized_imbalance;

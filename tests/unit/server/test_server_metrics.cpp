@@ -268,6 +268,17 @@ TEST_F(ServerMetricsTest, ScrapedValuesMatchWhatWasRecorded) {
   EXPECT_EQ(value(text, "capserve_batch_selector_predicted_imbalance"), 1.25);
   EXPECT_EQ(value(text, "capserve_batch_selector_realized_imbalance"), 1.4);
   EXPECT_EQ(value(text, "capserve_predictor_load_cosine"), 0.93);
+  EXPECT_EQ(value(text, "capserve_batch_selector_step_imbalance_ratio_sum", {{"kind", "predicted"}}), 1.25);
+  EXPECT_EQ(value(text, "capserve_batch_selector_step_imbalance_ratio_count", {{"kind", "realized"}}), 1);
+  EXPECT_EQ(value(text, "capserve_batch_selector_step_imbalance_ratio_bucket",
+                  {{"kind", "realized"}, {"le", "1.3"}}),
+            0);
+  EXPECT_EQ(value(text, "capserve_batch_selector_step_imbalance_ratio_bucket",
+                  {{"kind", "realized"}, {"le", "1.5"}}),
+            1);
+  EXPECT_NEAR(value(text, "capserve_predictor_step_load_cosine_sum"), 0.93, 1e-12);
+  EXPECT_EQ(value(text, "capserve_predictor_step_load_cosine_bucket", {{"le", "0.95"}}), 1);
+  EXPECT_EQ(value(text, "capserve_predictor_step_load_cosine_bucket", {{"le", "0.9"}}), 0);
 }
 
 // `promtool check metrics` on an exposition: its exit status and what it printed.

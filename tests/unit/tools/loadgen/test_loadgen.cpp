@@ -242,6 +242,10 @@ TEST(ServerFigures, DeltasGaugesAndRunImbalance) {
       "capserve_moe_rank_tokens_total{layer=\"0\",rank=\"1\"} 100\n"
       "capserve_moe_rank_imbalance_ratio_sum 10\n"
       "capserve_moe_rank_imbalance_ratio_count 8\n"
+      "capserve_predictor_step_load_cosine_sum 2.5\n"
+      "capserve_predictor_step_load_cosine_count 3\n"
+      "capserve_batch_selector_step_imbalance_ratio_sum{kind=\"predicted\"} 4\n"
+      "capserve_batch_selector_step_imbalance_ratio_count{kind=\"predicted\"} 3\n"
       "capserve_request_errors_total{code=\"UNAVAILABLE\"} 1\n"
       "capserve_requests_total{finish_reason=\"length\"} 2\n");
   const Scrape after = parse_prometheus_text(
@@ -252,7 +256,13 @@ TEST(ServerFigures, DeltasGaugesAndRunImbalance) {
       "capserve_moe_rank_imbalance{layer=\"0\"} 1.25\n"
       "capserve_moe_rank_imbalance_ratio_sum 13\n"
       "capserve_moe_rank_imbalance_ratio_count 10\n"
-      "capserve_predictor_load_cosine 0.875\n"
+      "capserve_predictor_load_cosine 0.5\n"
+      "capserve_predictor_step_load_cosine_sum 4.25\n"
+      "capserve_predictor_step_load_cosine_count 5\n"
+      "capserve_batch_selector_step_imbalance_ratio_sum{kind=\"predicted\"} 6.5\n"
+      "capserve_batch_selector_step_imbalance_ratio_count{kind=\"predicted\"} 5\n"
+      "capserve_batch_selector_step_imbalance_ratio_sum{kind=\"realized\"} 3\n"
+      "capserve_batch_selector_step_imbalance_ratio_count{kind=\"realized\"} 2\n"
       "capserve_request_errors_total{code=\"UNAVAILABLE\"} 1\n"
       "capserve_request_errors_total{code=\"CANCELLED\"} 2\n"
       "capserve_requests_total{finish_reason=\"length\"} 12\n");
@@ -262,7 +272,10 @@ TEST(ServerFigures, DeltasGaugesAndRunImbalance) {
   EXPECT_DOUBLE_EQ(f.imbalance_run_by_layer.at("0"), 30.0 / 20.0);  // ranks did 30 and 10 tokens
   EXPECT_DOUBLE_EQ(f.imbalance_last_by_layer.at("0"), 1.25);
   EXPECT_DOUBLE_EQ(*f.imbalance_mean, 1.5);
-  EXPECT_DOUBLE_EQ(*f.predictor_cosine, 0.875);
+  // Means over the run's steps from the histograms, not the last step's gauge.
+  EXPECT_DOUBLE_EQ(*f.predictor_cosine, 1.75 / 2);
+  EXPECT_DOUBLE_EQ(*f.selector_predicted_imbalance, 2.5 / 2);
+  EXPECT_DOUBLE_EQ(*f.selector_realized_imbalance, 1.5);
   EXPECT_EQ(f.errors_by_code.size(), 1U);
   EXPECT_DOUBLE_EQ(f.errors_by_code.at("CANCELLED"), 2);
   EXPECT_DOUBLE_EQ(f.requests_by_finish_reason.at("length"), 10);
