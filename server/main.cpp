@@ -104,6 +104,12 @@ void add_flags(CLI::App& app, Options& o) {
   app.config_formatter(std::make_shared<server::JsonConfig>());
 }
 
+// "host:port", with an IPv6 literal in brackets ("[::]:50051") as gRPC and civetweb expect.
+std::string host_port(const std::string& host, int port) {
+  const bool ipv6 = host.find(':') != std::string::npos && !host.starts_with('[');
+  return (ipv6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
+}
+
 // Rank 0: the front end, the scheduler and the step loop's driving side.
 int serve(parallel::MpiWorld& world, Options& o, runtime::Model& model, runtime::Engine& engine,
           kernels::Backend& backend, server::RankWorker& worker) {
@@ -118,8 +124,8 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Model& model, runtime:
     if (std::filesystem::exists(tokenizer_config))
       chat = runtime::ChatTemplate::load(tokenizer_config, forced);
   }
-  server::ServerMetrics metrics(o.host + ":" + std::to_string(o.metrics_port), model.moe_layers(),
-                                config.num_experts, world.size());
+  server::ServerMetrics metrics(host_port(o.host, o.metrics_port), model.moe_layers(), config.num_experts,
+                                world.size());
 
   // The router dry run folded through the placement into per-rank loads.
   const parallel::ExpertPlacement& placement = model.placement();
@@ -173,19 +179,18 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Model& model, runtime:
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int bound_port = 0;
-  builder.AddListeningPort(o.host + ":" + std::to_string(o.port), grpc::InsecureServerCredentials(),
-                           &bound_port);
+  builder.AddListeningPort(host_port(o.host, o.port), grpc::InsecureServerCredentials(), &bound_port);
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> grpc_server = builder.BuildAndStart();
   if (!grpc_server || bound_port == 0)
-    throw std::runtime_error("cannot listen on " + o.host + ":" + std::to_string(o.port));
+    throw std::runtime_error("cannot listen on " + host_port(o.host, o.port));
   // deploy/launch.sh sends its SIGTERM to this process, which drains and then stops every rank.
   if (const char* pid_file = std::getenv("CAPSERVE_RANK0_PID_FILE"); pid_file != nullptr && *pid_file != 0) {
     std::ofstream(pid_file) << ::getpid() << "\n";
   }
   // Machine-readable start line: tests and scripts wait for it.
-  std::printf("capserve: serving %s on %s:%d, metrics on port %d, %d ranks\n", o.limits.model_id.c_str(),
-              o.host.c_str(), bound_port, metrics.port(), world.size());
+  std::printf("capserve: serving %s on %s, metrics on port %d, %d ranks\n", o.limits.model_id.c_str(),
+              host_port(o.host, bound_port).c_str(), metrics.port(), world.size());
   std::fflush(stdout);
 
   try {

@@ -188,13 +188,16 @@ ServerMetrics::ServerMetrics(const std::string& bind_address, std::span<const st
   m.generation_tokens = counter("capserve_generation_tokens_total",
                                 "Tokens generated for clients; rate() gives decode throughput.");
 
-  auto& outcomes = prometheus::BuildCounter()
-                       .Name("capserve_requests_total")
-                       .Help(
-                           "Requests finished, by finish_reason: stop (stop sequence or end of sequence), "
-                           "length (max_tokens or context limit reached), cancelled (the client went away), "
-                           "error (see capserve_request_errors_total for the code, e.g. DEADLINE_EXCEEDED).")
-                       .Register(reg);
+  auto& outcomes =
+      prometheus::BuildCounter()
+          .Name("capserve_requests_total")
+          .Help(
+              "Requests finished, by finish_reason: stop (stop sequence or end of sequence), "
+              "length (max_tokens or context limit reached), cancelled (the client went away), "
+              "error (see capserve_request_errors_total for the code, e.g. DEADLINE_EXCEEDED). Requests "
+              "refused before admission (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE while "
+              "draining) never started and are counted only in capserve_request_errors_total.")
+          .Register(reg);
   for (std::size_t i = 0; i < kOutcomeNames.size(); ++i) {
     m.outcomes[i] = &outcomes.Add({{"finish_reason", std::string(kOutcomeNames[i])}});
   }
