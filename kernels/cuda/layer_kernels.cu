@@ -1,0 +1,362 @@
+#include <algorithm>
+#include <stdexcept>
+
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/layer_kernels.h"
+#include "kernels/cuda/moe_index_logic.h"
+
+namespace capserve::kernels::cuda {
+namespace {
+
+constexpr int kWarp = 32;
+
+__device__ float warp_sum(float v) {
+  for (int o = kWarp / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xFFFFFFFFU, v, o);
+  return v;
+}
+
+__device__ std::uint64_t warp_max_u64(std::uint64_t v) {
+  for (int o = kWarp / 2; o > 0; o /= 2) {
+    const std::uint64_t other = __shfl_xor_sync(0xFFFFFFFFU, v, o);
+    v = other > v ? other : v;
+  }
+  return v;
+}
+
+// Sum over the block; every thread gets it. `scratch` holds one value per warp.
+__device__ float block_sum(float v, float* scratch) {
+  v = warp_sum(v);
+  const int warp = static_cast<int>(threadIdx.x) / kWarp;
+  const int warps = static_cast<int>(blockDim.x) / kWarp;
+  __syncthreads();  // scratch may still be read from the previous call
+  if (threadIdx.x % kWarp == 0) scratch[warp] = v;
+  __syncthreads();
+  float total = 0.0F;
+  for (int w = 0; w < warps; ++w) total += scratch[w];
+  return total;
+}
+
+__device__ std::uint64_t block_max_u64(std::uint64_t v, std::uint64_t* scratch) {
+  v = warp_max_u64(v);
+  const int warp = static_cast<int>(threadIdx.x) / kWarp;
+  const int warps = static_cast<int>(blockDim.x) / kWarp;
+  __syncthreads();
+  if (threadIdx.x % kWarp == 0) scratch[warp] = v;
+  __syncthreads();
+  std::uint64_t best = 0;
+  for (int w = 0; w < warps; ++w) best = scratch[w] > best ? scratch[w] : best;
+  return best;
+}
+
+__global__ void rms_norm_kernel(const float* x, std::int64_t cols, const __nv_bfloat16* weight, float eps,
+                                float* out) {
+  __shared__ float scratch[32];
+  const float* xr = x + static_cast<std::int64_t>(blockIdx.x) * cols;
+  float* yr = out + static_cast<std::int64_t>(blockIdx.x) * cols;
+  float ss = 0.0F;
+  for (std::int64_t i = threadIdx.x; i < cols; i += blockDim.x) ss += xr[i] * xr[i];
+  const float inv = rsqrtf(block_sum(ss, scratch) / static_cast<float>(cols) + eps);
+  for (std::int64_t i = threadIdx.x; i < cols; i += blockDim.x)
+    yr[i] = __bfloat162float(weight[i]) * (xr[i] * inv);
+}
+
+__global__ void rope_kernel(float* x, RotaryLayout layout, const float* cos, const float* sin) {
+  const std::int64_t t = blockIdx.x;
+  const std::int64_t half = layout.dim / 2;
+  const std::int64_t stride = layout.interleaved ? 2 : 1;
+  const std::int64_t partner = layout.interleaved ? 1 : half;
+  for (std::int64_t j = threadIdx.x; j < layout.heads * half; j += blockDim.x) {
+    const std::int64_t h = j / half;
+    const std::int64_t i = j % half;
+    float* pa = x + (t * layout.heads + h) * layout.head_dim + layout.offset + i * stride;
+    float* pb = pa + partner;
+    const float a = *pa;
+    const float b = *pb;
+    const float c = cos[t * half + i];
+    const float s = sin[t * half + i];
+    *pa = a * c - b * s;
+    *pb = b * c + a * s;
+  }
+}
+
+__device__ std::int64_t cache_slot(const DeviceAttentionBatch& batch, std::int64_t block_size,
+                                   std::int64_t row, std::int64_t pos) {
+  const std::int32_t* table =
+      batch.block_tables + static_cast<std::int64_t>(batch.row_seq[row]) * batch.max_blocks;
+  return static_cast<std::int64_t>(table[pos / block_size]) * block_size + pos % block_size;
+}
+
+__global__ void kv_store_kernel(DeviceAttentionBatch batch, const float* k, const float* v,
+                                DeviceKvLayer cache) {
+  const std::int64_t row = blockIdx.x;
+  const std::int64_t width = cache.num_kv_heads * cache.head_dim;
+  const std::int64_t dst = cache_slot(batch, cache.block_size, row, batch.row_pos[row]) * width;
+  for (std::int64_t i = threadIdx.x; i < width; i += blockDim.x) {
+    cache.k[dst + i] = k[row * width + i];
+    cache.v[dst + i] = v[row * width + i];
+  }
+}
+
+constexpr int kAttnThreads = 128;
+constexpr int kAttnDims = 4;  // head dims per thread: head_dim <= 512
+
+__global__ void __launch_bounds__(kAttnThreads)
+    paged_attention_kernel(DeviceAttentionBatch batch, const float* q, DeviceKvLayer cache,
+                           AttentionParams params, float* out) {
+  __shared__ float scratch[kAttnThreads / kWarp];
+  const std::int64_t row = blockIdx.x;
+  const std::int64_t head = blockIdx.y;
+  const std::int64_t d = cache.head_dim;
+  const std::int64_t group = params.num_heads / cache.num_kv_heads;
+  const std::int64_t kv_width = cache.num_kv_heads * d;
+  const std::int64_t kv_off = (head / group) * d;
+  const std::int64_t pos = batch.row_pos[row];
+  const std::int64_t lo =
+      params.sliding_window > 0 ? max(std::int64_t{0}, pos - params.sliding_window + 1) : 0;
+  const float* qr = q + (row * params.num_heads + head) * d;
+  float qv[kAttnDims];
+  float acc[kAttnDims];
+#pragma unroll
+  for (int i = 0; i < kAttnDims; ++i) {
+    const std::int64_t e = threadIdx.x + i * kAttnThreads;
+    qv[i] = e < d ? qr[e] : 0.0F;
+    acc[i] = 0.0F;
+  }
+  float m = -INFINITY;
+  float l = 0.0F;
+  for (std::int64_t p = lo; p <= pos; ++p) {
+    const std::int64_t slot = cache_slot(batch, cache.block_size, row, p);
+    const float* kr = cache.k + slot * kv_width + kv_off;
+    const float* vr = cache.v + slot * kv_width + kv_off;
+    float partial = 0.0F;
+#pragma unroll
+    for (int i = 0; i < kAttnDims; ++i) {
+      const std::int64_t e = threadIdx.x + i * kAttnThreads;
+      if (e < d) partial += qv[i] * kr[e];
+    }
+    const float s = block_sum(partial, scratch) * params.scale;
+    const float m_new = fmaxf(m, s);
+    const float correction = expf(m - m_new);
+    const float weight = expf(s - m_new);
+    l = l * correction + weight;
+#pragma unroll
+    for (int i = 0; i < kAttnDims; ++i) {
+      const std::int64_t e = threadIdx.x + i * kAttnThreads;
+      if (e < d) acc[i] = acc[i] * correction + weight * vr[e];
+    }
+    m = m_new;
+  }
+  float* o = out + (row * params.num_heads + head) * d;
+#pragma unroll
+  for (int i = 0; i < kAttnDims; ++i) {
+    const std::int64_t e = threadIdx.x + i * kAttnThreads;
+    if (e < d) o[e] = acc[i] / l;
+  }
+}
+
+// Sampling order: larger logit first, ties to the lower id, as one 64-bit key (float bits made
+// order-preserving above, the complemented id below).
+__device__ std::uint64_t logit_key(float logit, std::int64_t id) {
+  const std::uint32_t u = moe::float_bits(logit);
+  const std::uint32_t ordered = (u & 0x80000000U) != 0 ? ~u : (u | 0x80000000U);
+  return (static_cast<std::uint64_t>(ordered) << 32) | (moe::kLow32 - static_cast<std::uint64_t>(id));
+}
+
+__device__ std::int64_t key_id(std::uint64_t key) {
+  return static_cast<std::int64_t>(moe::kLow32 - (key & moe::kLow32));
+}
+
+constexpr int kSampleThreads = 512;
+
+__global__ void __launch_bounds__(kSampleThreads)
+    sample_kernel(const float* logits, std::int64_t vocab, const SampleControls* controls,
+                  std::int32_t* tokens) {
+  __shared__ float fscratch[kSampleThreads / kWarp];
+  __shared__ std::uint64_t kscratch[kSampleThreads / kWarp];
+  __shared__ unsigned long long hist[moe::kRadixBuckets];
+  __shared__ float mass[moe::kRadixBuckets];
+  __shared__ moe::SelectState state;
+  __shared__ float partial[kSampleThreads];
+  __shared__ std::int64_t chosen;
+  const float* lr = logits + static_cast<std::int64_t>(blockIdx.x) * vocab;
+  const SampleControls c = controls[blockIdx.x];
+
+  std::uint64_t best = 0;
+  for (std::int64_t i = threadIdx.x; i < vocab; i += blockDim.x) {
+    const std::uint64_t k = logit_key(lr[i], i);
+    best = k > best ? k : best;
+  }
+  best = block_max_u64(best, kscratch);
+  if (c.temperature == 0.0F) {
+    if (threadIdx.x == 0) tokens[blockIdx.x] = static_cast<std::int32_t>(key_id(best));
+    return;
+  }
+  const float inv_t = 1.0F / c.temperature;
+  const float top = lr[key_id(best)] * inv_t;
+
+  // Top-k: the k largest keys, by radix select.
+  std::uint64_t threshold = 0;
+  if (c.top_k > 0 && c.top_k < vocab) {
+    if (threadIdx.x == 0) state = moe::begin_select(vocab, c.top_k);
+    for (int shift = 64 - moe::kRadixBits; shift >= 0; shift -= moe::kRadixBits) {
+      for (int b = threadIdx.x; b < moe::kRadixBuckets; b += blockDim.x) hist[b] = 0;
+      __syncthreads();
+      const moe::SelectState s = state;
+      if (s.unresolved != 0) {
+        for (std::int64_t i = threadIdx.x; i < vocab; i += blockDim.x) {
+          const std::uint64_t k = logit_key(lr[i], i);
+          if ((k & moe::radix_high_mask(shift)) == s.prefix)
+            atomicAdd(&hist[moe::radix_digit(k, shift)], 1ULL);
+        }
+      }
+      __syncthreads();
+      if (threadIdx.x == 0) moe::radix_resolve(state, reinterpret_cast<const std::int64_t*>(hist), shift);
+      __syncthreads();
+    }
+    threshold = state.threshold;
+  }
+
+  // Top-p: the smallest set of the best keys whose mass reaches top_p, by radix descent on the mass.
+  if (c.top_p < 1.0F) {
+    float z = 0.0F;
+    for (std::int64_t i = threadIdx.x; i < vocab; i += blockDim.x) {
+      if (logit_key(lr[i], i) >= threshold) z += expf(lr[i] * inv_t - top);
+    }
+    z = block_sum(z, fscratch);
+    std::uint64_t prefix = 0;
+    float need = c.top_p * z;
+    for (int shift = 64 - moe::kRadixBits; shift >= 0; shift -= moe::kRadixBits) {
+      for (int b = threadIdx.x; b < moe::kRadixBuckets; b += blockDim.x) mass[b] = 0.0F;
+      __syncthreads();
+      for (std::int64_t i = threadIdx.x; i < vocab; i += blockDim.x) {
+        const std::uint64_t k = logit_key(lr[i], i);
+        if (k >= threshold && (k & moe::radix_high_mask(shift)) == prefix)
+          atomicAdd(&mass[moe::radix_digit(k, shift)], expf(lr[i] * inv_t - top));
+      }
+      __syncthreads();
+      // Every thread scans the same shared histogram, so all reach the same digit.
+      float above = 0.0F;
+      int digit = -1;
+      for (int b = moe::kRadixBuckets - 1; b >= 0; --b) {
+        if (mass[b] <= 0.0F) continue;
+        digit = b;  // the lowest non-empty bucket, should rounding leave `need` unreached
+        if (above + mass[b] < need) {
+          above += mass[b];
+          continue;
+        }
+        break;
+      }
+      if (digit >= 0) {
+        prefix |= static_cast<std::uint64_t>(digit) << shift;
+        need -= above;
+      }
+      __syncthreads();
+    }
+    threshold = prefix > threshold ? prefix : threshold;
+  }
+
+  // Draw: u in [0, kept mass), then the token whose cumulative mass (in id order) passes u.
+  const std::int64_t per = (vocab + blockDim.x - 1) / blockDim.x;
+  const std::int64_t begin = threadIdx.x * per;
+  const std::int64_t end = begin + per < vocab ? begin + per : vocab;
+  float mine = 0.0F;
+  for (std::int64_t i = begin; i < end; ++i) {
+    if (logit_key(lr[i], i) >= threshold) mine += expf(lr[i] * inv_t - top);
+  }
+  partial[threadIdx.x] = mine;
+  if (threadIdx.x == 0) chosen = key_id(threshold == 0 ? best : threshold);  // a kept token, for rounding
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float run = 0.0F;
+    for (int t = 0; t < static_cast<int>(blockDim.x); ++t) {
+      const float v = partial[t];
+      partial[t] = run;
+      run += v;
+    }
+    fscratch[0] = run;
+  }
+  __syncthreads();
+  const std::uint64_t bits = moe::mix64(c.seed ^ moe::mix64(c.step));
+  const float u = static_cast<float>(static_cast<double>(bits >> 11) * 0x1.0p-53) * fscratch[0];
+  float run = partial[threadIdx.x];
+  if (u >= run && u < run + mine) {
+    for (std::int64_t i = begin; i < end; ++i) {
+      if (logit_key(lr[i], i) < threshold) continue;
+      run += expf(lr[i] * inv_t - top);
+      if (u < run) {
+        chosen = i;
+        break;
+      }
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) tokens[blockIdx.x] = static_cast<std::int32_t>(chosen);
+}
+
+}  // namespace
+
+void rms_norm(const float* x, std::int64_t rows, std::int64_t cols, const __nv_bfloat16* weight, float eps,
+              float* out, cudaStream_t stream) {
+  if (rows <= 0) return;
+  rms_norm_kernel<<<static_cast<unsigned>(rows), 256, 0, stream>>>(x, cols, weight, eps, out);
+  CAPSERVE_CUDA_CHECK_LAUNCH();
+}
+
+void rope(float* x, std::int64_t tokens, const RotaryLayout& layout, const float* cos, const float* sin,
+          cudaStream_t stream) {
+  if (tokens <= 0) return;
+  rope_kernel<<<static_cast<unsigned>(tokens), 256, 0, stream>>>(x, layout, cos, sin);
+  CAPSERVE_CUDA_CHECK_LAUNCH();
+}
+
+AttentionBatchArrays attention_batch_arrays(std::span<const SequenceSlice> seqs) {
+  AttentionBatchArrays a;
+  for (const SequenceSlice& s : seqs)
+    a.max_blocks = std::max(a.max_blocks, static_cast<std::int64_t>(s.block_table.size()));
+  a.block_tables.assign(seqs.size() * static_cast<std::size_t>(a.max_blocks), 0);
+  for (std::size_t si = 0; si < seqs.size(); ++si) {
+    const SequenceSlice& s = seqs[si];
+    std::copy(s.block_table.begin(), s.block_table.end(),
+              a.block_tables.begin() + static_cast<std::ptrdiff_t>(si) * a.max_blocks);
+    const auto end = static_cast<std::size_t>(s.first_row + s.num_tokens);
+    if (a.row_pos.size() < end) {
+      a.row_pos.resize(end, 0);
+      a.row_seq.resize(end, 0);
+    }
+    for (std::int64_t i = 0; i < s.num_tokens; ++i) {
+      a.row_pos[static_cast<std::size_t>(s.first_row + i)] = static_cast<std::int32_t>(s.start_pos + i);
+      a.row_seq[static_cast<std::size_t>(s.first_row + i)] = static_cast<std::int32_t>(si);
+    }
+  }
+  return a;
+}
+
+void kv_store(const DeviceAttentionBatch& batch, const float* k, const float* v, const DeviceKvLayer& cache,
+              cudaStream_t stream) {
+  if (batch.rows <= 0) return;
+  kv_store_kernel<<<static_cast<unsigned>(batch.rows), 256, 0, stream>>>(batch, k, v, cache);
+  CAPSERVE_CUDA_CHECK_LAUNCH();
+}
+
+void paged_attention(const DeviceAttentionBatch& batch, const float* q, const DeviceKvLayer& cache,
+                     const AttentionParams& params, float* out, cudaStream_t stream) {
+  if (cache.head_dim > static_cast<std::int64_t>(kAttnThreads) * kAttnDims)
+    throw std::invalid_argument("paged_attention: head_dim above 512");
+  if (cache.num_kv_heads <= 0 || params.num_heads % cache.num_kv_heads != 0)
+    throw std::invalid_argument("paged_attention: heads must be a multiple of the kv heads");
+  if (batch.rows <= 0) return;
+  const dim3 grid(static_cast<unsigned>(batch.rows), static_cast<unsigned>(params.num_heads));
+  paged_attention_kernel<<<grid, kAttnThreads, 0, stream>>>(batch, q, cache, params, out);
+  CAPSERVE_CUDA_CHECK_LAUNCH();
+}
+
+void sample(const float* logits, std::int64_t rows, std::int64_t vocab, const SampleControls* controls,
+            std::int32_t* tokens, cudaStream_t stream) {
+  if (rows <= 0) return;
+  if (vocab <= 0 || vocab > static_cast<std::int64_t>(moe::kLow32))
+    throw std::invalid_argument("sample: vocab size");
+  sample_kernel<<<static_cast<unsigned>(rows), kSampleThreads, 0, stream>>>(logits, vocab, controls, tokens);
+  CAPSERVE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace capserve::kernels::cuda

@@ -1,0 +1,75 @@
+#pragma once
+// The dense per-layer operations on the device, fp32 activations: RMSNorm, rotary embedding, the paged KV
+// cache store and causal grouped-query attention over it (prefill and decode alike), and next-token
+// sampling. Pointers are device memory; work is queued on `stream`.
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "kernels/backend.h"
+
+namespace capserve::kernels::cuda {
+
+// out[r, :] = weight * x[r, :] / sqrt(mean(x[r, :]^2) + eps); out may alias x.
+void rms_norm(const float* x, std::int64_t rows, std::int64_t cols, const __nv_bfloat16* weight, float eps,
+              float* out, cudaStream_t stream);
+
+// Rotary embedding in place on the layout's part of x [tokens, heads, head_dim]; cos/sin [tokens, dim / 2].
+void rope(float* x, std::int64_t tokens, const RotaryLayout& layout, const float* cos, const float* sin,
+          cudaStream_t stream);
+
+// A ragged batch's rows as the attention kernels see them (device arrays).
+struct DeviceAttentionBatch {
+  std::int64_t rows = 0;
+  const std::int32_t* row_pos = nullptr;       // [rows]: the row's position in its sequence
+  const std::int32_t* row_seq = nullptr;       // [rows]: its sequence
+  const std::int32_t* block_tables = nullptr;  // [sequences, max_blocks]
+  std::int64_t max_blocks = 0;
+};
+
+// The host arrays behind a DeviceAttentionBatch, built from the CPU path's sequence slices.
+struct AttentionBatchArrays {
+  std::vector<std::int32_t> row_pos;
+  std::vector<std::int32_t> row_seq;
+  std::vector<std::int32_t> block_tables;
+  std::int64_t max_blocks = 0;
+};
+AttentionBatchArrays attention_batch_arrays(std::span<const SequenceSlice> seqs);
+
+// Cache layout as PagedKvLayer: [num_blocks, block_size, num_kv_heads, head_dim] fp32.
+struct DeviceKvLayer {
+  float* k = nullptr;
+  float* v = nullptr;
+  std::int64_t block_size = 0;
+  std::int64_t num_kv_heads = 0;
+  std::int64_t head_dim = 0;
+};
+
+// The batch rows' k/v [rows, num_kv_heads * head_dim] into their cache slots.
+void kv_store(const DeviceAttentionBatch& batch, const float* k, const float* v, const DeviceKvLayer& cache,
+              cudaStream_t stream);
+
+// Causal (optionally sliding-window) GQA of q [rows, heads * head_dim] over the cache; out likewise. One
+// block per (row, head), online softmax over the row's context. head_dim <= 512.
+void paged_attention(const DeviceAttentionBatch& batch, const float* q, const DeviceKvLayer& cache,
+                     const AttentionParams& params, float* out, cudaStream_t stream);
+
+// One row's sampling controls, as runtime::SamplingParams; `step` numbers the draws of one seed.
+struct SampleControls {
+  float temperature = 0.0F;  // 0: greedy
+  std::int32_t top_k = 0;
+  float top_p = 1.0F;
+  std::uint64_t seed = 0;
+  std::uint64_t step = 0;
+};
+
+// tokens[r] sampled from logits [rows, vocab] under controls[r] (device arrays). Greedy takes the first
+// maximal id, as the CPU sampler; otherwise temperature, then top-k (ties to the lower id), then top-p, and
+// a draw from a counter-based generator: the same distribution as the CPU sampler, not the same stream.
+void sample(const float* logits, std::int64_t rows, std::int64_t vocab, const SampleControls* controls,
+            std::int32_t* tokens, cudaStream_t stream);
+
+}  // namespace capserve::kernels::cuda

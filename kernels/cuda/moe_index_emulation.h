@@ -1,0 +1,50 @@
+#pragma once
+// The MoE index kernels run on the host: the same thread bodies (moe_index_logic.h) and launch sequences
+// (moe_pipeline.h) as the CUDA kernels, each launch's threads one after another. Built by the plain C++
+// compiler, so tests without a GPU check the device's decisions against the CPU implementations.
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <vector>
+
+#include "kernels/cuda/moe_index_logic.h"
+
+namespace capserve::kernels::moe {
+
+// Router: probs [T, E], experts and weights [T, k].
+void emulate_router(const RouterParams& p, std::span<const float> logits, std::span<float> probs,
+                    std::span<std::int32_t> experts, std::span<float> weights);
+
+struct CapacityInputs {
+  CapacityParams params;
+  std::span<const float> probs;               // [T, E]
+  std::span<const std::uint8_t> exempt;       // [T] or empty
+  std::span<const std::int32_t> owners;       // [E] (device granularity) or empty
+  std::span<const std::int32_t> bin_experts;  // [nbins] (device granularity) or empty
+  std::span<const std::int32_t> local_list;   // this rank's experts, ascending (expanded)
+  // Global scope: sums the values over the ranks (Communicator::allreduce_sum); empty in local scope. Then
+  // params.total_tokens and token_offset are the step's token count and this rank's first token in it.
+  std::function<void(std::span<std::int64_t>)> allreduce_sum;
+};
+
+struct CapacityTotals {
+  std::int64_t dropped = 0;
+  std::int64_t rerouted = 0;
+};
+
+// One layer's scheduling in place on experts/weights [T, k]; status [T, k] gets SlotState values.
+CapacityTotals emulate_capacity(const CapacityInputs& in, std::span<std::int32_t> experts,
+                                std::span<float> weights, std::span<std::uint8_t> status);
+
+struct PermuteResult {
+  std::vector<std::int64_t> offsets;    // [groups + 1]
+  std::vector<std::int64_t> position;   // [T, k]: row of each slot, -1 when not here
+  std::vector<std::int32_t> row_token;  // [offsets.back()]
+};
+
+// owners/local_index empty: every expert is local and its own group.
+PermuteResult emulate_permute(const PermuteParams& p, std::span<const std::int32_t> experts,
+                              std::span<const std::int32_t> owners,
+                              std::span<const std::int32_t> local_index);
+
+}  // namespace capserve::kernels::moe

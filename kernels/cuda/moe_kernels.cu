@@ -1,0 +1,157 @@
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/moe_kernels.h"
+#include "kernels/cuda/moe_pipeline.h"
+
+namespace capserve::kernels::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+template <class Body>
+__global__ void for_each_kernel(std::int64_t n, Body body) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) body(i);
+}
+
+// Exclusive prefix sums of data[0..n) in one block, the total into data[n]: each thread scans a contiguous
+// segment, then the segment totals are scanned in shared memory.
+__global__ void exclusive_scan_kernel(std::int64_t* data, std::int64_t n) {
+  __shared__ std::int64_t partial[kThreads];
+  const std::int64_t per = (n + kThreads - 1) / kThreads;
+  const std::int64_t begin = threadIdx.x * per;
+  const std::int64_t end = begin + per < n ? begin + per : n;
+  std::int64_t sum = 0;
+  for (std::int64_t i = begin; i < end; ++i) sum += data[i];
+  partial[threadIdx.x] = sum;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    std::int64_t run = 0;
+    for (int t = 0; t < kThreads; ++t) {
+      const std::int64_t v = partial[t];
+      partial[t] = run;
+      run += v;
+    }
+    data[n] = run;
+  }
+  __syncthreads();
+  std::int64_t run = partial[threadIdx.x];
+  for (std::int64_t i = begin; i < end; ++i) {
+    const std::int64_t v = data[i];
+    data[i] = run;
+    run += v;
+  }
+}
+
+// Launches each thread body as one kernel on the stream.
+struct CudaExec {
+  cudaStream_t stream;
+  const DeviceReduce* reduce = nullptr;
+
+  template <class Body>
+  void for_each(std::int64_t n, const Body& body) {
+    if (n <= 0) return;
+    const auto blocks = static_cast<unsigned>((n + kThreads - 1) / kThreads);
+    for_each_kernel<<<blocks, kThreads, 0, stream>>>(n, body);
+    CAPSERVE_CUDA_CHECK_LAUNCH();
+  }
+  template <class T>
+  void zero(T* data, std::int64_t n) {
+    if (n > 0) CAPSERVE_CUDA_CHECK(cudaMemsetAsync(data, 0, static_cast<std::size_t>(n) * sizeof(T), stream));
+  }
+  void reduce_sum(std::int64_t* data, std::int64_t n) {
+    if (reduce != nullptr && *reduce) (*reduce)(data, n, stream);
+  }
+  void exclusive_scan(std::int64_t* data, std::int64_t n) {
+    exclusive_scan_kernel<<<1, kThreads, 0, stream>>>(data, n);
+    CAPSERVE_CUDA_CHECK_LAUNCH();
+  }
+};
+
+__global__ void gather_rows_kernel(const float* h, std::int64_t hidden, const std::int32_t* row_token,
+                                   const std::int64_t* rows, __nv_bfloat16* x) {
+  const std::int64_t row = blockIdx.x;
+  if (row >= *rows) return;
+  const float* src = h + static_cast<std::int64_t>(row_token[row]) * hidden;
+  __nv_bfloat16* dst = x + row * hidden;
+  for (std::int64_t c = threadIdx.x; c < hidden; c += blockDim.x) dst[c] = __float2bfloat16(src[c]);
+}
+
+__global__ void combine_kernel(const float* y, std::int64_t hidden, const std::int64_t* position,
+                               const float* weights, std::int64_t top_k, float* out) {
+  const std::int64_t t = blockIdx.x;
+  for (std::int64_t c = threadIdx.x; c < hidden; c += blockDim.x) {
+    float acc = 0.0F;
+    for (std::int64_t s = 0; s < top_k; ++s) {
+      const std::int64_t row = position[t * top_k + s];
+      if (row >= 0) acc += weights[t * top_k + s] * y[row * hidden + c];
+    }
+    out[t * hidden + c] = acc;
+  }
+}
+
+}  // namespace
+
+void route(const moe::RouterParams& p, const float* logits, float* probs, std::int32_t* experts,
+           float* weights, cudaStream_t stream) {
+  if (p.n_group < 1 || p.n_group > 64 || p.num_experts % p.n_group != 0 || p.top_k > p.num_experts)
+    throw std::invalid_argument(
+        "route: n_group must divide num_experts (at most 64 groups), top_k <= experts");
+  CudaExec x{stream};
+  moe::run_router(x, moe::RouteToken{p, logits, probs, experts, weights});
+}
+
+std::int64_t capacity_workspace_bytes(const moe::CapacityParams& p) {
+  return moe::capacity_workspace(p).bytes;
+}
+
+void schedule_capacity(moe::CapacityView view, void* workspace, std::int64_t* totals, cudaStream_t stream,
+                       const DeviceReduce& reduce) {
+  const moe::CapacityParams& p = view.p;
+  if (static_cast<std::uint64_t>(p.total_tokens) * static_cast<std::uint64_t>(p.top_k) > moe::kLow32)
+    throw std::length_error("schedule_capacity: more than 2^32 assignments in one step");
+  if ((view.owners == nullptr) != (view.bin_experts == nullptr))
+    throw std::invalid_argument("schedule_capacity: device granularity needs owners and bin_experts");
+  moe::bind_capacity_workspace(view, workspace);
+  CudaExec x{stream, &reduce};
+  moe::run_capacity(x, view);
+  CAPSERVE_CUDA_CHECK(
+      cudaMemcpyAsync(totals, view.totals, 2 * sizeof(std::int64_t), cudaMemcpyDeviceToDevice, stream));
+}
+
+std::int64_t permute_workspace_elements(const moe::PermuteParams& p) {
+  return p.num_groups * moe::permute_chunks(p) + 1;
+}
+
+void permute(const moe::PermuteParams& p, const std::int32_t* experts, const std::int32_t* owners,
+             const std::int32_t* local_index, std::int64_t* workspace, std::int64_t* offsets,
+             std::int64_t* position, std::int32_t* row_token, cudaStream_t stream) {
+  if (p.chunk <= 0) throw std::invalid_argument("permute: chunk must be positive");
+  moe::PermuteView v;
+  v.p = p;
+  v.experts = experts;
+  v.owners = owners;
+  v.local_index = local_index;
+  v.chunk_base = workspace;
+  v.offsets = offsets;
+  v.position = position;
+  v.row_token = row_token;
+  CudaExec x{stream};
+  moe::run_permute(x, v);
+}
+
+void gather_rows(const float* h, std::int64_t hidden, const std::int32_t* row_token, const std::int64_t* rows,
+                 std::int64_t max_rows, __nv_bfloat16* x, cudaStream_t stream) {
+  if (max_rows <= 0) return;
+  gather_rows_kernel<<<static_cast<unsigned>(max_rows), kThreads, 0, stream>>>(h, hidden, row_token, rows, x);
+  CAPSERVE_CUDA_CHECK_LAUNCH();
+}
+
+void combine(const float* y, std::int64_t hidden, const std::int64_t* position, const float* weights,
+             std::int64_t tokens, std::int64_t top_k, float* out, cudaStream_t stream) {
+  if (tokens <= 0) return;
+  combine_kernel<<<static_cast<unsigned>(tokens), kThreads, 0, stream>>>(y, hidden, position, weights, top_k,
+                                                                         out);
+  CAPSERVE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace capserve::kernels::cuda

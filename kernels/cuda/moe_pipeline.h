@@ -1,0 +1,77 @@
+#pragma once
+// The launch sequences of the MoE index kernels, written once over an executor: the CUDA executor
+// (moe_kernels.cu) launches each thread body as a kernel on a stream, the host executor
+// (moe_index_emulation.cpp) runs its threads in a loop. Either way the same bodies run in the same order.
+//
+// An executor provides:
+//   for_each(n, body)               body(i) for i in [0, n), one launch
+//   zero(ptr, count)                count elements set to 0
+//   exclusive_scan(data, n)         data[0..n) to its exclusive prefix sums, the total into data[n]
+//   reduce_sum(data, n)             global scope: data[0..n) summed over the ranks (local scope: nothing)
+#include <cstdint>
+
+#include "kernels/cuda/moe_index_logic.h"
+
+namespace capserve::kernels::moe {
+
+template <class Exec>
+void run_router(Exec& x, const RouteToken& body) {
+  x.for_each(body.p.tokens, body);
+}
+
+// Per bin, the `select[b].need` largest candidate keys (of bins still unresolved) in eight radix rounds.
+// Always all eight: a resolved bin skips the later ones, so no round needs a decision from the host.
+template <class Exec>
+void run_select(Exec& x, const CapacityView& v) {
+  const std::int64_t slots = v.p.tokens * v.p.top_k;
+  for (int shift = 64 - kRadixBits; shift >= 0; shift -= kRadixBits) {
+    x.zero(v.hist, v.p.nbins * kRadixBuckets);
+    x.for_each(slots, HistogramSlot{v, shift});
+    x.reduce_sum(v.hist, v.p.nbins * kRadixBuckets);
+    x.for_each(v.p.nbins, ResolveBin{v, shift});
+  }
+}
+
+// One layer's capacity scheduling. Global scope sums the per-bin counts and radix histograms over the ranks
+// (the executor's reduce_sum), so every rank reaches the same per-bin thresholds: the exact global top-C.
+template <class Exec>
+void run_capacity(Exec& x, const CapacityView& v) {
+  const std::int64_t T = v.p.tokens;
+  const std::int64_t slots = T * v.p.top_k;
+  x.zero(v.counts, 2 * v.p.nbins);
+  x.zero(v.totals, 2);
+  x.for_each(T, PrepareToken{v});
+  x.reduce_sum(v.counts, 2 * v.p.nbins);
+  x.for_each(v.p.nbins, SetupBin{v});
+  run_select(x, v);
+  x.for_each(slots, ApplyDrop{v});
+  if (v.p.reroute != RerouteKind::none) {
+    if (v.p.reroute == RerouteKind::expanded) x.for_each(T, ChooseLocal{v});
+    // A round without candidates changes nothing, and neither does any after it: the CPU's early exit
+    // and running every round reach the same state.
+    for (std::int64_t round = 0; round < v.p.rounds; ++round) {
+      x.zero(v.counts, v.p.nbins);
+      x.for_each(T, RerouteCandidates{v});
+      x.reduce_sum(v.counts, v.p.nbins);
+      x.for_each(v.p.nbins, BeginRerouteSelect{v});
+      run_select(x, v);
+      x.for_each(slots, ApplyReroute{v});
+      x.for_each(v.p.nbins, ConsumeRoom{v});
+    }
+  }
+  x.for_each(T, FinishToken{v});
+}
+
+// chunk_base needs num_groups * permute_chunks(p) + 1 elements.
+template <class Exec>
+void run_permute(Exec& x, const PermuteView& v) {
+  const std::int64_t chunks = permute_chunks(v.p);
+  const std::int64_t n = v.p.num_groups * chunks;
+  x.zero(v.chunk_base, n + 1);
+  x.for_each(chunks, PermuteCountChunk{v});
+  x.exclusive_scan(v.chunk_base, n);
+  x.for_each(v.p.num_groups + 1, PermuteOffsets{v, n});
+  x.for_each(chunks, PermuteScatterChunk{v});
+}
+
+}  // namespace capserve::kernels::moe

@@ -1,0 +1,65 @@
+#pragma once
+// DeviceCommunicator over NCCL, one GPU per rank. Bootstrapped over MPI: rank 0 makes the ncclUniqueId and
+// MpiWorld broadcasts it; each rank takes GPU (local rank % GPUs on its node) as its current device.
+// alltoallv is one NCCL group of ncclSend/ncclRecv, one pair per peer with a non-zero count (the own block is
+// a device-to-device copy); nothing in any call waits on the host.
+//
+// NCCL (<= 2.29) refuses two ranks on one GPU. The constructor checks this first (by GPU UUID, across nodes)
+// and fails on every rank with a message naming the fix: HostStagedCommunicator for several ranks per GPU.
+// Streams passed to the calls must belong to this communicator's device.
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include "parallel/block_layout.h"
+#include "parallel/device_communicator.h"
+#include "parallel/mpi_world.h"
+
+struct ncclComm;  // ncclComm_t is ncclComm*
+
+namespace capserve::parallel {
+
+class NcclCommunicator final : public DeviceCommunicator {
+ public:
+  // Collective over the whole world. Throws std::runtime_error on every rank when any rank has no CUDA
+  // device, two ranks share a GPU, or NCCL fails to initialize.
+  explicit NcclCommunicator(MpiWorld& world);
+  // ncclCommDestroy; ncclCommAbort instead after an NCCL error or while an exception unwinds (the other ranks
+  // may never reach a matching call).
+  ~NcclCommunicator() override;
+
+  [[nodiscard]] int rank() const override { return rank_; }
+  [[nodiscard]] int size() const override { return size_; }
+  // The CUDA device this rank uses (made current by the constructor).
+  [[nodiscard]] int device() const { return device_; }
+
+  // Argument errors throw std::invalid_argument or std::length_error before anything is enqueued; NCCL and
+  // CUDA errors throw std::runtime_error naming the call, with NCCL's last error message.
+  void alltoall_counts(std::span<const std::int64_t> send, std::span<std::int64_t> recv,
+                       DeviceStream stream) override;
+  void alltoallv(std::span<const std::byte> send, std::span<const std::int64_t> send_counts,
+                 std::span<std::byte> recv, std::span<const std::int64_t> recv_counts,
+                 DeviceStream stream) override;
+  void allreduce_sum(std::span<std::int64_t> values, DeviceStream stream) override;
+  void allreduce_max(std::span<double> values, DeviceStream stream) override;
+  void allgather(std::span<const std::int64_t> mine, std::span<std::int64_t> all,
+                 DeviceStream stream) override;
+
+ private:
+  // One grouped exchange of the blocks of two checked layouts.
+  void exchange(std::span<const std::byte> send, const BlockLayout& send_layout, std::span<std::byte> recv,
+                const BlockLayout& recv_layout, DeviceStream stream);
+  // Throws on an NCCL error (result is an ncclResult_t) and marks the communicator for ncclCommAbort.
+  void check(int result, const char* what);
+
+  int rank_ = 0;
+  int size_ = 1;
+  int device_ = 0;
+  int uncaught_at_start_ = 0;
+  bool failed_ = false;
+  ncclComm* comm_ = nullptr;  // owned
+  BlockLayout send_layout_, recv_layout_;
+  BlockLayout counts_layout_;  // alltoall_counts: one int64 per rank
+};
+
+}  // namespace capserve::parallel

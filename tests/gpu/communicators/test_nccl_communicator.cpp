@@ -1,0 +1,96 @@
+// NcclCommunicator under mpirun (label gpu) against MpiCommunicator on the same random inputs, byte for byte.
+// Skips without a CUDA device (there, only the failure to start is tested), and where this node has fewer
+// GPUs than ranks (there, the refusal is tested).
+#include <gtest/gtest.h>
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "parallel/mpi_communicator.h"
+#include "parallel/nccl_communicator.h"
+#include "tests/gpu/communicators/cuda_test_device.h"
+#include "tests/gpu/gpu_test_support.h"
+#include "tests/mpi/device_communicator_cases.h"
+#include "tests/mpi/mpi_gtest_main.h"
+
+namespace capserve::parallel {
+namespace {
+
+// GTEST_SKIP returns from the test body, so this must be a macro used there; every rank of the node skips
+// alike.
+#define REQUIRE_GPU_PER_RANK()                                                   \
+  do {                                                                           \
+    CAPSERVE_REQUIRE_CUDA_DEVICE();                                              \
+    if (const auto capserve_too_few = ::capserve::test::fewer_gpus_than_ranks()) \
+      GTEST_SKIP() << *capserve_too_few;                                         \
+  } while (false)
+
+TEST(NcclCommunicator, SelectsTheGpuOfItsLocalRank) {
+  REQUIRE_GPU_PER_RANK();
+  NcclCommunicator comm(test::mpi_world());
+  int count = 0;
+  int current = -1;
+  ASSERT_EQ(cudaGetDeviceCount(&count), cudaSuccess);
+  ASSERT_EQ(cudaGetDevice(&current), cudaSuccess);
+  EXPECT_EQ(comm.device(), test::mpi_world().local_rank() % count);
+  EXPECT_EQ(current, comm.device());
+  EXPECT_EQ(comm.rank(), test::mpi_world().rank());
+  EXPECT_EQ(comm.size(), test::mpi_world().size());
+  EXPECT_EQ(comm.bytes_sent(), 0);
+}
+
+TEST(NcclCommunicator, AlltoallvEqualsMpiOnRandomCases) {
+  REQUIRE_GPU_PER_RANK();
+  NcclCommunicator comm(test::mpi_world());
+  test::CudaTestDevice device;
+  MpiCommunicator ref;
+  for (std::uint64_t seed = 1; seed <= 3; ++seed) test::check_alltoallv_against_mpi(comm, ref, device, seed);
+  EXPECT_EQ(comm.bytes_sent(), ref.bytes_sent());
+}
+
+TEST(NcclCommunicator, AlltoallFixedAndSmallCollectivesEqualMpi) {
+  REQUIRE_GPU_PER_RANK();
+  NcclCommunicator comm(test::mpi_world());
+  test::CudaTestDevice device;
+  MpiCommunicator ref;
+  test::check_alltoall_fixed_against_mpi(comm, ref, device, 3);
+  for (std::uint64_t seed = 1; seed <= 2; ++seed)
+    test::check_small_collectives_against_mpi(comm, ref, device, seed);
+}
+
+TEST(NcclCommunicator, ArgumentErrorsThrowOnEveryRank) {
+  REQUIRE_GPU_PER_RANK();
+  NcclCommunicator comm(test::mpi_world());
+  test::CudaTestDevice device;
+  test::check_argument_errors(comm, device);
+}
+
+TEST(NcclCommunicator, RefusesTwoRanksOnOneGpuNamingTheFix) {
+  CAPSERVE_REQUIRE_CUDA_DEVICE();
+  if (!test::fewer_gpus_than_ranks()) GTEST_SKIP() << "every rank of this node has a GPU of its own";
+  try {
+    NcclCommunicator comm(test::mpi_world());
+    ADD_FAILURE() << "NcclCommunicator accepted two ranks on one GPU";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("HostStagedCommunicator"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(test::mpi_world().all_agree(true));  // every rank threw, and all are still in step
+}
+
+// The one test that runs where there is no GPU: set-up fails on every rank together, naming the reason.
+TEST(NcclCommunicator, WithoutADeviceThrowsOnEveryRank) {
+  if (!test::cuda_device_unavailable()) GTEST_SKIP() << "a CUDA device is present";
+  try {
+    NcclCommunicator comm(test::mpi_world());
+    ADD_FAILURE() << "NcclCommunicator started without a CUDA device";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("no CUDA device"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(test::mpi_world().all_agree(true));
+}
+
+}  // namespace
+}  // namespace capserve::parallel

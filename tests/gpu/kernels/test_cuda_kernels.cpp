@@ -1,0 +1,562 @@
+// The CUDA kernels against the CPU path on fresh random inputs (METHOD.md): the index kernels (router top-k,
+// capacity scheduler, permute) decision for decision, the arithmetic ones by ||out - ref|| / ||ref|| — fp32
+// kernels under 1e-5, bf16 GEMMs under 1e-2. Every output is poisoned (all bits set: NaN / -1) before the
+// run, so an unwritten element fails. Skipped where no CUDA device is usable.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/expert_ffn.h"
+#include "kernels/cuda/layer_kernels.h"
+#include "kernels/cuda/moe_index_emulation.h"
+#include "kernels/cuda/moe_kernels.h"
+#include "parallel/capacity_scheduler.h"
+#include "parallel/expert_placement.h"
+#include "parallel/self_communicator.h"
+#include "runtime/moe_block.h"
+#include "runtime/sampler.h"
+#include "tests/gpu/gpu_test_support.h"
+
+namespace capserve {
+namespace {
+
+namespace moe = kernels::moe;
+using kernels::cuda::DeviceBuffer;
+using Rng = std::mt19937_64;
+
+template <class T>
+DeviceBuffer<T> upload(const std::vector<T>& host) {
+  DeviceBuffer<T> d(host.size());
+  if (!host.empty())
+    CAPSERVE_CUDA_CHECK(cudaMemcpy(d.data(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+
+template <class T>
+std::vector<T> download(const DeviceBuffer<T>& d, std::size_t n) {
+  CAPSERVE_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<T> host(n);
+  if (n > 0) CAPSERVE_CUDA_CHECK(cudaMemcpy(host.data(), d.data(), n * sizeof(T), cudaMemcpyDeviceToHost));
+  return host;
+}
+
+template <class T>
+DeviceBuffer<T> poisoned(std::size_t n) {
+  DeviceBuffer<T> d(n);
+  if (n > 0) CAPSERVE_CUDA_CHECK(cudaMemset(d.data(), 0xFF, d.bytes()));
+  return d;
+}
+
+std::int64_t uniform(Rng& rng, std::int64_t lo, std::int64_t hi) {
+  return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng);
+}
+
+std::vector<float> normal_vector(Rng& rng, std::size_t n, float sd = 1.0F) {
+  std::normal_distribution<float> d(0.0F, sd);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+// ||out - ref|| / ||ref||, infinite when anything is not finite.
+double relative_error(const std::vector<float>& out, const std::vector<float>& ref) {
+  double num = 0.0;
+  double den = 0.0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    if (!std::isfinite(out[i])) return INFINITY;
+    const double d = static_cast<double>(out[i]) - ref[i];
+    num += d * d;
+    den += static_cast<double>(ref[i]) * ref[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+std::uint16_t to_bf16(float f) {
+  const std::uint32_t u = std::bit_cast<std::uint32_t>(f);
+  return static_cast<std::uint16_t>((u + 0x7FFFU + ((u >> 16) & 1U)) >> 16);
+}
+float from_bf16(std::uint16_t h) {
+  return std::bit_cast<float>(static_cast<std::uint32_t>(h) << 16);
+}
+
+const __nv_bfloat16* bf16_ptr(const DeviceBuffer<std::uint16_t>& d) {
+  return reinterpret_cast<const __nv_bfloat16*>(d.data());
+}
+
+kernels::WeightView bf16_view(const std::vector<std::uint16_t>& bits, std::int64_t rows, std::int64_t cols) {
+  return {kernels::DType::bf16, reinterpret_cast<const std::byte*>(bits.data()), rows, cols};
+}
+
+// ---------------------------------------------------------------------------------------------------------
+
+TEST(CudaKernels, RouterMatchesTheCpuRouter) {
+  CAPSERVE_REQUIRE_CUDA_DEVICE();
+  Rng rng(11);
+  for (int trial = 0; trial < 20; ++trial) {
+    const std::int64_t E = uniform(rng, 2, 128);
+    const std::int64_t k = uniform(rng, 1, std::min<std::int64_t>(E, 8));
+    const std::int64_t T = uniform(rng, 1, 500);
+    const bool normalize = uniform(rng, 0, 1) == 1;
+    const std::vector<float> logits = normal_vector(rng, static_cast<std::size_t>(T * E), 3.0F);
+    runtime::Routing cpu;
+    runtime::route_softmax_topk(logits, T, E, k, normalize, cpu);
+
+    moe::RouterParams p;
+    p.tokens = T;
+    p.num_experts = E;
+    p.top_k = k;
+    p.normalize = normalize;
+    const auto d_logits = upload(logits);
+    auto d_probs = poisoned<float>(static_cast<std::size_t>(T * E));
+    auto d_experts = poisoned<std::int32_t>(static_cast<std::size_t>(T * k));
+    auto d_weights = poisoned<float>(static_cast<std::size_t>(T * k));
+    kernels::cuda::route(p, d_logits.data(), d_probs.data(), d_experts.data(), d_weights.data(), nullptr);
+    const std::vector<float> probs = download(d_probs, d_probs.size());
+    const std::vector<std::int32_t> experts = download(d_experts, d_experts.size());
+    const std::vector<float> weights = download(d_weights, d_weights.size());
+    EXPECT_LT(relative_error(probs, cpu.probs), 1e-5);
+    EXPECT_LT(relative_error(weights, cpu.weights), 1e-5);
+    // The device's expf may differ from the host's in the last bit: a different choice is allowed only
+    // between experts the CPU scores within rounding of each other.
+    for (std::size_t a = 0; a < experts.size(); ++a) {
+      if (experts[a] == cpu.experts[a]) continue;
+      const std::size_t t = a / static_cast<std::size_t>(k);
+      ASSERT_GE(experts[a], 0);
+      const float p_gpu = cpu.probs[t * static_cast<std::size_t>(E) + static_cast<std::size_t>(experts[a])];
+      const float p_cpu =
+          cpu.probs[t * static_cast<std::size_t>(E) + static_cast<std::size_t>(cpu.experts[a])];
+      EXPECT_NEAR(p_gpu, p_cpu, 1e-6F * p_cpu)
+          << "token " << t << " slot " << a % static_cast<std::size_t>(k);
+    }
+  }
+}
+
+TEST(CudaKernels, CapacitySchedulerDecisionsAreBitIdentical) {
+  CAPSERVE_REQUIRE_CUDA_DEVICE();
+  Rng rng(23);
+  static constexpr double kGammas[] = {0.25, 0.5, 1.0 / 3.0, 0.75, 1.0, 1.25, 2.0};
+  static constexpr parallel::CapacityPolicy kPolicies[] = {
+      parallel::CapacityPolicy::drop, parallel::CapacityPolicy::reroute, parallel::CapacityPolicy::expanded};
+  static constexpr parallel::DropScore kScores[] = {parallel::DropScore::gate, parallel::DropScore::order,
+                                                    parallel::DropScore::reverse_order,
+                                                    parallel::DropScore::random};
+  for (int trial = 0; trial < 200; ++trial) {
+    const std::int64_t E = uniform(rng, 1, 64);
+    const std::int64_t k = uniform(rng, 1, std::min<std::int64_t>(E, 8));
+    const std::int64_t T = uniform(rng, 0, 10) == 0 ? 0 : uniform(rng, 1, 1000);
+    const int ranks = static_cast<int>(uniform(rng, 1, 4));
+    const int rank = static_cast<int>(uniform(rng, 0, ranks - 1));
+    parallel::CapacityConfig config;
+    config.gamma = {kGammas[uniform(rng, 0, std::ssize(kGammas) - 1)]};
+    config.policy = kPolicies[uniform(rng, 0, 2)];
+    config.granularity = uniform(rng, 0, 1) == 1 ? parallel::CapacityGranularity::device
+                                                 : parallel::CapacityGranularity::expert;
+    config.scope = parallel::CapacityScope::local;
+    config.score = kScores[uniform(rng, 0, 3)];
+    config.rounds = uniform(rng, 1, 3);
+    config.local_experts = uniform(rng, 1, 3);
+    config.renormalize_after_drop = uniform(rng, 0, 3) == 0;
+    config.seed = 42;
+    const bool normalized = uniform(rng, 0, 1) == 1;
+    // Logits on a grid: many exact ties.
+    std::vector<float> logits(static_cast<std::size_t>(T * E));
+    for (float& l : logits) l = static_cast<float>(uniform(rng, 0, 3)) * 0.5F;
+    runtime::Routing routing;
+    runtime::route_softmax_topk(logits, T, E, k, normalized, routing);
+    const parallel::ExpertPlacement placement = parallel::ExpertPlacement::contiguous(1, E, ranks);
+    SCOPED_TRACE("trial " + std::to_string(trial) + ": T=" + std::to_string(T) + " E=" + std::to_string(E) +
+                 " k=" + std::to_string(k) + " " + parallel::describe(config));
+
+    // CPU: with one rank, CapacityScheduler itself; with more, rank `rank` in local scope, which the host
+    // emulation below stands for (it equals CapacityScheduler bit for bit: unit test test_moe_index_logic).
+    std::vector<std::int32_t> cpu_experts = routing.experts;
+    std::vector<float> cpu_weights = routing.weights;
+    std::vector<parallel::SlotStatus> cpu_status(cpu_experts.size());
+    if (ranks == 1) {
+      parallel::SelfCommunicator self;
+      parallel::CapacityScheduler scheduler(config, self);
+      scheduler.begin_step(T);
+      parallel::LayerRouting r{T,           k,          E,  routing.probs, cpu_experts,
+                               cpu_weights, cpu_status, {}, normalized,    1.0F};
+      scheduler.apply(0, placement, r);
+    }
+
+    // Device.
+    const bool device = config.granularity == parallel::CapacityGranularity::device;
+    moe::CapacityView v;
+    v.p.tokens = T;
+    v.p.top_k = k;
+    v.p.num_experts = E;
+    v.p.nbins = device ? ranks : E;
+    v.p.total_tokens = T;
+    v.p.gamma = config.gamma.front();
+    v.p.reroute = config.policy == parallel::CapacityPolicy::drop      ? moe::RerouteKind::none
+                  : config.policy == parallel::CapacityPolicy::reroute ? moe::RerouteKind::reroute
+                                                                       : moe::RerouteKind::expanded;
+    v.p.rounds = config.rounds;
+    v.p.local_experts = config.local_experts;
+    v.p.score = static_cast<moe::ScoreKind>(static_cast<int>(config.score));
+    v.p.seed = config.seed;
+    v.p.normalized = normalized;
+    v.p.renormalize_after_drop = config.renormalize_after_drop;
+    std::vector<std::int32_t> bin_experts;
+    for (int r = 0; r < ranks; ++r)
+      bin_experts.push_back(static_cast<std::int32_t>(placement.local_experts(0, r).size()));
+    const std::vector<std::int32_t> owners(placement.owners(0).begin(), placement.owners(0).end());
+    const std::vector<std::int32_t> local(placement.local_experts(0, rank).begin(),
+                                          placement.local_experts(0, rank).end());
+    const auto d_probs = upload(routing.probs);
+    const auto d_owners = upload(owners);
+    const auto d_bin_experts = upload(bin_experts);
+    const auto d_local = upload(local);
+    auto d_experts = upload(routing.experts);
+    auto d_weights = upload(routing.weights);
+    auto d_status = poisoned<std::uint8_t>(routing.experts.size());
+    DeviceBuffer<std::byte> workspace(static_cast<std::size_t>(kernels::cuda::capacity_workspace_bytes(v.p)));
+    auto d_totals = poisoned<std::int64_t>(2);
+    v.probs = d_probs.data();
+    v.owners = device ? d_owners.data() : nullptr;
+    v.bin_experts = device ? d_bin_experts.data() : nullptr;
+    v.local_list = d_local.data();
+    v.num_local = static_cast<std::int64_t>(local.size());
+    v.experts = d_experts.data();
+    v.weights = d_weights.data();
+    v.status = d_status.data();
+    kernels::cuda::schedule_capacity(v, workspace.data(), d_totals.data(), nullptr);
+
+    // Reference: the host emulation of the same parameters.
+    moe::CapacityInputs in;
+    in.params = v.p;
+    in.probs = routing.probs;
+    if (device) {
+      in.owners = owners;
+      in.bin_experts = bin_experts;
+    }
+    in.local_list = local;
+    std::vector<std::int32_t> ref_experts = routing.experts;
+    std::vector<float> ref_weights = routing.weights;
+    std::vector<std::uint8_t> ref_status(ref_experts.size());
+    const moe::CapacityTotals ref_totals = moe::emulate_capacity(in, ref_experts, ref_weights, ref_status);
+    if (ranks == 1) {
+      ASSERT_EQ(ref_experts, cpu_experts);
+      for (std::size_t a = 0; a < cpu_status.size(); ++a)
+        ASSERT_EQ(ref_status[a], static_cast<std::uint8_t>(cpu_status[a]));
+    }
+
+    ASSERT_EQ(download(d_status, ref_status.size()), ref_status);
+    ASSERT_EQ(download(d_experts, ref_experts.size()), ref_experts);
+    const std::vector<float> weights = download(d_weights, ref_weights.size());
+    for (std::size_t a = 0; a < weights.size(); ++a)
+      ASSERT_EQ(std::bit_cast<std::uint32_t>(weights[a]), std::bit_cast<std::uint32_t>(ref_weights[a])) << a;
+    const std::vector<std::int64_t> totals = download(d_totals, 2);
+    EXPECT_EQ(totals[0], ref_totals.dropped);
+    EXPECT_EQ(totals[1], ref_totals.rerouted);
+  }
+}
+
+TEST(CudaKernels, PermuteGatherAndCombineMatchTheHost) {
+  CAPSERVE_REQUIRE_CUDA_DEVICE();
+  Rng rng(31);
+  for (int trial = 0; trial < 30; ++trial) {
+    const std::int64_t E = uniform(rng, 1, 64);
+    const std::int64_t k = uniform(rng, 1, std::min<std::int64_t>(E, 8));
+    const std::int64_t T = uniform(rng, 1, 2000);
+    const std::int64_t hidden = uniform(rng, 1, 300);
+    std::vector<std::int32_t> experts(static_cast<std::size_t>(T * k));
+    for (auto& e : experts)
+      e = uniform(rng, 0, 5) == 0 ? -1 : static_cast<std::int32_t>(uniform(rng, 0, E - 1));
+    moe::PermuteParams p;
+    p.tokens = T;
+    p.top_k = k;
+    p.num_groups = E;
+    p.chunk = uniform(rng, 1, 512);
+    const moe::PermuteResult ref = moe::emulate_permute(p, experts, {}, {});
+
+    const auto d_experts = upload(experts);
+    DeviceBuffer<std::int64_t> workspace(
+        static_cast<std::size_t>(kernels::cuda::permute_workspace_elements(p)));
+    auto d_offsets = poisoned<std::int64_t>(static_cast<std::size_t>(E + 1));
+    auto d_position = poisoned<std::int64_t>(experts.size());
+    auto d_row_token = poisoned<std::int32_t>(experts.size());
+    kernels::cuda::permute(p, d_experts.data(), nullptr, nullptr, workspace.data(), d_offsets.data(),
+                           d_position.data(), d_row_token.data(), nullptr);
+    ASSERT_EQ(download(d_offsets, ref.offsets.size()), ref.offsets);
+    ASSERT_EQ(download(d_position, ref.position.size()), ref.position);
+    std::vector<std::int32_t> row_token = download(d_row_token, experts.size());
+    row_token.resize(ref.row_token.size());
+    ASSERT_EQ(row_token, ref.row_token);
+
+    // Gather to bf16 rows, then combine fp32 expert outputs back with the gate weights.
+    const std::int64_t rows = ref.offsets.back();
+    const std::vector<float> h = normal_vector(rng, static_cast<std::size_t>(T * hidden));
+    const auto d_h = upload(h);
+    auto d_x = poisoned<__nv_bfloat16>(static_cast<std::size_t>(std::max<std::int64_t>(rows, 1) * hidden));
+    kernels::cuda::gather_rows(d_h.data(), hidden, d_row_token.data(), d_offsets.data() + E, T * k,
+                               d_x.data(), nullptr);
+    std::vector<__nv_bfloat16> x = download(d_x, static_cast<std::size_t>(rows * hidden));
+    for (std::int64_t r = 0; r < rows; ++r) {
+      for (std::int64_t c = 0; c < hidden; ++c) {
+        const float want = from_bf16(
+            to_bf16(h[static_cast<std::size_t>(ref.row_token[static_cast<std::size_t>(r)] * hidden + c)]));
+        ASSERT_EQ(__bfloat162float(x[static_cast<std::size_t>(r * hidden + c)]), want);
+      }
+    }
+    const std::vector<float> y =
+        normal_vector(rng, static_cast<std::size_t>(std::max<std::int64_t>(rows, 1) * hidden));
+    std::vector<float> weights(experts.size());
+    for (float& w : weights) w = std::uniform_real_distribution<float>(0.0F, 1.0F)(rng);
+    const auto d_y = upload(y);
+    const auto d_w = upload(weights);
+    auto d_out = poisoned<float>(static_cast<std::size_t>(T * hidden));
+    kernels::cuda::combine(d_y.data(), hidden, d_position.data(), d_w.data(), T, k, d_out.data(), nullptr);
+    std::vector<float> want(static_cast<std::size_t>(T * hidden), 0.0F);
+    for (std::int64_t t = 0; t < T; ++t) {
+      for (std::int64_t s = 0; s < k; ++s) {
+        const std::int64_t row = ref.position[static_cast<std::size_t>(t * k + s)];
+        if (row < 0) continue;
+        for (std::int64_t c = 0; c < hidden; ++c)
+          want[static_cast<std::size_t>(t * hidden + c)] +=
+              weights[static_cast<std::size_t>(t * k + s)] * y[static_cast<std::size_t>(row * hidden + c)];
+      }
+    }
+    const std::vector<float> out = download(d_out, want.size());
+    for (const float o : out) ASSERT_TRUE(std::isfinite(o));
+    EXPECT_LT(relative_error(out, want), 1e-5);
+  }
+}
+
+TEST(CudaKernels, GroupedExpertFfnMatchesTheCpuBackend) {
+  CAPSERVE_REQUIRE_CUDA_DEVICE();
+  Rng rng(41);
+  kernels::cpu::CpuBackend cpu(2);
+  kernels::cuda::ExpertFfn ffn_gpu;
+  for (int trial = 0; trial < 6; ++trial) {
+    const std::int64_t E = uniform(rng, 1, 16);
+    const std::int64_t hidden = 64 * uniform(rng, 1, 8);
+    const std::int64_t ffn = 32 * uniform(rng, 1, 8);
+    std::vector<std::int64_t> offsets{0};
+    for (std::int64_t e = 0; e < E; ++e)
+      offsets.push_back(offsets.back() + (uniform(rng, 0, 3) == 0 ? 0 : uniform(rng, 1, 200)));
+    const std::int64_t rows = offsets.back();
+    const float scale_in = 1.0F / std::sqrt(static_cast<float>(hidden));
+    const float scale_ffn = 1.0F / std::sqrt(static_cast<float>(ffn));
+    std::vector<std::vector<std::uint16_t>> gate(static_cast<std::size_t>(E)), up(gate.size()),
+        down(gate.size());
+    std::vector<kernels::ExpertWeights> cpu_experts;
+    std::vector<DeviceBuffer<std::uint16_t>> d_weights;
+    std::vector<kernels::cuda::DeviceExpert> gpu_experts;
+    const auto bf16_random = [&](std::int64_t n, float sd) {
+      std::vector<std::uint16_t> v(static_cast<std::size_t>(n));
+      const std::vector<float> values = normal_vector(rng, v.size(), sd);
+      for (std::size_t i = 0; i < v.size(); ++i) v[i] = to_bf16(values[i]);
+      return v;
+    };
+    for (std::int64_t e = 0; e < E; ++e) {
+      const auto i = static_cast<std::size_t>(e);
+      gate[i] = bf16_random(ffn * hidden, scale_in);
+      up[i] = bf16_random(ffn * hidden, scale_in);
+      down[i] = bf16_random(hidden * ffn, scale_ffn);
+      cpu_experts.push_back(
+          {bf16_view(gate[i], ffn, hidden), bf16_view(up[i], ffn, hidden), bf16_view(down[i], hidden, ffn)});
+    }
+    for (std::int64_t e = 0; e < E; ++e) {
+      const auto i = static_cast<std::size_t>(e);
+      d_weights.push_back(upload(gate[i]));
+      d_weights.push_back(upload(up[i]));
+      d_weights.push_back(upload(down[i]));
+    }
+    for (std::int64_t e = 0; e < E; ++e) {
+      const auto i = static_cast<std::size_t>(3 * e);
+      gpu_experts.push_back({bf16_ptr(d_weights[i]), bf16_ptr(d_weights[i + 1]), bf16_ptr(d_weights[i + 2])});
+    }
+    // The same bf16-representable input on both sides.
+    std::vector<float> x = normal_vector(rng, static_cast<std::size_t>(rows * hidden));
+    std::vector<std::uint16_t> x_bits(x.size());
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      x_bits[i] = to_bf16(x[i]);
+      x[i] = from_bf16(x_bits[i]);
+    }
+    std::vector<float> ref(x.size());
+    cpu.grouped_expert_ffn(x, offsets, cpu_experts, ref);
+
+    const auto d_x = upload(x_bits);
+    auto d_out = poisoned<float>(x.size());
+    DeviceBuffer<std::byte> workspace(
+        static_cast<std::size_t>(kernels::cuda::ExpertFfn::workspace_bytes(rows, ffn)));
+    ffn_gpu.run(bf16_ptr(d_x), offsets, gpu_experts, hidden, ffn, d_out.data(), workspace.data(), nullptr);
+    const double err = relative_error(download(d_out, x.size()), ref);
+    EXPECT_LT(err, 1e-2) << "E=" << E << " hidden=" << hidden << " ffn=" << ffn << " rows=" << rows;
+  }
+}
+
+TEST(CudaKernels, RmsNormAndRopeMatchTheCpuBackend) {
+  CAPSERVE_REQUIRE_CUDA_DEVICE();
+  Rng rng(53);
+  kernels::cpu::CpuBackend cpu(2);
+  const std::int64_t rows = 37;
+  const std::int64_t cols = 1000;
+  const std::vector<float> x = normal_vector(rng, static_cast<std::size_t>(rows * cols));
+  std::vector<std::uint16_t> w(static_cast<std::size_t>(cols));
+  const std::vector<float> wv = normal_vector(rng, w.size());
+  for (std::size_t i = 0; i < w.size(); ++i) w[i] = to_bf16(wv[i]);
+  std::vector<float> ref(x.size());
+  cpu.rms_norm(x, cols, bf16_view(w, 1, cols), 1e-6F, ref);
+  const auto d_x = upload(x);
+  const auto d_w = upload(w);
+  auto d_out = poisoned<float>(x.size());
+  kernels::cuda::rms_norm(d_x.data(), rows, cols, bf16_ptr(d_w), 1e-6F, d_out.data(), nullptr);
+  EXPECT_LT(relative_error(download(d_out, x.size()), ref), 1e-5);
+
+  for (const bool interleaved : {false, true}) {
+    const kernels::RotaryLayout layout{5, 96, 32, 64, interleaved};
+    const std::int64_t tokens = 19;
+    const std::vector<float> q =
+        normal_vector(rng, static_cast<std::size_t>(tokens * layout.heads * layout.head_dim));
+    std::vector<float> cos(static_cast<std::size_t>(tokens * layout.dim / 2));
+    std::vector<float> sin(cos.size());
+    for (std::size_t i = 0; i < cos.size(); ++i) {
+      const double angle = 0.37 * static_cast<double>(i);
+      cos[i] = static_cast<float>(std::cos(angle));
+      sin[i] = static_cast<float>(std::sin(angle));
+    }
+    std::vector<float> want = q;
+    cpu.rope(want, layout, cos, sin);
+    auto d_q = upload(q);
+    const auto d_cos = upload(cos);
+    const auto d_sin = upload(sin);
+    kernels::cuda::rope(d_q.data(), tokens, layout, d_cos.data(), d_sin.data(), nullptr);
+    EXPECT_LT(relative_error(download(d_q, q.size()), want), 1e-6) << "interleaved=" << interleaved;
+  }
+}
+
+TEST(CudaKernels, PagedAttentionMatchesTheCpuBackend) {
+  CAPSERVE_REQUIRE_CUDA_DEVICE();
+  Rng rng(67);
+  kernels::cpu::CpuBackend cpu(2);
+  for (const std::int64_t window : {std::int64_t{0}, std::int64_t{7}}) {
+    const std::int64_t heads = 8;
+    const std::int64_t kv_heads = 2;
+    const std::int64_t d = 64;
+    const std::int64_t block_size = 4;
+    const std::int64_t num_blocks = 64;
+    const std::int64_t width = kv_heads * d;
+    // A prefill of 13 tokens, a decode at position 20, and a chunk of 5 continuing at position 9.
+    std::vector<std::vector<std::int32_t>> tables(3);
+    std::vector<std::int32_t> free_blocks(static_cast<std::size_t>(num_blocks));
+    std::iota(free_blocks.begin(), free_blocks.end(), 0);
+    std::shuffle(free_blocks.begin(), free_blocks.end(), rng);
+    const std::int64_t starts[] = {0, 20, 9};
+    const std::int64_t counts[] = {13, 1, 5};
+    std::vector<kernels::SequenceSlice> seqs;
+    std::int64_t row = 0;
+    std::size_t next_block = 0;
+    for (std::size_t s = 0; s < 3; ++s) {
+      const std::int64_t context = starts[s] + counts[s];
+      for (std::int64_t b = 0; b < (context + block_size - 1) / block_size; ++b)
+        tables[s].push_back(free_blocks[next_block++]);
+      seqs.push_back({row, counts[s], starts[s], tables[s]});
+      row += counts[s];
+    }
+    const std::int64_t rows = row;
+    std::vector<float> cache_k =
+        normal_vector(rng, static_cast<std::size_t>(num_blocks * block_size * width));
+    std::vector<float> cache_v = normal_vector(rng, cache_k.size());
+    const std::vector<float> k = normal_vector(rng, static_cast<std::size_t>(rows * width));
+    const std::vector<float> v = normal_vector(rng, k.size());
+    const std::vector<float> q = normal_vector(rng, static_cast<std::size_t>(rows * heads * d));
+    const kernels::AttentionParams params{heads, 1.0F / std::sqrt(static_cast<float>(d)), window};
+
+    const kernels::cuda::AttentionBatchArrays arrays = kernels::cuda::attention_batch_arrays(seqs);
+    const auto d_pos = upload(arrays.row_pos);
+    const auto d_seq = upload(arrays.row_seq);
+    const auto d_tables = upload(arrays.block_tables);
+    auto d_cache_k = upload(cache_k);
+    auto d_cache_v = upload(cache_v);
+    const auto d_k = upload(k);
+    const auto d_v = upload(v);
+    const auto d_q = upload(q);
+    auto d_out = poisoned<float>(q.size());
+    const kernels::cuda::DeviceAttentionBatch batch{rows, d_pos.data(), d_seq.data(), d_tables.data(),
+                                                    arrays.max_blocks};
+    const kernels::cuda::DeviceKvLayer layer{d_cache_k.data(), d_cache_v.data(), block_size, kv_heads, d};
+    kernels::cuda::kv_store(batch, d_k.data(), d_v.data(), layer, nullptr);
+    kernels::cuda::paged_attention(batch, d_q.data(), layer, params, d_out.data(), nullptr);
+
+    const kernels::PagedKvLayer cpu_layer{cache_k, cache_v, block_size, kv_heads, d};
+    cpu.kv_store(seqs, k, v, cpu_layer);
+    std::vector<float> ref(q.size());
+    cpu.paged_attention(seqs, q, cpu_layer, params, ref);
+    EXPECT_EQ(download(d_cache_k, cache_k.size()), cache_k);
+    EXPECT_EQ(download(d_cache_v, cache_v.size()), cache_v);
+    EXPECT_LT(relative_error(download(d_out, q.size()), ref), 1e-5) << "window " << window;
+  }
+}
+
+TEST(CudaKernels, SamplingFollowsTheCpuSampler) {
+  CAPSERVE_REQUIRE_CUDA_DEVICE();
+  Rng rng(79);
+  const std::int64_t vocab = 5000;
+  const std::int64_t rows = 64;
+  // Integer logits: ties everywhere, so greedy must take the first maximal id.
+  std::vector<float> logits(static_cast<std::size_t>(rows * vocab));
+  for (float& l : logits) l = static_cast<float>(uniform(rng, 0, 20));
+  std::vector<kernels::cuda::SampleControls> controls(static_cast<std::size_t>(rows));
+  for (std::size_t r = 0; r < controls.size(); ++r) {
+    // Greedy, or sampling so narrow that only the best token survives (top-k 1, or a tiny top-p).
+    controls[r].temperature = r % 3 == 0 ? 0.0F : 0.8F;
+    controls[r].top_k = r % 3 == 1 ? 1 : 0;
+    controls[r].top_p = r % 3 == 2 ? 1e-6F : 1.0F;
+    controls[r].seed = r;
+  }
+  const auto d_logits = upload(logits);
+  const auto d_controls = upload(controls);
+  auto d_tokens = poisoned<std::int32_t>(static_cast<std::size_t>(rows));
+  kernels::cuda::sample(d_logits.data(), rows, vocab, d_controls.data(), d_tokens.data(), nullptr);
+  const std::vector<std::int32_t> tokens = download(d_tokens, static_cast<std::size_t>(rows));
+  for (std::int64_t r = 0; r < rows; ++r) {
+    runtime::Sampler greedy(runtime::SamplingParams{});
+    const std::span<const float> row(logits.data() + r * vocab, static_cast<std::size_t>(vocab));
+    EXPECT_EQ(tokens[static_cast<std::size_t>(r)], greedy.sample(row)) << "row " << r;
+  }
+
+  // Distribution: temperature 1, top-k 4 over a small vocabulary; many draws against the CPU's probabilities.
+  const std::vector<float> small = {2.0F, 1.0F, 0.5F, 3.0F, -1.0F, 2.0F, 0.0F, 1.5F};
+  const std::int64_t draws = 20000;
+  std::vector<float> many;
+  for (std::int64_t i = 0; i < draws; ++i) many.insert(many.end(), small.begin(), small.end());
+  std::vector<kernels::cuda::SampleControls> sampling(static_cast<std::size_t>(draws));
+  for (std::size_t i = 0; i < sampling.size(); ++i) sampling[i] = {1.0F, 4, 0.9F, 7, i};
+  const auto d_many = upload(many);
+  const auto d_sampling = upload(sampling);
+  auto d_drawn = poisoned<std::int32_t>(static_cast<std::size_t>(draws));
+  kernels::cuda::sample(d_many.data(), draws, static_cast<std::int64_t>(small.size()), d_sampling.data(),
+                        d_drawn.data(), nullptr);
+  std::vector<double> gpu_freq(small.size(), 0.0);
+  for (const std::int32_t t : download(d_drawn, static_cast<std::size_t>(draws))) {
+    ASSERT_GE(t, 0);
+    ASSERT_LT(t, static_cast<std::int32_t>(small.size()));
+    gpu_freq[static_cast<std::size_t>(t)] += 1.0 / static_cast<double>(draws);
+  }
+  runtime::SamplingParams params;
+  params.temperature = 1.0F;
+  params.top_k = 4;
+  params.top_p = 0.9F;
+  params.seed = 3;
+  runtime::Sampler cpu(params);
+  std::vector<double> cpu_freq(small.size(), 0.0);
+  for (std::int64_t i = 0; i < draws; ++i)
+    cpu_freq[static_cast<std::size_t>(cpu.sample(small))] += 1.0 / static_cast<double>(draws);
+  for (std::size_t t = 0; t < small.size(); ++t) EXPECT_NEAR(gpu_freq[t], cpu_freq[t], 0.02) << "token " << t;
+}
+
+}  // namespace
+}  // namespace capserve
