@@ -205,6 +205,7 @@ void print_report(const Report& r) {
     print_optional("predictor load cosine (step mean)", s.predictor_cosine, "%.4f");
     print_optional("predicted imbalance (step mean)", s.selector_predicted_imbalance, "%.4f");
     print_optional("realized imbalance (step mean)", s.selector_realized_imbalance, "%.4f");
+    print_optional("selector decisions", s.selector_decisions, "%.0f");
     if (s.selector_decision_mean_s)
       print_optional("selector decision mean (us)", *s.selector_decision_mean_s * 1e6, "%.2f");
     if (s.ttft_mean_s) print_optional("server TTFT mean (ms)", *s.ttft_mean_s * 1e3, "%.1f");
@@ -289,6 +290,7 @@ nlohmann::json to_json(const Report& r, const std::vector<RequestRecord>* per_re
                    {"selector_predicted_imbalance", optional_json(s.selector_predicted_imbalance)},
                    {"selector_realized_imbalance", optional_json(s.selector_realized_imbalance)},
                    {"selector_decision_mean_s", optional_json(s.selector_decision_mean_s)},
+                   {"selector_decisions", optional_json(s.selector_decisions)},
                    {"ttft_mean_s", optional_json(s.ttft_mean_s)},
                    {"itl_mean_s", optional_json(s.itl_mean_s)},
                    {"e2e_mean_s", optional_json(s.e2e_mean_s)},

@@ -72,6 +72,7 @@ ServerFigures server_figures(const Scrape& before, const Scrape& after) {
   f.selector_realized_imbalance =
       histogram_mean(before, after, "capserve_batch_selector_step_imbalance_ratio", {{"kind", "realized"}});
   f.selector_decision_mean_s = histogram_mean(before, after, "capserve_batch_selector_decision_seconds");
+  f.selector_decisions = delta(before, after, "capserve_batch_selector_decision_seconds_count");
   f.ttft_mean_s = histogram_mean(before, after, "capserve_time_to_first_token_seconds");
   f.itl_mean_s = histogram_mean(before, after, "capserve_inter_token_latency_seconds");
   f.e2e_mean_s = histogram_mean(before, after, "capserve_end_to_end_latency_seconds");

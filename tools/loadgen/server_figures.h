@@ -27,6 +27,7 @@ struct ServerFigures {
   std::optional<double> selector_predicted_imbalance;
   std::optional<double> selector_realized_imbalance;
   std::optional<double> selector_decision_mean_s;
+  std::optional<double> selector_decisions;  // admissions where the selector chose (not FCFS)
   std::optional<double> ttft_mean_s;
   std::optional<double> itl_mean_s;
   std::optional<double> e2e_mean_s;

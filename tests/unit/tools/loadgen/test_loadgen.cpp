@@ -276,6 +276,7 @@ TEST(ServerFigures, DeltasGaugesAndRunImbalance) {
   EXPECT_DOUBLE_EQ(*f.predictor_cosine, 1.75 / 2);
   EXPECT_DOUBLE_EQ(*f.selector_predicted_imbalance, 2.5 / 2);
   EXPECT_DOUBLE_EQ(*f.selector_realized_imbalance, 1.5);
+  EXPECT_FALSE(f.selector_decisions.has_value());
   EXPECT_EQ(f.errors_by_code.size(), 1U);
   EXPECT_DOUBLE_EQ(f.errors_by_code.at("CANCELLED"), 2);
   EXPECT_DOUBLE_EQ(f.requests_by_finish_reason.at("length"), 10);
