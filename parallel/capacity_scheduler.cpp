@@ -1,7 +1,8 @@
 #include "parallel/capacity_scheduler.h"
 
+#include "kernels/cuda/moe_index_logic.h"
+
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <numeric>
 #include <stdexcept>
@@ -10,18 +11,22 @@
 namespace capserve::parallel {
 namespace {
 
-constexpr std::uint64_t kLow32 = 0xFFFFFFFFULL;
+using kernels::moe::kLow32;
 
-std::uint64_t mix64(std::uint64_t x) {
-  x += 0x9E3779B97F4A7C15ULL;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
-  return x ^ (x >> 31);
-}
-
-// Non-negative floats order like their bit patterns.
-std::uint32_t weight_score(float w) {
-  return w > 0.0F ? std::bit_cast<std::uint32_t>(w) : 0U;
+// The selection key is shared with the CUDA scheduler (kernels/cuda/moe_index_logic.h), so both order
+// assignments identically.
+kernels::moe::ScoreKind score_kind(DropScore score) {
+  switch (score) {
+    case DropScore::order:
+      return kernels::moe::ScoreKind::order;
+    case DropScore::reverse_order:
+      return kernels::moe::ScoreKind::reverse_order;
+    case DropScore::random:
+      return kernels::moe::ScoreKind::random;
+    case DropScore::gate:
+      break;
+  }
+  return kernels::moe::ScoreKind::gate;
 }
 
 }  // namespace
@@ -48,28 +53,9 @@ void CapacityScheduler::begin_step(std::int64_t local_tokens) {
 std::uint64_t CapacityScheduler::key(std::int64_t layer, std::int64_t token, std::int64_t slot,
                                      std::int32_t expert, float weight, std::int64_t top_k,
                                      std::int64_t num_experts) const {
-  const auto global_token = static_cast<std::uint64_t>(token_offset_ + token);
-  std::uint64_t score = 0;
-  switch (config_.score) {
-    case DropScore::gate:
-      score = weight_score(weight);
-      break;
-    case DropScore::order:
-      score = kLow32 - global_token;
-      break;
-    case DropScore::reverse_order:
-      score = global_token;
-      break;
-    case DropScore::random:
-      score = mix64(config_.seed ^ mix64((static_cast<std::uint64_t>(layer) << 40) ^
-                                         (global_token * static_cast<std::uint64_t>(num_experts) +
-                                          static_cast<std::uint64_t>(expert)))) >>
-              32;
-      break;
-  }
-  const std::uint64_t index =
-      global_token * static_cast<std::uint64_t>(top_k) + static_cast<std::uint64_t>(slot);
-  return (score << 32) | (kLow32 - index);
+  return kernels::moe::selection_key(score_kind(config_.score), config_.seed, layer,
+                                     static_cast<std::uint64_t>(token_offset_ + token), slot, expert, weight,
+                                     top_k, num_experts);
 }
 
 void CapacityScheduler::select_per_bin(std::int64_t nbins, std::span<const std::int64_t> capacity) {
