@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <span>
 
+#include "parallel/sent_bytes.h"
+
 namespace capserve::parallel {
 
 class Communicator {
@@ -36,17 +38,13 @@ class Communicator {
   virtual void allgather(std::span<const std::int64_t> mine, std::span<std::int64_t> all) = 0;
 
   // Bytes this rank has sent to other ranks through alltoallv since construction (its own block excluded).
-  [[nodiscard]] std::int64_t bytes_sent() const { return bytes_sent_; }
+  [[nodiscard]] std::int64_t bytes_sent() const { return sent_.total(); }
 
  protected:
-  void count_sent(std::span<const std::int64_t> send_counts) {
-    for (int d = 0; d < static_cast<int>(send_counts.size()); ++d) {
-      if (d != rank()) bytes_sent_ += send_counts[static_cast<std::size_t>(d)];
-    }
-  }
+  void count_sent(std::span<const std::int64_t> send_counts) { sent_.add(send_counts, rank()); }
 
  private:
-  std::int64_t bytes_sent_ = 0;
+  SentBytes sent_;
 };
 
 }  // namespace capserve::parallel

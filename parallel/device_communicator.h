@@ -28,6 +28,8 @@
 #include <string>
 #include <vector>
 
+#include "parallel/sent_bytes.h"
+
 // The CUDA runtime's stream type (cudaStream_t is CUstream_st*), named without including CUDA headers so that
 // the interface and the host-staged logic build without CUDA.
 struct CUstream_st;
@@ -80,17 +82,13 @@ class DeviceCommunicator {
 
   // Bytes this rank has sent to other ranks through alltoallv (and alltoall_fixed) since construction, its
   // own block excluded.
-  [[nodiscard]] std::int64_t bytes_sent() const { return bytes_sent_; }
+  [[nodiscard]] std::int64_t bytes_sent() const { return sent_.total(); }
 
  protected:
-  void count_sent(std::span<const std::int64_t> send_counts) {
-    for (int d = 0; d < static_cast<int>(send_counts.size()); ++d) {
-      if (d != rank()) bytes_sent_ += send_counts[static_cast<std::size_t>(d)];
-    }
-  }
+  void count_sent(std::span<const std::int64_t> send_counts) { sent_.add(send_counts, rank()); }
 
  private:
-  std::int64_t bytes_sent_ = 0;
+  SentBytes sent_;
   std::vector<std::int64_t> fixed_counts_;
 };
 
