@@ -1,11 +1,13 @@
 #pragma once
 // The loaded parts of a Tokenizer, shared (immutable) by its copies and IncrementalDecoders, plus the pool of
 // per-thread encoding buffers.
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "runtime/tokenizer/added_vocabulary.h"
@@ -26,7 +28,9 @@ struct EncodeWorkspace {
   BpeScratch bpe;
 };
 
-// Hands each concurrent encode() its own workspace, most recently returned first (warmest cache).
+// Hands each concurrent encode() its own workspace, most recently returned first (warmest cache). Only as
+// many idle workspaces are kept as the machine has cores: a burst of concurrent callers (a server's handler
+// threads) would otherwise leave one word cache of up to a few MiB per caller behind for good.
 class WorkspacePool {
  public:
   class Lease {
@@ -58,8 +62,10 @@ class WorkspacePool {
  private:
   void give_back(std::unique_ptr<EncodeWorkspace> workspace) const {
     const std::lock_guard lock(mutex_);
-    free_.push_back(std::move(workspace));
+    if (free_.size() < kept_) free_.push_back(std::move(workspace));
   }
+
+  const std::size_t kept_ = std::max(1U, std::thread::hardware_concurrency());
 
   mutable std::mutex mutex_;
   mutable std::vector<std::unique_ptr<EncodeWorkspace>> free_;
