@@ -41,28 +41,18 @@ import tempfile
 import time
 from pathlib import Path
 
+from machine_load import cpu_jiffies, log, wait_for_idle
+
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "tools" / "bench"
 CACHE = ROOT / "tools" / ".cache"
 CLEAN_LOAD = 0.10  # a run during which other processes used more of the cores is "disturbed"
 
 
-def log(msg):
-    print(msg, file=sys.stderr, flush=True)
 
 
-def cpu_jiffies():
-    """(total, idle) clock ticks of all cores since boot, from /proc/stat."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return sum(fields), fields[3] + fields[4]  # idle + iowait
 
 
-def cpu_busy(interval=1.0):
-    """Fraction of all cores busy over the next `interval` seconds."""
-    t0, i0 = cpu_jiffies()
-    time.sleep(interval)
-    t1, i1 = cpu_jiffies()
-    return 1.0 - (i1 - i0) / max(t1 - t0, 1)
 
 
 def run_measured(cmd):
@@ -85,16 +75,6 @@ def run_measured(cmd):
                 err.read().decode(errors="replace"), usage.ru_maxrss / 1024, others)
 
 
-def wait_for_idle(max_wait_s, threshold=0.15):
-    """Wait (up to max_wait_s) until other processes leave the cores idle; returns the last busy fraction."""
-    deadline = time.monotonic() + max_wait_s
-    busy = cpu_busy()
-    while busy > threshold and time.monotonic() < deadline:
-        time.sleep(4)
-        busy = cpu_busy()
-    if busy > threshold:
-        log(f"  warning: machine still {busy:.0%} busy with other work; numbers will be low")
-    return busy
 
 
 def ensure_model(model_dir):

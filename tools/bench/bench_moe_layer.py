@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from machine_load import cpu_jiffies, log, wait_for_idle
+
 ROOT = Path(__file__).resolve().parents[2]
 GOAL_EFFICIENCY = 0.8
 GOAL_SCHEDULER_SHARE = 0.03
@@ -39,13 +41,8 @@ GOAL_SCHEDULER_SHARE = 0.03
 MIN_IDEAL_FOR_GOAL = 1.05
 
 
-def log(msg):
-    print(msg, file=sys.stderr, flush=True)
 
 
-def cpu_jiffies():
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return sum(fields), fields[3] + fields[4]
 
 
 def cpu_name():
@@ -65,23 +62,8 @@ def mpi_env():
     return env
 
 
-def cpu_busy(interval=1.0):
-    t0, i0 = cpu_jiffies()
-    time.sleep(interval)
-    t1, i1 = cpu_jiffies()
-    return 1.0 - (i1 - i0) / max(t1 - t0, 1)
 
 
-def wait_for_idle(max_wait_s, threshold=0.15):
-    """Waits (up to max_wait_s) until other processes leave the cores idle; returns the last busy fraction."""
-    deadline = time.monotonic() + max_wait_s
-    busy = cpu_busy()
-    while busy > threshold and time.monotonic() < deadline:
-        time.sleep(5)
-        busy = cpu_busy()
-    if busy > threshold:
-        log(f"  warning: cores still {busy:.0%} busy with other work; timings will be noisy")
-    return busy
 
 
 def run_bench(args, mode, extra):

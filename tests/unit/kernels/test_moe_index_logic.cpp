@@ -277,11 +277,9 @@ parallel::ExpertPlacement placement_of(const CapacityCase& c) {
                        : parallel::ExpertPlacement::contiguous(c.layers, c.E, c.ranks);
 }
 
-Outcome run_cpu(const CapacityCase& c) {
+// The CPU scheduler's decisions for one rank's share of the case, through `comm`.
+Outcome run_cpu(const CapacityCase& c, parallel::Communicator& comm) {
   const parallel::ExpertPlacement placement = placement_of(c);
-  parallel::SelfCommunicator self;
-  NoCollectives silent(c.rank, c.ranks);
-  parallel::Communicator& comm = c.ranks == 1 ? static_cast<parallel::Communicator&>(self) : silent;
   parallel::CapacityScheduler scheduler(c.config, comm);
   scheduler.begin_step(c.T);
   Outcome o;
@@ -296,6 +294,12 @@ Outcome run_cpu(const CapacityCase& c) {
   o.dropped = counts.dropped;
   o.rerouted = counts.rerouted;
   return o;
+}
+
+Outcome run_cpu(const CapacityCase& c) {
+  parallel::SelfCommunicator self;
+  NoCollectives silent(c.rank, c.ranks);
+  return run_cpu(c, c.ranks == 1 ? static_cast<parallel::Communicator&>(self) : silent);
 }
 
 // total_tokens / token_offset / allreduce_sum: global scope (the local defaults: this rank alone).
@@ -398,21 +402,7 @@ TEST(MoeIndexLogic, GlobalScopeDecisionsAreBitIdenticalOnEveryRank) {
       mine.weights = slice(c.weights, c.k);
       if (!c.exempt.empty()) mine.exempt = slice(c.exempt, 1);
 
-      const parallel::ExpertPlacement placement = placement_of(mine);
-      parallel::CapacityScheduler scheduler(mine.config, comm);
-      scheduler.begin_step(mine.T);
-      Outcome o;
-      o.experts = mine.experts;
-      std::vector<float> weights = mine.weights;
-      std::vector<parallel::SlotStatus> status(mine.experts.size());
-      parallel::LayerRouting routing{mine.T,  mine.k, mine.E,      mine.probs,      o.experts,
-                                     weights, status, mine.exempt, mine.normalized, mine.scaling};
-      const parallel::LayerCounts counts = scheduler.apply(mine.layer, placement, routing);
-      o.weight_bits = bits(weights);
-      for (const auto st : status) o.status.push_back(static_cast<std::uint8_t>(st));
-      o.dropped = counts.dropped;
-      o.rerouted = counts.rerouted;
-      cpu[r] = o;
+      cpu[r] = run_cpu(mine, comm);
       emu[r] =
           run_emulated(mine, c.T, first[r], [&comm](std::span<std::int64_t> v) { comm.allreduce_sum(v); });
     });
