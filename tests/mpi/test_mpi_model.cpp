@@ -188,6 +188,18 @@ RunResult run(Engine& engine, const std::vector<std::vector<std::int32_t>>& all,
   return out;
 }
 
+// Per layer, the global dropped/rerouted counts and expert loads of two runs' steps.
+void expect_same_layer_counts(const parallel::MoeStepStats& got, const parallel::MoeStepStats& ref,
+                              const std::string& where) {
+  for (std::size_t l = 0; l < std::min(got.layers.size(), ref.layers.size()); ++l) {
+    const auto& g = got.layers[l];
+    const auto& r = ref.layers[l];
+    EXPECT_EQ(g.dropped, r.dropped) << where << ", layer " << g.layer;
+    EXPECT_EQ(g.rerouted, r.rerouted) << where << ", layer " << g.layer;
+    EXPECT_EQ(g.expert_load, r.expert_load) << where << ", layer " << g.layer;
+  }
+}
+
 // Every prompt `got` holds against the same prompt in `ref`.
 void expect_same_sequences(const RunResult& got, const RunResult& ref, const std::string& where) {
   for (std::size_t i = 0; i < got.prompts.size(); ++i) {
@@ -619,28 +631,14 @@ TEST_P(MpiModel, GlobalCapacityIsIndependentOfTheTokenSplit) {
           if (one_rank_reference) {
             // The global counts of the prefill step too.
             EXPECT_EQ(got.prefill_stats.layers.size(), ref.prefill_stats.layers.size()) << where;
-            for (std::size_t l = 0;
-                 l < std::min(got.prefill_stats.layers.size(), ref.prefill_stats.layers.size()); ++l) {
-              const auto& g = got.prefill_stats.layers[l];
-              const auto& r = ref.prefill_stats.layers[l];
-              EXPECT_EQ(g.dropped, r.dropped) << where << ", layer " << g.layer;
-              EXPECT_EQ(g.rerouted, r.rerouted) << where << ", layer " << g.layer;
-              EXPECT_EQ(g.expert_load, r.expert_load) << where << ", layer " << g.layer;
-            }
+            expect_same_layer_counts(got.prefill_stats, ref.prefill_stats, where);
             expect_same_sequences(got, ref, where);
           } else if (split == Split::rank0) {
             ref = broadcast_prompts(got, 0);
             ref.prefill_stats = got.prefill_stats;
           } else {
             EXPECT_EQ(pack(got.prefill_stats).size(), pack(ref.prefill_stats).size()) << where;
-            for (std::size_t l = 0;
-                 l < std::min(got.prefill_stats.layers.size(), ref.prefill_stats.layers.size()); ++l) {
-              const auto& g = got.prefill_stats.layers[l];
-              const auto& r = ref.prefill_stats.layers[l];
-              EXPECT_EQ(g.dropped, r.dropped) << where << ", layer " << g.layer;
-              EXPECT_EQ(g.rerouted, r.rerouted) << where << ", layer " << g.layer;
-              EXPECT_EQ(g.expert_load, r.expert_load) << where << ", layer " << g.layer;
-            }
+            expect_same_layer_counts(got.prefill_stats, ref.prefill_stats, where);
             expect_same_sequences(got, ref, where + " vs all-on-rank-0");
           }
           if (gamma == 1.0 && policy == CapacityPolicy::drop && granularity == CapacityGranularity::expert &&
