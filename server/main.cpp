@@ -27,6 +27,7 @@
 #include "runtime/engine.h"
 #include "runtime/model.h"
 #include "runtime/tokenizer/tokenizer.h"
+#include "server/http/http_server.h"
 #include "server/inference_service.h"
 #include "server/json_config.h"
 #include "server/rank_worker.h"
@@ -104,7 +105,7 @@ void add_flags(CLI::App& app, Options& o) {
   app.config_formatter(std::make_shared<server::JsonConfig>());
 }
 
-// "host:port", with an IPv6 literal in brackets ("[::]:50051") as gRPC and civetweb expect.
+// "host:port", with an IPv6 literal in brackets ("[::]:50051") as gRPC expects.
 std::string host_port(const std::string& host, int port) {
   const bool ipv6 = host.find(':') != std::string::npos && !host.starts_with('[');
   return (ipv6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
@@ -124,8 +125,13 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Model& model, runtime:
     if (std::filesystem::exists(tokenizer_config))
       chat = runtime::ChatTemplate::load(tokenizer_config, forced);
   }
-  server::ServerMetrics metrics(host_port(o.host, o.metrics_port), model.moe_layers(), config.num_experts,
-                                world.size());
+  server::ServerMetrics metrics(model.moe_layers(), config.num_experts, world.size());
+  const server::http::Server metrics_http({.host = o.host, .port = o.metrics_port},
+                                          {{"/metrics", [&metrics] {
+                                              return server::http::Response{
+                                                  200, "text/plain; version=0.0.4; charset=utf-8",
+                                                  metrics.exposition()};
+                                            }}});
 
   // The router dry run folded through the placement into per-rank loads.
   const parallel::ExpertPlacement& placement = model.placement();
@@ -190,7 +196,7 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Model& model, runtime:
   }
   // Machine-readable start line: tests and scripts wait for it.
   std::printf("capserve: serving %s on %s, metrics on port %d, %d ranks\n", o.limits.model_id.c_str(),
-              host_port(o.host, bound_port).c_str(), metrics.port(), world.size());
+              host_port(o.host, bound_port).c_str(), metrics_http.port(), world.size());
   std::fflush(stdout);
 
   try {

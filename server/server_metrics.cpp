@@ -5,11 +5,11 @@
 #include "server/server_metrics.h"
 
 #include <prometheus/counter.h>
-#include <prometheus/exposer.h>
 #include <prometheus/family.h>
 #include <prometheus/gauge.h>
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
+#include <prometheus/text_serializer.h>
 
 #include <algorithm>
 #include <array>
@@ -89,7 +89,6 @@ struct ServerMetrics::Impl {
     std::vector<Counter*> rank_tokens;    // [num_ranks]
   };
 
-  // Declared first so that it outlives the exposer, which serves it from its own threads.
   std::shared_ptr<prometheus::Registry> registry = std::make_shared<prometheus::Registry>();
 
   Histogram* ttft = nullptr;
@@ -116,9 +115,6 @@ struct ServerMetrics::Impl {
   Histogram* selector_realized_hist = nullptr;
   Histogram* predictor_cosine_hist = nullptr;
 
-  std::unique_ptr<prometheus::Exposer> exposer;
-  int port = 0;
-
   Layer* find_layer(std::size_t position, std::int64_t id) {
     // The step's layers come in the model's order, so the entry at the same position is the one almost
     // always.
@@ -130,8 +126,8 @@ struct ServerMetrics::Impl {
   }
 };
 
-ServerMetrics::ServerMetrics(const std::string& bind_address, std::span<const std::int64_t> moe_layers,
-                             std::int64_t num_experts, int num_ranks)
+ServerMetrics::ServerMetrics(std::span<const std::int64_t> moe_layers, std::int64_t num_experts,
+                             int num_ranks)
     : impl_(std::make_unique<Impl>()) {
   if (num_experts < 0) throw std::invalid_argument("ServerMetrics: num_experts must be >= 0");
   if (num_ranks < 1) throw std::invalid_argument("ServerMetrics: num_ranks must be >= 1");
@@ -367,24 +363,12 @@ ServerMetrics::ServerMetrics(const std::string& bind_address, std::span<const st
   m.selector_predicted->Set(std::numeric_limits<double>::quiet_NaN());
   m.selector_realized->Set(std::numeric_limits<double>::quiet_NaN());
   m.predictor_cosine->Set(std::numeric_limits<double>::quiet_NaN());
-
-  try {
-    m.exposer = std::make_unique<prometheus::Exposer>(bind_address);
-    m.exposer->RegisterCollectable(m.registry);
-    const std::vector<int> ports = m.exposer->GetListeningPorts();
-    if (ports.empty()) throw std::runtime_error("no listening port");
-    m.port = ports.front();
-  } catch (const std::exception& e) {
-    throw std::runtime_error("metrics: cannot serve /metrics on '" + bind_address + "' (" + e.what() +
-                             "); the address may be in use by another process or malformed: choose a free "
-                             "host:port");
-  }
 }
 
 ServerMetrics::~ServerMetrics() = default;
 
-int ServerMetrics::port() const {
-  return impl_->port;
+std::string ServerMetrics::exposition() const {
+  return prometheus::TextSerializer().Serialize(impl_->registry->Collect());
 }
 
 void ServerMetrics::observe_time_to_first_token(double seconds) {

@@ -1,7 +1,7 @@
 #pragma once
-// The server's Prometheus metrics (DESIGN.md section 6), served by prometheus-cpp on rank 0's /metrics. Names
-// follow Prometheus conventions with the prefix capserve_. Every method is thread-safe (gRPC handler threads
-// and the engine loop both report); none allocates per token.
+// The server's Prometheus metrics (DESIGN.md section 6) in prometheus-cpp's registry; rank 0's HTTP server
+// answers /metrics with exposition(). Names follow Prometheus conventions with the prefix capserve_. Every
+// method is thread-safe (gRPC handler threads and the engine loop both report); none allocates per token.
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -16,17 +16,14 @@ enum class Outcome { stop, length, cancelled, error };
 
 class ServerMetrics {
  public:
-  // Starts the HTTP exposer on `bind_address` (e.g. "0.0.0.0:9400"); throws std::runtime_error naming the
-  // address when it cannot bind. moe_layers: the model's MoE layer indices (label values), num_experts,
-  // num_ranks.
-  ServerMetrics(const std::string& bind_address, std::span<const std::int64_t> moe_layers,
-                std::int64_t num_experts, int num_ranks);
+  // moe_layers: the model's MoE layer indices (label values), num_experts, num_ranks.
+  ServerMetrics(std::span<const std::int64_t> moe_layers, std::int64_t num_experts, int num_ranks);
   ~ServerMetrics();
   ServerMetrics(const ServerMetrics&) = delete;
   ServerMetrics& operator=(const ServerMetrics&) = delete;
 
-  // The port actually bound (useful with port 0).
-  [[nodiscard]] int port() const;
+  // Every series in the Prometheus text exposition format (version 0.0.4).
+  [[nodiscard]] std::string exposition() const;
 
   // Latency histograms, in seconds.
   void observe_time_to_first_token(double seconds);

@@ -1,10 +1,7 @@
-// ServerMetrics end to end: serve on an ephemeral port, record requests and MoE steps, scrape /metrics over a
-// raw socket and check the series and their values; lint the exposition with promtool where it is installed.
+// ServerMetrics: record requests and MoE steps, read the text exposition back and check the series and their
+// values; lint the exposition with promtool where it is installed. (Serving it over HTTP: test_http_server.)
 #include "server/server_metrics.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -27,43 +24,6 @@ namespace capserve::server {
 namespace {
 
 using Labels = std::map<std::string, std::string>;
-
-// GET http://127.0.0.1:<port><path> with HTTP/1.0 (the server closes the connection after the body); returns
-// the body, failing the test on a non-200 answer.
-std::string http_get(int port, const std::string& path) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) throw std::runtime_error("socket() failed");
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<std::uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) != 0) {
-    ::close(fd);
-    throw std::runtime_error("cannot connect to 127.0.0.1:" + std::to_string(port));
-  }
-  const std::string request = "GET " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
-  for (std::size_t sent = 0; sent < request.size();) {
-    const ssize_t n = ::send(fd, request.data() + sent, request.size() - sent, 0);
-    if (n <= 0) {
-      ::close(fd);
-      throw std::runtime_error("send() failed");
-    }
-    sent += static_cast<std::size_t>(n);
-  }
-  std::string response;
-  char buf[4096];
-  for (;;) {
-    const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
-    if (n <= 0) break;
-    response.append(buf, static_cast<std::size_t>(n));
-  }
-  ::close(fd);
-  const auto header_end = response.find("\r\n\r\n");
-  if (header_end == std::string::npos) throw std::runtime_error("no HTTP header in: " + response);
-  const std::string status_line = response.substr(0, response.find("\r\n"));
-  EXPECT_NE(status_line.find(" 200 "), std::string::npos) << status_line;
-  return response.substr(header_end + 4);
-}
 
 // The value of the sample `name{labels}` in a text exposition, or nullopt when absent.
 std::optional<double> sample(const std::string& text, const std::string& name, const Labels& labels = {}) {
@@ -131,7 +91,7 @@ class ServerMetricsTest : public ::testing::Test {
  protected:
   // MoE layers 1 and 3 (layer 0 and 2 dense), 4 experts on 2 ranks (experts 0,1 on rank 0).
   std::vector<std::int64_t> layers_{1, 3};
-  ServerMetrics metrics_{"127.0.0.1:0", layers_, 4, 2};
+  ServerMetrics metrics_{layers_, 4, 2};
 
   void record() {
     metrics_.observe_time_to_first_token(0.2);
@@ -171,12 +131,8 @@ class ServerMetricsTest : public ::testing::Test {
   }
 };
 
-TEST_F(ServerMetricsTest, BindsAnEphemeralPort) {
-  EXPECT_GT(metrics_.port(), 0);
-}
-
 TEST_F(ServerMetricsTest, ExposesEverySeriesBeforeAnythingIsRecorded) {
-  const std::string text = http_get(metrics_.port(), "/metrics");
+  const std::string text = metrics_.exposition();
   EXPECT_EQ(value(text, "capserve_requests_total", {{"finish_reason", "cancelled"}}), 0);
   EXPECT_EQ(value(text, "capserve_request_errors_total", {{"code", "DEADLINE_EXCEEDED"}}), 0);
   EXPECT_EQ(value(text, "capserve_moe_expert_tokens_total", {{"layer", "3"}, {"expert", "3"}}), 0);
@@ -194,7 +150,7 @@ TEST_F(ServerMetricsTest, ExposesEverySeriesBeforeAnythingIsRecorded) {
 
 TEST_F(ServerMetricsTest, ScrapedValuesMatchWhatWasRecorded) {
   record();
-  const std::string text = http_get(metrics_.port(), "/metrics");
+  const std::string text = metrics_.exposition();
 
   // Request latencies: bucket boundaries are cumulative, 1 ms .. 60 s.
   EXPECT_EQ(value(text, "capserve_time_to_first_token_seconds_count"), 2);
@@ -307,33 +263,18 @@ TEST_F(ServerMetricsTest, ExpositionPassesPromtool) {
   // The linter is live: a counter without _total fails.
   EXPECT_NE(promtool_check(promtool, "# HELP x_bytes x\n# TYPE x_bytes counter\nx_bytes 1\n").first, 0);
 
-  const auto [fresh_rc, fresh_out] = promtool_check(promtool, http_get(metrics_.port(), "/metrics"));
+  const auto [fresh_rc, fresh_out] = promtool_check(promtool, metrics_.exposition());
   EXPECT_EQ(fresh_rc, 0) << "promtool check metrics (nothing recorded yet):\n" << fresh_out;
   record();
-  const auto [rc, out] = promtool_check(promtool, http_get(metrics_.port(), "/metrics"));
+  const auto [rc, out] = promtool_check(promtool, metrics_.exposition());
   EXPECT_EQ(rc, 0) << "promtool check metrics:\n" << out;
 }
 
-TEST(ServerMetricsBind, AddressInUseThrowsNamingTheAddress) {
-  const std::vector<std::int64_t> layers{0};
-  ServerMetrics first("127.0.0.1:0", layers, 2, 1);
-  const std::string address = "127.0.0.1:" + std::to_string(first.port());
-  try {
-    ServerMetrics second(address, layers, 2, 1);
-    FAIL() << "binding " << address << " twice did not throw";
-  } catch (const std::runtime_error& e) {
-    EXPECT_NE(std::string(e.what()).find(address), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("in use"), std::string::npos) << e.what();
-  }
-  // The first server still answers.
-  EXPECT_NE(http_get(first.port(), "/metrics").find("capserve_moe_steps_total"), std::string::npos);
-}
-
-TEST(ServerMetricsBind, RejectsBadShapes) {
+TEST(ServerMetricsShape, RejectsBadShapes) {
   const std::vector<std::int64_t> twice{2, 2};
-  EXPECT_THROW(ServerMetrics("127.0.0.1:0", twice, 2, 1), std::invalid_argument);
+  EXPECT_THROW(ServerMetrics(twice, 2, 1), std::invalid_argument);
   const std::vector<std::int64_t> layers{0};
-  EXPECT_THROW(ServerMetrics("127.0.0.1:0", layers, 2, 0), std::invalid_argument);
+  EXPECT_THROW(ServerMetrics(layers, 2, 0), std::invalid_argument);
 }
 
 }  // namespace
