@@ -65,17 +65,55 @@ InferenceService::InferenceService(Scheduler& scheduler, const runtime::Tokenize
       info_(std::move(info)),
       metrics_(metrics) {}
 
+namespace {
+
+const char* code_name(grpc::StatusCode code) {
+  static const char* const names[] = {
+      "OK",        "CANCELLED",      "UNKNOWN",           "INVALID_ARGUMENT",   "DEADLINE_EXCEEDED",
+      "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+      "ABORTED",   "OUT_OF_RANGE",   "UNIMPLEMENTED",     "INTERNAL",           "UNAVAILABLE",
+      "DATA_LOSS", "UNAUTHENTICATED"};
+  const auto i = static_cast<std::size_t>(code);
+  return i < std::size(names) ? names[i] : "UNKNOWN";
+}
+
+}  // namespace
+
 grpc::Status InferenceService::refuse(grpc::StatusCode code, const std::string& message) {
-  if (metrics_ != nullptr) {
-    static const char* const names[] = {
-        "OK",        "CANCELLED",      "UNKNOWN",           "INVALID_ARGUMENT",   "DEADLINE_EXCEEDED",
-        "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
-        "ABORTED",   "OUT_OF_RANGE",   "UNIMPLEMENTED",     "INTERNAL",           "UNAVAILABLE",
-        "DATA_LOSS", "UNAUTHENTICATED"};
-    const auto i = static_cast<std::size_t>(code);
-    metrics_->count_error(i < std::size(names) ? names[i] : "UNKNOWN");
-  }
+  if (metrics_ != nullptr) metrics_->count_error(code_name(code));
   return {code, message};
+}
+
+grpc::Status InferenceService::conclude(const RequestEvent& terminal) {
+  const grpc::Status status = status_of(terminal);
+  if (metrics_ != nullptr) {
+    switch (*terminal.terminal) {
+      case Terminal::ok_stop:
+        metrics_->count_outcome(Outcome::stop);
+        break;
+      case Terminal::ok_length:
+        metrics_->count_outcome(Outcome::length);
+        break;
+      case Terminal::cancelled:
+        metrics_->count_outcome(Outcome::cancelled);
+        break;
+      default:
+        metrics_->count_outcome(Outcome::error);
+        metrics_->count_error(code_name(status.error_code()));
+        break;
+    }
+  }
+  return status;
+}
+
+grpc::Status InferenceService::send_failed(grpc::ServerContext* context, Request& request) {
+  request.cancel();  // the engine frees its sequence at the next step
+  if (context->IsCancelled()) {
+    if (metrics_ != nullptr) metrics_->count_outcome(Outcome::cancelled);
+    return {grpc::StatusCode::CANCELLED, "the client went away"};
+  }
+  if (metrics_ != nullptr) metrics_->count_outcome(Outcome::error);
+  return refuse(grpc::StatusCode::INTERNAL, "request " + request.id() + ": a response could not be sent");
 }
 
 grpc::Status InferenceService::check_sampling(const v1::SamplingOptions& s, std::int64_t prompt_tokens,
@@ -223,7 +261,7 @@ grpc::Status InferenceService::Chat(grpc::ServerContext* context, const v1::Chat
     RequestEvent e = next_event(context, *req);
     text += e.text;
     if (!e.terminal) continue;
-    const grpc::Status status = status_of(e);
+    const grpc::Status status = conclude(e);
     if (!status.ok()) return status;
     response->set_text(text);
     fill_final(e, *response);
@@ -239,13 +277,13 @@ grpc::Status InferenceService::ChatStream(grpc::ServerContext* context, const v1
   if (grpc::Status s = submit(req); !s.ok()) return s;
   for (;;) {
     RequestEvent e = next_event(context, *req);
-    if (e.terminal && !status_of(e).ok()) return status_of(e);
+    if (e.terminal && !status_of(e).ok()) return conclude(e);
     v1::ChatChunk chunk;
     chunk.set_request_id(req->id());
     chunk.set_delta(e.text);
     if (e.terminal) fill_final(e, chunk);
-    if (!writer->Write(chunk)) req->cancel();  // the client is gone; the terminal event still comes
-    if (e.terminal) return grpc::Status::OK;
+    if (!writer->Write(chunk)) return send_failed(context, *req);
+    if (e.terminal) return conclude(e);
   }
 }
 
@@ -257,13 +295,13 @@ grpc::Status InferenceService::Generate(grpc::ServerContext* context, const v1::
   if (grpc::Status s = submit(req); !s.ok()) return s;
   for (;;) {
     RequestEvent e = next_event(context, *req);
-    if (e.terminal && !status_of(e).ok()) return status_of(e);
+    if (e.terminal && !status_of(e).ok()) return conclude(e);
     v1::GenerateChunk chunk;
     chunk.set_request_id(req->id());
     chunk.mutable_token_ids()->Add(e.tokens.begin(), e.tokens.end());
     if (e.terminal) fill_final(e, chunk);
-    if (!writer->Write(chunk)) req->cancel();
-    if (e.terminal) return grpc::Status::OK;
+    if (!writer->Write(chunk)) return send_failed(context, *req);
+    if (e.terminal) return conclude(e);
   }
 }
 

@@ -54,7 +54,13 @@ class InferenceService final : public capserve::v1::Inference::Service {
   grpc::Status submit(const std::shared_ptr<Request>& request);
   // Waits for the request's next event, cancelling it when the client has gone.
   RequestEvent next_event(grpc::ServerContext* context, Request& request);
+  // Counts a refusal in the error metrics and returns it.
   grpc::Status refuse(grpc::StatusCode code, const std::string& message);
+  // Counts how a call that reached its terminal event ends, once, and returns its status.
+  grpc::Status conclude(const RequestEvent& terminal);
+  // A response that could not be written: the request is cancelled, and the call ends CANCELLED when the
+  // client went away, else as an INTERNAL error.
+  grpc::Status send_failed(grpc::ServerContext* context, Request& request);
 
   Scheduler& scheduler_;
   const runtime::Tokenizer* tokenizer_;
