@@ -235,6 +235,8 @@ grpc::Status InferenceService::submit(const std::shared_ptr<Request>& request) {
                     "queue full: too many waiting requests; retry later");
     case Scheduler::Refusal::draining:
       return refuse(grpc::StatusCode::UNAVAILABLE, "the server is shutting down");
+    case Scheduler::Refusal::never_fits:
+      return refuse(grpc::StatusCode::INVALID_ARGUMENT, scheduler_.why_never_fits(*request));
   }
   return refuse(grpc::StatusCode::INTERNAL, "unknown refusal");
 }

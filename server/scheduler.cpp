@@ -38,7 +38,29 @@ Scheduler::Scheduler(SchedulerConfig config, int ranks, const runtime::Tokenizer
       running_load_(static_cast<std::size_t>(ranks), 0.0F),
       predicted_step_load_(static_cast<std::size_t>(ranks), 0.0F) {}
 
+std::int64_t Scheduler::kv_blocks_needed(const Request& request) const {
+  const auto prompt = static_cast<std::int64_t>(request.prompt().size());
+  const std::int64_t total = std::min(config_.max_context, prompt + request.params().max_new_tokens);
+  return (total + config_.kv_block_size - 1) / config_.kv_block_size;
+}
+
+std::string Scheduler::why_never_fits(const Request& request) const {
+  const auto prompt = static_cast<std::int64_t>(request.prompt().size());
+  if (prompt > config_.max_batched_tokens)
+    return "prompt: " + std::to_string(prompt) + " tokens exceed the " +
+           std::to_string(config_.max_batched_tokens) +
+           " batched tokens of a step (--max-batched-tokens); a prompt is prefilled in one step";
+  if (const std::int64_t blocks = kv_blocks_needed(request); blocks > config_.kv_blocks_per_rank)
+    return "prompt + sampling.max_tokens: " + std::to_string(prompt + request.params().max_new_tokens) +
+           " tokens need " + std::to_string(blocks) + " KV blocks of " +
+           std::to_string(config_.kv_block_size) + " tokens, more than the " +
+           std::to_string(config_.kv_blocks_per_rank) +
+           " blocks of a rank (--kv-blocks); lower max_tokens or shorten the prompt";
+  return {};
+}
+
 Scheduler::Refusal Scheduler::submit(std::shared_ptr<Request> request) {
+  if (!why_never_fits(*request).empty()) return Refusal::never_fits;
   {
     std::lock_guard lock(inbox_mutex_);
     if (draining_) return Refusal::draining;
@@ -146,8 +168,7 @@ void Scheduler::admit(Clock::time_point now, StepPlan& plan) {
       w.predicted = true;
     }
     const auto prompt = static_cast<std::int64_t>(w.request->prompt().size());
-    const std::int64_t total = std::min(config_.max_context, prompt + w.request->params().max_new_tokens);
-    candidates_.push_back({prompt, (total + config_.kv_block_size - 1) / config_.kv_block_size,
+    candidates_.push_back({prompt, kv_blocks_needed(*w.request),
                            std::chrono::duration<double, std::milli>(now - w.request->arrival()).count(),
                            w.load});
   }

@@ -14,11 +14,12 @@ namespace {
 const std::filesystem::path kModel =
     std::filesystem::path(CAPSERVE_SOURCE_DIR) / "deploy/models/capserve-moe-tiny";
 
-std::shared_ptr<Request> chat_request(std::vector<std::string> stops, std::int64_t max_new_tokens = 16) {
+std::shared_ptr<Request> chat_request(std::vector<std::string> stops, std::int64_t max_new_tokens = 16,
+                                      std::size_t prompt_tokens = 3) {
   runtime::SamplingParams params;
   params.max_new_tokens = max_new_tokens;
-  return std::make_shared<Request>("r", std::vector<std::int32_t>{5, 6, 7}, params, std::move(stops), true,
-                                   Clock::time_point::max());
+  return std::make_shared<Request>("r", std::vector<std::int32_t>(prompt_tokens, 5), params, std::move(stops),
+                                   true, Clock::time_point::max());
 }
 
 // Every event the request has received so far.
@@ -100,6 +101,27 @@ TEST_F(SchedulerTest, ASequenceWithoutATokenFailsAloneWithAnError) {
   ASSERT_FALSE(served.empty());
   EXPECT_EQ(served.back().terminal, Terminal::ok_length);
   EXPECT_EQ(served.back().completion_tokens, 3U);
+}
+
+// A request that could never be admitted, even by an idle server, is refused at submission naming the limit,
+// and the requests behind it are served.
+TEST_F(SchedulerTest, RequestsThatCanNeverFitAreRefusedAtSubmission) {
+  SchedulerConfig config;
+  config.max_batched_tokens = 512;
+  config.kv_blocks_per_rank = 4;  // 64 tokens of 16
+  Scheduler scheduler(config, 2, &tokenizer_, nullptr, nullptr);
+  const auto long_prompt = chat_request({}, 1, 600);
+  EXPECT_EQ(scheduler.submit(long_prompt), Scheduler::Refusal::never_fits);
+  EXPECT_NE(scheduler.why_never_fits(*long_prompt).find("--max-batched-tokens"), std::string::npos)
+      << scheduler.why_never_fits(*long_prompt);
+  const auto many_tokens = chat_request({}, 100);
+  EXPECT_EQ(scheduler.submit(many_tokens), Scheduler::Refusal::never_fits);
+  EXPECT_NE(scheduler.why_never_fits(*many_tokens).find("--kv-blocks"), std::string::npos)
+      << scheduler.why_never_fits(*many_tokens);
+  const auto fits = chat_request({}, 61);  // 3 + 61 tokens: exactly the 4 blocks of a rank
+  EXPECT_EQ(scheduler.why_never_fits(*fits), "");
+  ASSERT_EQ(scheduler.submit(fits), Scheduler::Refusal::none);
+  EXPECT_EQ(scheduler.plan(Clock::now()).starts.size(), 1U);
 }
 
 }  // namespace
