@@ -1,6 +1,7 @@
 #include "runtime/generator.h"
 
 #include <algorithm>
+#include <string>
 
 namespace capserve::runtime {
 
@@ -46,13 +47,18 @@ Status generate(Engine& engine, std::span<const std::vector<std::int32_t>> promp
     for (std::size_t w = 0; w < work.size(); ++w) {
       const std::size_t i = owner[w];
       const std::span<const float> row = logits.subspan(w * vocab, vocab);
-      const std::int32_t token = samplers[i].sample(row);
+      std::int32_t token = 0;
+      if (status = samplers[i].sample(row, token); !status.ok()) {
+        status = Status::internal("prompt " + std::to_string(i) + ": " + status.message());
+        break;
+      }
       out[i].tokens.push_back(token);
       if (record_logits) out[i].logits.insert(out[i].logits.end(), row.begin(), row.end());
       last[i] = token;
       done[i] = samplers[i].is_stop(token) ||
                 static_cast<std::int64_t>(out[i].tokens.size()) >= params[i].max_new_tokens;
     }
+    if (!status.ok()) continue;  // every rank stops at the next check
     work.clear();
     owner.clear();
     for (std::size_t i = 0; i < n; ++i) {

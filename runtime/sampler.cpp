@@ -23,10 +23,21 @@ bool Sampler::is_stop(std::int32_t token) const {
          params_.stop_token_ids.end();
 }
 
-std::int32_t Sampler::sample(std::span<const float> logits) {
+Status Sampler::sample(std::span<const float> logits, std::int32_t& token) {
   const auto vocab = static_cast<std::int32_t>(logits.size());
-  if (params_.temperature == 0.0F) {
-    return static_cast<std::int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+  std::int32_t best = 0;
+  for (std::int32_t i = 0; i < vocab; ++i) {
+    const float l = logits[static_cast<std::size_t>(i)];
+    if (!std::isfinite(l))
+      return Status::internal("the model's logits are not finite (" + std::to_string(l) + " at token id " +
+                              std::to_string(i) + "); there is no distribution to sample from");
+    if (l > logits[static_cast<std::size_t>(best)]) best = i;
+  }
+  const float inv_t = 1.0F / params_.temperature;
+  // A temperature whose inverse overflows is the limit T -> 0: greedy.
+  if (params_.temperature == 0.0F || !std::isfinite(inv_t) || vocab == 0) {
+    token = best;
+    return {};
   }
   order_.resize(static_cast<std::size_t>(vocab));
   std::iota(order_.begin(), order_.end(), 0);
@@ -44,12 +55,13 @@ std::int32_t Sampler::sample(std::span<const float> logits) {
   std::sort(order_.begin(), order_.begin() + keep, better);
 
   probs_.resize(static_cast<std::size_t>(keep));
-  const float inv_t = 1.0F / params_.temperature;
-  const float top = logits[static_cast<std::size_t>(order_[0])] * inv_t;
+  // (l - max) / T, not l / T - max / T: the difference is exact for the best token (0, probability weight 1),
+  // however small T is, where the two rounded products could differ by more than exp can take.
+  const float top = logits[static_cast<std::size_t>(order_[0])];
   double sum = 0.0;
   for (std::int32_t i = 0; i < keep; ++i) {
     const auto p = static_cast<float>(
-        std::exp(logits[static_cast<std::size_t>(order_[static_cast<std::size_t>(i)])] * inv_t - top));
+        std::exp((logits[static_cast<std::size_t>(order_[static_cast<std::size_t>(i)])] - top) * inv_t));
     probs_[static_cast<std::size_t>(i)] = p;
     sum += p;
   }
@@ -68,11 +80,15 @@ std::int32_t Sampler::sample(std::span<const float> logits) {
   }
   const double u = std::uniform_real_distribution<double>(0.0, sum)(rng_);
   double acc = 0.0;
+  token = order_[static_cast<std::size_t>(keep - 1)];
   for (std::int32_t i = 0; i < keep; ++i) {
     acc += probs_[static_cast<std::size_t>(i)];
-    if (u < acc) return order_[static_cast<std::size_t>(i)];
+    if (u < acc) {
+      token = order_[static_cast<std::size_t>(i)];
+      break;
+    }
   }
-  return order_[static_cast<std::size_t>(keep - 1)];
+  return {};
 }
 
 }  // namespace capserve::runtime

@@ -1,10 +1,14 @@
 #pragma once
 // Next-token sampling with the usual controls, applied in the order transformers applies them: temperature,
-// top-k, top-p. temperature == 0 is greedy (first maximal id). A given seed always yields the same tokens.
+// top-k, top-p. temperature == 0 is greedy (first maximal id), and so is a temperature so small that the
+// logits divided by it overflow. A given seed always yields the same tokens.
 #include <cstdint>
 #include <random>
 #include <span>
+#include <string>
 #include <vector>
+
+#include "runtime/status.h"
 
 namespace capserve::runtime {
 
@@ -25,7 +29,9 @@ class Sampler {
  public:
   explicit Sampler(const SamplingParams& params);
 
-  std::int32_t sample(std::span<const float> logits);
+  // Sets `token` to the next token. Fails (internal) when a logit is NaN or infinite: the model produced no
+  // distribution to sample from.
+  Status sample(std::span<const float> logits, std::int32_t& token);
   [[nodiscard]] bool is_stop(std::int32_t token) const;
 
  private:

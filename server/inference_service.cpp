@@ -1,6 +1,11 @@
 #include "server/inference_service.h"
 
 #include <cmath>
+#include <string_view>
+
+#include <spdlog/spdlog.h>
+
+#include "runtime/tokenizer/utf8.h"
 
 namespace capserve::server {
 namespace {
@@ -9,6 +14,32 @@ namespace v1 = capserve::v1;
 
 grpc::Status invalid(const std::string& message) {
   return {grpc::StatusCode::INVALID_ARGUMENT, message};
+}
+
+// Client text inside an error message: at most `limit` bytes of it (cut on a character boundary).
+std::string excerpt(std::string_view text, std::size_t limit = 64) {
+  std::string out = "'";
+  if (text.size() <= limit) return out.append(text).append("'");
+  std::size_t cut = limit;
+  while (cut > 0 && runtime::utf8::is_continuation(text[cut])) --cut;
+  return out.append(text.substr(0, cut))
+      .append("...' (")
+      .append(std::to_string(text.size()))
+      .append(" bytes)");
+}
+
+// The UTF-8 check of a request's text field (bytes on the wire), naming the field and the first bad byte.
+grpc::Status check_utf8(std::string_view text, const std::string& field) {
+  const std::size_t valid = runtime::utf8::valid_prefix_length(text);
+  if (valid == text.size()) return grpc::Status::OK;
+  return invalid(field + ": not valid UTF-8 (ill-formed byte at offset " + std::to_string(valid) + ")");
+}
+
+// The client's address without its port ("ipv4:10.0.0.1", "ipv6:[::1]"); other peers ("unix:...") whole.
+std::string peer_address(const std::string& peer) {
+  if (!peer.starts_with("ipv4:") && !peer.starts_with("ipv6:")) return peer;
+  const std::size_t colon = peer.rfind(':');
+  return colon > 4 ? peer.substr(0, colon) : peer;
 }
 
 Clock::time_point steady_deadline(const grpc::ServerContext& context) {
@@ -65,17 +96,101 @@ InferenceService::InferenceService(Scheduler& scheduler, const runtime::Tokenize
       info_(std::move(info)),
       metrics_(metrics) {}
 
-grpc::Status InferenceService::refuse(grpc::StatusCode code, const std::string& message) {
-  if (metrics_ != nullptr) {
-    static const char* const names[] = {
-        "OK",        "CANCELLED",      "UNKNOWN",           "INVALID_ARGUMENT",   "DEADLINE_EXCEEDED",
-        "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
-        "ABORTED",   "OUT_OF_RANGE",   "UNIMPLEMENTED",     "INTERNAL",           "UNAVAILABLE",
-        "DATA_LOSS", "UNAUTHENTICATED"};
-    const auto i = static_cast<std::size_t>(code);
-    metrics_->count_error(i < std::size(names) ? names[i] : "UNKNOWN");
+namespace {
+
+const char* code_name(grpc::StatusCode code) {
+  static const char* const names[] = {
+      "OK",        "CANCELLED",      "UNKNOWN",           "INVALID_ARGUMENT",   "DEADLINE_EXCEEDED",
+      "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+      "ABORTED",   "OUT_OF_RANGE",   "UNIMPLEMENTED",     "INTERNAL",           "UNAVAILABLE",
+      "DATA_LOSS", "UNAUTHENTICATED"};
+  const auto i = static_cast<std::size_t>(code);
+  return i < std::size(names) ? names[i] : "UNKNOWN";
+}
+
+}  // namespace
+
+void RateLimitedLog::log(const std::string& line) {
+  std::int64_t suppressed = 0;
+  {
+    std::lock_guard lock(mutex_);
+    const Clock::time_point now = Clock::now();
+    if (last_ != Clock::time_point{} && now - last_ < interval_) {
+      ++suppressed_;
+      return;
+    }
+    last_ = now;
+    suppressed = std::exchange(suppressed_, 0);
   }
+  if (suppressed > 0) {
+    spdlog::warn("{} ({} similar lines suppressed)", line, suppressed);
+  } else {
+    spdlog::warn("{}", line);
+  }
+}
+
+InferenceService::PeerSlot::~PeerSlot() {
+  std::lock_guard lock(service_->peers_mutex_);
+  const auto it = service_->peer_requests_.find(peer_);
+  if (--it->second == 0) service_->peer_requests_.erase(it);
+}
+
+grpc::Status InferenceService::enter(const grpc::ServerContext& context, std::optional<PeerSlot>& slot) {
+  std::string peer = peer_address(context.peer());
+  bool admitted = false;
+  {
+    std::lock_guard lock(peers_mutex_);
+    std::int64_t& n = peer_requests_[peer];
+    if (limits_.max_requests_per_peer <= 0 || n < limits_.max_requests_per_peer) {
+      ++n;
+      admitted = true;
+    }
+  }
+  if (!admitted)
+    return refuse(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                  "too many requests in flight from " + peer + ": the limit is " +
+                      std::to_string(limits_.max_requests_per_peer) +
+                      " per client address (--max-requests-per-peer); retry when one ends");
+  slot.emplace(*this, std::move(peer));
+  return grpc::Status::OK;
+}
+
+grpc::Status InferenceService::refuse(grpc::StatusCode code, const std::string& message) {
+  if (metrics_ != nullptr) metrics_->count_error(code_name(code));
+  refusal_log_.log(std::string("capserve: refused a request: ") + code_name(code) + ": " + message);
   return {code, message};
+}
+
+grpc::Status InferenceService::conclude(const RequestEvent& terminal) {
+  const grpc::Status status = status_of(terminal);
+  if (metrics_ != nullptr) {
+    switch (*terminal.terminal) {
+      case Terminal::ok_stop:
+        metrics_->count_outcome(Outcome::stop);
+        break;
+      case Terminal::ok_length:
+        metrics_->count_outcome(Outcome::length);
+        break;
+      case Terminal::cancelled:
+        metrics_->count_outcome(Outcome::cancelled);
+        break;
+      default:
+        metrics_->count_outcome(Outcome::error);
+        metrics_->count_error(code_name(status.error_code()));
+        break;
+    }
+  }
+  return status;
+}
+
+grpc::Status InferenceService::send_failed(grpc::ServerContext* context, Request& request) {
+  request.cancel();  // the engine frees its sequence at the next step
+  if (context->IsCancelled()) {
+    if (metrics_ != nullptr) metrics_->count_outcome(Outcome::cancelled);
+    return {grpc::StatusCode::CANCELLED, "the client went away"};
+  }
+  if (metrics_ != nullptr) metrics_->count_outcome(Outcome::error);
+  return refuse(grpc::StatusCode::INTERNAL, "request " + request.id() + ": a response could not be sent");
 }
 
 grpc::Status InferenceService::check_sampling(const v1::SamplingOptions& s, std::int64_t prompt_tokens,
@@ -104,11 +219,15 @@ grpc::Status InferenceService::check_sampling(const v1::SamplingOptions& s, std:
                    std::to_string(limits_.max_stop_strings));
   for (int i = 0; i < s.stop_size(); ++i) {
     const std::string& stop = s.stop(i);
+    const std::string field = "sampling.stop[" + std::to_string(i) + "]";
     if (stop.empty() || static_cast<std::int64_t>(stop.size()) > limits_.max_stop_length)
-      return invalid("sampling.stop[" + std::to_string(i) + "]: must be 1.." +
-                     std::to_string(limits_.max_stop_length) + " bytes");
+      return invalid(field + ": must be 1.." + std::to_string(limits_.max_stop_length) + " bytes");
+    if (grpc::Status bad = check_utf8(stop, field); !bad.ok()) return bad;
     stops.push_back(stop);
   }
+  if (s.stop_token_ids_size() > limits_.max_stop_token_ids)
+    return invalid("sampling.stop_token_ids: " + std::to_string(s.stop_token_ids_size()) +
+                   " ids exceed the limit " + std::to_string(limits_.max_stop_token_ids));
   for (const std::int32_t id : s.stop_token_ids()) {
     if (id < 0 || id >= limits_.vocab_size)
       return invalid("sampling.stop_token_ids: " + std::to_string(id) + " is outside the vocabulary [0, " +
@@ -126,11 +245,20 @@ grpc::Status InferenceService::check_sampling(const v1::SamplingOptions& s, std:
   return grpc::Status::OK;
 }
 
+grpc::Status InferenceService::check_common(const std::string& model, const std::string& request_id) const {
+  if (grpc::Status s = check_utf8(model, "model"); !s.ok()) return s;
+  if (!model.empty() && model != limits_.model_id)
+    return invalid("model: unknown model " + excerpt(model) + "; this server serves '" + limits_.model_id +
+                   "'");
+  if (static_cast<std::int64_t>(request_id.size()) > limits_.max_request_id_length)
+    return invalid("request_id: " + std::to_string(request_id.size()) + " bytes exceed the limit " +
+                   std::to_string(limits_.max_request_id_length));
+  return check_utf8(request_id, "request_id");
+}
+
 grpc::Status InferenceService::make_chat(grpc::ServerContext* context, const v1::ChatRequest& request,
                                          std::shared_ptr<Request>& out) {
-  if (!request.model().empty() && request.model() != limits_.model_id)
-    return invalid("model: unknown model '" + request.model() + "'; this server serves '" + limits_.model_id +
-                   "'");
+  if (grpc::Status s = check_common(request.model(), request.request_id()); !s.ok()) return s;
   if (tokenizer_ == nullptr || !chat_template_)
     return {grpc::StatusCode::FAILED_PRECONDITION,
             "this model has no tokenizer or chat template; use Generate"};
@@ -138,9 +266,11 @@ grpc::Status InferenceService::make_chat(grpc::ServerContext* context, const v1:
   std::vector<runtime::ChatMessage> messages;
   for (int i = 0; i < request.messages_size(); ++i) {
     const v1::ChatMessage& m = request.messages(i);
+    const std::string field = "messages[" + std::to_string(i) + "]";
+    if (grpc::Status s = check_utf8(m.role(), field + ".role"); !s.ok()) return s;
     if (m.role() != "system" && m.role() != "user" && m.role() != "assistant")
-      return invalid("messages[" + std::to_string(i) + "].role: '" + m.role() +
-                     "' is not system, user or assistant");
+      return invalid(field + ".role: " + excerpt(m.role()) + " is not system, user or assistant");
+    if (grpc::Status s = check_utf8(m.content(), field + ".content"); !s.ok()) return s;
     messages.push_back({m.role(), m.content()});
   }
   std::string text;
@@ -164,9 +294,7 @@ grpc::Status InferenceService::make_chat(grpc::ServerContext* context, const v1:
 
 grpc::Status InferenceService::make_generate(grpc::ServerContext* context, const v1::GenerateRequest& request,
                                              std::shared_ptr<Request>& out) {
-  if (!request.model().empty() && request.model() != limits_.model_id)
-    return invalid("model: unknown model '" + request.model() + "'; this server serves '" + limits_.model_id +
-                   "'");
+  if (grpc::Status s = check_common(request.model(), request.request_id()); !s.ok()) return s;
   if (request.input_ids().empty()) return invalid("input_ids: at least one token id is required");
   for (int i = 0; i < request.input_ids_size(); ++i) {
     const std::int32_t t = request.input_ids(i);
@@ -197,6 +325,8 @@ grpc::Status InferenceService::submit(const std::shared_ptr<Request>& request) {
                     "queue full: too many waiting requests; retry later");
     case Scheduler::Refusal::draining:
       return refuse(grpc::StatusCode::UNAVAILABLE, "the server is shutting down");
+    case Scheduler::Refusal::never_fits:
+      return refuse(grpc::StatusCode::INVALID_ARGUMENT, scheduler_.why_never_fits(*request));
   }
   return refuse(grpc::StatusCode::INTERNAL, "unknown refusal");
 }
@@ -213,6 +343,8 @@ RequestEvent InferenceService::next_event(grpc::ServerContext* context, Request&
 
 grpc::Status InferenceService::Chat(grpc::ServerContext* context, const v1::ChatRequest* request,
                                     v1::ChatResponse* response) {
+  std::optional<PeerSlot> slot;
+  if (grpc::Status s = enter(*context, slot); !s.ok()) return s;
   std::shared_ptr<Request> req;
   if (grpc::Status s = make_chat(context, *request, req); !s.ok())
     return refuse(s.error_code(), s.error_message());
@@ -223,7 +355,7 @@ grpc::Status InferenceService::Chat(grpc::ServerContext* context, const v1::Chat
     RequestEvent e = next_event(context, *req);
     text += e.text;
     if (!e.terminal) continue;
-    const grpc::Status status = status_of(e);
+    const grpc::Status status = conclude(e);
     if (!status.ok()) return status;
     response->set_text(text);
     fill_final(e, *response);
@@ -233,37 +365,41 @@ grpc::Status InferenceService::Chat(grpc::ServerContext* context, const v1::Chat
 
 grpc::Status InferenceService::ChatStream(grpc::ServerContext* context, const v1::ChatRequest* request,
                                           grpc::ServerWriter<v1::ChatChunk>* writer) {
+  std::optional<PeerSlot> slot;
+  if (grpc::Status s = enter(*context, slot); !s.ok()) return s;
   std::shared_ptr<Request> req;
   if (grpc::Status s = make_chat(context, *request, req); !s.ok())
     return refuse(s.error_code(), s.error_message());
   if (grpc::Status s = submit(req); !s.ok()) return s;
   for (;;) {
     RequestEvent e = next_event(context, *req);
-    if (e.terminal && !status_of(e).ok()) return status_of(e);
+    if (e.terminal && !status_of(e).ok()) return conclude(e);
     v1::ChatChunk chunk;
     chunk.set_request_id(req->id());
     chunk.set_delta(e.text);
     if (e.terminal) fill_final(e, chunk);
-    if (!writer->Write(chunk)) req->cancel();  // the client is gone; the terminal event still comes
-    if (e.terminal) return grpc::Status::OK;
+    if (!writer->Write(chunk)) return send_failed(context, *req);
+    if (e.terminal) return conclude(e);
   }
 }
 
 grpc::Status InferenceService::Generate(grpc::ServerContext* context, const v1::GenerateRequest* request,
                                         grpc::ServerWriter<v1::GenerateChunk>* writer) {
+  std::optional<PeerSlot> slot;
+  if (grpc::Status s = enter(*context, slot); !s.ok()) return s;
   std::shared_ptr<Request> req;
   if (grpc::Status s = make_generate(context, *request, req); !s.ok())
     return refuse(s.error_code(), s.error_message());
   if (grpc::Status s = submit(req); !s.ok()) return s;
   for (;;) {
     RequestEvent e = next_event(context, *req);
-    if (e.terminal && !status_of(e).ok()) return status_of(e);
+    if (e.terminal && !status_of(e).ok()) return conclude(e);
     v1::GenerateChunk chunk;
     chunk.set_request_id(req->id());
     chunk.mutable_token_ids()->Add(e.tokens.begin(), e.tokens.end());
     if (e.terminal) fill_final(e, chunk);
-    if (!writer->Write(chunk)) req->cancel();
-    if (e.terminal) return grpc::Status::OK;
+    if (!writer->Write(chunk)) return send_failed(context, *req);
+    if (e.terminal) return conclude(e);
   }
 }
 

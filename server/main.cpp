@@ -82,6 +82,10 @@ void add_flags(CLI::App& app, Options& o) {
       ->capture_default_str();
   app.add_option("--default-max-tokens", o.limits.default_max_tokens)->capture_default_str();
   app.add_option("--max-tokens-limit", o.limits.max_tokens_limit)->capture_default_str();
+  app.add_option("--max-requests-per-peer", o.limits.max_requests_per_peer,
+                 "requests in flight from one client address before RESOURCE_EXHAUSTED (0: no limit)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_option("--chat-template", o.chat_template,
                  "force a chat template family (chatml, deepseek, deepseek_v2, llama2, mistral, tulu)");
   app.add_option("--batch-selector", o.strategy, "fcfs | greedy | power_of_d | lpt_balanced | random")

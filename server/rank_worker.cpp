@@ -43,8 +43,11 @@ StepResult RankWorker::run(const StepPlan& plan) {
   result.sequences.reserve(work_ids_.size());
   for (std::size_t i = 0; i < work_ids_.size(); ++i) {
     Sequence& seq = sequences_.at(work_ids_[i]);
-    seq.last = seq.sampler.sample(logits.subspan(i * vocab, vocab));
-    result.sequences.push_back({work_ids_[i], seq.last, counts[i].dropped, counts[i].rerouted});
+    // A failed sequence stays until rank 0 frees it with the request it ends.
+    const SequenceFailure failure = seq.sampler.sample(logits.subspan(i * vocab, vocab), seq.last).ok()
+                                        ? SequenceFailure::none
+                                        : SequenceFailure::non_finite_logits;
+    result.sequences.push_back({work_ids_[i], seq.last, counts[i].dropped, counts[i].rerouted, failure});
   }
   return result;
 }

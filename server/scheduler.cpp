@@ -4,39 +4,13 @@
 #include <cmath>
 #include <limits>
 
+#include "runtime/tokenizer/utf8.h"
+
 namespace capserve::server {
 namespace {
 
 double seconds(Clock::duration d) {
   return std::chrono::duration<double>(d).count();
-}
-
-Outcome outcome_of(Terminal t) {
-  switch (t) {
-    case Terminal::ok_stop:
-      return Outcome::stop;
-    case Terminal::ok_length:
-      return Outcome::length;
-    case Terminal::cancelled:
-      return Outcome::cancelled;
-    default:
-      return Outcome::error;
-  }
-}
-
-const char* code_name(Terminal t) {
-  switch (t) {
-    case Terminal::cancelled:
-      return "CANCELLED";
-    case Terminal::deadline_exceeded:
-      return "DEADLINE_EXCEEDED";
-    case Terminal::unavailable:
-      return "UNAVAILABLE";
-    case Terminal::invalid_argument:
-      return "INVALID_ARGUMENT";
-    default:
-      return "INTERNAL";
-  }
 }
 
 double cosine(std::span<const float> a, std::span<const std::int64_t> b) {
@@ -64,7 +38,29 @@ Scheduler::Scheduler(SchedulerConfig config, int ranks, const runtime::Tokenizer
       running_load_(static_cast<std::size_t>(ranks), 0.0F),
       predicted_step_load_(static_cast<std::size_t>(ranks), 0.0F) {}
 
+std::int64_t Scheduler::kv_blocks_needed(const Request& request) const {
+  const auto prompt = static_cast<std::int64_t>(request.prompt().size());
+  const std::int64_t total = std::min(config_.max_context, prompt + request.params().max_new_tokens);
+  return (total + config_.kv_block_size - 1) / config_.kv_block_size;
+}
+
+std::string Scheduler::why_never_fits(const Request& request) const {
+  const auto prompt = static_cast<std::int64_t>(request.prompt().size());
+  if (prompt > config_.max_batched_tokens)
+    return "prompt: " + std::to_string(prompt) + " tokens exceed the " +
+           std::to_string(config_.max_batched_tokens) +
+           " batched tokens of a step (--max-batched-tokens); a prompt is prefilled in one step";
+  if (const std::int64_t blocks = kv_blocks_needed(request); blocks > config_.kv_blocks_per_rank)
+    return "prompt + sampling.max_tokens: " + std::to_string(prompt + request.params().max_new_tokens) +
+           " tokens need " + std::to_string(blocks) + " KV blocks of " +
+           std::to_string(config_.kv_block_size) + " tokens, more than the " +
+           std::to_string(config_.kv_blocks_per_rank) +
+           " blocks of a rank (--kv-blocks); lower max_tokens or shorten the prompt";
+  return {};
+}
+
 Scheduler::Refusal Scheduler::submit(std::shared_ptr<Request> request) {
+  if (!why_never_fits(*request).empty()) return Refusal::never_fits;
   {
     std::lock_guard lock(inbox_mutex_);
     if (draining_) return Refusal::draining;
@@ -104,10 +100,6 @@ void Scheduler::end_waiting(Waiting& w, Terminal terminal) {
   e.terminal = terminal;
   e.prompt_tokens = static_cast<std::uint32_t>(w.request->prompt().size());
   e.message = terminal == Terminal::deadline_exceeded ? "deadline exceeded while waiting in the queue" : "";
-  if (metrics_ != nullptr) {
-    metrics_->count_outcome(outcome_of(terminal));
-    if (outcome_of(terminal) == Outcome::error) metrics_->count_error(code_name(terminal));
-  }
   w.request->push(std::move(e));
 }
 
@@ -176,8 +168,7 @@ void Scheduler::admit(Clock::time_point now, StepPlan& plan) {
       w.predicted = true;
     }
     const auto prompt = static_cast<std::int64_t>(w.request->prompt().size());
-    const std::int64_t total = std::min(config_.max_context, prompt + w.request->params().max_new_tokens);
-    candidates_.push_back({prompt, (total + config_.kv_block_size - 1) / config_.kv_block_size,
+    candidates_.push_back({prompt, kv_blocks_needed(*w.request),
                            std::chrono::duration<double, std::milli>(now - w.request->arrival()).count(),
                            w.load});
   }
@@ -270,8 +261,11 @@ void Scheduler::emit_token(std::uint64_t id, Running& run, std::int32_t token, C
         return;
       }
     }
-    const std::size_t safe =
-        run.text.size() >= longest ? run.text.size() - (longest > 0 ? longest - 1 : 0) : 0;
+    std::size_t safe = run.text.size() >= longest ? run.text.size() - (longest > 0 ? longest - 1 : 0) : 0;
+    // The hold-back is counted in bytes; a chunk must still end on a character boundary (protobuf refuses to
+    // send a string field that is not UTF-8).
+    while (safe > run.sent && safe < run.text.size() && runtime::utf8::is_continuation(run.text[safe]))
+      --safe;
     if (safe > run.sent) {
       e.text = run.text.substr(run.sent, safe - run.sent);
       run.sent = safe;
@@ -300,11 +294,7 @@ void Scheduler::finish(std::uint64_t id, Running& run, Terminal terminal, const 
                                                  config_.assignments_per_token);
   e.moe_dropped = static_cast<std::uint64_t>(run.dropped);
   e.moe_rerouted = static_cast<std::uint64_t>(run.rerouted);
-  if (metrics_ != nullptr) {
-    metrics_->count_outcome(outcome_of(terminal));
-    if (outcome_of(terminal) == Outcome::error) metrics_->count_error(code_name(terminal));
-    metrics_->observe_end_to_end_latency(seconds(now - run.request->arrival()));
-  }
+  if (metrics_ != nullptr) metrics_->observe_end_to_end_latency(seconds(now - run.request->arrival()));
   run.request->push(std::move(e));
   to_free_.push_back(id);
   rank_blocks_used_[static_cast<std::size_t>(run.rank)] -= run.blocks;
@@ -334,6 +324,14 @@ void Scheduler::complete(std::span<const StepResult> results, const parallel::Mo
       step_tokens += run.completion == 0 ? static_cast<std::int64_t>(run.request->prompt().size()) : 1;
       run.dropped += s.dropped;
       run.rerouted += s.rerouted;
+      if (s.failure != SequenceFailure::none) {
+        finish(s.id, run, Terminal::internal,
+               "the model's logits for this request are not finite (NaN or infinity) at completion token " +
+                   std::to_string(run.completion + 1) + "; no token can be sampled",
+               now);
+        running_.erase(it);
+        continue;
+      }
       const std::size_t before = to_free_.size();
       emit_token(s.id, run, s.token, now);
       if (to_free_.size() > before) running_.erase(it);

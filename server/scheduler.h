@@ -46,9 +46,14 @@ class Scheduler {
             ServerMetrics* metrics);
 
   // Handler threads. Empty on success, else why the request is refused now (queue full: RESOURCE_EXHAUSTED;
-  // draining: UNAVAILABLE) — the handler reports it; nothing is queued.
-  enum class Refusal { none, queue_full, draining };
+  // draining: UNAVAILABLE; never_fits: INVALID_ARGUMENT, see why_never_fits) — the handler reports it;
+  // nothing is queued.
+  enum class Refusal { none, queue_full, draining, never_fits };
   Refusal submit(std::shared_ptr<Request> request);
+  // Empty when the request fits an idle server, else which limit it exceeds: a prompt longer than the batched
+  // tokens of a step (prompts are prefilled whole), or prompt + max tokens needing more KV blocks than a rank
+  // has. Such a request would wait forever at the head of the queue.
+  [[nodiscard]] std::string why_never_fits(const Request& request) const;
   // Stop admitting; running and waiting requests still finish.
   void drain();
   [[nodiscard]] bool draining() const;
@@ -82,6 +87,8 @@ class Scheduler {
     Clock::time_point last_token;
   };
 
+  // KV blocks reserved for the request: prompt + max tokens, within the context length.
+  [[nodiscard]] std::int64_t kv_blocks_needed(const Request& request) const;
   void admit(Clock::time_point now, StepPlan& plan);
   void finish(std::uint64_t id, Running& run, Terminal terminal, const std::string& message,
               Clock::time_point now);

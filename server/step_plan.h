@@ -26,12 +26,16 @@ struct StepPlan {
   std::vector<std::uint64_t> decodes;  // running sequences that take one more token (each on its own rank)
 };
 
+// Why a sequence could not take a token (rank 0 ends its request with an error; the others go on).
+enum class SequenceFailure : std::int32_t { none, non_finite_logits };
+
 // One sequence's outcome of the step on its rank.
 struct SequenceResult {
   std::uint64_t id = 0;
-  std::int32_t token = 0;  // the sampled next token
+  std::int32_t token = 0;  // the sampled next token, when failure is none
   std::int64_t dropped = 0;
   std::int64_t rerouted = 0;
+  SequenceFailure failure = SequenceFailure::none;
 };
 
 struct StepResult {

@@ -22,8 +22,9 @@ def main() -> int:
     from capserve.v1 import inference_pb2 as pb
     from capserve.v1 import inference_pb2_grpc as rpc
 
-    messages = ([pb.ChatMessage(role="system", content=args.system)] if args.system else []) + [
-        pb.ChatMessage(role="user", content=args.message)]
+    # Request text fields are UTF-8 bytes (see proto/capserve/v1/inference.proto).
+    messages = ([pb.ChatMessage(role=b"system", content=args.system.encode())] if args.system else []) + [
+        pb.ChatMessage(role=b"user", content=args.message.encode())]
     request = pb.ChatRequest(messages=messages,
                              sampling=pb.SamplingOptions(max_tokens=args.max_tokens, temperature=args.temperature))
     stub = rpc.InferenceStub(grpc.insecure_channel(args.addr))

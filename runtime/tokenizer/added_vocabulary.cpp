@@ -8,14 +8,10 @@
 namespace capserve::runtime {
 namespace {
 
-bool is_continuation(char c) {
-  return (static_cast<unsigned char>(c) & 0xC0) == 0x80;
-}
-
 // The last character of non-empty well-formed `text`.
 char32_t last_character(std::string_view text) {
   std::size_t start = text.size() - 1;
-  while (start > 0 && is_continuation(text[start])) --start;
+  while (start > 0 && utf8::is_continuation(text[start])) --start;
   return utf8::decode(text, start);
 }
 
@@ -29,7 +25,7 @@ std::size_t trailing_space_start(std::string_view text) {
   std::size_t end = text.size();
   while (end > 0) {
     std::size_t start = end - 1;
-    while (start > 0 && is_continuation(text[start])) --start;
+    while (start > 0 && utf8::is_continuation(text[start])) --start;
     std::size_t pos = start;
     if (!unicode::is_white_space(utf8::decode(text, pos))) break;
     end = start;

@@ -17,6 +17,11 @@ inline bool is_valid(std::string_view bytes) {
   return valid_prefix_length(bytes) == bytes.size();
 }
 
+// Whether `c` continues a multi-byte sequence (so that no character starts at it).
+inline bool is_continuation(char c) {
+  return (static_cast<unsigned char>(c) & 0xC0) == 0x80;
+}
+
 // Byte length of the character that starts with `lead` in well-formed text.
 inline std::size_t sequence_length(unsigned char lead) {
   return lead < 0x80 ? 1 : lead < 0xE0 ? 2 : lead < 0xF0 ? 3 : 4;

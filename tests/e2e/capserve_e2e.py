@@ -54,10 +54,19 @@ def _health_messages():
 HealthCheckRequest, HealthCheckResponse = _health_messages()
 
 
-def chat_request(content, max_tokens=16, request_id="", **sampling):
+def utf8(text):
+    """Request text fields are UTF-8 `bytes` (proto/capserve/v1/inference.proto); raw bytes pass unchanged."""
+    return text if isinstance(text, bytes) else text.encode()
+
+
+def message(role, content):
+    return pb.ChatMessage(role=utf8(role), content=utf8(content))
+
+
+def chat_request(content, max_tokens=16, request_id="", stop=(), **sampling):
     """A chat request with one user message (greedy unless `sampling` says otherwise)."""
-    return pb.ChatRequest(messages=[pb.ChatMessage(role="user", content=content)], request_id=request_id,
-                          sampling=pb.SamplingOptions(max_tokens=max_tokens, **sampling))
+    sampling = pb.SamplingOptions(max_tokens=max_tokens, stop=[utf8(s) for s in stop], **sampling)
+    return pb.ChatRequest(messages=[message("user", content)], request_id=utf8(request_id), sampling=sampling)
 
 
 def parse_metrics(text):

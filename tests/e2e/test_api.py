@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from capserve_e2e import ServerTestCase, chat_request, delta, main, metric, pb
+from capserve_e2e import ServerTestCase, chat_request, delta, main, message, metric, pb
 
 LONG = 900  # max_tokens of a request meant to be cut short (the model's context is 1024)
 
@@ -112,16 +112,16 @@ class ApiTest(ServerTestCase):
         def chat(**fields):
             return lambda: self.stub.Chat(pb.ChatRequest(**fields), timeout=30)
 
-        user = [pb.ChatMessage(role="user", content="Hello")]
+        user = [message("user", "Hello")]
         cases = [
-            ("messages[0].role", chat(messages=[pb.ChatMessage(role="robot", content="Hello")])),
+            ("messages[0].role", chat(messages=[message("robot", "Hello")])),
             ("messages[1].role", lambda: list(self.stub.ChatStream(pb.ChatRequest(messages=[
-                user[0], pb.ChatMessage(role="", content="x")]), timeout=30))),
+                user[0], message("", "x")]), timeout=30))),
             ("messages", chat(messages=[])),
             ("sampling.temperature", chat(messages=user, sampling=pb.SamplingOptions(temperature=-0.5))),
             ("sampling.max_tokens", chat(messages=user, sampling=pb.SamplingOptions(max_tokens=100_000))),
-            ("prompt", chat(messages=[pb.ChatMessage(role="user", content="hello world " * 2000)])),
-            ("model", chat(model="no-such-model", messages=user)),
+            ("prompt", chat(messages=[message("user", "hello world " * 2000)])),
+            ("model", chat(model=b"no-such-model", messages=user)),
             ("input_ids[1]", lambda: list(self.stub.Generate(pb.GenerateRequest(input_ids=[5, 1_000_000]),
                                                              timeout=30))),
             ("input_ids[0]", lambda: list(self.stub.Generate(pb.GenerateRequest(input_ids=[-1]), timeout=30))),

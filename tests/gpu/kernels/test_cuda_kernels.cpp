@@ -525,7 +525,9 @@ TEST(CudaKernels, SamplingFollowsTheCpuSampler) {
   for (std::int64_t r = 0; r < rows; ++r) {
     runtime::Sampler greedy(runtime::SamplingParams{});
     const std::span<const float> row(logits.data() + r * vocab, static_cast<std::size_t>(vocab));
-    EXPECT_EQ(tokens[static_cast<std::size_t>(r)], greedy.sample(row)) << "row " << r;
+    std::int32_t expected = -1;
+    ASSERT_TRUE(greedy.sample(row, expected).ok());
+    EXPECT_EQ(tokens[static_cast<std::size_t>(r)], expected) << "row " << r;
   }
 
   // Distribution: temperature 1, top-k 4 over a small vocabulary; many draws against the CPU's probabilities.
@@ -553,8 +555,11 @@ TEST(CudaKernels, SamplingFollowsTheCpuSampler) {
   params.seed = 3;
   runtime::Sampler cpu(params);
   std::vector<double> cpu_freq(small.size(), 0.0);
-  for (std::int64_t i = 0; i < draws; ++i)
-    cpu_freq[static_cast<std::size_t>(cpu.sample(small))] += 1.0 / static_cast<double>(draws);
+  for (std::int64_t i = 0; i < draws; ++i) {
+    std::int32_t t = -1;
+    ASSERT_TRUE(cpu.sample(small, t).ok());
+    cpu_freq[static_cast<std::size_t>(t)] += 1.0 / static_cast<double>(draws);
+  }
   for (std::size_t t = 0; t < small.size(); ++t) EXPECT_NEAR(gpu_freq[t], cpu_freq[t], 0.02) << "token " << t;
 }
 

@@ -1,6 +1,8 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "runtime/sampler.h"
@@ -10,16 +12,59 @@ namespace {
 
 const std::vector<float> kLogits = {std::log(0.5F), std::log(0.3F), std::log(0.2F), -1e9F};
 
+std::int32_t draw(Sampler& s, std::span<const float> logits) {
+  std::int32_t token = -1;
+  const Status status = s.sample(logits, token);
+  EXPECT_TRUE(status.ok()) << status.message();
+  return token;
+}
+
 std::vector<int> histogram(SamplingParams p, int draws) {
   Sampler s(p);
   std::vector<int> h(kLogits.size(), 0);
-  for (int i = 0; i < draws; ++i) ++h[static_cast<std::size_t>(s.sample(kLogits))];
+  for (int i = 0; i < draws; ++i) ++h[static_cast<std::size_t>(draw(s, kLogits))];
   return h;
 }
 
 TEST(Sampler, GreedyTakesTheFirstMaximum) {
   Sampler s({});
-  EXPECT_EQ(s.sample(std::vector<float>{0.1F, 2.0F, 2.0F, -3.0F}), 1);
+  EXPECT_EQ(draw(s, std::vector<float>{0.1F, 2.0F, 2.0F, -3.0F}), 1);
+}
+
+// Model-sized logits (the magnitudes of a real vocabulary row) at temperatures from small to so small that
+// logit / T overflows: all of them are the greedy token, never the least likely one.
+TEST(Sampler, TinyTemperaturesAreGreedy) {
+  std::vector<float> logits(6144);
+  for (std::size_t i = 0; i < logits.size(); ++i)
+    logits[i] = 9.0F * std::sin(0.37F * static_cast<float>(i)) + 3.1F;
+  const std::int32_t greedy = 1234;
+  logits[greedy] = 12.6F;  // half a logit above every other one
+  for (const float t : {1e-3F, 1e-8F, 1e-10F, 1e-20F, 1e-30F, 1e-38F, 1e-45F}) {
+    SamplingParams p;
+    p.temperature = t;
+    p.seed = 7;
+    Sampler s(p);
+    for (int i = 0; i < 20; ++i) EXPECT_EQ(draw(s, logits), greedy) << "temperature " << t;
+    p.top_k = 40;
+    p.top_p = 0.9F;
+    Sampler filtered(p);
+    EXPECT_EQ(draw(filtered, logits), greedy) << "temperature " << t << " with top-k/top-p";
+  }
+}
+
+TEST(Sampler, NonFiniteLogitsAreAnErrorNotAToken) {
+  for (const float bad :
+       {std::nanf(""), std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()}) {
+    for (const float t : {0.0F, 1.0F}) {
+      SamplingParams p;
+      p.temperature = t;
+      Sampler s(p);
+      std::int32_t token = -1;
+      const Status status = s.sample(std::vector<float>{0.5F, bad, 1.0F}, token);
+      EXPECT_FALSE(status.ok()) << "logit " << bad << ", temperature " << t;
+      EXPECT_NE(status.message().find("token id 1"), std::string::npos) << status.message();
+    }
+  }
 }
 
 TEST(Sampler, SameSeedSameTokensOtherSeedOtherTokens) {
@@ -28,16 +73,16 @@ TEST(Sampler, SameSeedSameTokensOtherSeedOtherTokens) {
   p.seed = 1234;
   std::vector<float> logits(64);
   for (std::size_t i = 0; i < logits.size(); ++i) logits[i] = std::sin(static_cast<float>(i));
-  const auto draw = [&](SamplingParams q) {
+  const auto draws = [&](SamplingParams q) {
     Sampler s(q);
     std::vector<std::int32_t> out;
-    for (int i = 0; i < 50; ++i) out.push_back(s.sample(logits));
+    for (int i = 0; i < 50; ++i) out.push_back(draw(s, logits));
     return out;
   };
-  EXPECT_EQ(draw(p), draw(p));
+  EXPECT_EQ(draws(p), draws(p));
   SamplingParams other = p;
   other.seed = 99;
-  EXPECT_NE(draw(p), draw(other));
+  EXPECT_NE(draws(p), draws(other));
 }
 
 TEST(Sampler, TemperatureOneFollowsTheSoftmax) {

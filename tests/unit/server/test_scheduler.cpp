@@ -1,0 +1,128 @@
+// The scheduler's request lifecycle driven step by step without ranks: plans in, hand-made step results out,
+// and the client events that come of them.
+#include "server/scheduler.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "runtime/tokenizer/utf8.h"
+
+namespace capserve::server {
+namespace {
+
+const std::filesystem::path kModel =
+    std::filesystem::path(CAPSERVE_SOURCE_DIR) / "deploy/models/capserve-moe-tiny";
+
+std::shared_ptr<Request> chat_request(std::vector<std::string> stops, std::int64_t max_new_tokens = 16,
+                                      std::size_t prompt_tokens = 3) {
+  runtime::SamplingParams params;
+  params.max_new_tokens = max_new_tokens;
+  return std::make_shared<Request>("r", std::vector<std::int32_t>(prompt_tokens, 5), params, std::move(stops),
+                                   true, Clock::time_point::max());
+}
+
+// Every event the request has received so far.
+std::vector<RequestEvent> drain_events(Request& request) {
+  std::vector<RequestEvent> events;
+  while (auto e = request.next(std::chrono::milliseconds(0))) events.push_back(std::move(*e));
+  return events;
+}
+
+class SchedulerTest : public testing::Test {
+ protected:
+  SchedulerTest() : tokenizer_(runtime::Tokenizer::load(kModel)) {}
+
+  // Runs one step in which every sequence of the plan samples `token`.
+  void step(Scheduler& scheduler, std::int32_t token) {
+    const StepPlan plan = scheduler.plan(Clock::now());
+    StepResult result;
+    for (const SequenceStart& s : plan.starts) result.sequences.push_back({s.id, token, 0, 0});
+    for (const std::uint64_t id : plan.decodes) result.sequences.push_back({id, token, 0, 0});
+    scheduler.complete(std::span<const StepResult>(&result, 1), {}, Clock::now());
+  }
+
+  std::int32_t token_of(std::string_view text) {
+    std::vector<std::int32_t> ids;
+    EXPECT_TRUE(tokenizer_.encode(text, false, ids).ok());
+    EXPECT_EQ(ids.size(), 1U) << text;
+    return ids.at(0);
+  }
+
+  runtime::Tokenizer tokenizer_;
+};
+
+TEST_F(SchedulerTest, StopStringHoldBackCutsOnCharacterBoundaries) {
+  Scheduler scheduler({}, 1, &tokenizer_, nullptr, nullptr);
+  const auto request = chat_request({"QQ"}, 4);
+  ASSERT_EQ(scheduler.submit(request), Scheduler::Refusal::none);
+  // "a" then the 3-byte "に": holding back one byte for "QQ" must not split the character.
+  const std::int32_t a = token_of("a");
+  const std::int32_t ni = token_of("\xE3\x81\xAB");
+  for (const std::int32_t token : {a, ni, a, ni}) step(scheduler, token);
+  std::string text;
+  const std::vector<RequestEvent> events = drain_events(*request);
+  ASSERT_FALSE(events.empty());
+  for (const RequestEvent& e : events) {
+    EXPECT_TRUE(runtime::utf8::is_valid(e.text))
+        << "a chunk splits a character: " << testing::PrintToString(e.text);
+    text += e.text;
+  }
+  EXPECT_EQ(text,
+            "a\xE3\x81\xAB"
+            "a\xE3\x81\xAB");
+  EXPECT_EQ(events.back().terminal, Terminal::ok_length);
+}
+
+// A rank that could not sample one sequence (non-finite logits) fails that request alone, with a message; the
+// other sequence of the same step goes on to finish normally, and the failed one is freed on the ranks.
+TEST_F(SchedulerTest, ASequenceWithoutATokenFailsAloneWithAnError) {
+  Scheduler scheduler({}, 1, &tokenizer_, nullptr, nullptr);
+  const auto bad = chat_request({}, 3);
+  const auto good = chat_request({}, 3);
+  ASSERT_EQ(scheduler.submit(bad), Scheduler::Refusal::none);
+  ASSERT_EQ(scheduler.submit(good), Scheduler::Refusal::none);
+  const std::int32_t a = token_of("a");
+  StepPlan plan = scheduler.plan(Clock::now());
+  ASSERT_EQ(plan.starts.size(), 2U);
+  StepResult result;
+  result.sequences.push_back({plan.starts[0].id, 0, 0, 0, SequenceFailure::non_finite_logits});
+  result.sequences.push_back({plan.starts[1].id, a, 0, 0});
+  scheduler.complete(std::span<const StepResult>(&result, 1), {}, Clock::now());
+  const std::vector<RequestEvent> failed = drain_events(*bad);
+  ASSERT_EQ(failed.size(), 1U);
+  EXPECT_EQ(failed[0].terminal, Terminal::internal);
+  EXPECT_NE(failed[0].message.find("not finite"), std::string::npos) << failed[0].message;
+  plan = scheduler.plan(Clock::now());
+  EXPECT_EQ(plan.frees, std::vector<std::uint64_t>{result.sequences[0].id});
+  EXPECT_EQ(plan.decodes, std::vector<std::uint64_t>{result.sequences[1].id});
+  for (int i = 0; i < 2; ++i) step(scheduler, a);
+  const std::vector<RequestEvent> served = drain_events(*good);
+  ASSERT_FALSE(served.empty());
+  EXPECT_EQ(served.back().terminal, Terminal::ok_length);
+  EXPECT_EQ(served.back().completion_tokens, 3U);
+}
+
+// A request that could never be admitted, even by an idle server, is refused at submission naming the limit,
+// and the requests behind it are served.
+TEST_F(SchedulerTest, RequestsThatCanNeverFitAreRefusedAtSubmission) {
+  SchedulerConfig config;
+  config.max_batched_tokens = 512;
+  config.kv_blocks_per_rank = 4;  // 64 tokens of 16
+  Scheduler scheduler(config, 2, &tokenizer_, nullptr, nullptr);
+  const auto long_prompt = chat_request({}, 1, 600);
+  EXPECT_EQ(scheduler.submit(long_prompt), Scheduler::Refusal::never_fits);
+  EXPECT_NE(scheduler.why_never_fits(*long_prompt).find("--max-batched-tokens"), std::string::npos)
+      << scheduler.why_never_fits(*long_prompt);
+  const auto many_tokens = chat_request({}, 100);
+  EXPECT_EQ(scheduler.submit(many_tokens), Scheduler::Refusal::never_fits);
+  EXPECT_NE(scheduler.why_never_fits(*many_tokens).find("--kv-blocks"), std::string::npos)
+      << scheduler.why_never_fits(*many_tokens);
+  const auto fits = chat_request({}, 61);  // 3 + 61 tokens: exactly the 4 blocks of a rank
+  EXPECT_EQ(scheduler.why_never_fits(*fits), "");
+  ASSERT_EQ(scheduler.submit(fits), Scheduler::Refusal::none);
+  EXPECT_EQ(scheduler.plan(Clock::now()).starts.size(), 1U);
+}
+
+}  // namespace
+}  // namespace capserve::server
