@@ -61,7 +61,8 @@ struct Options {
   std::int64_t concurrency = 0;
   std::uint64_t seed = 1;
   // Prompts and sizes.
-  std::string corpus = "../shared/data/corpus";
+  // In the source tree known at build time, so that the tool runs from any directory.
+  std::string corpus = CAPSERVE_SOURCE_DIR "/../shared/data/corpus";
   std::vector<std::string> domains{"arxiv", "books", "code", "web", "wikipedia"};
   std::string prompt_mix = "bursts";
   std::int64_t burst_length = 16;
@@ -104,11 +105,11 @@ void add_flags(CLI::App& app, Options& o) {
 
   auto* g = app.add_option_group("arrivals",
                                  "one of: --trace (replay), --rate (Poisson), --concurrency (closed loop)");
-  g->add_option(
-       "--trace", o.trace,
-       "Azure LLM trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens), e.g. "
-       "../shared/data/traces/azure_llm_2023_code.csv: replayed, or with --rate/--concurrency only its "
-       "request sizes are used")
+  g->add_option("--trace", o.trace,
+                "Azure LLM trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens), e.g. "
+                "../shared/data/traces/azure_llm_2023_code.csv next to the source tree: replayed, or with "
+                "--rate/--concurrency only its "
+                "request sizes are used")
       ->check(CLI::ExistingFile);
   g->add_option("--time-scale", o.time_scale,
                 "replay time = trace time * this (0.1 replays ten times faster, 2 half as fast)")
