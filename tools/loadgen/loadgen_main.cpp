@@ -25,6 +25,7 @@
 #include <nlohmann/json.hpp>
 
 #include "runtime/tokenizer/tokenizer.h"
+#include "tools/cli_args.h"
 #include "tools/loadgen/arrivals.h"
 #include "tools/loadgen/http_get.h"
 #include "tools/loadgen/prometheus_text.h"
@@ -533,6 +534,12 @@ int main(int argc, char** argv) {
       "server's MoE figures"};
   Options o;
   add_flags(app, o);
+  if (const auto bad =
+          capserve::tools::flag_with_empty_value({argv + 1, static_cast<std::size_t>(argc - 1)})) {
+    std::fprintf(stderr, "capserve-loadgen: %.*s has an empty value\n", static_cast<int>(bad->size()),
+                 bad->data());
+    return 2;
+  }
   CLI11_PARSE(app, argc, argv);
   try {
     return Run(o).execute();

@@ -8,13 +8,6 @@
 namespace capserve::tools {
 namespace {
 
-std::vector<double> rank_loads(std::span<const std::int32_t> owners, const std::vector<double>& load,
-                               int ranks) {
-  std::vector<double> out(static_cast<std::size_t>(ranks), 0.0);
-  for (std::size_t e = 0; e < owners.size(); ++e) out[static_cast<std::size_t>(owners[e])] += load[e];
-  return out;
-}
-
 double max_over_mean(const std::vector<double>& per_rank) {
   const double mean =
       std::accumulate(per_rank.begin(), per_rank.end(), 0.0) / static_cast<double>(per_rank.size());
@@ -35,8 +28,8 @@ nlohmann::json placement_document(const ExpertCounts& counts, std::span<const st
   for (std::int64_t l = 0; l < num_layers; ++l) {
     const std::vector<double>& load = loads[static_cast<std::size_t>(l)];
     if (load.empty()) continue;
-    const std::vector<double> per_rank = rank_loads(balanced.owners(l), load, ranks);
-    const std::vector<double> contiguous_per_rank = rank_loads(contiguous.owners(l), load, ranks);
+    const std::vector<double> per_rank = balanced.rank_loads(l, load);
+    const std::vector<double> contiguous_per_rank = contiguous.rank_loads(l, load);
     sum_max += *std::max_element(per_rank.begin(), per_rank.end());
     contiguous_sum_max += *std::max_element(contiguous_per_rank.begin(), contiguous_per_rank.end());
     layers.push_back({{"layer", l},

@@ -20,6 +20,7 @@
 #include "runtime/load_error.h"
 #include "runtime/token_ids_text.h"
 #include "runtime/tokenizer/tokenizer.h"
+#include "tools/cli_args.h"
 
 namespace {
 
@@ -136,6 +137,11 @@ int main(int argc, char** argv) {
   app.add_flag(
       "--no-special-tokens", options.no_special_tokens,
       "encode: do not add the post-processor's special tokens (BOS...); decode: skip special tokens");
+  if (const auto bad =
+          capserve::tools::flag_with_empty_value({argv + 1, static_cast<std::size_t>(argc - 1)})) {
+    std::cerr << "capserve-tokenize: " << *bad << " has an empty value\n";
+    return 2;
+  }
   CLI11_PARSE(app, argc, argv);
 
   std::optional<Tokenizer> tokenizer;

@@ -19,6 +19,13 @@ class DefaultPaths(unittest.TestCase):
         self.assertNotIn("corpus", p.stderr)
         self.assertIn("cannot connect to 127.0.0.1:1", p.stderr)
 
+    def test_empty_flag_value_is_an_error(self):
+        # CLI11 would take the next flag as --model's value.
+        p = subprocess.run([sys.argv[1], "--model=", "--rate", "1", "--target", "127.0.0.1:1"],
+                           capture_output=True, text=True, timeout=60)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("--model= has an empty value", p.stderr)
+
 
 if __name__ == "__main__":
     unittest.main(argv=sys.argv[:1], verbosity=2)

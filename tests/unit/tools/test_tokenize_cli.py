@@ -84,6 +84,13 @@ class JsonlMode(unittest.TestCase):
         self.assertIn("line 3: not valid JSON", err)
 
 
+class Flags(unittest.TestCase):
+    def test_empty_flag_value_is_an_error(self):
+        p = run(["--tokenizer=", "--jsonl"], "")
+        self.assertNotEqual(p.returncode, 0)
+        self.assertIn("--tokenizer= has an empty value", p.stderr.decode())
+
+
 class IdsWithoutToken(unittest.TestCase):
     def test_out_of_vocabulary_id_is_an_error(self):
         _, _, directory = goldens("qwen3")
