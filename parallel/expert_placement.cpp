@@ -226,6 +226,14 @@ std::span<const std::int32_t> ExpertPlacement::local_index(std::int64_t layer) c
   return {local_index_.data() + layer * num_experts_, static_cast<std::size_t>(num_experts_)};
 }
 
+std::vector<double> ExpertPlacement::rank_loads(std::int64_t layer,
+                                                const std::vector<double>& expert_loads) const {
+  if (static_cast<std::int64_t>(expert_loads.size()) != num_experts_)
+    throw std::invalid_argument("expert placement: " + std::to_string(expert_loads.size()) +
+                                " expert loads for " + std::to_string(num_experts_) + " experts");
+  return parallel::rank_loads(owners(layer), expert_loads, num_ranks_);
+}
+
 std::span<const std::int32_t> ExpertPlacement::local_experts(std::int64_t layer, int rank) const {
   const std::int64_t* start = rank_start_.data() + layer * (num_ranks_ + 1);
   return {by_rank_.data() + layer * num_experts_ + start[rank],

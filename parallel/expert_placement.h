@@ -45,6 +45,9 @@ class ExpertPlacement {
   [[nodiscard]] std::span<const std::int32_t> local_experts(std::int64_t layer, int rank) const;
   // local_index(layer)[e] = e's position in its owner's local_experts list.
   [[nodiscard]] std::span<const std::int32_t> local_index(std::int64_t layer) const;
+  // Per rank, the sum of expert_loads (num_experts entries) over the experts it hosts on `layer`.
+  [[nodiscard]] std::vector<double> rank_loads(std::int64_t layer,
+                                               const std::vector<double>& expert_loads) const;
 
  private:
   ExpertPlacement(std::string kind, std::int64_t num_layers, std::int64_t num_experts, int num_ranks);

@@ -62,16 +62,18 @@ descendants() {
 ranks="$(descendants "$server_pid")"  # mpirun and the ranks
 echo "loadgen_smoke: $start_line (launcher $server_pid, descendants: $(echo $ranks))"
 
-common=(--target "127.0.0.1:$port" --metrics-url "http://127.0.0.1:$metrics_port/metrics" --corpus "$data/corpus"
+common=(--target "127.0.0.1:$port" --metrics-url "http://127.0.0.1:$metrics_port/metrics"
         --tokenizer "$CAPSERVE_MODEL" --max-prompt-tokens 64 --max-tokens 16 --drain-timeout-s 120 --progress-s 5
         --fail-on-error)
 status=0
 # ~10 s of the bursty code trace at half its speed (25 requests), prompts in bursts of 4 of one domain.
 "$CAPSERVE_LOADGEN" "${common[@]}" --trace "$data/traces/azure_llm_2023_code.csv" --trace-start-s 600 \
-  --duration-s 10 --time-scale 2 --prompt-mix bursts --burst-length 4 --json "$work/chat.json" || status=$?
-# Generate (token ids in and out), Poisson arrivals.
-"$CAPSERVE_LOADGEN" "${common[@]}" --mode generate --rate 2 --duration-s 5 --max-requests 6 --prompt-mix mixed \
-  --json "$work/generate.json" || status=$?
+  --duration-s 10 --time-scale 2 --prompt-mix bursts --burst-length 4 --corpus "$data/corpus" \
+  --json "$work/chat.json" || status=$?
+# Generate (token ids in and out), Poisson arrivals; run from another directory with the default corpus (found
+# through the source tree, not the working directory).
+(cd "$work" && "$CAPSERVE_LOADGEN" "${common[@]}" --mode generate --rate 2 --duration-s 5 --max-requests 6 \
+  --prompt-mix mixed --json "$work/generate.json") || status=$?
 if ((status != 0)); then
   echo "loadgen_smoke: capserve-loadgen failed (exit $status); server log:"
   tail -n 40 "$work/server.log"

@@ -52,6 +52,8 @@
 #include "runtime/model.h"
 #include "runtime/moe_block.h"
 #include "runtime/tokenizer/tokenizer.h"
+#include "tools/cli_args.h"
+#include "tools/placement/expert_counts.h"
 
 namespace {
 
@@ -328,31 +330,56 @@ struct SyntheticLayerData {
   runtime::Routing routing;  // this rank's tokens: probs, top-k experts and weights (pristine)
 };
 
+// Top-k of the synthetic routing: the flag, else what the counts file tells; never a guess.
+std::int64_t synthetic_top_k(std::int64_t flag, const tools::ExpertCounts& counts,
+                             const std::string& counts_path, const std::string& counts_model) {
+  const std::int64_t k = flag > 0 ? flag : counts.top_k.value_or(0);
+  if (k == 0) {
+    throw std::runtime_error("cannot tell the top-k of " + counts_path +
+                             (counts.format == "counts" ? " (" + counts_model + ")" : "") +
+                             ": the file does not record it; pass --top-k");
+  }
+  if (k > counts.num_experts) {
+    throw std::runtime_error("top-k " + std::to_string(k) + " exceeds the " +
+                             std::to_string(counts.num_experts) + " experts of " + counts_path);
+  }
+  return k;
+}
+
 int run_synthetic(parallel::MpiWorld& world, parallel::MpiCommunicator& comm, const std::string& counts_path,
-                  const std::string& counts_model, std::vector<std::string> domains,
+                  const std::string& counts_model, std::int64_t top_k_flag, std::vector<std::string> domains,
                   std::vector<std::string> count_layers, std::int64_t tokens, std::int64_t hidden,
                   std::int64_t ffn, int reps, int warmup, std::uint64_t seed,
                   const std::vector<Contender>& contenders, int threads,
                   const std::vector<std::int64_t>& expert_cost_rows, const std::string& out_path) {
   const int rank = world.rank();
   const int ranks = world.size();
-  json counts_file;
-  {
-    std::ifstream in(counts_path);
-    if (!in) throw std::runtime_error("cannot open " + counts_path);
-    in >> counts_file;
-  }
-  const json& ec = counts_file.at(counts_model).at("expert_counts");
+  const tools::ExpertCounts counts = tools::read_expert_counts(counts_path, counts_model);
   if (domains.empty()) {
-    for (const auto& [name, _] : ec.items()) domains.push_back(name);
+    for (const tools::CountsGroup& g : counts.groups) domains.push_back(g.name);
   }
   if (count_layers.empty()) {
-    for (const auto& [name, _] : ec.at(domains.front()).items()) count_layers.push_back(name);
-    std::sort(count_layers.begin(), count_layers.end(),
-              [](const std::string& a, const std::string& b) { return std::stoi(a) < std::stoi(b); });
+    for (const tools::CountsLayer& l : counts.groups.front().layers)
+      count_layers.push_back(std::to_string(l.layer));
   }
-  const auto E = static_cast<std::int64_t>(ec.at(domains.front()).at(count_layers.front()).size());
-  const std::int64_t k = counts_model.find("olmoe") != std::string::npos ? 8 : 2;
+  // counts_of[d][l]: the counts of domain d on count layer l (every domain has the same layers).
+  std::vector<std::vector<const std::vector<double>*>> counts_of;
+  for (const std::string& domain : domains) {
+    const auto g = std::find_if(counts.groups.begin(), counts.groups.end(),
+                                [&](const tools::CountsGroup& x) { return x.name == domain; });
+    if (g == counts.groups.end()) throw std::runtime_error(counts_path + ": no domain \"" + domain + "\"");
+    std::vector<const std::vector<double>*>& rows = counts_of.emplace_back();
+    for (const std::string& layer : count_layers) {
+      const auto l = std::find_if(g->layers.begin(), g->layers.end(), [&](const tools::CountsLayer& x) {
+        return std::to_string(x.layer) == layer;
+      });
+      if (l == g->layers.end())
+        throw std::runtime_error(counts_path + ": no layer " + layer + " in " + domain);
+      rows.push_back(&l->counts);
+    }
+  }
+  const std::int64_t E = counts.num_experts;
+  const std::int64_t k = synthetic_top_k(top_k_flag, counts, counts_path, counts_model);
   const auto L = static_cast<std::int64_t>(count_layers.size());
 
   // Placement: contiguous, the same on every layer; the layers share one set of expert weights (each rank
@@ -386,13 +413,15 @@ int run_synthetic(parallel::MpiWorld& world, parallel::MpiCommunicator& comm, co
   std::vector<float> logits;
   for (std::size_t d = 0; d < domains.size(); ++d) {
     for (std::int64_t l = 0; l < L; ++l) {
-      const json& c = ec.at(domains[d]).at(count_layers[static_cast<std::size_t>(l)]);
+      const std::vector<double>& c = *counts_of[d][static_cast<std::size_t>(l)];
+      const double total = std::accumulate(c.begin(), c.end(), 0.0);
+      if (total <= 0)
+        throw std::runtime_error(counts_path + ": " + domains[d] + " layer " +
+                                 count_layers[static_cast<std::size_t>(l)] + " has no counts");
       std::vector<double> pi(static_cast<std::size_t>(E));
-      double total = 0;
-      for (std::int64_t e = 0; e < E; ++e) total += c.at(static_cast<std::size_t>(e)).get<double>();
       for (std::int64_t e = 0; e < E; ++e)
         pi[static_cast<std::size_t>(e)] =
-            std::min(1.0, static_cast<double>(k) * c.at(static_cast<std::size_t>(e)).get<double>() / total);
+            std::min(1.0, static_cast<double>(k) * c[static_cast<std::size_t>(e)] / total);
       std::mt19937_64 rng(mix64(seed ^ mix64(d * 1000 + static_cast<std::uint64_t>(l) * 10 +
                                              static_cast<std::uint64_t>(rank) * 7919 + 1)));
       synth_logits(pi, tokens, k, rng, logits);
@@ -556,6 +585,7 @@ int run_synthetic(parallel::MpiWorld& world, parallel::MpiCommunicator& comm, co
                {"domains", domains},
                {"counts_file", counts_path},
                {"counts_model", counts_model},
+               {"counts_format", counts.format},
                {"reps", reps},
                {"warmup", warmup},
                {"placement", "contiguous"},
@@ -844,8 +874,11 @@ int main(int argc, char** argv) {
   std::int64_t rounds = 1;
   std::int64_t local_experts = 1;
   // synthetic
-  std::string counts_path = "../shared/data/routing/olmoe_mixtral_expert_counts.json";
+  // Defaults in the source tree known at build time, so the tool runs from any directory.
+  std::string counts_path = CAPSERVE_SOURCE_DIR "/../shared/data/routing/olmoe_mixtral_expert_counts.json";
   std::string counts_model = "olmoe";
+  std::int64_t top_k = 0;
+  bool no_expert_cost = false;
   std::vector<std::string> domains;
   std::vector<std::string> count_layers;
   std::int64_t tokens = 512;
@@ -854,8 +887,8 @@ int main(int argc, char** argv) {
   std::vector<std::int64_t> expert_cost_rows = {1,  2,   4,   8,   16,  24,  32,  33,  40,  48,  64,
                                                 96, 128, 160, 192, 256, 320, 384, 512, 768, 1024};
   // model
-  std::string model_dir = "deploy/models/capserve-moe-tiny";
-  std::string corpus_dir = "../shared/data/corpus";
+  std::string model_dir = CAPSERVE_SOURCE_DIR "/deploy/models/capserve-moe-tiny";
+  std::string corpus_dir = CAPSERVE_SOURCE_DIR "/../shared/data/corpus";
   int windows_per_rank = 4;
   int window = 255;
 
@@ -870,8 +903,18 @@ int main(int argc, char** argv) {
   app.add_option("--granularities", granularities, "expert,device")->delimiter(',');
   app.add_option("--rounds", rounds, "reroute rounds R")->check(CLI::PositiveNumber);
   app.add_option("--local-experts", local_experts, "expanded m")->check(CLI::PositiveNumber);
-  app.add_option("--counts", counts_path, "routing counts JSON")->check(CLI::ExistingFile);
-  app.add_option("--counts-model", counts_model, "model key in the counts file");
+  app.add_option(
+         "--counts", counts_path,
+         "routing counts: a counts file {model: {expert_counts: ...}}, --moe-stats output or SGLang's "
+         "{\"logical_count\": ...} dump")
+      ->check(CLI::ExistingFile)
+      ->capture_default_str();
+  app.add_option("--counts-model", counts_model, "model key in a counts file (ignored by the other formats)")
+      ->capture_default_str();
+  app.add_option(
+         "--top-k", top_k,
+         "synthetic: experts per token (default: from the counts file; an error where it does not tell)")
+      ->check(CLI::PositiveNumber);
   app.add_option("--domains", domains, "domains (default: all in the counts file / the five corpus domains)")
       ->delimiter(',');
   app.add_option("--count-layers", count_layers, "count-file layers, one layer call each (default all)")
@@ -880,13 +923,21 @@ int main(int argc, char** argv) {
   app.add_option("--hidden", hidden)->check(CLI::PositiveNumber);
   app.add_option("--ffn", ffn, "expert FFN width")->check(CLI::PositiveNumber);
   app.add_option("--expert-cost-rows", expert_cost_rows,
-                 "synthetic: row counts at which to time one expert's FFN alone (empty: skip)")
-      ->delimiter(',');
-  app.add_option("--model", model_dir)->check(CLI::ExistingDirectory);
-  app.add_option("--corpus", corpus_dir)->check(CLI::ExistingDirectory);
+                 "synthetic: row counts at which to time one expert's FFN alone")
+      ->delimiter(',')
+      ->check(CLI::PositiveNumber);
+  app.add_flag("--no-expert-cost", no_expert_cost, "synthetic: skip timing one expert's FFN alone");
+  app.add_option("--model", model_dir)->check(CLI::ExistingDirectory)->capture_default_str();
+  app.add_option("--corpus", corpus_dir)->check(CLI::ExistingDirectory)->capture_default_str();
   app.add_option("--windows-per-rank", windows_per_rank)->check(CLI::PositiveNumber);
   app.add_option("--window", window, "text tokens per window (after one <|endoftext|>)")
       ->check(CLI::PositiveNumber);
+  if (const auto bad = tools::flag_with_empty_value({argv + 1, static_cast<std::size_t>(argc - 1)})) {
+    if (world->rank() == 0)
+      std::fprintf(stderr, "capserve-bench-moe-layer: %.*s has an empty value\n",
+                   static_cast<int>(bad->size()), bad->data());
+    return 2;
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -898,8 +949,9 @@ int main(int argc, char** argv) {
     const std::vector<Contender> contenders =
         make_contenders(gammas, reroute_gammas, granularities, rounds, local_experts);
     if (mode == "synthetic") {
-      return run_synthetic(*world, comm, counts_path, counts_model, domains, count_layers, tokens, hidden,
-                           ffn, reps, warmup, seed, contenders, threads, expert_cost_rows, out_path);
+      if (no_expert_cost) expert_cost_rows.clear();
+      return run_synthetic(*world, comm, counts_path, counts_model, top_k, domains, count_layers, tokens,
+                           hidden, ffn, reps, warmup, seed, contenders, threads, expert_cost_rows, out_path);
     }
     if (domains.empty()) domains = {"arxiv", "books", "code", "web", "wikipedia"};
     return run_model(*world, comm, model_dir, corpus_dir, domains, windows_per_rank, window, reps, warmup,

@@ -25,6 +25,7 @@
 #include <nlohmann/json.hpp>
 
 #include "runtime/tokenizer/tokenizer.h"
+#include "tools/cli_args.h"
 #include "tools/loadgen/arrivals.h"
 #include "tools/loadgen/http_get.h"
 #include "tools/loadgen/prometheus_text.h"
@@ -61,7 +62,8 @@ struct Options {
   std::int64_t concurrency = 0;
   std::uint64_t seed = 1;
   // Prompts and sizes.
-  std::string corpus = "../shared/data/corpus";
+  // In the source tree known at build time, so that the tool runs from any directory.
+  std::string corpus = CAPSERVE_SOURCE_DIR "/../shared/data/corpus";
   std::vector<std::string> domains{"arxiv", "books", "code", "web", "wikipedia"};
   std::string prompt_mix = "bursts";
   std::int64_t burst_length = 16;
@@ -104,11 +106,11 @@ void add_flags(CLI::App& app, Options& o) {
 
   auto* g = app.add_option_group("arrivals",
                                  "one of: --trace (replay), --rate (Poisson), --concurrency (closed loop)");
-  g->add_option(
-       "--trace", o.trace,
-       "Azure LLM trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens), e.g. "
-       "../shared/data/traces/azure_llm_2023_code.csv: replayed, or with --rate/--concurrency only its "
-       "request sizes are used")
+  g->add_option("--trace", o.trace,
+                "Azure LLM trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens), e.g. "
+                "../shared/data/traces/azure_llm_2023_code.csv next to the source tree: replayed, or with "
+                "--rate/--concurrency only its "
+                "request sizes are used")
       ->check(CLI::ExistingFile);
   g->add_option("--time-scale", o.time_scale,
                 "replay time = trace time * this (0.1 replays ten times faster, 2 half as fast)")
@@ -532,6 +534,12 @@ int main(int argc, char** argv) {
       "server's MoE figures"};
   Options o;
   add_flags(app, o);
+  if (const auto bad =
+          capserve::tools::flag_with_empty_value({argv + 1, static_cast<std::size_t>(argc - 1)})) {
+    std::fprintf(stderr, "capserve-loadgen: %.*s has an empty value\n", static_cast<int>(bad->size()),
+                 bad->data());
+    return 2;
+  }
   CLI11_PARSE(app, argc, argv);
   try {
     return Run(o).execute();
