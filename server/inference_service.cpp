@@ -273,11 +273,14 @@ grpc::Status InferenceService::make_chat(grpc::ServerContext* context, const v1:
     if (grpc::Status s = check_utf8(m.content(), field + ".content"); !s.ok()) return s;
     messages.push_back({m.role(), m.content()});
   }
-  std::string text;
-  if (runtime::Status s = chat_template_->render(messages, true, text); !s.ok())
+  runtime::RenderedPrompt prompt;
+  if (runtime::Status s = chat_template_->render(messages, true, prompt); !s.ok())
     return invalid("messages: " + s.message());
+  // Only the template's markup yields special tokens, unless the server allows them in content too.
+  const std::span<const runtime::TextRange> plain_text =
+      limits_.special_tokens_in_content ? std::span<const runtime::TextRange>() : prompt.content;
   std::vector<std::int32_t> ids;
-  if (runtime::Status s = tokenizer_->encode(text, false, ids); !s.ok())
+  if (runtime::Status s = tokenizer_->encode(prompt.text, false, ids, plain_text); !s.ok())
     return invalid("messages: " + s.message());
   runtime::SamplingParams params;
   std::vector<std::string> stops;
