@@ -16,6 +16,16 @@ grpc::Status invalid(const std::string& message) {
   return {grpc::StatusCode::INVALID_ARGUMENT, message};
 }
 
+const char* code_name(grpc::StatusCode code) {
+  static const char* const names[] = {
+      "OK",        "CANCELLED",      "UNKNOWN",           "INVALID_ARGUMENT",   "DEADLINE_EXCEEDED",
+      "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+      "ABORTED",   "OUT_OF_RANGE",   "UNIMPLEMENTED",     "INTERNAL",           "UNAVAILABLE",
+      "DATA_LOSS", "UNAUTHENTICATED"};
+  const auto i = static_cast<std::size_t>(code);
+  return i < std::size(names) ? names[i] : "UNKNOWN";
+}
+
 // Client text inside an error message: at most `limit` bytes of it (cut on a character boundary).
 std::string excerpt(std::string_view text, std::size_t limit = 64) {
   std::string out = "'";
@@ -36,6 +46,7 @@ grpc::Status check_utf8(std::string_view text, const std::string& field) {
 }
 
 // The client's address without its port ("ipv4:10.0.0.1", "ipv6:[::1]"); other peers ("unix:...") whole.
+// Limits count per address, not per connection: a client can open connections at will.
 std::string peer_address(const std::string& peer) {
   if (!peer.starts_with("ipv4:") && !peer.starts_with("ipv6:")) return peer;
   const std::size_t colon = peer.rfind(':');
@@ -95,20 +106,6 @@ InferenceService::InferenceService(Scheduler& scheduler, const runtime::Tokenize
       limits_(std::move(limits)),
       info_(std::move(info)),
       metrics_(metrics) {}
-
-namespace {
-
-const char* code_name(grpc::StatusCode code) {
-  static const char* const names[] = {
-      "OK",        "CANCELLED",      "UNKNOWN",           "INVALID_ARGUMENT",   "DEADLINE_EXCEEDED",
-      "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
-      "ABORTED",   "OUT_OF_RANGE",   "UNIMPLEMENTED",     "INTERNAL",           "UNAVAILABLE",
-      "DATA_LOSS", "UNAUTHENTICATED"};
-  const auto i = static_cast<std::size_t>(code);
-  return i < std::size(names) ? names[i] : "UNKNOWN";
-}
-
-}  // namespace
 
 void RateLimitedLog::log(const std::string& line) {
   std::int64_t suppressed = 0;
@@ -273,11 +270,14 @@ grpc::Status InferenceService::make_chat(grpc::ServerContext* context, const v1:
     if (grpc::Status s = check_utf8(m.content(), field + ".content"); !s.ok()) return s;
     messages.push_back({m.role(), m.content()});
   }
-  std::string text;
-  if (runtime::Status s = chat_template_->render(messages, true, text); !s.ok())
+  runtime::RenderedPrompt prompt;
+  if (runtime::Status s = chat_template_->render(messages, true, prompt); !s.ok())
     return invalid("messages: " + s.message());
+  // Only the template's markup yields special tokens, unless the server allows them in content too.
+  const std::span<const runtime::TextRange> plain_text =
+      limits_.special_tokens_in_content ? std::span<const runtime::TextRange>() : prompt.content;
   std::vector<std::int32_t> ids;
-  if (runtime::Status s = tokenizer_->encode(text, false, ids); !s.ok())
+  if (runtime::Status s = tokenizer_->encode(prompt.text, false, ids, plain_text); !s.ok())
     return invalid("messages: " + s.message());
   runtime::SamplingParams params;
   std::vector<std::string> stops;

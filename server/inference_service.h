@@ -31,6 +31,9 @@ struct ServiceLimits {
   std::int64_t max_model_length = 256;       // bytes
   // Requests in flight (queued or generating) from one client address; 0: no limit.
   std::int64_t max_requests_per_peer = 256;
+  // Whether special-token text typed in chat messages (e.g. "<|endoftext|>") encodes as the control token;
+  // by default it is tokenized as plain text, so a message cannot forge turns.
+  bool special_tokens_in_content = false;
   std::vector<std::int32_t> eos_token_ids;
 };
 

@@ -86,6 +86,8 @@ void add_flags(CLI::App& app, Options& o) {
                  "requests in flight from one client address before RESOURCE_EXHAUSTED (0: no limit)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  app.add_flag("--allow-special-tokens-in-content", o.limits.special_tokens_in_content,
+               "encode special-token text in chat messages as control tokens (default: as plain text)");
   app.add_option("--chat-template", o.chat_template,
                  "force a chat template family (chatml, deepseek, deepseek_v2, llama2, mistral, tulu)");
   app.add_option("--batch-selector", o.strategy, "fcfs | greedy | power_of_d | lpt_balanced | random")

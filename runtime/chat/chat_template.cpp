@@ -84,7 +84,7 @@ std::optional<Role> parse_role(std::string_view role) {
   return std::nullopt;
 }
 
-Status render_turns(ChatFamily family, const chat::Conversation& c, std::string& out) {
+Status render_turns(ChatFamily family, const chat::Conversation& c, RenderedPrompt& out) {
   switch (family) {
     case ChatFamily::chatml:
       return chat::render_chatml(c, out);
@@ -131,7 +131,15 @@ ChatTemplate ChatTemplate::from_tokenizer_config(const nlohmann::json& config,
 
 Status ChatTemplate::render(std::span<const ChatMessage> messages, bool add_generation_prompt,
                             std::string& out) const {
-  out.clear();
+  RenderedPrompt prompt;
+  Status status = render(messages, add_generation_prompt, prompt);
+  out = std::move(prompt.text);
+  return status;
+}
+
+Status ChatTemplate::render(std::span<const ChatMessage> messages, bool add_generation_prompt,
+                            RenderedPrompt& out) const {
+  out = {};
   const std::string who = std::string(family_name(family_)) + " chat template: ";
   if (messages.empty()) return Status::invalid_argument(who + "no messages to render");
   std::vector<Turn> turns;
@@ -146,7 +154,7 @@ Status ChatTemplate::render(std::span<const ChatMessage> messages, bool add_gene
   }
   const chat::Conversation conversation{turns, add_generation_prompt, bos_token_, eos_token_};
   if (Status s = render_turns(family_, conversation, out); !s.ok()) {
-    out.clear();
+    out = {};
     return Status::invalid_argument(who + s.message());
   }
   return {};

@@ -9,17 +9,37 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include <nlohmann/json_fwd.hpp>
 
 #include "runtime/chat/chat_family.h"
 #include "runtime/status.h"
+#include "runtime/text_range.h"
 
 namespace capserve::runtime {
 
 struct ChatMessage {
   std::string role;  // "system", "user" or "assistant"
   std::string content;
+};
+
+// A rendered prompt and which of its bytes are message content rather than template markup: the tokenizer
+// keeps special tokens out of the content (Tokenizer::encode's plain_text), so that a message cannot forge
+// the template's control tokens.
+struct RenderedPrompt {
+  std::string text;
+  std::vector<TextRange> content;  // in order, not overlapping
+
+  RenderedPrompt& append(std::string_view markup) {
+    text.append(markup);
+    return *this;
+  }
+  RenderedPrompt& append_content(std::string_view message_text) {
+    if (!message_text.empty()) content.push_back({text.size(), text.size() + message_text.size()});
+    text.append(message_text);
+    return *this;
+  }
 };
 
 // Immutable once built: render may be called from many threads at once.
@@ -44,6 +64,8 @@ class ChatTemplate {
   // where the template has one. invalid_argument for an empty conversation, an unknown role or a conversation
   // the template rejects, naming the message index.
   Status render(std::span<const ChatMessage> messages, bool add_generation_prompt, std::string& out) const;
+  // The same, with the content ranges.
+  Status render(std::span<const ChatMessage> messages, bool add_generation_prompt, RenderedPrompt& out) const;
 
  private:
   ChatFamily family_;

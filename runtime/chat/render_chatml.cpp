@@ -20,14 +20,14 @@ std::size_t last_query_index(std::span<const Turn> turns) {
   return it == turns.rend() ? turns.size() - 1 : static_cast<std::size_t>(turns.rend() - it - 1);
 }
 
-void append_turn(std::string_view role, std::string_view content, std::string& out) {
-  out.append("<|im_start|>").append(role).append("\n").append(content).append("<|im_end|>\n");
+void append_turn(std::string_view role, std::string_view content, RenderedPrompt& out) {
+  out.append("<|im_start|>").append(role).append("\n").append_content(content).append("<|im_end|>\n");
 }
 
 // Reasoning is kept only for assistant turns after the last query (the turn being continued or a tool-calling
 // chain), and the final assistant turn always gets a <think> block, empty if need be. Earlier turns keep just
 // their answer, the text after the last </think>.
-void append_assistant(const Turn& turn, bool after_last_query, bool is_last, std::string& out) {
+void append_assistant(const Turn& turn, bool after_last_query, bool is_last, RenderedPrompt& out) {
   std::string_view content = turn.content;
   std::string_view reasoning;
   if (content.find("</think>") != std::string_view::npos) {
@@ -37,17 +37,17 @@ void append_assistant(const Turn& turn, bool after_last_query, bool is_last, std
   }
   out.append("<|im_start|>assistant\n");
   if (after_last_query && (is_last || !reasoning.empty())) {
-    out.append("<think>\n").append(strip_newlines(reasoning)).append("\n</think>\n\n");
-    out.append(lstrip_newlines(content));
+    out.append("<think>\n").append_content(strip_newlines(reasoning)).append("\n</think>\n\n");
+    out.append_content(lstrip_newlines(content));
   } else {
-    out.append(content);
+    out.append_content(content);
   }
   out.append("<|im_end|>\n");
 }
 
 }  // namespace
 
-Status render_chatml(const Conversation& c, std::string& out) {
+Status render_chatml(const Conversation& c, RenderedPrompt& out) {
   const std::span<const Turn> turns = c.turns;
   if (turns.front().role == Role::system) append_turn("system", turns.front().content, out);
   const std::size_t last_query = last_query_index(turns);

@@ -4,19 +4,19 @@
 
 namespace capserve::runtime::chat {
 
-Status render_deepseek_v2(const Conversation& c, std::string& out) {
+Status render_deepseek_v2(const Conversation& c, RenderedPrompt& out) {
   out.append(c.bos_token);
   for (const Turn& t : c.turns) {
     switch (t.role) {
       case Role::user:
-        out.append("User: ").append(t.content).append("\n\n");
+        out.append("User: ").append_content(t.content).append("\n\n");
         break;
       case Role::assistant:
-        out.append("Assistant: ").append(t.content).append(c.eos_token);
+        out.append("Assistant: ").append_content(t.content).append(c.eos_token);
         break;
       case Role::system:
         // Rendered where it stands, not hoisted.
-        out.append(t.content).append("\n\n");
+        out.append_content(t.content).append("\n\n");
         break;
     }
   }

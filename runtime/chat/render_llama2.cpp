@@ -5,7 +5,7 @@
 
 namespace capserve::runtime::chat {
 
-Status render_llama2(const Conversation& c, std::string& out) {
+Status render_llama2(const Conversation& c, RenderedPrompt& out) {
   const bool has_system = c.turns.front().role == Role::system;
   const std::size_t offset = has_system ? 1 : 0;
   const std::span<const Turn> loop = c.turns.subspan(offset);
@@ -22,10 +22,11 @@ Status render_llama2(const Conversation& c, std::string& out) {
     // strip() applies to the whole text, <<SYS>> block included: an empty first user message also loses the
     // blank line after <</SYS>>.
     content.append(t.content);
+    // All of it counts as content: <<SYS>> is plain text to the Llama-2 tokenizer, not a special token.
     if (t.role == Role::user) {
-      out.append(c.bos_token).append("[INST] ").append(py_strip(content)).append(" [/INST]");
+      out.append(c.bos_token).append("[INST] ").append_content(py_strip(content)).append(" [/INST]");
     } else if (t.role == Role::assistant) {
-      out.append(" ").append(py_strip(content)).append(" ").append(c.eos_token);
+      out.append(" ").append_content(py_strip(content)).append(" ").append(c.eos_token);
     }
   }
   return {};

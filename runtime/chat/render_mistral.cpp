@@ -4,7 +4,7 @@
 
 namespace capserve::runtime::chat {
 
-Status render_mistral(const Conversation& c, std::string& out) {
+Status render_mistral(const Conversation& c, RenderedPrompt& out) {
   const bool has_system = c.turns.front().role == Role::system;
   const std::size_t offset = has_system ? 1 : 0;
   const std::span<const Turn> loop = c.turns.subspan(offset);
@@ -19,11 +19,11 @@ Status render_mistral(const Conversation& c, std::string& out) {
     switch (t.role) {
       case Role::user:
         out.append(" [INST] ");
-        if (j == 0 && has_system) out.append(c.turns.front().content).append("\n\n");
-        out.append(t.content).append(" [/INST]");
+        if (j == 0 && has_system) out.append_content(c.turns.front().content).append("\n\n");
+        out.append_content(t.content).append(" [/INST]");
         break;
       case Role::assistant:
-        out.append(" ").append(t.content).append(c.eos_token);
+        out.append(" ").append_content(t.content).append(c.eos_token);
         break;
       case Role::system:
         return rejected(

@@ -7,6 +7,7 @@
 #include <string>
 #include <string_view>
 
+#include "runtime/chat/chat_template.h"
 #include "runtime/status.h"
 
 namespace capserve::runtime::chat {
@@ -31,12 +32,13 @@ inline Status rejected(std::size_t message_index, std::string_view template_mess
                                   std::string(template_message));
 }
 
-// Each appends the rendering to `out`.
-Status render_chatml(const Conversation& c, std::string& out);
-Status render_deepseek(const Conversation& c, std::string& out);
-Status render_deepseek_v2(const Conversation& c, std::string& out);
-Status render_llama2(const Conversation& c, std::string& out);
-Status render_mistral(const Conversation& c, std::string& out);
-Status render_tulu(const Conversation& c, std::string& out);
+// Each appends the rendering to `out`: message content (or text made of it) through append_content, the
+// template's own text through append.
+Status render_chatml(const Conversation& c, RenderedPrompt& out);
+Status render_deepseek(const Conversation& c, RenderedPrompt& out);
+Status render_deepseek_v2(const Conversation& c, RenderedPrompt& out);
+Status render_llama2(const Conversation& c, RenderedPrompt& out);
+Status render_mistral(const Conversation& c, RenderedPrompt& out);
+Status render_tulu(const Conversation& c, RenderedPrompt& out);
 
 }  // namespace capserve::runtime::chat

@@ -91,7 +91,8 @@ std::int32_t AddedTokenMatcher::longest_at(std::string_view text, std::size_t po
   return best;
 }
 
-void AddedTokenMatcher::split(std::string_view text, PieceSink& sink) const {
+void AddedTokenMatcher::split(std::string_view text, PieceSink& sink,
+                              std::span<const TextRange> plain_text) const {
   std::size_t start_offset = 0;  // end of what has been handed to the sink
   std::size_t search = 0;        // where matching resumes: the end of the last match, before any rstrip
   if (!empty()) {
@@ -107,6 +108,10 @@ void AddedTokenMatcher::split(std::string_view text, PieceSink& sink) const {
         continue;
       }
       const AddedToken& token = tokens_[static_cast<std::size_t>(index)];
+      if (token.special && overlaps_any(plain_text, search, search + length)) {
+        ++search;
+        continue;
+      }
       std::size_t start = search;
       std::size_t stop = search + length;
       search = stop;

@@ -4,9 +4,12 @@
 // those with normalized=true on the normalized remainder; single_word, lstrip and rstrip honoured.
 #include <array>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include "runtime/text_range.h"
 
 namespace capserve::runtime {
 
@@ -36,7 +39,9 @@ class AddedTokenMatcher {
   AddedTokenMatcher(const std::vector<AddedToken>& tokens, const std::vector<std::string>& patterns);
 
   // Cuts `text` into plain pieces and added tokens. Empty `text` gives one empty plain piece, as in HF.
-  void split(std::string_view text, PieceSink& sink) const;
+  // Special tokens are not matched where they would overlap a range of `plain_text` (sorted byte ranges of
+  // `text`): there the text is cut as if they did not exist.
+  void split(std::string_view text, PieceSink& sink, std::span<const TextRange> plain_text = {}) const;
 
   [[nodiscard]] bool empty() const { return nodes_.size() <= 1; }
 

@@ -13,11 +13,11 @@ namespace {
 class Encoder final : public PieceSink, public WordSink {
  public:
   Encoder(const TokenizerCore& core, EncodeWorkspace& workspace, std::string_view text,
-          std::vector<std::int32_t>& ids)
-      : core_(core), workspace_(workspace), text_(text), ids_(ids) {}
+          std::span<const TextRange> plain_text, std::vector<std::int32_t>& ids)
+      : core_(core), workspace_(workspace), text_(text), plain_text_(plain_text), ids_(ids) {}
 
   Status run() {
-    core_.raw_added_tokens.split(text_, *this);
+    core_.raw_added_tokens.split(text_, *this, plain_text_);
     return status_;
   }
 
@@ -42,7 +42,12 @@ class Encoder final : public PieceSink, public WordSink {
       pre_tokenize(normalized_, at_start);
     } else {
       normalized_at_start_ = at_start;
-      core_.normalized_added_tokens.split(normalized_, *this);
+      // Normalization moves offsets: a piece that holds plain text is plain text as a whole here.
+      const auto begin = static_cast<std::size_t>(piece.data() - text_.data());
+      const bool plain = overlaps_any(plain_text_, begin, begin + piece.size());
+      const TextRange whole{0, normalized_.size()};
+      core_.normalized_added_tokens.split(
+          normalized_, *this, plain ? std::span<const TextRange>(&whole, 1) : std::span<const TextRange>());
     }
     normalized_ = {};
   }
@@ -57,6 +62,7 @@ class Encoder final : public PieceSink, public WordSink {
   const TokenizerCore& core_;
   EncodeWorkspace& workspace_;
   std::string_view text_;
+  std::span<const TextRange> plain_text_;
   std::vector<std::int32_t>& ids_;
   std::string_view normalized_;  // set while splitting a normalized piece on the normalized added tokens
   bool normalized_at_start_ = false;
@@ -69,8 +75,8 @@ Tokenizer Tokenizer::load(const std::filesystem::path& dir) {
   return Tokenizer(load_tokenizer_core(dir));
 }
 
-Status Tokenizer::encode(std::string_view text, bool add_special_tokens,
-                         std::vector<std::int32_t>& ids) const {
+Status Tokenizer::encode(std::string_view text, bool add_special_tokens, std::vector<std::int32_t>& ids,
+                         std::span<const TextRange> plain_text) const {
   ids.clear();
   const std::size_t valid = utf8::valid_prefix_length(text);
   if (valid != text.size()) {
@@ -82,7 +88,7 @@ Status Tokenizer::encode(std::string_view text, bool add_special_tokens,
   }
   const WorkspacePool::Lease workspace = core_->workspaces.acquire();
   if (add_special_tokens) ids = core_->post_processor.prefix();
-  Status status = Encoder(*core_, *workspace, text, ids).run();
+  Status status = Encoder(*core_, *workspace, text, plain_text, ids).run();
   if (!status.ok()) {
     ids.clear();
     return status;

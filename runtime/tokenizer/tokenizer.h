@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "runtime/status.h"
+#include "runtime/text_range.h"
 
 namespace capserve::runtime {
 
@@ -31,7 +32,12 @@ class Tokenizer {
 
   // Replaces `ids` with the ids of `text`; with `add_special_tokens`, the post-processor's tokens (e.g. BOS)
   // are added as HF does. Fails with invalid_argument for text that is not UTF-8 (naming the byte offset).
-  Status encode(std::string_view text, bool add_special_tokens, std::vector<std::int32_t>& ids) const;
+  // Special added tokens (e.g. <|endoftext|>) spelled inside a range of `plain_text` (sorted byte ranges of
+  // `text`, e.g. chat message content) are not matched: that text is tokenized as ordinary text, as HF does
+  // with split_special_tokens, while the rest of `text` keeps its special tokens. Special tokens that match
+  // on normalized text are kept out of every piece between raw added tokens that overlaps a range.
+  Status encode(std::string_view text, bool add_special_tokens, std::vector<std::int32_t>& ids,
+                std::span<const TextRange> plain_text = {}) const;
 
   // HF's decode(ids, skip_special_tokens). Ids without a token are ignored, as in HF.
   [[nodiscard]] std::string decode(std::span<const std::int32_t> ids, bool skip_special_tokens) const;
