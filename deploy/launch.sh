@@ -5,8 +5,11 @@
 # can be passed in CAPSERVE_MPIRUN_ARGS.
 #
 # SIGTERM/SIGINT sent to this script go to rank 0 (capserve writes its pid to $CAPSERVE_RANK0_PID_FILE), which
-# drains and then stops every rank, exit code 0. (mpirun itself treats SIGTERM as "abort the job": it kills all
-# ranks after about a second, too soon for running requests to finish.)
+# drains and then stops every rank, exit code 0. mpirun itself treats SIGTERM/SIGINT as "abort the job" (it kills
+# all ranks after about a second, too soon for running requests to finish), so it runs in a session of its own:
+# a signal to this script's whole process group (Ctrl-C in a terminal, `kill -- -PGID`) reaches only this script,
+# which hands it to rank 0 like any other. mpirun runs quiet (-q): a rank's own error stays the last line, not
+# followed by mpirun's "process returned a non-zero exit code" banner; the exit status still tells.
 set -euo pipefail
 if (($# < 2)); then
   echo "usage: deploy/launch.sh N PROGRAM [ARGS...]" >&2
@@ -14,7 +17,7 @@ if (($# < 2)); then
 fi
 np="$1"
 shift
-args=(-np "$np" --bind-to none)
+args=(-np "$np" --bind-to none -q)
 if [[ "$(id -u)" == 0 ]]; then args+=(--allow-run-as-root); fi
 if ((np > $(nproc))); then args+=(--oversubscribe); fi
 export OMPI_MCA_btl="${OMPI_MCA_btl:-self,vader}"
@@ -23,7 +26,7 @@ export OMPI_MCA_btl_vader_single_copy_mechanism="${OMPI_MCA_btl_vader_single_cop
 pid_file="$(mktemp)"
 export CAPSERVE_RANK0_PID_FILE="$pid_file"
 # shellcheck disable=SC2086
-mpirun "${args[@]}" -x CAPSERVE_RANK0_PID_FILE ${CAPSERVE_MPIRUN_ARGS:-} "$@" &
+setsid mpirun "${args[@]}" -x CAPSERVE_RANK0_PID_FILE ${CAPSERVE_MPIRUN_ARGS:-} "$@" &
 job=$!
 forward() {
   if [[ -s "$pid_file" ]]; then kill -TERM "$(cat "$pid_file")" 2>/dev/null || true; else kill -TERM "$job" 2>/dev/null || true; fi

@@ -2,26 +2,34 @@
 // loads the replicated weights and its own experts and runs the lockstep step loop; rank 0 also serves gRPC
 // (the capserve.v1.Inference service, health, reflection), schedules (continuous batching + CAPS batch
 // selection) and exposes Prometheus metrics. SIGTERM (or SIGINT) drains: no new requests, running ones
-// finish, exit 0.
+// finish, exit 0. A step that makes no progress for --step-timeout-s (a hung rank) fails every request
+// UNAVAILABLE and ends the job non-zero.
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <spdlog/spdlog.h>
 
+#include <netdb.h>
+#include <sys/socket.h>
 #include <unistd.h>
+
 #include <atomic>
+#include <cerrno>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
 #include <optional>
+#include <sstream>
 #include <thread>
 
 #include "kernels/cpu/cpu_backend.h"
 #include "parallel/mpi_communicator.h"
 #include "parallel/mpi_world.h"
+#include "parallel/rank_heartbeat.h"
 #include "runtime/chat/chat_family.h"
 #include "runtime/cli/parallel_flags.h"
 #include "runtime/engine.h"
@@ -33,6 +41,7 @@
 #include "server/scheduler.h"
 #include "server/server_metrics.h"
 #include "server/step_plan.h"
+#include "server/step_watchdog.h"
 
 namespace {
 
@@ -57,51 +66,102 @@ struct Options {
   server::ServiceLimits limits;
   runtime::ParallelFlags parallel;
   std::string chat_template;
+  double step_timeout_s = 60;
 };
 
+// Refuses a flag value below `min` ("--flag: must be at least 1, got 0"); CLI11's own range checks print the
+// whole range of the type instead.
+CLI::Validator at_least(double min) {
+  std::ostringstream text;
+  text << min;
+  const std::string shown = text.str();
+  return {[min, shown](std::string& value) -> std::string {
+            double v = 0;
+            if (!CLI::detail::lexical_cast(value, v)) return "must be a number, got " + value;
+            return v >= min ? "" : "must be at least " + shown + ", got " + value;
+          },
+          ">=" + shown};
+}
+
 void add_flags(CLI::App& app, Options& o) {
+  const auto port_range = CLI::Range(0, 65535);
   app.add_option("--model", o.model_dir, "Hugging Face checkpoint directory")
       ->required()
       ->check(CLI::ExistingDirectory);
   app.add_option("--model-id", o.model_id, "the model's name in the API (default: the directory name)");
   app.add_option("--host", o.host, "gRPC listen address")->capture_default_str();
-  app.add_option("--port", o.port, "gRPC port (0: any free port, printed at start)")->capture_default_str();
-  app.add_option("--metrics-port", o.metrics_port, "Prometheus /metrics port on rank 0 (0: any)")
+  app.add_option("--port", o.port, "gRPC port (0: any free port, printed at start)")
+      ->check(port_range)
       ->capture_default_str();
-  app.add_option("--threads", o.threads, "CPU threads per rank (default: cores / ranks on the node)");
+  app.add_option("--metrics-port", o.metrics_port, "Prometheus /metrics port on rank 0 (0: any)")
+      ->check(port_range)
+      ->capture_default_str();
+  app.add_option("--threads", o.threads, "CPU threads per rank (default: cores / ranks on the node)")
+      ->check(at_least(0));
   app.add_option("--kv-blocks", o.engine.kv_blocks, "KV cache blocks of 16 tokens per rank")
+      ->check(at_least(1))
       ->capture_default_str();
   app.add_option("--max-running", o.scheduler.max_running, "sequences decoding at once, all ranks")
+      ->check(at_least(1))
       ->capture_default_str();
   app.add_option("--max-batched-tokens", o.scheduler.max_batched_tokens, "tokens per step, all ranks")
+      ->check(at_least(1))
       ->capture_default_str();
   app.add_option("--max-queue", o.scheduler.max_queue, "waiting requests before RESOURCE_EXHAUSTED")
+      ->check(at_least(1))
       ->capture_default_str();
   app.add_option("--max-context", o.scheduler.max_context, "prompt + generated tokens (capped by the model)")
+      ->check(at_least(1))
       ->capture_default_str();
-  app.add_option("--default-max-tokens", o.limits.default_max_tokens)->capture_default_str();
-  app.add_option("--max-tokens-limit", o.limits.max_tokens_limit)->capture_default_str();
+  app.add_option("--default-max-tokens", o.limits.default_max_tokens,
+                 "max_tokens of a request that sets none (at most --max-tokens-limit)")
+      ->check(at_least(1))
+      ->capture_default_str();
+  app.add_option("--max-tokens-limit", o.limits.max_tokens_limit, "largest max_tokens a request may ask for")
+      ->check(at_least(1))
+      ->capture_default_str();
   app.add_option("--chat-template", o.chat_template,
                  "force a chat template family (chatml, deepseek, deepseek_v2, llama2, mistral, tulu)");
   app.add_option("--batch-selector", o.strategy, "fcfs | greedy | power_of_d | lpt_balanced | random")
       ->check(CLI::IsMember({"fcfs", "greedy", "power_of_d", "lpt_balanced", "random"}))
       ->capture_default_str();
   server::SelectorConfig& s = o.scheduler.selector;
-  app.add_option("--selector-window", s.window, "candidates considered per decision")->capture_default_str();
+  app.add_option("--selector-window", s.window, "candidates considered per decision")
+      ->check(at_least(1))
+      ->capture_default_str();
   app.add_option("--selector-min-queue", s.min_queue_depth, "waiting requests below which admission is FCFS")
+      ->check(at_least(0))
       ->capture_default_str();
-  app.add_option("--selector-max-wait-ms", s.max_wait_ms, "anti-starvation bound")->capture_default_str();
+  app.add_option("--selector-max-wait-ms", s.max_wait_ms, "anti-starvation bound")
+      ->check(at_least(0))
+      ->capture_default_str();
   app.add_option("--selector-interval-ms", s.interval_ms, "selection at most this often (FCFS in between)")
+      ->check(at_least(0))
       ->capture_default_str();
-  app.add_option("--selector-d", s.power_of_d, "power_of_d samples")->capture_default_str();
+  app.add_option("--selector-d", s.power_of_d, "power_of_d samples")
+      ->check(at_least(1))
+      ->capture_default_str();
   app.add_option("--selector-seed", s.seed)->capture_default_str();
   app.add_option("--dry-run-layers", o.scheduler.dry_run_layers,
                  "MoE layers the router dry-run predictor uses")
+      ->check(at_least(1))
+      ->capture_default_str();
+  app.add_option("--step-timeout-s", o.step_timeout_s,
+                 "a step making no progress this long (a hung rank) fails every request and ends the job")
+      ->check(at_least(0.1))
       ->capture_default_str();
   runtime::add_parallel_flags(app, o.parallel);
   app.set_config("--config", "",
                  "JSON file of flags (keys = long flag names); command-line flags override it");
   app.config_formatter(std::make_shared<server::JsonConfig>());
+}
+
+// Checks between flags, after parsing: empty, or why the combination is refused.
+std::string cross_check(const Options& o) {
+  if (o.limits.default_max_tokens > o.limits.max_tokens_limit)
+    return "--default-max-tokens " + std::to_string(o.limits.default_max_tokens) +
+           " exceeds --max-tokens-limit " + std::to_string(o.limits.max_tokens_limit);
+  return {};
 }
 
 // "host:port", with an IPv6 literal in brackets ("[::]:50051") as gRPC and civetweb expect.
@@ -110,22 +170,54 @@ std::string host_port(const std::string& host, int port) {
   return (ipv6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
 }
 
-// Rank 0: the front end, the scheduler and the step loop's driving side.
-int serve(parallel::MpiWorld& world, Options& o, runtime::Model& model, runtime::Engine& engine,
-          kernels::Backend& backend, server::RankWorker& worker) {
+// Why binding host:port fails, as the OS says it (gRPC only reports that it could not): e.g. "Address already
+// in use". Empty when a plain bind now succeeds.
+std::string bind_error(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* found = nullptr;
+  const std::string service = std::to_string(port);
+  if (const int rc = ::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &found);
+      rc != 0)
+    return ::gai_strerror(rc);
+  const std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> addresses(found, &::freeaddrinfo);
+  for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, a->ai_socktype, a->ai_protocol);
+    if (fd < 0) return std::strerror(errno);
+    const int one = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);  // as gRPC does: TIME_WAIT is no conflict
+    const int rc = ::bind(fd, a->ai_addr, a->ai_addrlen);
+    const int bind_errno = errno;
+    ::close(fd);
+    if (rc != 0) return std::strerror(bind_errno);
+  }
+  return {};
+}
+
+// --step-timeout-s as the watchdog's bound.
+server::StepWatchdog::Clock::duration step_bound(const Options& o) {
+  return std::chrono::duration_cast<server::StepWatchdog::Clock::duration>(
+      std::chrono::duration<double>(o.step_timeout_s));
+}
+
+// After the watchdog fired: the step loop waits for its stall handler to end the process.
+[[noreturn]] void wait_for_stall_handler() {
+  for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+}
+
+// Rank 0: the front end, the scheduler and the step loop's driving side. Every rank learns whether the front
+// end started (the one collective before the step loop): on failure all of them exit 1 cleanly, rank 0 with
+// the reason as its last line.
+int serve(parallel::MpiWorld& world, Options& o, runtime::Model& model, kernels::Backend& backend,
+          server::RankWorker& worker, parallel::RankHeartbeat* heartbeat) {
   const runtime::ModelConfig& config = model.config();
   std::optional<runtime::Tokenizer> tokenizer;
   std::optional<runtime::ChatTemplate> chat;
-  if (std::filesystem::exists(std::filesystem::path(o.model_dir) / "tokenizer.json")) {
-    tokenizer = runtime::Tokenizer::load(o.model_dir);
-    std::optional<runtime::ChatFamily> forced;
-    if (!o.chat_template.empty()) forced = runtime::parse_family(o.chat_template);
-    const auto tokenizer_config = std::filesystem::path(o.model_dir) / "tokenizer_config.json";
-    if (std::filesystem::exists(tokenizer_config))
-      chat = runtime::ChatTemplate::load(tokenizer_config, forced);
-  }
-  server::ServerMetrics metrics(host_port(o.host, o.metrics_port), model.moe_layers(), config.num_experts,
-                                world.size());
+  std::unique_ptr<server::ServerMetrics> metrics;
+  std::unique_ptr<server::Scheduler> scheduler;
+  std::unique_ptr<server::InferenceService> service;
+  std::unique_ptr<grpc::Server> grpc_server;
 
   // The router dry run folded through the placement into per-rank loads.
   const parallel::ExpertPlacement& placement = model.placement();
@@ -143,8 +235,6 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Model& model, runtime:
             static_cast<float>(counts[static_cast<std::size_t>(l * config.num_experts + e)]);
     }
   };
-  server::Scheduler scheduler(o.scheduler, world.size(), tokenizer ? &*tokenizer : nullptr, predictor,
-                              &metrics);
 
   capserve::v1::ServerInfo info;
   info.set_version("0.1.0");
@@ -173,66 +263,114 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Model& model, runtime:
   info.set_max_batched_tokens(static_cast<std::uint32_t>(o.scheduler.max_batched_tokens));
   info.set_kv_blocks_per_rank(static_cast<std::uint32_t>(o.engine.kv_blocks));
 
-  server::InferenceService service(scheduler, tokenizer ? &*tokenizer : nullptr, chat, o.limits, info,
-                                   &metrics);
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
+  std::string failure;
   int bound_port = 0;
-  builder.AddListeningPort(host_port(o.host, o.port), grpc::InsecureServerCredentials(), &bound_port);
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> grpc_server = builder.BuildAndStart();
-  if (!grpc_server || bound_port == 0)
-    throw std::runtime_error("cannot listen on " + host_port(o.host, o.port));
+  try {
+    if (std::filesystem::exists(std::filesystem::path(o.model_dir) / "tokenizer.json")) {
+      tokenizer = runtime::Tokenizer::load(o.model_dir);
+      std::optional<runtime::ChatFamily> forced;
+      if (!o.chat_template.empty()) forced = runtime::parse_family(o.chat_template);
+      const auto tokenizer_config = std::filesystem::path(o.model_dir) / "tokenizer_config.json";
+      if (std::filesystem::exists(tokenizer_config))
+        chat = runtime::ChatTemplate::load(tokenizer_config, forced);
+    }
+    metrics = std::make_unique<server::ServerMetrics>(host_port(o.host, o.metrics_port), model.moe_layers(),
+                                                      config.num_experts, world.size());
+    scheduler = std::make_unique<server::Scheduler>(
+        o.scheduler, world.size(), tokenizer ? &*tokenizer : nullptr, predictor, metrics.get());
+    service = std::make_unique<server::InferenceService>(*scheduler, tokenizer ? &*tokenizer : nullptr, chat,
+                                                         o.limits, info, metrics.get());
+    grpc::EnableDefaultHealthCheckService(true);
+    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+    grpc::ServerBuilder builder;
+    // gRPC sets SO_REUSEPORT by default, so a second server on a busy port would start and take half of the
+    // new connections; a port in use must be an error instead.
+    builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+    builder.AddListeningPort(host_port(o.host, o.port), grpc::InsecureServerCredentials(), &bound_port);
+    builder.RegisterService(service.get());
+    grpc_server = builder.BuildAndStart();
+    if (!grpc_server || bound_port == 0) {
+      const std::string why = bind_error(o.host, o.port);
+      failure = "cannot listen on " + host_port(o.host, o.port) + (why.empty() ? "" : ": " + why);
+    }
+  } catch (const std::exception& e) {
+    failure = e.what();
+  }
+  if (!world.all_agree(failure.empty())) {
+    std::fprintf(stderr, "capserve: %s\n", failure.c_str());
+    return 1;
+  }
+  grpc::HealthCheckServiceInterface& health = *grpc_server->GetHealthCheckService();
+  // Health answers for the API's service name too, and follows the server's state like "" does.
+  health.SetServingStatus(capserve::v1::Inference::service_full_name(), true);
+
+  server::StepWatchdog watchdog(step_bound(o), heartbeat, [&](const std::string& why) {
+    spdlog::error("capserve: {}; failing every request and stopping the job", why);
+    health.SetServingStatus(false);
+    scheduler->fail_all(server::Terminal::unavailable, why);
+    // The handlers deliver those statuses within milliseconds; health reads NOT_SERVING meanwhile.
+    constexpr auto kGrace = std::chrono::seconds(1);
+    std::this_thread::sleep_for(kGrace);
+    grpc_server->Shutdown(std::chrono::system_clock::now() + kGrace);
+    std::fprintf(stderr, "capserve: %s\n", why.c_str());
+    std::fflush(stderr);
+    world.abort(1);  // the stalled rank cannot take part in an orderly shutdown
+  });
+
   // deploy/launch.sh sends its SIGTERM to this process, which drains and then stops every rank.
   if (const char* pid_file = std::getenv("CAPSERVE_RANK0_PID_FILE"); pid_file != nullptr && *pid_file != 0) {
     std::ofstream(pid_file) << ::getpid() << "\n";
   }
   // Machine-readable start line: tests and scripts wait for it.
   std::printf("capserve: serving %s on %s, metrics on port %d, %d ranks\n", o.limits.model_id.c_str(),
-              host_port(o.host, bound_port).c_str(), metrics.port(), world.size());
+              host_port(o.host, bound_port).c_str(), metrics->port(), world.size());
   std::fflush(stdout);
 
   try {
     for (;;) {
-      if (g_stop_requested.load() && !scheduler.draining()) {
+      if (g_stop_requested.load() && !scheduler->draining()) {
         spdlog::info("capserve: draining (no new requests; running ones finish)");
-        scheduler.drain();
-        grpc_server->GetHealthCheckService()->SetServingStatus(false);
+        scheduler->drain();
+        health.SetServingStatus(false);
       }
-      if (scheduler.idle()) {
-        if (scheduler.draining()) break;
-        scheduler.wait_for_work(std::chrono::milliseconds(50));
+      if (scheduler->idle()) {
+        if (scheduler->draining()) break;
+        scheduler->wait_for_work(std::chrono::milliseconds(50));
         continue;
       }
       const auto now = server::Clock::now();
-      server::StepPlan plan = scheduler.plan(now);
+      server::StepPlan plan = scheduler->plan(now);
       std::vector<std::byte> bytes = server::serialize(plan);
+      watchdog.begin_step();
       world.broadcast(bytes, 0);
       const server::StepResult mine = worker.run(plan);
       const auto gathered = world.gather(server::serialize(mine), 0);
+      if (!watchdog.end_step()) wait_for_stall_handler();
       std::vector<server::StepResult> results;
       results.reserve(gathered.size());
       for (const auto& g : gathered) results.push_back(server::deserialize_result(g));
-      scheduler.complete(results, model.last_moe_stats(), server::Clock::now());
-      if (!plan.starts.empty() || !plan.decodes.empty()) metrics.record_step(model.last_moe_stats());
+      scheduler->complete(results, model.last_moe_stats(), server::Clock::now());
+      if (!plan.starts.empty() || !plan.decodes.empty()) metrics->record_step(model.last_moe_stats());
     }
   } catch (const std::exception& e) {
+    if (!watchdog.end_step()) wait_for_stall_handler();
     spdlog::error("capserve: step loop failed: {}", e.what());
-    scheduler.fail_all(server::Terminal::internal, std::string("server failure: ") + e.what());
+    scheduler->fail_all(server::Terminal::internal, std::string("server failure: ") + e.what());
     grpc_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
     world.abort(1);
   }
   std::vector<std::byte> bytes = server::serialize(server::StepPlan{true, {}, {}, {}});
+  watchdog.begin_step();
   world.broadcast(bytes, 0);
+  if (!watchdog.end_step()) wait_for_stall_handler();
   grpc_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  (void)engine;
   spdlog::info("capserve: drained, exiting");
   return 0;
 }
 
-// Other ranks: follow rank 0's plans until the shutdown plan.
+// Other ranks: learn whether rank 0's front end started, then follow rank 0's plans until the shutdown plan.
 int follow(parallel::MpiWorld& world, server::RankWorker& worker) {
+  if (!world.all_agree(true)) return 1;
   for (;;) {
     std::vector<std::byte> bytes;
     world.broadcast(bytes, 0);
@@ -259,7 +397,13 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return rank == 0 ? app.exit(e) : (e.get_exit_code() == 0 ? 0 : 2);
+    // Every rank parses the same flags; rank 0 alone prints. Any refused flag is exit code 2.
+    const int code = rank == 0 ? app.exit(e) : e.get_exit_code();
+    return code == 0 ? 0 : 2;
+  }
+  if (const std::string bad = cross_check(o); !bad.empty()) {
+    if (rank == 0) std::fprintf(stderr, "capserve: %s\n", bad.c_str());
+    return 2;
   }
   if (!server::parse_strategy(o.strategy, o.scheduler.selector.strategy)) return 2;
 
@@ -272,8 +416,11 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     failure = e.what();
   }
-  if (!failure.empty()) std::fprintf(stderr, "capserve: rank %d: %s\n", rank, failure.c_str());
-  if (!world->all_agree(failure.empty())) return 1;
+  // The other ranks report first and rank 0 after the collective, so that its line comes last.
+  if (rank != 0 && !failure.empty()) std::fprintf(stderr, "capserve: rank %d: %s\n", rank, failure.c_str());
+  const bool loaded = world->all_agree(failure.empty());
+  if (rank == 0 && !failure.empty()) std::fprintf(stderr, "capserve: %s\n", failure.c_str());
+  if (!loaded) return 1;
 
   const runtime::ModelConfig& config = model->config();
   o.scheduler.max_context = std::min<std::int64_t>(o.scheduler.max_context, config.max_position_embeddings);
@@ -292,9 +439,14 @@ int main(int argc, char** argv) {
   kernels::cpu::CpuBackend backend(threads);
   runtime::Engine engine(*model, backend, o.engine);
   server::RankWorker worker(engine, rank);
+  // Lets rank 0's step watchdog name a stalled rank. Every rank decides alike (same flags, same MPI).
+  std::optional<parallel::RankHeartbeat> heartbeat;
+  if (world->size() > 1 && world->thread_level() == MPI_THREAD_MULTIPLE) {
+    heartbeat.emplace(*world, server::StepWatchdog::beat_interval(step_bound(o)));
+  }
   if (rank != 0) return follow(*world, worker);
   try {
-    return serve(*world, o, *model, engine, backend, worker);
+    return serve(*world, o, *model, backend, worker, heartbeat ? &*heartbeat : nullptr);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "capserve: %s\n", e.what());
     world->abort(1);
