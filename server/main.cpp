@@ -13,6 +13,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <pthread.h>
 #include <atomic>
 #include <cerrno>
 #include <csignal>
@@ -317,10 +318,6 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Model& model, kernels:
     world.abort(1);  // the stalled rank cannot take part in an orderly shutdown
   });
 
-  // deploy/launch.sh sends its SIGTERM to this process, which drains and then stops every rank.
-  if (const char* pid_file = std::getenv("CAPSERVE_RANK0_PID_FILE"); pid_file != nullptr && *pid_file != 0) {
-    std::ofstream(pid_file) << ::getpid() << "\n";
-  }
   // Machine-readable start line: tests and scripts wait for it.
   std::printf("capserve: serving %s on %s, metrics on port %d, %d ranks\n", o.limits.model_id.c_str(),
               host_port(o.host, bound_port).c_str(), metrics->port(), world.size());
@@ -384,12 +381,24 @@ int follow(parallel::MpiWorld& world, server::RankWorker& worker) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // deploy/launch.sh starts mpirun with SIGTERM and SIGINT blocked (so that they cannot abort the job); this
+  // process must receive them. Before MPI starts its threads, which inherit the mask.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_UNBLOCK, &stop_signals, nullptr);
   std::optional<parallel::MpiWorld> world;
   if (!parallel::start_mpi(world, argc, argv, "capserve")) return 1;
   const int rank = world->rank();
-  // Only rank 0 acts on a stop signal (it drains and then tells the others); mpirun forwards signals to all.
+  // Only rank 0 acts on a stop signal (it drains and then tells the others); the others ignore theirs.
   std::signal(SIGTERM, on_stop_signal);
   std::signal(SIGINT, on_stop_signal);
+  // deploy/launch.sh sends its SIGTERM to this process. A stop before the server is up ends it right after.
+  if (const char* pid_file = std::getenv("CAPSERVE_RANK0_PID_FILE");
+      rank == 0 && pid_file != nullptr && *pid_file != 0) {
+    std::ofstream(pid_file) << ::getpid() << "\n";
+  }
 
   CLI::App app{"CapServe: expert-parallel MoE inference server (run under mpirun; rank 0 serves gRPC)"};
   Options o;

@@ -1,6 +1,7 @@
 """Process lifecycle of a running server: health answers for the API's service name like for "", a second server
 on the same port is a one-line error and a non-zero exit (no port sharing), and SIGINT to the launcher's whole
-process group (Ctrl-C in a terminal) drains like SIGTERM to the launcher: running streams finish, exit 0."""
+process group (Ctrl-C in a terminal) or SIGTERM to every process of the job (systemd's default KillMode) drains
+like SIGTERM to the launcher: running streams finish, exit 0."""
 
 import os
 import signal
@@ -10,7 +11,7 @@ import threading
 
 import grpc
 
-from capserve_e2e import BIN, LAUNCH, MODEL, NP, ServerTestCase, chat_request, main, pb_grpc
+from capserve_e2e import BIN, LAUNCH, MODEL, NP, ServerTestCase, _descendants, chat_request, main, pb_grpc
 
 STREAMS = 3
 TOKENS = 400
@@ -38,38 +39,52 @@ class LifecycleTest(ServerTestCase):
                 self.assertEqual(reply.usage.completion_tokens, 2)
 
     def test_3_sigint_to_the_process_group_drains(self):
-        results = [None] * STREAMS
-        started = [threading.Event() for _ in range(STREAMS)]
+        # The launcher leads its process group, as in a terminal: this is Ctrl-C.
+        drains(self, lambda: os.killpg(self.server.proc.pid, signal.SIGINT))
 
-        def stream(i):
-            chunks = []
-            try:
-                request = chat_request(f"Tell me a long story, number {i}.", max_tokens=TOKENS, ignore_eos=True)
-                for chunk in self.stub.ChatStream(request, timeout=600):
-                    chunks.append(chunk)
-                    started[i].set()
-                results[i] = (grpc.StatusCode.OK, chunks)
-            except grpc.RpcError as e:
-                results[i] = (e.code(), e.details())
-            finally:
+
+class ServiceStopTest(ServerTestCase):
+    def test_sigterm_to_every_process_drains(self):
+        # systemd's default KillMode=control-group: SIGTERM to the launcher, mpirun and every rank at once.
+        def everyone():
+            for pid in [self.server.proc.pid, *_descendants(self.server.proc.pid)]:
+                os.kill(pid, signal.SIGTERM)
+        drains(self, everyone)
+
+
+def drains(test, stop):
+    """Streams running, `stop()`: health NOT_SERVING, every stream finishes with all its tokens, exit 0."""
+    results = [None] * STREAMS
+    started = [threading.Event() for _ in range(STREAMS)]
+
+    def stream(i):
+        chunks = []
+        try:
+            request = chat_request(f"Tell me a long story, number {i}.", max_tokens=TOKENS, ignore_eos=True)
+            for chunk in test.stub.ChatStream(request, timeout=600):
+                chunks.append(chunk)
                 started[i].set()
+            results[i] = (grpc.StatusCode.OK, chunks)
+        except grpc.RpcError as e:
+            results[i] = (e.code(), e.details())
+        finally:
+            started[i].set()
 
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(STREAMS)]
-        for t in threads:
-            t.start()
-        for s in started:
-            self.assertTrue(s.wait(120), "a stream never started")
-        os.killpg(self.server.proc.pid, signal.SIGINT)  # the launcher leads its process group, as in a terminal
-        self.wait_for(lambda: self.server.health(service=SERVICE) == "NOT_SERVING", 10,
-                      f"health of {SERVICE} to say NOT_SERVING")
-        self.assertGreater(sum(t.is_alive() for t in threads), 0, "the streams ended before the signal")
-        for t in threads:
-            t.join(600)
-        for code, chunks in results:
-            self.assertEqual(code, grpc.StatusCode.OK, chunks)
-            self.assertEqual(chunks[-1].usage.completion_tokens, TOKENS)
-        self.assertEqual(self.server.wait_exit(60), 0, "the job's exit status after the drain")
-
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(STREAMS)]
+    for t in threads:
+        t.start()
+    for s in started:
+        test.assertTrue(s.wait(120), "a stream never started")
+    stop()
+    test.wait_for(lambda: test.server.health(service=SERVICE) == "NOT_SERVING", 10,
+                  f"health of {SERVICE} to say NOT_SERVING")
+    test.assertGreater(sum(t.is_alive() for t in threads), 0, "the streams ended before the signal")
+    for t in threads:
+        t.join(600)
+    for code, chunks in results:
+        test.assertEqual(code, grpc.StatusCode.OK, chunks)
+        test.assertEqual(chunks[-1].usage.completion_tokens, TOKENS)
+    test.assertEqual(test.server.wait_exit(60), 0, "the job's exit status after the drain")
 
 if __name__ == "__main__":
     main()
