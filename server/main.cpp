@@ -10,10 +10,10 @@
 #include <spdlog/spdlog.h>
 
 #include <netdb.h>
+#include <pthread.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include <pthread.h>
 #include <atomic>
 #include <cerrno>
 #include <csignal>
@@ -24,7 +24,6 @@
 #include <fstream>
 #include <memory>
 #include <optional>
-#include <sstream>
 #include <thread>
 
 #include "kernels/cpu/cpu_backend.h"
@@ -32,6 +31,7 @@
 #include "parallel/mpi_world.h"
 #include "parallel/rank_heartbeat.h"
 #include "runtime/chat/chat_family.h"
+#include "runtime/cli/flag_checks.h"
 #include "runtime/cli/parallel_flags.h"
 #include "runtime/engine.h"
 #include "runtime/model.h"
@@ -70,20 +70,6 @@ struct Options {
   double step_timeout_s = 60;
 };
 
-// Refuses a flag value below `min` ("--flag: must be at least 1, got 0"); CLI11's own range checks print the
-// whole range of the type instead.
-CLI::Validator at_least(double min) {
-  std::ostringstream text;
-  text << min;
-  const std::string shown = text.str();
-  return {[min, shown](std::string& value) -> std::string {
-            double v = 0;
-            if (!CLI::detail::lexical_cast(value, v)) return "must be a number, got " + value;
-            return v >= min ? "" : "must be at least " + shown + ", got " + value;
-          },
-          ">=" + shown};
-}
-
 void add_flags(CLI::App& app, Options& o) {
   const auto port_range = CLI::Range(0, 65535);
   app.add_option("--model", o.model_dir, "Hugging Face checkpoint directory")
@@ -98,28 +84,28 @@ void add_flags(CLI::App& app, Options& o) {
       ->check(port_range)
       ->capture_default_str();
   app.add_option("--threads", o.threads, "CPU threads per rank (default: cores / ranks on the node)")
-      ->check(at_least(0));
+      ->check(runtime::at_least(0));
   app.add_option("--kv-blocks", o.engine.kv_blocks, "KV cache blocks of 16 tokens per rank")
-      ->check(at_least(1))
+      ->check(runtime::at_least(1))
       ->capture_default_str();
   app.add_option("--max-running", o.scheduler.max_running, "sequences decoding at once, all ranks")
-      ->check(at_least(1))
+      ->check(runtime::at_least(1))
       ->capture_default_str();
   app.add_option("--max-batched-tokens", o.scheduler.max_batched_tokens, "tokens per step, all ranks")
-      ->check(at_least(1))
+      ->check(runtime::at_least(1))
       ->capture_default_str();
   app.add_option("--max-queue", o.scheduler.max_queue, "waiting requests before RESOURCE_EXHAUSTED")
-      ->check(at_least(1))
+      ->check(runtime::at_least(1))
       ->capture_default_str();
   app.add_option("--max-context", o.scheduler.max_context, "prompt + generated tokens (capped by the model)")
-      ->check(at_least(1))
+      ->check(runtime::at_least(1))
       ->capture_default_str();
   app.add_option("--default-max-tokens", o.limits.default_max_tokens,
                  "max_tokens of a request that sets none (at most --max-tokens-limit)")
-      ->check(at_least(1))
+      ->check(runtime::at_least(1))
       ->capture_default_str();
   app.add_option("--max-tokens-limit", o.limits.max_tokens_limit, "largest max_tokens a request may ask for")
-      ->check(at_least(1))
+      ->check(runtime::at_least(1))
       ->capture_default_str();
   app.add_option("--chat-template", o.chat_template,
                  "force a chat template family (chatml, deepseek, deepseek_v2, llama2, mistral, tulu)");
@@ -128,28 +114,28 @@ void add_flags(CLI::App& app, Options& o) {
       ->capture_default_str();
   server::SelectorConfig& s = o.scheduler.selector;
   app.add_option("--selector-window", s.window, "candidates considered per decision")
-      ->check(at_least(1))
+      ->check(runtime::at_least(1))
       ->capture_default_str();
   app.add_option("--selector-min-queue", s.min_queue_depth, "waiting requests below which admission is FCFS")
-      ->check(at_least(0))
+      ->check(runtime::at_least(0))
       ->capture_default_str();
   app.add_option("--selector-max-wait-ms", s.max_wait_ms, "anti-starvation bound")
-      ->check(at_least(0))
+      ->check(runtime::at_least(0))
       ->capture_default_str();
   app.add_option("--selector-interval-ms", s.interval_ms, "selection at most this often (FCFS in between)")
-      ->check(at_least(0))
+      ->check(runtime::at_least(0))
       ->capture_default_str();
   app.add_option("--selector-d", s.power_of_d, "power_of_d samples")
-      ->check(at_least(1))
+      ->check(runtime::at_least(1))
       ->capture_default_str();
   app.add_option("--selector-seed", s.seed)->capture_default_str();
   app.add_option("--dry-run-layers", o.scheduler.dry_run_layers,
                  "MoE layers the router dry-run predictor uses")
-      ->check(at_least(1))
+      ->check(runtime::at_least(1))
       ->capture_default_str();
   app.add_option("--step-timeout-s", o.step_timeout_s,
                  "a step making no progress this long (a hung rank) fails every request and ends the job")
-      ->check(at_least(0.1))
+      ->check(CLI::Range(0.1, 86400.0))
       ->capture_default_str();
   runtime::add_parallel_flags(app, o.parallel);
   app.set_config("--config", "",

@@ -1,4 +1,5 @@
-"""Start-up errors: every refused flag is a clear message naming it and exit code 2, before any model is loaded;
+"""Start-up errors: every refused flag (of capserve and capserve-generate) is a clear message naming it and exit
+code 2, before any model is loaded;
 a model that cannot be loaded is a one-line error, the last line of the job's output, exit code 1, with no
 MPI_ABORT banner."""
 
@@ -48,6 +49,16 @@ class StartupTest(unittest.TestCase):
                 self.assertEqual(code, 2, lines)
                 self.assertTrue(any(name in line for line in lines), lines)
                 self.assertFalse(any("serving" in line for line in lines), lines)
+
+    def test_capserve_generate_bad_flags_exit_2(self):
+        for flags in (["--kv-blocks", "0"], ["--threads", "0"], ["--top-k", "-1"], ["--capacity-rounds", "0"]):
+            with self.subTest(flags=flags):
+                cmd = ["bash", LAUNCH, str(NP), os.environ["CAPSERVE_GENERATE"], "--model", MODEL, "--input-ids",
+                       "1 2 3", "--max-new-tokens", "2", *flags]
+                done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      timeout=TIMEOUT_S)
+                self.assertEqual(done.returncode, 2, done.stdout)
+                self.assertIn(f"{flags[0]}: must be at least", done.stdout)
 
     def test_model_load_error_is_the_last_line(self):
         with tempfile.TemporaryDirectory() as empty:
