@@ -7,7 +7,6 @@
 // Needs MPI_THREAD_MULTIPLE (the beats travel while the step loop uses MPI).
 #include <mpi.h>
 
-#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
