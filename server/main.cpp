@@ -2,17 +2,24 @@
 // loads the replicated weights and its own experts and runs the lockstep step loop; rank 0 also serves gRPC
 // (the capserve.v1.Inference service, health, reflection), schedules (continuous batching + CAPS batch
 // selection) and exposes Prometheus metrics. SIGTERM (or SIGINT) drains: no new requests, running ones
-// finish, exit 0.
+// finish, exit 0. A step that makes no progress for --step-timeout-s (a hung rank) fails every request
+// UNAVAILABLE and ends the job non-zero.
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <spdlog/spdlog.h>
 
+#include <netdb.h>
+#include <pthread.h>
+#include <sys/socket.h>
 #include <unistd.h>
+
 #include <atomic>
+#include <cerrno>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -22,7 +29,9 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "parallel/mpi_communicator.h"
 #include "parallel/mpi_world.h"
+#include "parallel/rank_heartbeat.h"
 #include "runtime/chat/chat_family.h"
+#include "runtime/cli/flag_checks.h"
 #include "runtime/cli/parallel_flags.h"
 #include "runtime/engine.h"
 #include "runtime/model.h"
@@ -34,6 +43,7 @@
 #include "server/scheduler.h"
 #include "server/server_metrics.h"
 #include "server/step_plan.h"
+#include "server/step_watchdog.h"
 
 namespace {
 
@@ -58,30 +68,46 @@ struct Options {
   server::ServiceLimits limits;
   runtime::ParallelFlags parallel;
   std::string chat_template;
+  double step_timeout_s = 60;
 };
 
 void add_flags(CLI::App& app, Options& o) {
+  const auto port_range = CLI::Range(0, 65535);
   app.add_option("--model", o.model_dir, "Hugging Face checkpoint directory")
       ->required()
       ->check(CLI::ExistingDirectory);
   app.add_option("--model-id", o.model_id, "the model's name in the API (default: the directory name)");
   app.add_option("--host", o.host, "gRPC listen address")->capture_default_str();
-  app.add_option("--port", o.port, "gRPC port (0: any free port, printed at start)")->capture_default_str();
-  app.add_option("--metrics-port", o.metrics_port, "Prometheus /metrics port on rank 0 (0: any)")
+  app.add_option("--port", o.port, "gRPC port (0: any free port, printed at start)")
+      ->check(port_range)
       ->capture_default_str();
-  app.add_option("--threads", o.threads, "CPU threads per rank (default: cores / ranks on the node)");
+  app.add_option("--metrics-port", o.metrics_port, "Prometheus /metrics port on rank 0 (0: any)")
+      ->check(port_range)
+      ->capture_default_str();
+  app.add_option("--threads", o.threads, "CPU threads per rank (default: cores / ranks on the node)")
+      ->check(runtime::at_least(0));
   app.add_option("--kv-blocks", o.engine.kv_blocks, "KV cache blocks of 16 tokens per rank")
+      ->check(runtime::at_least(1))
       ->capture_default_str();
   app.add_option("--max-running", o.scheduler.max_running, "sequences decoding at once, all ranks")
+      ->check(runtime::at_least(1))
       ->capture_default_str();
   app.add_option("--max-batched-tokens", o.scheduler.max_batched_tokens, "tokens per step, all ranks")
+      ->check(runtime::at_least(1))
       ->capture_default_str();
   app.add_option("--max-queue", o.scheduler.max_queue, "waiting requests before RESOURCE_EXHAUSTED")
+      ->check(runtime::at_least(1))
       ->capture_default_str();
   app.add_option("--max-context", o.scheduler.max_context, "prompt + generated tokens (capped by the model)")
+      ->check(runtime::at_least(1))
       ->capture_default_str();
-  app.add_option("--default-max-tokens", o.limits.default_max_tokens)->capture_default_str();
-  app.add_option("--max-tokens-limit", o.limits.max_tokens_limit)->capture_default_str();
+  app.add_option("--default-max-tokens", o.limits.default_max_tokens,
+                 "max_tokens of a request that sets none (at most --max-tokens-limit)")
+      ->check(runtime::at_least(1))
+      ->capture_default_str();
+  app.add_option("--max-tokens-limit", o.limits.max_tokens_limit, "largest max_tokens a request may ask for")
+      ->check(runtime::at_least(1))
+      ->capture_default_str();
   app.add_option("--max-requests-per-peer", o.limits.max_requests_per_peer,
                  "requests in flight from one client address before RESOURCE_EXHAUSTED (0: no limit)")
       ->check(CLI::NonNegativeNumber)
@@ -94,21 +120,42 @@ void add_flags(CLI::App& app, Options& o) {
       ->check(CLI::IsMember({"fcfs", "greedy", "power_of_d", "lpt_balanced", "random"}))
       ->capture_default_str();
   server::SelectorConfig& s = o.scheduler.selector;
-  app.add_option("--selector-window", s.window, "candidates considered per decision")->capture_default_str();
+  app.add_option("--selector-window", s.window, "candidates considered per decision")
+      ->check(runtime::at_least(1))
+      ->capture_default_str();
   app.add_option("--selector-min-queue", s.min_queue_depth, "waiting requests below which admission is FCFS")
+      ->check(runtime::at_least(0))
       ->capture_default_str();
-  app.add_option("--selector-max-wait-ms", s.max_wait_ms, "anti-starvation bound")->capture_default_str();
+  app.add_option("--selector-max-wait-ms", s.max_wait_ms, "anti-starvation bound")
+      ->check(runtime::at_least(0))
+      ->capture_default_str();
   app.add_option("--selector-interval-ms", s.interval_ms, "selection at most this often (FCFS in between)")
+      ->check(runtime::at_least(0))
       ->capture_default_str();
-  app.add_option("--selector-d", s.power_of_d, "power_of_d samples")->capture_default_str();
+  app.add_option("--selector-d", s.power_of_d, "power_of_d samples")
+      ->check(runtime::at_least(1))
+      ->capture_default_str();
   app.add_option("--selector-seed", s.seed)->capture_default_str();
   app.add_option("--dry-run-layers", o.scheduler.dry_run_layers,
                  "MoE layers the router dry-run predictor uses")
+      ->check(runtime::at_least(1))
+      ->capture_default_str();
+  app.add_option("--step-timeout-s", o.step_timeout_s,
+                 "a step making no progress this long (a hung rank) fails every request and ends the job")
+      ->check(CLI::Range(0.1, 86400.0))
       ->capture_default_str();
   runtime::add_parallel_flags(app, o.parallel);
   app.set_config("--config", "",
                  "JSON file of flags (keys = long flag names); command-line flags override it");
   app.config_formatter(std::make_shared<server::JsonConfig>());
+}
+
+// Checks between flags, after parsing: empty, or why the combination is refused.
+std::string cross_check(const Options& o) {
+  if (o.limits.default_max_tokens > o.limits.max_tokens_limit)
+    return "--default-max-tokens " + std::to_string(o.limits.default_max_tokens) +
+           " exceeds --max-tokens-limit " + std::to_string(o.limits.max_tokens_limit);
+  return {};
 }
 
 // "host:port", with an IPv6 literal in brackets ("[::]:50051") as gRPC expects.
@@ -117,27 +164,55 @@ std::string host_port(const std::string& host, int port) {
   return (ipv6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
 }
 
-// Rank 0: the front end, the scheduler and the step loop's driving side.
-int serve(parallel::MpiWorld& world, Options& o, runtime::Model& model, runtime::Engine& engine,
-          kernels::Backend& backend, server::RankWorker& worker) {
+// Why binding host:port fails, as the OS says it (gRPC only reports that it could not): e.g. "Address already
+// in use". Empty when a plain bind now succeeds.
+std::string bind_error(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* found = nullptr;
+  const std::string service = std::to_string(port);
+  if (const int rc = ::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &found);
+      rc != 0)
+    return ::gai_strerror(rc);
+  const std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> addresses(found, &::freeaddrinfo);
+  for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, a->ai_socktype, a->ai_protocol);
+    if (fd < 0) return std::strerror(errno);
+    const int one = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);  // as gRPC does: TIME_WAIT is no conflict
+    const int rc = ::bind(fd, a->ai_addr, a->ai_addrlen);
+    const int bind_errno = errno;
+    ::close(fd);
+    if (rc != 0) return std::strerror(bind_errno);
+  }
+  return {};
+}
+
+// --step-timeout-s as the watchdog's bound.
+server::StepWatchdog::Clock::duration step_bound(const Options& o) {
+  return std::chrono::duration_cast<server::StepWatchdog::Clock::duration>(
+      std::chrono::duration<double>(o.step_timeout_s));
+}
+
+// After the watchdog fired: the step loop waits for its stall handler to end the process.
+[[noreturn]] void wait_for_stall_handler() {
+  for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+}
+
+// Rank 0: the front end, the scheduler and the step loop's driving side. Every rank learns whether the front
+// end started (the one collective before the step loop): on failure all of them exit 1 cleanly, rank 0 with
+// the reason as its last line.
+int serve(parallel::MpiWorld& world, Options& o, runtime::Model& model, kernels::Backend& backend,
+          server::RankWorker& worker, parallel::RankHeartbeat* heartbeat) {
   const runtime::ModelConfig& config = model.config();
   std::optional<runtime::Tokenizer> tokenizer;
   std::optional<runtime::ChatTemplate> chat;
-  if (std::filesystem::exists(std::filesystem::path(o.model_dir) / "tokenizer.json")) {
-    tokenizer = runtime::Tokenizer::load(o.model_dir);
-    std::optional<runtime::ChatFamily> forced;
-    if (!o.chat_template.empty()) forced = runtime::parse_family(o.chat_template);
-    const auto tokenizer_config = std::filesystem::path(o.model_dir) / "tokenizer_config.json";
-    if (std::filesystem::exists(tokenizer_config))
-      chat = runtime::ChatTemplate::load(tokenizer_config, forced);
-  }
-  server::ServerMetrics metrics(model.moe_layers(), config.num_experts, world.size());
-  const server::http::Server metrics_http({.host = o.host, .port = o.metrics_port},
-                                          {{"/metrics", [&metrics] {
-                                              return server::http::Response{
-                                                  200, "text/plain; version=0.0.4; charset=utf-8",
-                                                  metrics.exposition()};
-                                            }}});
+  std::unique_ptr<server::ServerMetrics> metrics;
+  std::unique_ptr<server::http::Server> metrics_http;  // after metrics: serves it, so goes first
+  std::unique_ptr<server::Scheduler> scheduler;
+  std::unique_ptr<server::InferenceService> service;
+  std::unique_ptr<grpc::Server> grpc_server;
 
   // The router dry run folded through the placement into per-rank loads.
   const parallel::ExpertPlacement& placement = model.placement();
@@ -155,8 +230,6 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Model& model, runtime:
             static_cast<float>(counts[static_cast<std::size_t>(l * config.num_experts + e)]);
     }
   };
-  server::Scheduler scheduler(o.scheduler, world.size(), tokenizer ? &*tokenizer : nullptr, predictor,
-                              &metrics);
 
   capserve::v1::ServerInfo info;
   info.set_version("0.1.0");
@@ -185,66 +258,116 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Model& model, runtime:
   info.set_max_batched_tokens(static_cast<std::uint32_t>(o.scheduler.max_batched_tokens));
   info.set_kv_blocks_per_rank(static_cast<std::uint32_t>(o.engine.kv_blocks));
 
-  server::InferenceService service(scheduler, tokenizer ? &*tokenizer : nullptr, chat, o.limits, info,
-                                   &metrics);
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
+  std::string failure;
   int bound_port = 0;
-  builder.AddListeningPort(host_port(o.host, o.port), grpc::InsecureServerCredentials(), &bound_port);
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> grpc_server = builder.BuildAndStart();
-  if (!grpc_server || bound_port == 0)
-    throw std::runtime_error("cannot listen on " + host_port(o.host, o.port));
-  // deploy/launch.sh sends its SIGTERM to this process, which drains and then stops every rank.
-  if (const char* pid_file = std::getenv("CAPSERVE_RANK0_PID_FILE"); pid_file != nullptr && *pid_file != 0) {
-    std::ofstream(pid_file) << ::getpid() << "\n";
+  try {
+    if (std::filesystem::exists(std::filesystem::path(o.model_dir) / "tokenizer.json")) {
+      tokenizer = runtime::Tokenizer::load(o.model_dir);
+      std::optional<runtime::ChatFamily> forced;
+      if (!o.chat_template.empty()) forced = runtime::parse_family(o.chat_template);
+      const auto tokenizer_config = std::filesystem::path(o.model_dir) / "tokenizer_config.json";
+      if (std::filesystem::exists(tokenizer_config))
+        chat = runtime::ChatTemplate::load(tokenizer_config, forced);
+    }
+    metrics = std::make_unique<server::ServerMetrics>(model.moe_layers(), config.num_experts, world.size());
+    metrics_http = std::make_unique<server::http::Server>(
+        server::http::Options{.host = o.host, .port = o.metrics_port},
+        std::map<std::string, server::http::Handler, std::less<>>{
+            {"/metrics", [&metrics] {
+               return server::http::Response{200, "text/plain; version=0.0.4; charset=utf-8",
+                                             metrics->exposition()};
+             }}});
+    scheduler = std::make_unique<server::Scheduler>(
+        o.scheduler, world.size(), tokenizer ? &*tokenizer : nullptr, predictor, metrics.get());
+    service = std::make_unique<server::InferenceService>(*scheduler, tokenizer ? &*tokenizer : nullptr, chat,
+                                                         o.limits, info, metrics.get());
+    grpc::EnableDefaultHealthCheckService(true);
+    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+    grpc::ServerBuilder builder;
+    // gRPC sets SO_REUSEPORT by default, so a second server on a busy port would start and take half of the
+    // new connections; a port in use must be an error instead.
+    builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+    builder.AddListeningPort(host_port(o.host, o.port), grpc::InsecureServerCredentials(), &bound_port);
+    builder.RegisterService(service.get());
+    grpc_server = builder.BuildAndStart();
+    if (!grpc_server || bound_port == 0) {
+      const std::string why = bind_error(o.host, o.port);
+      failure = "cannot listen on " + host_port(o.host, o.port) + (why.empty() ? "" : ": " + why);
+    }
+  } catch (const std::exception& e) {
+    failure = e.what();
   }
+  if (!world.all_agree(failure.empty())) {
+    std::fprintf(stderr, "capserve: %s\n", failure.c_str());
+    return 1;
+  }
+  grpc::HealthCheckServiceInterface& health = *grpc_server->GetHealthCheckService();
+  // Health answers for the API's service name too, and follows the server's state like "" does.
+  health.SetServingStatus(capserve::v1::Inference::service_full_name(), true);
+
+  server::StepWatchdog watchdog(step_bound(o), heartbeat, [&](const std::string& why) {
+    spdlog::error("capserve: {}; failing every request and stopping the job", why);
+    health.SetServingStatus(false);
+    scheduler->fail_all(server::Terminal::unavailable, why);
+    // The handlers deliver those statuses within milliseconds; health reads NOT_SERVING meanwhile.
+    constexpr auto kGrace = std::chrono::seconds(1);
+    std::this_thread::sleep_for(kGrace);
+    grpc_server->Shutdown(std::chrono::system_clock::now() + kGrace);
+    std::fprintf(stderr, "capserve: %s\n", why.c_str());
+    std::fflush(stderr);
+    world.abort(1);  // the stalled rank cannot take part in an orderly shutdown
+  });
+
   // Machine-readable start line: tests and scripts wait for it.
   std::printf("capserve: serving %s on %s, metrics on port %d, %d ranks\n", o.limits.model_id.c_str(),
-              host_port(o.host, bound_port).c_str(), metrics_http.port(), world.size());
+              host_port(o.host, bound_port).c_str(), metrics_http->port(), world.size());
   std::fflush(stdout);
 
   try {
     for (;;) {
-      if (g_stop_requested.load() && !scheduler.draining()) {
+      if (g_stop_requested.load() && !scheduler->draining()) {
         spdlog::info("capserve: draining (no new requests; running ones finish)");
-        scheduler.drain();
-        grpc_server->GetHealthCheckService()->SetServingStatus(false);
+        scheduler->drain();
+        health.SetServingStatus(false);
       }
-      if (scheduler.idle()) {
-        if (scheduler.draining()) break;
-        scheduler.wait_for_work(std::chrono::milliseconds(50));
+      if (scheduler->idle()) {
+        if (scheduler->draining()) break;
+        scheduler->wait_for_work(std::chrono::milliseconds(50));
         continue;
       }
       const auto now = server::Clock::now();
-      server::StepPlan plan = scheduler.plan(now);
+      server::StepPlan plan = scheduler->plan(now);
       std::vector<std::byte> bytes = server::serialize(plan);
+      watchdog.begin_step();
       world.broadcast(bytes, 0);
       const server::StepResult mine = worker.run(plan);
       const auto gathered = world.gather(server::serialize(mine), 0);
+      if (!watchdog.end_step()) wait_for_stall_handler();
       std::vector<server::StepResult> results;
       results.reserve(gathered.size());
       for (const auto& g : gathered) results.push_back(server::deserialize_result(g));
-      scheduler.complete(results, model.last_moe_stats(), server::Clock::now());
-      if (!plan.starts.empty() || !plan.decodes.empty()) metrics.record_step(model.last_moe_stats());
+      scheduler->complete(results, model.last_moe_stats(), server::Clock::now());
+      if (!plan.starts.empty() || !plan.decodes.empty()) metrics->record_step(model.last_moe_stats());
     }
   } catch (const std::exception& e) {
+    if (!watchdog.end_step()) wait_for_stall_handler();
     spdlog::error("capserve: step loop failed: {}", e.what());
-    scheduler.fail_all(server::Terminal::internal, std::string("server failure: ") + e.what());
+    scheduler->fail_all(server::Terminal::internal, std::string("server failure: ") + e.what());
     grpc_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
     world.abort(1);
   }
   std::vector<std::byte> bytes = server::serialize(server::StepPlan{true, {}, {}, {}});
+  watchdog.begin_step();
   world.broadcast(bytes, 0);
+  if (!watchdog.end_step()) wait_for_stall_handler();
   grpc_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  (void)engine;
   spdlog::info("capserve: drained, exiting");
   return 0;
 }
 
-// Other ranks: follow rank 0's plans until the shutdown plan.
+// Other ranks: learn whether rank 0's front end started, then follow rank 0's plans until the shutdown plan.
 int follow(parallel::MpiWorld& world, server::RankWorker& worker) {
+  if (!world.all_agree(true)) return 1;
   for (;;) {
     std::vector<std::byte> bytes;
     world.broadcast(bytes, 0);
@@ -258,12 +381,24 @@ int follow(parallel::MpiWorld& world, server::RankWorker& worker) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // deploy/launch.sh starts mpirun with SIGTERM and SIGINT blocked (so that they cannot abort the job); this
+  // process must receive them. Before MPI starts its threads, which inherit the mask.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_UNBLOCK, &stop_signals, nullptr);
   std::optional<parallel::MpiWorld> world;
   if (!parallel::start_mpi(world, argc, argv, "capserve")) return 1;
   const int rank = world->rank();
-  // Only rank 0 acts on a stop signal (it drains and then tells the others); mpirun forwards signals to all.
+  // Only rank 0 acts on a stop signal (it drains and then tells the others); the others ignore theirs.
   std::signal(SIGTERM, on_stop_signal);
   std::signal(SIGINT, on_stop_signal);
+  // deploy/launch.sh sends its SIGTERM to this process. A stop before the server is up ends it right after.
+  if (const char* pid_file = std::getenv("CAPSERVE_RANK0_PID_FILE");
+      rank == 0 && pid_file != nullptr && *pid_file != 0) {
+    std::ofstream(pid_file) << ::getpid() << "\n";
+  }
 
   CLI::App app{"CapServe: expert-parallel MoE inference server (run under mpirun; rank 0 serves gRPC)"};
   Options o;
@@ -271,7 +406,13 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return rank == 0 ? app.exit(e) : (e.get_exit_code() == 0 ? 0 : 2);
+    // Every rank parses the same flags; rank 0 alone prints. Any refused flag is exit code 2.
+    const int code = rank == 0 ? app.exit(e) : e.get_exit_code();
+    return code == 0 ? 0 : 2;
+  }
+  if (const std::string bad = cross_check(o); !bad.empty()) {
+    if (rank == 0) std::fprintf(stderr, "capserve: %s\n", bad.c_str());
+    return 2;
   }
   if (!server::parse_strategy(o.strategy, o.scheduler.selector.strategy)) return 2;
 
@@ -284,8 +425,11 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     failure = e.what();
   }
-  if (!failure.empty()) std::fprintf(stderr, "capserve: rank %d: %s\n", rank, failure.c_str());
-  if (!world->all_agree(failure.empty())) return 1;
+  // The other ranks report first and rank 0 after the collective, so that its line comes last.
+  if (rank != 0 && !failure.empty()) std::fprintf(stderr, "capserve: rank %d: %s\n", rank, failure.c_str());
+  const bool loaded = world->all_agree(failure.empty());
+  if (rank == 0 && !failure.empty()) std::fprintf(stderr, "capserve: %s\n", failure.c_str());
+  if (!loaded) return 1;
 
   const runtime::ModelConfig& config = model->config();
   o.scheduler.max_context = std::min<std::int64_t>(o.scheduler.max_context, config.max_position_embeddings);
@@ -304,9 +448,14 @@ int main(int argc, char** argv) {
   kernels::cpu::CpuBackend backend(threads);
   runtime::Engine engine(*model, backend, o.engine);
   server::RankWorker worker(engine, rank);
+  // Lets rank 0's step watchdog name a stalled rank. Every rank decides alike (same flags, same MPI).
+  std::optional<parallel::RankHeartbeat> heartbeat;
+  if (world->size() > 1 && world->thread_level() == MPI_THREAD_MULTIPLE) {
+    heartbeat.emplace(*world, server::StepWatchdog::beat_interval(step_bound(o)));
+  }
   if (rank != 0) return follow(*world, worker);
   try {
-    return serve(*world, o, *model, engine, backend, worker);
+    return serve(*world, o, *model, backend, worker, heartbeat ? &*heartbeat : nullptr);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "capserve: %s\n", e.what());
     world->abort(1);

@@ -18,6 +18,7 @@
 #include "parallel/mpi_world.h"
 #include "runtime/chat/chat_family.h"
 #include "runtime/chat/chat_template.h"
+#include "runtime/cli/flag_checks.h"
 #include "runtime/cli/parallel_flags.h"
 #include "runtime/engine.h"
 #include "runtime/generator.h"
@@ -86,10 +87,10 @@ int main(int argc, char** argv) {
                  "force a chat template family (chatml, deepseek, deepseek_v2, llama2, mistral, tulu)")
       ->needs("--chat");
   app.add_option("--max-new-tokens", params.max_new_tokens, "tokens to generate")
-      ->check(CLI::NonNegativeNumber);
-  app.add_option("--temperature", params.temperature, "0 = greedy")->check(CLI::NonNegativeNumber);
+      ->check(runtime::at_least(0));
+  app.add_option("--temperature", params.temperature, "0 = greedy")->check(runtime::at_least(0));
   app.add_option("--top-k", params.top_k, "keep the k most likely tokens (0 = off)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(runtime::at_least(0));
   app.add_option("--top-p", params.top_p, "nucleus mass in (0, 1]")->check(CLI::Range(0.0, 1.0));
   app.add_option("--seed", params.seed, "sampling seed");
   app.add_option("--stop-ids", params.stop_token_ids, "extra stop token ids");
@@ -98,14 +99,16 @@ int main(int argc, char** argv) {
                  "write the logits of every generated position as float32 .npy [steps, vocab] (PATH, or "
                  "PATH with _<i> before the extension for prompt i when there are several)");
   app.add_option("--moe-stats", moe_stats, "write per-layer MoE statistics of the run as JSON (rank 0)");
-  app.add_option("--threads", threads, "CPU threads per rank")->check(CLI::PositiveNumber);
+  app.add_option("--threads", threads, "CPU threads per rank")->check(runtime::at_least(1));
   app.add_option("--kv-blocks", engine_options.kv_blocks, "KV cache blocks of 16 tokens per rank")
-      ->check(CLI::PositiveNumber);
+      ->check(runtime::at_least(1));
   runtime::add_parallel_flags(app, parallel_flags);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return rank == 0 ? app.exit(e) : (e.get_exit_code() == 0 ? 0 : 2);
+    // Every rank parses the same flags; rank 0 alone prints. Any refused flag is exit code 2.
+    const int code = rank == 0 ? app.exit(e) : e.get_exit_code();
+    return code == 0 ? 0 : 2;
   }
   if (input_ids.empty() && prompts_text.empty()) {
     if (rank == 0) std::fprintf(stderr, "capserve-generate: give --input-ids or --prompt\n");

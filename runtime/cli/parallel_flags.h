@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 
 #include "parallel/capacity_config.h"
+#include "runtime/cli/flag_checks.h"
 #include "runtime/model.h"
 
 namespace capserve::runtime {
@@ -50,10 +51,10 @@ inline void add_parallel_flags(CLI::App& app, ParallelFlags& flags) {
                                            {"order", DropScore::order},
                                            {"reverse-order", DropScore::reverse_order},
                                            {"random", DropScore::random}}));
-  app.add_option("--capacity-rounds", c.rounds, "reroute rounds R")->check(CLI::PositiveNumber);
+  app.add_option("--capacity-rounds", c.rounds, "reroute rounds R")->check(at_least(1));
   app.add_option("--capacity-local-experts", c.local_experts,
                  "expanded drop: m experts on the token's own rank")
-      ->check(CLI::PositiveNumber);
+      ->check(at_least(1));
   app.add_flag("--capacity-renormalize", c.renormalize_after_drop,
                "rescale a token's kept gate weights to their original sum after drops");
   app.add_option("--capacity-apply-to", c.apply_to, "prefill | decode | both")

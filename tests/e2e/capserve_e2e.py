@@ -161,9 +161,9 @@ class Server:
             raise RuntimeError(f"expected {NP} capserve ranks under the launcher, found {self.ranks}")
         return self
 
-    def health(self, timeout=10):
-        """The grpc.health.v1 status name of the whole server ("SERVING", "NOT_SERVING", ...)."""
-        status = self._health(HealthCheckRequest(service=""), timeout=timeout).status
+    def health(self, timeout=10, service=""):
+        """The grpc.health.v1 status name of `service` ("": the whole server): "SERVING", "NOT_SERVING", ..."""
+        status = self._health(HealthCheckRequest(service=service), timeout=timeout).status
         return HealthCheckResponse.DESCRIPTOR.enum_types_by_name["ServingStatus"].values_by_number[status].name
 
     def metrics_text(self):

@@ -1,0 +1,73 @@
+"""Start-up errors: every refused flag (of capserve and capserve-generate) is a clear message naming it and exit
+code 2, before any model is loaded;
+a model that cannot be loaded is a one-line error, the last line of the job's output, exit code 1, with no
+MPI_ABORT banner."""
+
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+from capserve_e2e import BIN, LAUNCH, MODEL, NP, main
+
+TIMEOUT_S = 120
+
+BAD_FLAGS = [
+    (["--max-running", "0"], "--max-running"),
+    (["--kv-blocks", "0"], "--kv-blocks"),
+    (["--kv-blocks", "-5"], "--kv-blocks"),
+    (["--max-batched-tokens", "0"], "--max-batched-tokens"),
+    (["--selector-window", "0"], "--selector-window"),
+    (["--dry-run-layers", "-3"], "--dry-run-layers"),
+    (["--port", "70000"], "--port"),
+    (["--metrics-port", "-1"], "--metrics-port"),
+    (["--max-queue", "0"], "--max-queue"),
+    (["--threads", "-2"], "--threads"),
+    (["--max-context", "0"], "--max-context"),
+    (["--selector-interval-ms", "-1"], "--selector-interval-ms"),
+    (["--selector-max-wait-ms", "-1"], "--selector-max-wait-ms"),
+    (["--selector-d", "0"], "--selector-d"),
+    (["--step-timeout-s", "0"], "--step-timeout-s"),
+    (["--default-max-tokens", "5000", "--max-tokens-limit", "4096"], "--default-max-tokens"),
+]
+
+
+def launch(*flags, model=MODEL):
+    cmd = ["bash", LAUNCH, str(NP), BIN, "--model", model, "--port", "0", "--metrics-port", "0", "--threads", "1",
+           *flags]
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S)
+    print(f"e2e: {' '.join(flags) or model} -> exit {done.returncode}:\n{done.stdout}", file=sys.stderr)
+    return done.returncode, [line for line in done.stdout.splitlines() if line.strip()]
+
+
+class StartupTest(unittest.TestCase):
+    def test_bad_flags_exit_2_naming_the_flag(self):
+        for flags, name in BAD_FLAGS:
+            with self.subTest(flags=flags):
+                code, lines = launch(*flags)
+                self.assertEqual(code, 2, lines)
+                self.assertTrue(any(name in line for line in lines), lines)
+                self.assertFalse(any("serving" in line for line in lines), lines)
+
+    def test_capserve_generate_bad_flags_exit_2(self):
+        for flags in (["--kv-blocks", "0"], ["--threads", "0"], ["--top-k", "-1"], ["--capacity-rounds", "0"]):
+            with self.subTest(flags=flags):
+                cmd = ["bash", LAUNCH, str(NP), os.environ["CAPSERVE_GENERATE"], "--model", MODEL, "--input-ids",
+                       "1 2 3", "--max-new-tokens", "2", *flags]
+                done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      timeout=TIMEOUT_S)
+                self.assertEqual(done.returncode, 2, done.stdout)
+                self.assertIn(f"{flags[0]}: must be at least", done.stdout)
+
+    def test_model_load_error_is_the_last_line(self):
+        with tempfile.TemporaryDirectory() as empty:
+            code, lines = launch(model=empty)
+        self.assertEqual(code, 1, lines)
+        self.assertIn("config.json", lines[-1])
+        self.assertTrue(lines[-1].startswith("capserve: "), lines)
+        self.assertFalse(any("MPI_ABORT" in line or "Primary job" in line for line in lines), lines)
+
+
+if __name__ == "__main__":
+    main()
