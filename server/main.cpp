@@ -403,6 +403,12 @@ int main(int argc, char** argv) {
   CLI::App app{"CapServe: expert-parallel MoE inference server (run under mpirun; rank 0 serves gRPC)"};
   Options o;
   add_flags(app, o);
+  if (const auto bad = runtime::flag_with_empty_value({argv + 1, static_cast<std::size_t>(argc - 1)})) {
+    if (rank == 0)
+      std::fprintf(stderr, "%s: %.*s has an empty value\n", "capserve", static_cast<int>(bad->size()),
+                   bad->data());
+    return 2;
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

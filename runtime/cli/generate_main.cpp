@@ -103,6 +103,12 @@ int main(int argc, char** argv) {
   app.add_option("--kv-blocks", engine_options.kv_blocks, "KV cache blocks of 16 tokens per rank")
       ->check(runtime::at_least(1));
   runtime::add_parallel_flags(app, parallel_flags);
+  if (const auto bad = runtime::flag_with_empty_value({argv + 1, static_cast<std::size_t>(argc - 1)})) {
+    if (rank == 0)
+      std::fprintf(stderr, "%s: %.*s has an empty value\n", "capserve-generate",
+                   static_cast<int>(bad->size()), bad->data());
+    return 2;
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

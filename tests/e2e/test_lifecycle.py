@@ -38,6 +38,18 @@ class LifecycleTest(ServerTestCase):
                 reply = pb_grpc.InferenceStub(channel).Chat(chat_request("Hello?", max_tokens=2), timeout=60)
                 self.assertEqual(reply.usage.completion_tokens, 2)
 
+    def test_2_second_server_on_the_same_metrics_port_fails(self):
+        cmd = ["bash", LAUNCH, str(NP), BIN, "--model", MODEL, "--port", "0", "--metrics-port",
+               str(self.server.metrics_port), "--threads", "1"]
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+        lines = [line for line in done.stdout.splitlines() if line.strip()]
+        print(f"e2e: second metrics server -> exit {done.returncode}:\n{done.stdout}", file=sys.stderr)
+        self.assertEqual(done.returncode, 1, lines)
+        self.assertEqual(lines[-1],
+                         f"capserve: cannot listen on 0.0.0.0:{self.server.metrics_port}: Address already in use")
+        self.assertFalse(any("serving" in line or "MPI_ABORT" in line or "Primary job" in line for line in lines))
+        self.assertIn("capserve_requests_total", self.server.metrics_text())
+
     def test_3_sigint_to_the_process_group_drains(self):
         # The launcher leads its process group, as in a terminal: this is Ctrl-C.
         drains(self, lambda: os.killpg(self.server.proc.pid, signal.SIGINT))

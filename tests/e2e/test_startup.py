@@ -30,6 +30,7 @@ BAD_FLAGS = [
     (["--selector-d", "0"], "--selector-d"),
     (["--step-timeout-s", "0"], "--step-timeout-s"),
     (["--default-max-tokens", "5000", "--max-tokens-limit", "4096"], "--default-max-tokens"),
+    (["--kv-blocks=", "--max-running", "4"], "--kv-blocks= has an empty value"),  # CLI11 took --max-running
 ]
 
 
@@ -51,14 +52,16 @@ class StartupTest(unittest.TestCase):
                 self.assertFalse(any("serving" in line for line in lines), lines)
 
     def test_capserve_generate_bad_flags_exit_2(self):
-        for flags in (["--kv-blocks", "0"], ["--threads", "0"], ["--top-k", "-1"], ["--capacity-rounds", "0"]):
+        for flags in (["--kv-blocks", "0"], ["--threads", "0"], ["--top-k", "-1"], ["--capacity-rounds", "0"],
+                      ["--seed=", "--ignore-eos"]):
             with self.subTest(flags=flags):
                 cmd = ["bash", LAUNCH, str(NP), os.environ["CAPSERVE_GENERATE"], "--model", MODEL, "--input-ids",
                        "1 2 3", "--max-new-tokens", "2", *flags]
                 done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                       timeout=TIMEOUT_S)
                 self.assertEqual(done.returncode, 2, done.stdout)
-                self.assertIn(f"{flags[0]}: must be at least", done.stdout)
+                self.assertIn(f"{flags[0]} has an empty value" if flags[0].endswith("=") else
+                              f"{flags[0]}: must be at least", done.stdout)
 
     def test_model_load_error_is_the_last_line(self):
         with tempfile.TemporaryDirectory() as empty:

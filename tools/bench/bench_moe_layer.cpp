@@ -47,12 +47,12 @@
 #include "parallel/mpi_communicator.h"
 #include "parallel/mpi_world.h"
 #include "parallel/token_dispatcher.h"
+#include "runtime/cli/flag_checks.h"
 #include "runtime/engine.h"
 #include "runtime/load_error.h"
 #include "runtime/model.h"
 #include "runtime/moe_block.h"
 #include "runtime/tokenizer/tokenizer.h"
-#include "tools/cli_args.h"
 #include "tools/placement/expert_counts.h"
 
 namespace {
@@ -932,7 +932,7 @@ int main(int argc, char** argv) {
   app.add_option("--windows-per-rank", windows_per_rank)->check(CLI::PositiveNumber);
   app.add_option("--window", window, "text tokens per window (after one <|endoftext|>)")
       ->check(CLI::PositiveNumber);
-  if (const auto bad = tools::flag_with_empty_value({argv + 1, static_cast<std::size_t>(argc - 1)})) {
+  if (const auto bad = runtime::flag_with_empty_value({argv + 1, static_cast<std::size_t>(argc - 1)})) {
     if (world->rank() == 0)
       std::fprintf(stderr, "capserve-bench-moe-layer: %.*s has an empty value\n",
                    static_cast<int>(bad->size()), bad->data());

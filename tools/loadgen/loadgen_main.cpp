@@ -24,8 +24,8 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "runtime/cli/flag_checks.h"
 #include "runtime/tokenizer/tokenizer.h"
-#include "tools/cli_args.h"
 #include "tools/loadgen/arrivals.h"
 #include "tools/loadgen/http_get.h"
 #include "tools/loadgen/prometheus_text.h"
@@ -535,7 +535,7 @@ int main(int argc, char** argv) {
   Options o;
   add_flags(app, o);
   if (const auto bad =
-          capserve::tools::flag_with_empty_value({argv + 1, static_cast<std::size_t>(argc - 1)})) {
+          capserve::runtime::flag_with_empty_value({argv + 1, static_cast<std::size_t>(argc - 1)})) {
     std::fprintf(stderr, "capserve-loadgen: %.*s has an empty value\n", static_cast<int>(bad->size()),
                  bad->data());
     return 2;

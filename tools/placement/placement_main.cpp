@@ -11,7 +11,7 @@
 
 #include <CLI/CLI.hpp>
 
-#include "tools/cli_args.h"
+#include "runtime/cli/flag_checks.h"
 #include "tools/placement/expert_counts.h"
 #include "tools/placement/placement_plan.h"
 
@@ -36,7 +36,7 @@ int main(int argc, char** argv) {
   app.add_option("--domains", domains, "sum only these domains of a counts file (default: all)")
       ->delimiter(',');
   app.add_option("--out", out_path, "placement JSON for --expert-placement");
-  if (const auto bad = tools::flag_with_empty_value({argv + 1, static_cast<std::size_t>(argc - 1)})) {
+  if (const auto bad = runtime::flag_with_empty_value({argv + 1, static_cast<std::size_t>(argc - 1)})) {
     std::cerr << "capserve-placement: " << *bad << " has an empty value\n";
     return 2;
   }

@@ -17,10 +17,10 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "runtime/cli/flag_checks.h"
 #include "runtime/load_error.h"
 #include "runtime/token_ids_text.h"
 #include "runtime/tokenizer/tokenizer.h"
-#include "tools/cli_args.h"
 
 namespace {
 
@@ -138,7 +138,7 @@ int main(int argc, char** argv) {
       "--no-special-tokens", options.no_special_tokens,
       "encode: do not add the post-processor's special tokens (BOS...); decode: skip special tokens");
   if (const auto bad =
-          capserve::tools::flag_with_empty_value({argv + 1, static_cast<std::size_t>(argc - 1)})) {
+          capserve::runtime::flag_with_empty_value({argv + 1, static_cast<std::size_t>(argc - 1)})) {
     std::cerr << "capserve-tokenize: " << *bad << " has an empty value\n";
     return 2;
   }
