@@ -2,6 +2,7 @@
 #include <stdexcept>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/launch.h"
 #include "kernels/cuda/layer_kernels.h"
 #include "kernels/cuda/moe_index_logic.h"
 
@@ -298,14 +299,14 @@ __global__ void __launch_bounds__(kSampleThreads)
 void rms_norm(const float* x, std::int64_t rows, std::int64_t cols, const __nv_bfloat16* weight, float eps,
               float* out, cudaStream_t stream) {
   if (rows <= 0) return;
-  rms_norm_kernel<<<static_cast<unsigned>(rows), 256, 0, stream>>>(x, cols, weight, eps, out);
+  launch(rms_norm_kernel, static_cast<unsigned>(rows), 256, 0, stream, x, cols, weight, eps, out);
   CAPSERVE_CUDA_CHECK_LAUNCH();
 }
 
 void rope(float* x, std::int64_t tokens, const RotaryLayout& layout, const float* cos, const float* sin,
           cudaStream_t stream) {
   if (tokens <= 0) return;
-  rope_kernel<<<static_cast<unsigned>(tokens), 256, 0, stream>>>(x, layout, cos, sin);
+  launch(rope_kernel, static_cast<unsigned>(tokens), 256, 0, stream, x, layout, cos, sin);
   CAPSERVE_CUDA_CHECK_LAUNCH();
 }
 
@@ -334,7 +335,7 @@ AttentionBatchArrays attention_batch_arrays(std::span<const SequenceSlice> seqs)
 void kv_store(const DeviceAttentionBatch& batch, const float* k, const float* v, const DeviceKvLayer& cache,
               cudaStream_t stream) {
   if (batch.rows <= 0) return;
-  kv_store_kernel<<<static_cast<unsigned>(batch.rows), 256, 0, stream>>>(batch, k, v, cache);
+  launch(kv_store_kernel, static_cast<unsigned>(batch.rows), 256, 0, stream, batch, k, v, cache);
   CAPSERVE_CUDA_CHECK_LAUNCH();
 }
 
@@ -346,7 +347,7 @@ void paged_attention(const DeviceAttentionBatch& batch, const float* q, const De
     throw std::invalid_argument("paged_attention: heads must be a multiple of the kv heads");
   if (batch.rows <= 0) return;
   const dim3 grid(static_cast<unsigned>(batch.rows), static_cast<unsigned>(params.num_heads));
-  paged_attention_kernel<<<grid, kAttnThreads, 0, stream>>>(batch, q, cache, params, out);
+  launch(paged_attention_kernel, grid, kAttnThreads, 0, stream, batch, q, cache, params, out);
   CAPSERVE_CUDA_CHECK_LAUNCH();
 }
 
@@ -355,7 +356,8 @@ void sample(const float* logits, std::int64_t rows, std::int64_t vocab, const Sa
   if (rows <= 0) return;
   if (vocab <= 0 || vocab > static_cast<std::int64_t>(moe::kLow32))
     throw std::invalid_argument("sample: vocab size");
-  sample_kernel<<<static_cast<unsigned>(rows), kSampleThreads, 0, stream>>>(logits, vocab, controls, tokens);
+  launch(sample_kernel, static_cast<unsigned>(rows), kSampleThreads, 0, stream, logits, vocab, controls,
+         tokens);
   CAPSERVE_CUDA_CHECK_LAUNCH();
 }
 
