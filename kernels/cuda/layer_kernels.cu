@@ -156,10 +156,13 @@ __global__ void __launch_bounds__(kAttnThreads)
 }
 
 // Sampling order: larger logit first, ties to the lower id, as one 64-bit key (float bits made
-// order-preserving above, the complemented id below).
+// order-preserving above, the complemented id below). NaN orders below every number, -inf included: its keys
+// lie below kNumberKeys, so a NaN logit never wins and is never drawn.
+constexpr std::uint64_t kNumberKeys = moe::kLow32 + 1;
+
 __device__ std::uint64_t logit_key(float logit, std::int64_t id) {
   const std::uint32_t u = moe::float_bits(logit);
-  const std::uint32_t ordered = (u & 0x80000000U) != 0 ? ~u : (u | 0x80000000U);
+  const std::uint32_t ordered = logit != logit ? 0U : (u & 0x80000000U) != 0 ? ~u : (u | 0x80000000U);
   return (static_cast<std::uint64_t>(ordered) << 32) | (moe::kLow32 - static_cast<std::uint64_t>(id));
 }
 
@@ -196,7 +199,7 @@ __global__ void __launch_bounds__(kSampleThreads)
   const float top = lr[key_id(best)] * inv_t;
 
   // Top-k: the k largest keys, by radix select.
-  std::uint64_t threshold = 0;
+  std::uint64_t threshold = kNumberKeys;
   if (c.top_k > 0 && c.top_k < vocab) {
     if (threadIdx.x == 0) state = moe::begin_select(vocab, c.top_k);
     for (int shift = 64 - moe::kRadixBits; shift >= 0; shift -= moe::kRadixBits) {
@@ -214,7 +217,7 @@ __global__ void __launch_bounds__(kSampleThreads)
       if (threadIdx.x == 0) moe::radix_resolve(state, reinterpret_cast<const std::int64_t*>(hist), shift);
       __syncthreads();
     }
-    threshold = state.threshold;
+    threshold = state.threshold > threshold ? state.threshold : threshold;
   }
 
   // Top-p: the smallest set of the best keys whose mass reaches top_p, by radix descent on the mass.
@@ -265,7 +268,8 @@ __global__ void __launch_bounds__(kSampleThreads)
     if (logit_key(lr[i], i) >= threshold) mine += expf(lr[i] * inv_t - top);
   }
   partial[threadIdx.x] = mine;
-  if (threadIdx.x == 0) chosen = key_id(threshold == 0 ? best : threshold);  // a kept token, for rounding
+  // A kept token, should rounding leave u unreached (the best one when no cut was made).
+  if (threadIdx.x == 0) chosen = key_id(threshold > kNumberKeys ? threshold : best);
   __syncthreads();
   if (threadIdx.x == 0) {
     float run = 0.0F;

@@ -97,6 +97,10 @@ void route(const moe::RouterParams& p, const float* logits, float* probs, std::i
   if (p.n_group < 1 || p.n_group > 64 || p.num_experts % p.n_group != 0 || p.top_k > p.num_experts)
     throw std::invalid_argument(
         "route: n_group must divide num_experts (at most 64 groups), top_k <= experts");
+  // The thread body takes topk_group groups, then top_k experts from them: both must exist.
+  if (p.topk_group < 1 || p.topk_group > p.n_group || p.top_k > p.topk_group * (p.num_experts / p.n_group))
+    throw std::invalid_argument(
+        "route: topk_group must be in [1, n_group] and its groups hold at least top_k experts");
   CudaExec x{stream};
   moe::run_router(x, moe::RouteToken{p, logits, probs, experts, weights});
 }
