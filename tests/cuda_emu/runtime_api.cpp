@@ -272,6 +272,8 @@ const char* cudaGetErrorString(cudaError_t error) {
 cudaError_t cudaGetDeviceCount(int* count) {
   if (count == nullptr) return d::fail(cudaErrorInvalidValue, "cudaGetDeviceCount: null count");
   *count = d::device_count();
+  // As the real runtime on a machine without a GPU.
+  if (*count == 0) return d::fail(cudaErrorNoDevice, "CAPSERVE_CUDA_EMU_DEVICES=0");
   return cudaSuccess;
 }
 
