@@ -6,7 +6,8 @@
 //
 // NCCL (<= 2.29) refuses two ranks on one GPU. The constructor checks this first (by GPU UUID, across nodes)
 // and fails on every rank with a message naming the fix: HostStagedCommunicator for several ranks per GPU.
-// Streams passed to the calls must belong to this communicator's device.
+// Streams passed to the calls must belong to this communicator's device; any thread may call (each call makes
+// that device current on the calling thread).
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -49,6 +50,8 @@ class NcclCommunicator final : public DeviceCommunicator {
   // One grouped exchange of the blocks of two checked layouts.
   void exchange(std::span<const std::byte> send, const BlockLayout& send_layout, std::span<std::byte> recv,
                 const BlockLayout& recv_layout, DeviceStream stream);
+  // The calling thread may be any: each call makes this communicator's device current on it first.
+  void make_device_current() const;
   // Throws on an NCCL error (result is an ncclResult_t) and marks the communicator for ncclCommAbort.
   void check(int result, const char* what);
 

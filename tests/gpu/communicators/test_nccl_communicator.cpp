@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "parallel/mpi_communicator.h"
 #include "parallel/nccl_communicator.h"
@@ -66,6 +68,38 @@ TEST(NcclCommunicator, ArgumentErrorsThrowOnEveryRank) {
   NcclCommunicator comm(test::mpi_world());
   test::CudaTestDevice device;
   test::check_argument_errors(comm, device);
+}
+
+// A thread other than the constructor's starts on device 0, whatever GPU this rank uses: every call must make
+// the communicator's device current itself.
+TEST(NcclCommunicator, WorksFromAnotherThread) {
+  REQUIRE_GPU_PER_RANK();
+  NcclCommunicator comm(test::mpi_world());
+  test::CudaTestDevice device;
+  const int n = comm.size();
+  const int me = comm.rank();
+  std::vector<std::int64_t> counts(static_cast<std::size_t>(n));
+  std::vector<std::byte> send;
+  std::vector<std::byte> want;
+  for (int r = 0; r < n; ++r) {
+    counts[static_cast<std::size_t>(r)] = 1 + r + me;  // symmetric: what r sends me, I send r
+    send.insert(send.end(), static_cast<std::size_t>(1 + r + me), static_cast<std::byte>(me * 16 + r));
+    want.insert(want.end(), static_cast<std::size_t>(1 + r + me), static_cast<std::byte>(r * 16 + me));
+  }
+  const std::span<std::byte> d_send = device.upload(send);
+  const std::span<std::byte> d_recv = device.upload(std::vector<std::byte>(want.size()));
+  std::string error;
+  std::thread worker([&] {
+    try {
+      comm.alltoallv(d_send, counts, d_recv, counts, device.stream());
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  });
+  worker.join();
+  EXPECT_EQ(error, "");
+  ASSERT_TRUE(test::mpi_world().all_agree(error.empty()));
+  EXPECT_EQ(device.download(d_recv), want);
 }
 
 TEST(NcclCommunicator, RefusesTwoRanksOnOneGpuNamingTheFix) {
