@@ -136,6 +136,7 @@ struct Block {
   std::vector<int> start_order;
   std::size_t next_start = 0;
   std::vector<int> ready;
+  std::vector<int> batch;         // the ready threads being resumed
   std::vector<int> warp_waiting;  // per warp: lanes in a collective still incomplete
   int live = 0;
   int at_barrier = 0;
@@ -350,7 +351,8 @@ std::string deadlock_report(const Block& b) {
   return report;
 }
 
-void run_block(Block& b) {
+// The threads of every block of a launch (their indices, the order they start in), set once per launch.
+void prepare_threads(Block& b) {
   const int n = static_cast<int>(b.block_dim.x * b.block_dim.y * b.block_dim.z);
   b.threads.clear();
   b.threads.resize(static_cast<std::size_t>(n));
@@ -366,18 +368,24 @@ void run_block(Block& b) {
   }
   b.start_order.resize(static_cast<std::size_t>(n));
   std::iota(b.start_order.begin(), b.start_order.end(), 0);
+  b.warp_waiting.assign(static_cast<std::size_t>((n + kWarp - 1) / kWarp), 0);
+}
+
+void run_block(Block& b) {
+  const int n = static_cast<int>(b.threads.size());
+  for (EmuThread& t : b.threads) t.state = State::unstarted;
+  std::fill(b.warp_waiting.begin(), b.warp_waiting.end(), 0);
   const bool shuffled = schedule_state.schedule == Schedule::shuffled;
   if (shuffled) std::shuffle(b.start_order.begin(), b.start_order.end(), schedule_state.rng);
   b.next_start = 0;
   b.ready.clear();
-  b.warp_waiting.assign(static_cast<std::size_t>((n + kWarp - 1) / kWarp), 0);
   b.live = n;
   b.at_barrier = 0;
   b.error = nullptr;
   // Uninitialised, as on a device: poisoned so that a read before any write shows.
   std::fill(b.dynamic_shared.begin(), b.dynamic_shared.end(), static_cast<unsigned char>(0xFF));
 
-  std::vector<int> batch;
+  std::vector<int>& batch = b.batch;
   while (!b.error) {
     if (b.next_start < b.start_order.size()) {
       resume(b, bc::fiber(std::allocator_arg, PooledStack{},
@@ -536,6 +544,7 @@ void launch_kernel(const void* kernel, dim3 grid, dim3 block, std::size_t shared
   b.block_dim = block;
   b.grid_dim = grid;
   b.dynamic_shared.resize(shared_bytes);
+  prepare_threads(b);
   running_block = &b;
   try {
     for (unsigned z = 0; z < grid.z; ++z) {

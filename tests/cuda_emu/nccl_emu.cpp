@@ -11,9 +11,11 @@
 //   - Collectives are checked to be the same call on every rank, in the same order (kind, count, type, op).
 //   - Buffers must be device memory, the stream must belong to the communicator's device, and that device
 //     must be current.
-// A failed check returns the error NCCL would (ncclInvalidArgument / ncclInvalidUsage / ncclRemoteError),
-// names the fault in ncclGetLastError, and is kept as the communicator's async error
-// (ncclCommGetAsyncError). Everything completes before the call returns: streams are trivially in order.
+// A failed check returns the error NCCL would (ncclInvalidArgument / ncclInvalidUsage), names the fault in
+// ncclGetLastError, and is kept as the communicator's async error (ncclCommGetAsyncError). A rank whose send
+// or receive failed tells the others, which see ncclRemoteError only when they poll ncclCommGetAsyncError, as
+// with NCCL: their own calls are not stopped by it. Everything completes before the call returns: streams are
+// trivially in order.
 #include <mpi.h>
 #include <nccl.h>
 
@@ -21,6 +23,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <random>
 #include <string>
 #include <thread>
@@ -46,6 +49,7 @@ namespace {
 constexpr char kIdMagic[] = "capserve-emu-nccl";
 constexpr int kTagSize = 1;
 constexpr int kTagData = 2;
+constexpr int kTagNotice = 3;  // a rank's failure, for the others' ncclCommGetAsyncError
 
 thread_local std::string global_last_error;
 
@@ -64,6 +68,20 @@ struct GroupState {
   ncclResult_t error = ncclSuccess;  // a call in the group failed: End reports it
 };
 thread_local GroupState group;
+
+// Tells the other ranks that this one failed: as with NCCL, they learn it only by polling
+// ncclCommGetAsyncError (their own calls go on, and may wait forever for this rank).
+void notify_peers(ncclComm* comm, const std::string& what) {
+  static std::deque<std::string> sent;  // buffers of sends never waited for: kept for the process's life
+  sent.push_back("rank " + std::to_string(comm->rank) + " failed: " + what);
+  for (int r = 0; r < comm->size; ++r) {
+    if (r == comm->rank) continue;
+    MPI_Request request = MPI_REQUEST_NULL;
+    MPI_Isend(sent.back().data(), static_cast<int>(sent.back().size()), MPI_CHAR, r, kTagNotice, comm->mpi,
+              &request);
+    MPI_Request_free(&request);
+  }
+}
 
 ncclResult_t nccl_fail(ncclComm* comm, ncclResult_t rc, std::string what) {
   global_last_error = what;
@@ -237,8 +255,11 @@ ncclResult_t run_point_to_point(std::vector<PointToPoint>& ops) {
       size_op.push_back(i);
     }
   }
-  if (!wait_until(size_requests, deadline))
-    return nccl_fail(ops.front().comm, ncclInvalidUsage, unpaired(ops, size_requests, size_op));
+  if (!wait_until(size_requests, deadline)) {
+    const std::string why = unpaired(ops, size_requests, size_op);
+    notify_peers(ops.front().comm, why);
+    return nccl_fail(ops.front().comm, ncclInvalidUsage, why);
+  }
   // Receives whose sizes agree take the data; the others drain it into scratch and fail.
   std::vector<std::vector<std::byte>> scratch;
   for (std::size_t i = 0; i < ops.size(); ++i) {
@@ -259,8 +280,12 @@ ncclResult_t run_point_to_point(std::vector<PointToPoint>& ops) {
     data_requests.push_back(r);
     data_op.push_back(i);
   }
-  if (!wait_until(data_requests, deadline))
-    return nccl_fail(ops.front().comm, ncclInvalidUsage, unpaired(ops, data_requests, data_op));
+  if (!wait_until(data_requests, deadline)) {
+    const std::string why = unpaired(ops, data_requests, data_op);
+    notify_peers(ops.front().comm, why);
+    return nccl_fail(ops.front().comm, ncclInvalidUsage, why);
+  }
+  if (rc != ncclSuccess) notify_peers(ops.front().comm, ops.front().comm->last_error);
   return rc;
 }
 
@@ -383,6 +408,20 @@ ncclResult_t ncclCommAbort(ncclComm_t comm) {
 ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* async_error) {
   if (comm == nullptr || async_error == nullptr)
     return d::nccl_fail(comm, ncclInvalidArgument, "ncclCommGetAsyncError: null argument");
+  if (comm->async_error == ncclSuccess) {
+    int arrived = 0;
+    MPI_Status status;
+    MPI_Iprobe(MPI_ANY_SOURCE, d::kTagNotice, comm->mpi, &arrived, &status);
+    if (arrived != 0) {
+      int length = 0;
+      MPI_Get_count(&status, MPI_CHAR, &length);
+      std::string notice(static_cast<std::size_t>(length), '\0');
+      MPI_Recv(notice.data(), length, MPI_CHAR, status.MPI_SOURCE, d::kTagNotice, comm->mpi,
+               MPI_STATUS_IGNORE);
+      comm->async_error = ncclRemoteError;
+      comm->last_error = notice;
+    }
+  }
   *async_error = comm->async_error;
   return ncclSuccess;
 }

@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <numeric>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -100,6 +101,42 @@ TEST(NcclCommunicator, WorksFromAnotherThread) {
   EXPECT_EQ(error, "");
   ASSERT_TRUE(test::mpi_world().all_agree(error.empty()));
   EXPECT_EQ(device.download(d_recv), want);
+}
+
+// Rank 0 sends rank 1 more than rank 1 expects: rank 1's exchange fails, rank 0's completes. NCCL reports
+// rank 1's failure to rank 0 only asynchronously, so rank 0's next call must poll for it and throw rather
+// than wait forever in a collective rank 1 never joins.
+TEST(NcclCommunicator, APeersFailureStopsTheNextCall) {
+  REQUIRE_GPU_PER_RANK();
+  const int n = test::mpi_world().size();
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  NcclCommunicator comm(test::mpi_world());
+  test::CudaTestDevice device;
+  const int me = comm.rank();
+  std::vector<std::int64_t> send_counts(static_cast<std::size_t>(n), 0);
+  std::vector<std::int64_t> recv_counts(static_cast<std::size_t>(n), 0);
+  if (me == 0) send_counts[1] = 2;
+  if (me == 1) recv_counts[0] = 1;
+  const std::span<std::byte> d_send = device.upload(std::vector<std::byte>(2));
+  const std::span<std::byte> d_recv = device.upload(std::vector<std::byte>(2));
+  const auto total = [](const std::vector<std::int64_t>& counts) {
+    return static_cast<std::size_t>(std::accumulate(counts.begin(), counts.end(), std::int64_t{0}));
+  };
+  bool threw = false;
+  try {
+    comm.alltoallv(d_send.first(total(send_counts)), send_counts, d_recv.first(total(recv_counts)),
+                   recv_counts, device.stream());
+  } catch (const std::runtime_error&) {
+    threw = true;
+  }
+  EXPECT_EQ(threw, me == 1);
+  EXPECT_FALSE(test::mpi_world().all_agree(!threw));  // every rank knows; now rank 0 calls again
+  if (me == 0) {
+    std::vector<std::int64_t> values{1};
+    const std::span<std::byte> d_values = device.upload(std::as_bytes(std::span(values)));
+    EXPECT_THROW(comm.allreduce_sum({reinterpret_cast<std::int64_t*>(d_values.data()), 1}, device.stream()),
+                 std::runtime_error);
+  }
 }
 
 TEST(NcclCommunicator, RefusesTwoRanksOnOneGpuNamingTheFix) {
