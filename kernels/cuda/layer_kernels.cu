@@ -172,13 +172,21 @@ __device__ std::int64_t key_id(std::uint64_t key) {
 
 constexpr int kSampleThreads = 512;
 
+// A token's sampling weight (in (0, 1]: its exp relative to the best token's) as a fixed-point integer: 2^31
+// units for weight 1, so the sum over a vocabulary of up to 2^32 tokens fits 63 bits. Weights below 2^-31
+// count as nothing in the nucleus's mass.
+__device__ unsigned long long mass_units(float weight) {
+  return static_cast<unsigned long long>(weight * 0x1.0p31F);
+}
+
 __global__ void __launch_bounds__(kSampleThreads)
     sample_kernel(const float* logits, std::int64_t vocab, const SampleControls* controls,
                   std::int32_t* tokens) {
   __shared__ float fscratch[kSampleThreads / kWarp];
   __shared__ std::uint64_t kscratch[kSampleThreads / kWarp];
   __shared__ unsigned long long hist[moe::kRadixBuckets];
-  __shared__ float mass[moe::kRadixBuckets];
+  __shared__ unsigned long long mass[moe::kRadixBuckets];
+  __shared__ unsigned long long total_mass;
   __shared__ moe::SelectState state;
   __shared__ float partial[kSampleThreads];
   __shared__ std::int64_t chosen;
@@ -220,30 +228,36 @@ __global__ void __launch_bounds__(kSampleThreads)
     threshold = state.threshold > threshold ? state.threshold : threshold;
   }
 
-  // Top-p: the smallest set of the best keys whose mass reaches top_p, by radix descent on the mass.
+  // Top-p: the smallest set of the best keys whose mass reaches top_p, by radix descent on the mass. Masses
+  // are fixed-point integers (mass_units), so their atomic sums do not depend on the order threads add them:
+  // the same seed draws the same token on every run.
   if (c.top_p < 1.0F) {
-    float z = 0.0F;
+    if (threadIdx.x == 0) total_mass = 0;
+    __syncthreads();
+    unsigned long long z = 0;
     for (std::int64_t i = threadIdx.x; i < vocab; i += blockDim.x) {
-      if (logit_key(lr[i], i) >= threshold) z += expf(lr[i] * inv_t - top);
+      if (logit_key(lr[i], i) >= threshold) z += mass_units(expf(lr[i] * inv_t - top));
     }
-    z = block_sum(z, fscratch);
+    atomicAdd(&total_mass, z);
+    __syncthreads();
     std::uint64_t prefix = 0;
-    float need = c.top_p * z;
+    auto need =
+        static_cast<unsigned long long>(static_cast<double>(c.top_p) * static_cast<double>(total_mass));
     for (int shift = 64 - moe::kRadixBits; shift >= 0; shift -= moe::kRadixBits) {
-      for (int b = threadIdx.x; b < moe::kRadixBuckets; b += blockDim.x) mass[b] = 0.0F;
+      for (int b = threadIdx.x; b < moe::kRadixBuckets; b += blockDim.x) mass[b] = 0;
       __syncthreads();
       for (std::int64_t i = threadIdx.x; i < vocab; i += blockDim.x) {
         const std::uint64_t k = logit_key(lr[i], i);
         if (k >= threshold && (k & moe::radix_high_mask(shift)) == prefix)
-          atomicAdd(&mass[moe::radix_digit(k, shift)], expf(lr[i] * inv_t - top));
+          atomicAdd(&mass[moe::radix_digit(k, shift)], mass_units(expf(lr[i] * inv_t - top)));
       }
       __syncthreads();
       // Every thread scans the same shared histogram, so all reach the same digit.
-      float above = 0.0F;
+      unsigned long long above = 0;
       int digit = -1;
       for (int b = moe::kRadixBuckets - 1; b >= 0; --b) {
-        if (mass[b] <= 0.0F) continue;
-        digit = b;  // the lowest non-empty bucket, should rounding leave `need` unreached
+        if (mass[b] == 0) continue;
+        digit = b;  // the lowest non-empty bucket, should `need` be out of reach
         if (above + mass[b] < need) {
           above += mass[b];
           continue;

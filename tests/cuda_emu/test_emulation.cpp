@@ -4,8 +4,12 @@
 #include <cublas_v2.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <bit>
+#include <cmath>
 #include <cstdint>
 #include <numeric>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -13,6 +17,7 @@
 #include "cuda_emu.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/launch.h"
+#include "kernels/cuda/layer_kernels.h"
 
 namespace capserve {
 namespace {
@@ -273,6 +278,63 @@ TEST(CudaEmulation, AStreamIsUsableOnlyWhileItsDeviceIsCurrent) {
   launch(fill_kernel, 1, 32, 0, stream, d.data(), 1);
   CAPSERVE_CUDA_CHECK_LAUNCH();
   CAPSERVE_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+// Top-p sampling draws the same tokens whatever order the block's threads run in: its mass sums must not
+// depend on the order of atomic additions. The nucleus sizes sit within a few ulps of where the mass of the
+// first radix round's buckets adds up to top_p, where a sum in another order lands on the other side.
+TEST(CudaEmulation, TopPSamplingIsTheSameUnderEveryShuffledSchedule) {
+  const std::int64_t vocab = 4096;
+  std::mt19937_64 rng(97);
+  std::normal_distribution<float> normal(0.0F, 2.0F);
+  std::vector<float> logits(static_cast<std::size_t>(vocab));
+  for (float& l : logits) l = normal(rng);
+  const float top = *std::max_element(logits.begin(), logits.end());
+  // The mass of each first-round bucket (the key's top byte: sign and high exponent bits of the logit).
+  std::vector<double> bucket(256, 0.0);
+  double z = 0.0;
+  for (const float l : logits) {
+    const auto u = std::bit_cast<std::uint32_t>(l);
+    const std::uint32_t ordered = (u & 0x80000000U) != 0 ? ~u : (u | 0x80000000U);
+    const double w = std::exp(static_cast<double>(l - top));
+    bucket[ordered >> 24] += w;
+    z += w;
+  }
+  std::vector<float> top_ps;
+  double cumulative = 0.0;
+  for (int b = 255; b >= 0; --b) {
+    if (bucket[static_cast<std::size_t>(b)] == 0.0) continue;
+    cumulative += bucket[static_cast<std::size_t>(b)];
+    if (cumulative >= z) break;
+    float p = static_cast<float>(cumulative / z);
+    for (int i = 0; i < 6; ++i) p = std::nextafter(p, 0.0F);
+    for (int i = 0; i < 13; ++i, p = std::nextafter(p, 1.0F)) top_ps.push_back(p);
+  }
+  ASSERT_GE(top_ps.size(), 13U * 3);
+  const auto rows = static_cast<std::int64_t>(top_ps.size()) * 2;
+  std::vector<float> all;
+  std::vector<kernels::cuda::SampleControls> controls;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    all.insert(all.end(), logits.begin(), logits.end());
+    controls.push_back(
+        {1.0F, 0, top_ps[static_cast<std::size_t>(r / 2)], 11, static_cast<std::uint64_t>(r % 2)});
+  }
+  const auto d_logits = upload(all);
+  const auto d_controls = upload(controls);
+  const auto draw = [&] {
+    DeviceBuffer<std::int32_t> tokens(static_cast<std::size_t>(rows));
+    kernels::cuda::sample(d_logits.data(), rows, vocab, d_controls.data(), tokens.data(), nullptr);
+    return download(tokens);
+  };
+  const std::vector<std::int32_t> in_order = draw();
+  for (std::uint64_t seed = 1; seed <= 3; ++seed) {
+    const cuda_emu::ScopedSchedule shuffled(cuda_emu::Schedule::shuffled, seed);
+    const std::vector<std::int32_t> tokens = draw();
+    std::int64_t differ = 0;
+    for (std::int64_t r = 0; r < rows; ++r)
+      differ += tokens[static_cast<std::size_t>(r)] != in_order[static_cast<std::size_t>(r)] ? 1 : 0;
+    EXPECT_EQ(differ, 0) << "of " << rows << " rows differ under schedule seed " << seed;
+  }
 }
 
 class CublasEmulation : public ::testing::Test {
