@@ -129,7 +129,10 @@ TEST(NcclCommunicator, APeersFailureStopsTheNextCall) {
   } catch (const std::runtime_error&) {
     threw = true;
   }
-  EXPECT_EQ(threw, me == 1);
+  // Ranks 2 and up have nothing to exchange: they throw only if rank 1's failure reached them first.
+  if (me < 2) {
+    EXPECT_EQ(threw, me == 1);
+  }
   EXPECT_FALSE(test::mpi_world().all_agree(!threw));  // every rank knows; now rank 0 calls again
   if (me == 0) {
     std::vector<std::int64_t> values{1};
