@@ -11,12 +11,12 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <mutex>
-#include <set>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "emu_state.h"
+#include "handle_registry.h"
 
 namespace capserve::cuda_emu::detail {
 namespace {
@@ -25,15 +25,6 @@ struct EmuBlas {
   cudaStream_t stream = nullptr;
   int device = 0;
 };
-
-struct BlasHandles {
-  std::mutex mutex;
-  std::set<const void*> live;
-};
-BlasHandles& blas_handles() {
-  static BlasHandles* h = new BlasHandles;
-  return *h;
-}
 
 thread_local cublasStatus_t detailed_status = CUBLAS_STATUS_SUCCESS;
 thread_local std::string status_detail;
@@ -46,9 +37,7 @@ cublasStatus_t blas_fail(cublasStatus_t status, std::string detail) {
 }
 
 EmuBlas* find_handle(cublasHandle_t h) {
-  BlasHandles& r = blas_handles();
-  const std::lock_guard lock(r.mutex);
-  return r.live.contains(h) ? reinterpret_cast<EmuBlas*>(h) : nullptr;
+  return handles<EmuBlas>().find(h);
 }
 
 bool valid_op(cublasOperation_t op) {
@@ -179,20 +168,14 @@ const char* cublasGetStatusString(cublasStatus_t status) {
 cublasStatus_t cublasCreate_v2(cublasHandle_t* handle) {
   if (handle == nullptr)
     return d::blas_fail(CUBLAS_STATUS_INVALID_VALUE, "cublasCreate: null pointer to the result");
-  auto* h = new d::EmuBlas{nullptr, d::current_device()};
-  d::BlasHandles& r = d::blas_handles();
-  const std::lock_guard lock(r.mutex);
-  r.live.insert(h);
-  *handle = reinterpret_cast<cublasHandle_t>(h);
+  *handle = reinterpret_cast<cublasHandle_t>(
+      d::handles<d::EmuBlas>().add(std::make_unique<d::EmuBlas>(d::EmuBlas{nullptr, d::current_device()})));
   return CUBLAS_STATUS_SUCCESS;
 }
 
 cublasStatus_t cublasDestroy_v2(cublasHandle_t handle) {
-  d::BlasHandles& r = d::blas_handles();
-  const std::lock_guard lock(r.mutex);
-  if (r.live.erase(handle) == 0)
+  if (!d::handles<d::EmuBlas>().remove(handle))
     return d::blas_fail(CUBLAS_STATUS_NOT_INITIALIZED, "cublasDestroy: not a live handle");
-  delete reinterpret_cast<d::EmuBlas*>(handle);
   return CUBLAS_STATUS_SUCCESS;
 }
 

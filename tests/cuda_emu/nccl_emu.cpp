@@ -24,12 +24,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <memory>
 #include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "emu_state.h"
+#include "handle_registry.h"
 
 namespace cd = capserve::cuda_emu::detail;
 
@@ -85,7 +87,7 @@ void notify_peers(ncclComm* comm, const std::string& what) {
 
 ncclResult_t nccl_fail(ncclComm* comm, ncclResult_t rc, std::string what) {
   global_last_error = what;
-  if (comm != nullptr) {
+  if (handles<ncclComm>().find(comm) != nullptr) {
     comm->last_error = std::move(what);
     comm->async_error = rc;
   }
@@ -155,8 +157,8 @@ MPI_Op mpi_op(ncclRedOp_t op) {
 // The communicator is usable from this thread on `stream`, with `bytes` of device memory at each buffer.
 ncclResult_t check_call(ncclComm* comm, const char* call, cudaStream_t stream,
                         std::initializer_list<std::pair<const void*, std::size_t>> buffers) {
-  if (comm == nullptr || comm->mpi == MPI_COMM_NULL)
-    return nccl_fail(comm, ncclInvalidArgument, std::string(call) + ": not an initialised communicator");
+  if (handles<ncclComm>().find(comm) == nullptr)
+    return nccl_fail(nullptr, ncclInvalidArgument, std::string(call) + ": not a live communicator");
   if (comm->async_error != ncclSuccess)
     return nccl_fail(comm, comm->async_error,
                      std::string(call) + ": the communicator failed before (" + comm->last_error + ")");
@@ -338,7 +340,8 @@ const char* ncclGetErrorString(ncclResult_t result) {
 }
 
 const char* ncclGetLastError(ncclComm_t comm) {
-  return comm != nullptr ? comm->last_error.c_str() : d::global_last_error.c_str();
+  return d::handles<ncclComm>().find(comm) != nullptr ? comm->last_error.c_str()
+                                                      : d::global_last_error.c_str();
 }
 
 ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
@@ -388,26 +391,29 @@ ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int
     return d::nccl_fail(nullptr, ncclInvalidArgument, error);
   }
   MPI_Comm_set_errhandler(mpi, MPI_ERRORS_ARE_FATAL);
-  *comm = new ncclComm{mpi, rank, size, cd::current_device(), 0, ncclSuccess, {}};
+  *comm = d::handles<ncclComm>().add(
+      std::make_unique<ncclComm>(ncclComm{mpi, rank, size, cd::current_device(), 0, ncclSuccess, {}}));
   return ncclSuccess;
 }
 
 ncclResult_t ncclCommDestroy(ncclComm_t comm) {
-  if (comm == nullptr) return d::nccl_fail(nullptr, ncclInvalidArgument, "ncclCommDestroy: null comm");
+  if (d::handles<ncclComm>().find(comm) == nullptr)
+    return d::nccl_fail(nullptr, ncclInvalidArgument, "ncclCommDestroy: not a live communicator");
   MPI_Comm_free(&comm->mpi);
-  delete comm;
+  d::handles<ncclComm>().remove(comm);
   return ncclSuccess;
 }
 
 // Abort may run while peers wait elsewhere: nothing collective, the MPI communicator is left as it is.
 ncclResult_t ncclCommAbort(ncclComm_t comm) {
-  delete comm;
+  if (!d::handles<ncclComm>().remove(comm))
+    return d::nccl_fail(nullptr, ncclInvalidArgument, "ncclCommAbort: not a live communicator");
   return ncclSuccess;
 }
 
 ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* async_error) {
-  if (comm == nullptr || async_error == nullptr)
-    return d::nccl_fail(comm, ncclInvalidArgument, "ncclCommGetAsyncError: null argument");
+  if (d::handles<ncclComm>().find(comm) == nullptr || async_error == nullptr)
+    return d::nccl_fail(nullptr, ncclInvalidArgument, "ncclCommGetAsyncError: not a live communicator");
   if (comm->async_error == ncclSuccess) {
     int arrived = 0;
     MPI_Status status;
@@ -427,19 +433,19 @@ ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* async_error) {
 }
 
 ncclResult_t ncclCommCount(const ncclComm_t comm, int* count) {
-  if (comm == nullptr || count == nullptr) return ncclInvalidArgument;
+  if (d::handles<ncclComm>().find(comm) == nullptr || count == nullptr) return ncclInvalidArgument;
   *count = comm->size;
   return ncclSuccess;
 }
 
 ncclResult_t ncclCommUserRank(const ncclComm_t comm, int* rank) {
-  if (comm == nullptr || rank == nullptr) return ncclInvalidArgument;
+  if (d::handles<ncclComm>().find(comm) == nullptr || rank == nullptr) return ncclInvalidArgument;
   *rank = comm->rank;
   return ncclSuccess;
 }
 
 ncclResult_t ncclCommCuDevice(const ncclComm_t comm, int* device) {
-  if (comm == nullptr || device == nullptr) return ncclInvalidArgument;
+  if (d::handles<ncclComm>().find(comm) == nullptr || device == nullptr) return ncclInvalidArgument;
   *device = comm->device;
   return ncclSuccess;
 }
@@ -497,7 +503,8 @@ ncclResult_t ncclAllGather(const void* sendbuff, void* recvbuff, size_t sendcoun
   const std::size_t bytes = sendcount * d::type_bytes(datatype);
   if (d::type_bytes(datatype) == 0)
     return d::nccl_fail(comm, ncclInvalidArgument, "ncclAllGather: unknown datatype");
-  if (comm == nullptr) return d::nccl_fail(nullptr, ncclInvalidArgument, "ncclAllGather: null comm");
+  if (d::handles<ncclComm>().find(comm) == nullptr)
+    return d::nccl_fail(nullptr, ncclInvalidArgument, "ncclAllGather: not a live communicator");
   if (const ncclResult_t rc =
           d::check_call(comm, "ncclAllGather", stream,
                         {{sendbuff, bytes}, {recvbuff, bytes * static_cast<std::size_t>(comm->size)}});

@@ -7,11 +7,12 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <mutex>
-#include <set>
 #include <string>
 
 #include "emu_state.h"
+#include "handle_registry.h"
 
 namespace capserve::cuda_emu::detail {
 namespace {
@@ -38,15 +39,14 @@ struct EmuEvent {
   std::chrono::steady_clock::time_point at;
 };
 
-struct Handles {
+// cudaFuncAttributeMaxDynamicSharedMemorySize per kernel.
+struct SharedLimits {
   std::mutex mutex;
-  std::set<const void*> streams;
-  std::set<const void*> events;
-  std::map<const void*, int> shared_limit;  // cudaFuncAttributeMaxDynamicSharedMemorySize
+  std::map<const void*, int> bytes;
 };
-Handles& handles() {
-  static Handles* h = new Handles;  // never destroyed: handles may be released by static destructors
-  return *h;
+SharedLimits& shared_limits() {
+  static auto* const limits = new SharedLimits;  // never destroyed, like the handles
+  return *limits;
 }
 
 constexpr int kDefaultDynamicShared = 48 * 1024;
@@ -57,15 +57,11 @@ bool special_stream(cudaStream_t s) {
 }
 
 EmuStream* find_stream(cudaStream_t s) {
-  Handles& h = handles();
-  const std::lock_guard lock(h.mutex);
-  return h.streams.contains(s) ? reinterpret_cast<EmuStream*>(s) : nullptr;
+  return handles<EmuStream>().find(s);
 }
 
 EmuEvent* find_event(cudaEvent_t e) {
-  Handles& h = handles();
-  const std::lock_guard lock(h.mutex);
-  return h.events.contains(e) ? reinterpret_cast<EmuEvent*>(e) : nullptr;
+  return handles<EmuEvent>().find(e);
 }
 
 cudaError_t check_stream(cudaStream_t s) {
@@ -215,10 +211,10 @@ std::string check_launch_stream(cudaStream_t stream) {
 }
 
 int max_dynamic_shared(const void* kernel) {
-  Handles& h = handles();
-  const std::lock_guard lock(h.mutex);
-  const auto it = h.shared_limit.find(kernel);
-  return it == h.shared_limit.end() ? kDefaultDynamicShared : it->second;
+  SharedLimits& limits = shared_limits();
+  const std::lock_guard lock(limits.mutex);
+  const auto it = limits.bytes.find(kernel);
+  return it == limits.bytes.end() ? kDefaultDynamicShared : it->second;
 }
 
 }  // namespace capserve::cuda_emu::detail
@@ -330,9 +326,9 @@ cudaError_t cudaFuncSetAttribute(const void* func, cudaFuncAttribute attr, int v
     return d::fail(cudaErrorInvalidValue, "cudaFuncSetAttribute: " + std::to_string(value) +
                                               " bytes of dynamic shared memory, above the device's " +
                                               std::to_string(d::kOptInDynamicShared));
-  d::Handles& h = d::handles();
-  const std::lock_guard lock(h.mutex);
-  h.shared_limit[func] = std::max(value, d::kDefaultDynamicShared);
+  d::SharedLimits& limits = d::shared_limits();
+  const std::lock_guard lock(limits.mutex);
+  limits.bytes[func] = std::max(value, d::kDefaultDynamicShared);
   return cudaSuccess;
 }
 
@@ -397,20 +393,14 @@ cudaError_t cudaStreamCreate(cudaStream_t* stream) {
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int) {
   if (stream == nullptr)
     return d::fail(cudaErrorInvalidValue, "cudaStreamCreate: null pointer to the result");
-  auto* s = new d::EmuStream{d::device};
-  d::Handles& h = d::handles();
-  const std::lock_guard lock(h.mutex);
-  h.streams.insert(s);
-  *stream = reinterpret_cast<cudaStream_t>(s);
+  *stream = reinterpret_cast<cudaStream_t>(
+      d::handles<d::EmuStream>().add(std::make_unique<d::EmuStream>(d::EmuStream{d::device})));
   return cudaSuccess;
 }
 
 cudaError_t cudaStreamDestroy(cudaStream_t stream) {
-  d::Handles& h = d::handles();
-  const std::lock_guard lock(h.mutex);
-  if (h.streams.erase(stream) == 0)
+  if (!d::handles<d::EmuStream>().remove(stream))
     return d::fail(cudaErrorInvalidResourceHandle, "cudaStreamDestroy: not a live stream");
-  delete reinterpret_cast<d::EmuStream*>(stream);
   return cudaSuccess;
 }
 
@@ -438,20 +428,14 @@ cudaError_t cudaEventCreate(cudaEvent_t* event) {
 
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned int flags) {
   if (event == nullptr) return d::fail(cudaErrorInvalidValue, "cudaEventCreate: null pointer to the result");
-  auto* e = new d::EmuEvent{d::device, (flags & cudaEventDisableTiming) == 0, false, {}};
-  d::Handles& h = d::handles();
-  const std::lock_guard lock(h.mutex);
-  h.events.insert(e);
-  *event = reinterpret_cast<cudaEvent_t>(e);
+  *event = reinterpret_cast<cudaEvent_t>(d::handles<d::EmuEvent>().add(std::make_unique<d::EmuEvent>(
+      d::EmuEvent{d::device, (flags & cudaEventDisableTiming) == 0, false, {}})));
   return cudaSuccess;
 }
 
 cudaError_t cudaEventDestroy(cudaEvent_t event) {
-  d::Handles& h = d::handles();
-  const std::lock_guard lock(h.mutex);
-  if (h.events.erase(event) == 0)
+  if (!d::handles<d::EmuEvent>().remove(event))
     return d::fail(cudaErrorInvalidResourceHandle, "cudaEventDestroy: not a live event");
-  delete reinterpret_cast<d::EmuEvent*>(event);
   return cudaSuccess;
 }
 
