@@ -148,9 +148,19 @@ void NcclCommunicator::check(int result, const char* what) {
   throw std::runtime_error(nccl_error(rc, comm_, what));
 }
 
+void NcclCommunicator::begin_call() {
+  CAPSERVE_CUDA_CHECK(cudaSetDevice(device_));
+  // Errors of earlier work (a peer that failed, a network error) show only here; going on would wait forever
+  // for the failed rank.
+  ncclResult_t async = ncclSuccess;
+  check(ncclCommGetAsyncError(comm_, &async), "ncclCommGetAsyncError");
+  if (async != ncclSuccess && async != ncclInProgress) check(async, "earlier work (ncclCommGetAsyncError)");
+}
+
 void NcclCommunicator::exchange(std::span<const std::byte> send, const BlockLayout& send_layout,
                                 std::span<std::byte> recv, const BlockLayout& recv_layout,
                                 DeviceStream stream) {
+  begin_call();
   if (send_layout.count(rank_) > 0) {
     const std::span<const std::byte> from = send_layout.block(send, rank_);
     CAPSERVE_CUDA_CHECK(cudaMemcpyAsync(recv_layout.block(recv, rank_).data(), from.data(), from.size(),
@@ -200,12 +210,14 @@ void NcclCommunicator::alltoallv(std::span<const std::byte> send, std::span<cons
 // together.
 void NcclCommunicator::allreduce_sum(std::span<std::int64_t> values, DeviceStream stream) {
   if (values.empty()) return;
+  begin_call();
   check(ncclAllReduce(values.data(), values.data(), values.size(), ncclInt64, ncclSum, comm_, stream),
         "ncclAllReduce (sum)");
 }
 
 void NcclCommunicator::allreduce_max(std::span<double> values, DeviceStream stream) {
   if (values.empty()) return;
+  begin_call();
   check(ncclAllReduce(values.data(), values.data(), values.size(), ncclFloat64, ncclMax, comm_, stream),
         "ncclAllReduce (max)");
 }
@@ -215,6 +227,7 @@ void NcclCommunicator::allgather(std::span<const std::int64_t> mine, std::span<s
   check_entries(all.size(), mine.size() * static_cast<std::size_t>(size_), "NcclCommunicator::allgather",
                 "all");
   if (mine.empty()) return;
+  begin_call();
   check(ncclAllGather(mine.data(), all.data(), mine.size(), ncclInt64, comm_, stream), "ncclAllGather");
 }
 

@@ -6,7 +6,8 @@
 //
 // NCCL (<= 2.29) refuses two ranks on one GPU. The constructor checks this first (by GPU UUID, across nodes)
 // and fails on every rank with a message naming the fix: HostStagedCommunicator for several ranks per GPU.
-// Streams passed to the calls must belong to this communicator's device.
+// Streams passed to the calls must belong to this communicator's device; any thread may call (each call makes
+// that device current on the calling thread).
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -34,7 +35,8 @@ class NcclCommunicator final : public DeviceCommunicator {
   [[nodiscard]] int device() const { return device_; }
 
   // Argument errors throw std::invalid_argument or std::length_error before anything is enqueued; NCCL and
-  // CUDA errors throw std::runtime_error naming the call, with NCCL's last error message.
+  // CUDA errors throw std::runtime_error naming the call, with NCCL's last error message, as does an
+  // asynchronous error of earlier work (polled at the start of every call).
   void alltoall_counts(std::span<const std::int64_t> send, std::span<std::int64_t> recv,
                        DeviceStream stream) override;
   void alltoallv(std::span<const std::byte> send, std::span<const std::int64_t> send_counts,
@@ -49,6 +51,9 @@ class NcclCommunicator final : public DeviceCommunicator {
   // One grouped exchange of the blocks of two checked layouts.
   void exchange(std::span<const std::byte> send, const BlockLayout& send_layout, std::span<std::byte> recv,
                 const BlockLayout& recv_layout, DeviceStream stream);
+  // First in every call, from whatever thread: makes this communicator's device current, and throws on an
+  // asynchronous error of earlier work (ncclCommGetAsyncError: e.g. a peer failed).
+  void begin_call();
   // Throws on an NCCL error (result is an ncclResult_t) and marks the communicator for ncclCommAbort.
   void check(int result, const char* what);
 

@@ -2,6 +2,7 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/expert_ffn.h"
+#include "kernels/cuda/launch.h"
 
 namespace capserve::kernels::cuda {
 namespace {
@@ -47,7 +48,7 @@ std::int64_t ExpertFfn::workspace_bytes(std::int64_t rows, std::int64_t ffn) {
 void silu_mul(const float* gate, const float* up, std::int64_t n, __nv_bfloat16* a, cudaStream_t stream) {
   if (n <= 0) return;
   const std::int64_t blocks = (n + 255) / 256 < 65535 ? (n + 255) / 256 : 65535;
-  silu_mul_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(gate, up, n, a);
+  launch(silu_mul_kernel, static_cast<unsigned>(blocks), 256, 0, stream, gate, up, n, a);
   CAPSERVE_CUDA_CHECK_LAUNCH();
 }
 

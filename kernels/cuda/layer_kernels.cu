@@ -2,6 +2,7 @@
 #include <stdexcept>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/launch.h"
 #include "kernels/cuda/layer_kernels.h"
 #include "kernels/cuda/moe_index_logic.h"
 
@@ -155,10 +156,13 @@ __global__ void __launch_bounds__(kAttnThreads)
 }
 
 // Sampling order: larger logit first, ties to the lower id, as one 64-bit key (float bits made
-// order-preserving above, the complemented id below).
+// order-preserving above, the complemented id below). NaN orders below every number, -inf included: its keys
+// lie below kNumberKeys, so a NaN logit never wins and is never drawn.
+constexpr std::uint64_t kNumberKeys = moe::kLow32 + 1;
+
 __device__ std::uint64_t logit_key(float logit, std::int64_t id) {
   const std::uint32_t u = moe::float_bits(logit);
-  const std::uint32_t ordered = (u & 0x80000000U) != 0 ? ~u : (u | 0x80000000U);
+  const std::uint32_t ordered = logit != logit ? 0U : (u & 0x80000000U) != 0 ? ~u : (u | 0x80000000U);
   return (static_cast<std::uint64_t>(ordered) << 32) | (moe::kLow32 - static_cast<std::uint64_t>(id));
 }
 
@@ -168,13 +172,21 @@ __device__ std::int64_t key_id(std::uint64_t key) {
 
 constexpr int kSampleThreads = 512;
 
+// A token's sampling weight (in (0, 1]: its exp relative to the best token's) as a fixed-point integer: 2^31
+// units for weight 1, so the sum over a vocabulary of up to 2^32 tokens fits 63 bits. Weights below 2^-31
+// count as nothing in the nucleus's mass.
+__device__ unsigned long long mass_units(float weight) {
+  return static_cast<unsigned long long>(weight * 0x1.0p31F);
+}
+
 __global__ void __launch_bounds__(kSampleThreads)
     sample_kernel(const float* logits, std::int64_t vocab, const SampleControls* controls,
                   std::int32_t* tokens) {
   __shared__ float fscratch[kSampleThreads / kWarp];
   __shared__ std::uint64_t kscratch[kSampleThreads / kWarp];
   __shared__ unsigned long long hist[moe::kRadixBuckets];
-  __shared__ float mass[moe::kRadixBuckets];
+  __shared__ unsigned long long mass[moe::kRadixBuckets];
+  __shared__ unsigned long long total_mass;
   __shared__ moe::SelectState state;
   __shared__ float partial[kSampleThreads];
   __shared__ std::int64_t chosen;
@@ -195,7 +207,7 @@ __global__ void __launch_bounds__(kSampleThreads)
   const float top = lr[key_id(best)] * inv_t;
 
   // Top-k: the k largest keys, by radix select.
-  std::uint64_t threshold = 0;
+  std::uint64_t threshold = kNumberKeys;
   if (c.top_k > 0 && c.top_k < vocab) {
     if (threadIdx.x == 0) state = moe::begin_select(vocab, c.top_k);
     for (int shift = 64 - moe::kRadixBits; shift >= 0; shift -= moe::kRadixBits) {
@@ -213,33 +225,39 @@ __global__ void __launch_bounds__(kSampleThreads)
       if (threadIdx.x == 0) moe::radix_resolve(state, reinterpret_cast<const std::int64_t*>(hist), shift);
       __syncthreads();
     }
-    threshold = state.threshold;
+    threshold = state.threshold > threshold ? state.threshold : threshold;
   }
 
-  // Top-p: the smallest set of the best keys whose mass reaches top_p, by radix descent on the mass.
+  // Top-p: the smallest set of the best keys whose mass reaches top_p, by radix descent on the mass. Masses
+  // are fixed-point integers (mass_units), so their atomic sums do not depend on the order threads add them:
+  // the same seed draws the same token on every run.
   if (c.top_p < 1.0F) {
-    float z = 0.0F;
+    if (threadIdx.x == 0) total_mass = 0;
+    __syncthreads();
+    unsigned long long z = 0;
     for (std::int64_t i = threadIdx.x; i < vocab; i += blockDim.x) {
-      if (logit_key(lr[i], i) >= threshold) z += expf(lr[i] * inv_t - top);
+      if (logit_key(lr[i], i) >= threshold) z += mass_units(expf(lr[i] * inv_t - top));
     }
-    z = block_sum(z, fscratch);
+    atomicAdd(&total_mass, z);
+    __syncthreads();
     std::uint64_t prefix = 0;
-    float need = c.top_p * z;
+    auto need =
+        static_cast<unsigned long long>(static_cast<double>(c.top_p) * static_cast<double>(total_mass));
     for (int shift = 64 - moe::kRadixBits; shift >= 0; shift -= moe::kRadixBits) {
-      for (int b = threadIdx.x; b < moe::kRadixBuckets; b += blockDim.x) mass[b] = 0.0F;
+      for (int b = threadIdx.x; b < moe::kRadixBuckets; b += blockDim.x) mass[b] = 0;
       __syncthreads();
       for (std::int64_t i = threadIdx.x; i < vocab; i += blockDim.x) {
         const std::uint64_t k = logit_key(lr[i], i);
         if (k >= threshold && (k & moe::radix_high_mask(shift)) == prefix)
-          atomicAdd(&mass[moe::radix_digit(k, shift)], expf(lr[i] * inv_t - top));
+          atomicAdd(&mass[moe::radix_digit(k, shift)], mass_units(expf(lr[i] * inv_t - top)));
       }
       __syncthreads();
       // Every thread scans the same shared histogram, so all reach the same digit.
-      float above = 0.0F;
+      unsigned long long above = 0;
       int digit = -1;
       for (int b = moe::kRadixBuckets - 1; b >= 0; --b) {
-        if (mass[b] <= 0.0F) continue;
-        digit = b;  // the lowest non-empty bucket, should rounding leave `need` unreached
+        if (mass[b] == 0) continue;
+        digit = b;  // the lowest non-empty bucket, should `need` be out of reach
         if (above + mass[b] < need) {
           above += mass[b];
           continue;
@@ -264,7 +282,8 @@ __global__ void __launch_bounds__(kSampleThreads)
     if (logit_key(lr[i], i) >= threshold) mine += expf(lr[i] * inv_t - top);
   }
   partial[threadIdx.x] = mine;
-  if (threadIdx.x == 0) chosen = key_id(threshold == 0 ? best : threshold);  // a kept token, for rounding
+  // A kept token, should rounding leave u unreached (the best one when no cut was made).
+  if (threadIdx.x == 0) chosen = key_id(threshold > kNumberKeys ? threshold : best);
   __syncthreads();
   if (threadIdx.x == 0) {
     float run = 0.0F;
@@ -298,14 +317,14 @@ __global__ void __launch_bounds__(kSampleThreads)
 void rms_norm(const float* x, std::int64_t rows, std::int64_t cols, const __nv_bfloat16* weight, float eps,
               float* out, cudaStream_t stream) {
   if (rows <= 0) return;
-  rms_norm_kernel<<<static_cast<unsigned>(rows), 256, 0, stream>>>(x, cols, weight, eps, out);
+  launch(rms_norm_kernel, static_cast<unsigned>(rows), 256, 0, stream, x, cols, weight, eps, out);
   CAPSERVE_CUDA_CHECK_LAUNCH();
 }
 
 void rope(float* x, std::int64_t tokens, const RotaryLayout& layout, const float* cos, const float* sin,
           cudaStream_t stream) {
   if (tokens <= 0) return;
-  rope_kernel<<<static_cast<unsigned>(tokens), 256, 0, stream>>>(x, layout, cos, sin);
+  launch(rope_kernel, static_cast<unsigned>(tokens), 256, 0, stream, x, layout, cos, sin);
   CAPSERVE_CUDA_CHECK_LAUNCH();
 }
 
@@ -334,7 +353,7 @@ AttentionBatchArrays attention_batch_arrays(std::span<const SequenceSlice> seqs)
 void kv_store(const DeviceAttentionBatch& batch, const float* k, const float* v, const DeviceKvLayer& cache,
               cudaStream_t stream) {
   if (batch.rows <= 0) return;
-  kv_store_kernel<<<static_cast<unsigned>(batch.rows), 256, 0, stream>>>(batch, k, v, cache);
+  launch(kv_store_kernel, static_cast<unsigned>(batch.rows), 256, 0, stream, batch, k, v, cache);
   CAPSERVE_CUDA_CHECK_LAUNCH();
 }
 
@@ -346,7 +365,7 @@ void paged_attention(const DeviceAttentionBatch& batch, const float* q, const De
     throw std::invalid_argument("paged_attention: heads must be a multiple of the kv heads");
   if (batch.rows <= 0) return;
   const dim3 grid(static_cast<unsigned>(batch.rows), static_cast<unsigned>(params.num_heads));
-  paged_attention_kernel<<<grid, kAttnThreads, 0, stream>>>(batch, q, cache, params, out);
+  launch(paged_attention_kernel, grid, kAttnThreads, 0, stream, batch, q, cache, params, out);
   CAPSERVE_CUDA_CHECK_LAUNCH();
 }
 
@@ -355,7 +374,8 @@ void sample(const float* logits, std::int64_t rows, std::int64_t vocab, const Sa
   if (rows <= 0) return;
   if (vocab <= 0 || vocab > static_cast<std::int64_t>(moe::kLow32))
     throw std::invalid_argument("sample: vocab size");
-  sample_kernel<<<static_cast<unsigned>(rows), kSampleThreads, 0, stream>>>(logits, vocab, controls, tokens);
+  launch(sample_kernel, static_cast<unsigned>(rows), kSampleThreads, 0, stream, logits, vocab, controls,
+         tokens);
   CAPSERVE_CUDA_CHECK_LAUNCH();
 }
 

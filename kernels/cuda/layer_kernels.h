@@ -66,9 +66,11 @@ struct SampleControls {
   std::uint64_t step = 0;
 };
 
-// tokens[r] sampled from logits [rows, vocab] under controls[r] (device arrays). Greedy takes the first
-// maximal id, as the CPU sampler; otherwise temperature, then top-k (ties to the lower id), then top-p, and
-// a draw from a counter-based generator: the same distribution as the CPU sampler, not the same stream.
+// tokens[r] sampled from logits [rows, vocab] under controls[r] (device arrays). NaN logits are never chosen
+// (a row of only NaN gives id 0). Greedy takes the first maximal id, as the CPU sampler; otherwise
+// temperature, then top-k (ties to the lower id), then top-p, and a draw from a counter-based generator: the
+// same distribution as the CPU sampler, not the same stream. A (seed, step) draws the same token on every
+// run: no sum depends on the order threads run in.
 void sample(const float* logits, std::int64_t rows, std::int64_t vocab, const SampleControls* controls,
             std::int32_t* tokens, cudaStream_t stream);
 

@@ -1,4 +1,5 @@
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/launch.h"
 #include "kernels/cuda/moe_kernels.h"
 #include "kernels/cuda/moe_pipeline.h"
 
@@ -51,7 +52,7 @@ struct CudaExec {
   void for_each(std::int64_t n, const Body& body) {
     if (n <= 0) return;
     const auto blocks = static_cast<unsigned>((n + kThreads - 1) / kThreads);
-    for_each_kernel<<<blocks, kThreads, 0, stream>>>(n, body);
+    launch(for_each_kernel<Body>, blocks, kThreads, 0, stream, n, body);
     CAPSERVE_CUDA_CHECK_LAUNCH();
   }
   template <class T>
@@ -62,7 +63,7 @@ struct CudaExec {
     if (reduce != nullptr && *reduce) (*reduce)(data, n, stream);
   }
   void exclusive_scan(std::int64_t* data, std::int64_t n) {
-    exclusive_scan_kernel<<<1, kThreads, 0, stream>>>(data, n);
+    launch(exclusive_scan_kernel, 1, kThreads, 0, stream, data, n);
     CAPSERVE_CUDA_CHECK_LAUNCH();
   }
 };
@@ -96,6 +97,10 @@ void route(const moe::RouterParams& p, const float* logits, float* probs, std::i
   if (p.n_group < 1 || p.n_group > 64 || p.num_experts % p.n_group != 0 || p.top_k > p.num_experts)
     throw std::invalid_argument(
         "route: n_group must divide num_experts (at most 64 groups), top_k <= experts");
+  // The thread body takes topk_group groups, then top_k experts from them: both must exist.
+  if (p.topk_group < 1 || p.topk_group > p.n_group || p.top_k > p.topk_group * (p.num_experts / p.n_group))
+    throw std::invalid_argument(
+        "route: topk_group must be in [1, n_group] and its groups hold at least top_k experts");
   CudaExec x{stream};
   moe::run_router(x, moe::RouteToken{p, logits, probs, experts, weights});
 }
@@ -142,15 +147,16 @@ void permute(const moe::PermuteParams& p, const std::int32_t* experts, const std
 void gather_rows(const float* h, std::int64_t hidden, const std::int32_t* row_token, const std::int64_t* rows,
                  std::int64_t max_rows, __nv_bfloat16* x, cudaStream_t stream) {
   if (max_rows <= 0) return;
-  gather_rows_kernel<<<static_cast<unsigned>(max_rows), kThreads, 0, stream>>>(h, hidden, row_token, rows, x);
+  launch(gather_rows_kernel, static_cast<unsigned>(max_rows), kThreads, 0, stream, h, hidden, row_token, rows,
+         x);
   CAPSERVE_CUDA_CHECK_LAUNCH();
 }
 
 void combine(const float* y, std::int64_t hidden, const std::int64_t* position, const float* weights,
              std::int64_t tokens, std::int64_t top_k, float* out, cudaStream_t stream) {
   if (tokens <= 0) return;
-  combine_kernel<<<static_cast<unsigned>(tokens), kThreads, 0, stream>>>(y, hidden, position, weights, top_k,
-                                                                         out);
+  launch(combine_kernel, static_cast<unsigned>(tokens), kThreads, 0, stream, y, hidden, position, weights,
+         top_k, out);
   CAPSERVE_CUDA_CHECK_LAUNCH();
 }
 

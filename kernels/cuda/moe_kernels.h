@@ -13,7 +13,9 @@
 
 namespace capserve::kernels::cuda {
 
-// logits [T, E] -> probs [T, E], experts and weights [T, k].
+// logits [T, E] -> probs [T, E], experts and weights [T, k]. Throws std::invalid_argument unless n_group
+// divides E (at most 64 groups) and topk_group is in [1, n_group] with at least top_k experts in that many
+// groups.
 void route(const moe::RouterParams& p, const float* logits, float* probs, std::int32_t* experts,
            float* weights, cudaStream_t stream);
 

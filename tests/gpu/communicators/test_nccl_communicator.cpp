@@ -6,8 +6,11 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <numeric>
 #include <stdexcept>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "parallel/mpi_communicator.h"
 #include "parallel/nccl_communicator.h"
@@ -66,6 +69,77 @@ TEST(NcclCommunicator, ArgumentErrorsThrowOnEveryRank) {
   NcclCommunicator comm(test::mpi_world());
   test::CudaTestDevice device;
   test::check_argument_errors(comm, device);
+}
+
+// A thread other than the constructor's starts on device 0, whatever GPU this rank uses: every call must make
+// the communicator's device current itself.
+TEST(NcclCommunicator, WorksFromAnotherThread) {
+  REQUIRE_GPU_PER_RANK();
+  NcclCommunicator comm(test::mpi_world());
+  test::CudaTestDevice device;
+  const int n = comm.size();
+  const int me = comm.rank();
+  std::vector<std::int64_t> counts(static_cast<std::size_t>(n));
+  std::vector<std::byte> send;
+  std::vector<std::byte> want;
+  for (int r = 0; r < n; ++r) {
+    counts[static_cast<std::size_t>(r)] = 1 + r + me;  // symmetric: what r sends me, I send r
+    send.insert(send.end(), static_cast<std::size_t>(1 + r + me), static_cast<std::byte>(me * 16 + r));
+    want.insert(want.end(), static_cast<std::size_t>(1 + r + me), static_cast<std::byte>(r * 16 + me));
+  }
+  const std::span<std::byte> d_send = device.upload(send);
+  const std::span<std::byte> d_recv = device.upload(std::vector<std::byte>(want.size()));
+  std::string error;
+  std::thread worker([&] {
+    try {
+      comm.alltoallv(d_send, counts, d_recv, counts, device.stream());
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  });
+  worker.join();
+  EXPECT_EQ(error, "");
+  ASSERT_TRUE(test::mpi_world().all_agree(error.empty()));
+  EXPECT_EQ(device.download(d_recv), want);
+}
+
+// Rank 0 sends rank 1 more than rank 1 expects: rank 1's exchange fails, rank 0's completes. NCCL reports
+// rank 1's failure to rank 0 only asynchronously, so rank 0's next call must poll for it and throw rather
+// than wait forever in a collective rank 1 never joins.
+TEST(NcclCommunicator, APeersFailureStopsTheNextCall) {
+  REQUIRE_GPU_PER_RANK();
+  const int n = test::mpi_world().size();
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  NcclCommunicator comm(test::mpi_world());
+  test::CudaTestDevice device;
+  const int me = comm.rank();
+  std::vector<std::int64_t> send_counts(static_cast<std::size_t>(n), 0);
+  std::vector<std::int64_t> recv_counts(static_cast<std::size_t>(n), 0);
+  if (me == 0) send_counts[1] = 2;
+  if (me == 1) recv_counts[0] = 1;
+  const std::span<std::byte> d_send = device.upload(std::vector<std::byte>(2));
+  const std::span<std::byte> d_recv = device.upload(std::vector<std::byte>(2));
+  const auto total = [](const std::vector<std::int64_t>& counts) {
+    return static_cast<std::size_t>(std::accumulate(counts.begin(), counts.end(), std::int64_t{0}));
+  };
+  bool threw = false;
+  try {
+    comm.alltoallv(d_send.first(total(send_counts)), send_counts, d_recv.first(total(recv_counts)),
+                   recv_counts, device.stream());
+  } catch (const std::runtime_error&) {
+    threw = true;
+  }
+  // Ranks 2 and up have nothing to exchange: they throw only if rank 1's failure reached them first.
+  if (me < 2) {
+    EXPECT_EQ(threw, me == 1);
+  }
+  EXPECT_FALSE(test::mpi_world().all_agree(!threw));  // every rank knows; now rank 0 calls again
+  if (me == 0) {
+    std::vector<std::int64_t> values{1};
+    const std::span<std::byte> d_values = device.upload(std::as_bytes(std::span(values)));
+    EXPECT_THROW(comm.allreduce_sum({reinterpret_cast<std::int64_t*>(d_values.data()), 1}, device.stream()),
+                 std::runtime_error);
+  }
 }
 
 TEST(NcclCommunicator, RefusesTwoRanksOnOneGpuNamingTheFix) {

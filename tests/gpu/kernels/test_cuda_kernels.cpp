@@ -140,6 +140,30 @@ TEST(CudaKernels, RouterMatchesTheCpuRouter) {
   }
 }
 
+TEST(CudaKernels, RouterRejectsGroupLimitsItCannotMeet) {
+  CAPSERVE_REQUIRE_CUDA_DEVICE();
+  moe::RouterParams p;
+  p.tokens = 3;
+  p.num_experts = 8;
+  p.n_group = 4;  // groups of 2 experts
+  p.top_k = 2;
+  const auto d_logits = upload(std::vector<float>(24, 1.0F));
+  auto d_probs = poisoned<float>(24);
+  auto d_experts = poisoned<std::int32_t>(12);
+  auto d_weights = poisoned<float>(12);
+  const auto route = [&](std::int64_t topk_group, std::int64_t top_k) {
+    p.topk_group = topk_group;
+    p.top_k = top_k;
+    kernels::cuda::route(p, d_logits.data(), d_probs.data(), d_experts.data(), d_weights.data(), nullptr);
+  };
+  // No group (the body would read prob[-1]), more groups than exist, fewer eligible experts than top_k.
+  EXPECT_THROW(route(0, 2), std::invalid_argument);
+  EXPECT_THROW(route(5, 2), std::invalid_argument);
+  EXPECT_THROW(route(2, 5), std::invalid_argument);
+  route(2, 4);
+  for (const std::int32_t e : download(d_experts, 12)) EXPECT_GE(e, 0);
+}
+
 TEST(CudaKernels, CapacitySchedulerDecisionsAreBitIdentical) {
   CAPSERVE_REQUIRE_CUDA_DEVICE();
   Rng rng(23);
@@ -561,6 +585,48 @@ TEST(CudaKernels, SamplingFollowsTheCpuSampler) {
     cpu_freq[static_cast<std::size_t>(t)] += 1.0 / static_cast<double>(draws);
   }
   for (std::size_t t = 0; t < small.size(); ++t) EXPECT_NEAR(gpu_freq[t], cpu_freq[t], 0.02) << "token " << t;
+}
+
+TEST(CudaKernels, NanLogitsAreNeverSampled) {
+  CAPSERVE_REQUIRE_CUDA_DEVICE();
+  Rng rng(83);
+  const std::int64_t vocab = 700;
+  const std::int64_t rows = 24;
+  std::vector<float> logits = normal_vector(rng, static_cast<std::size_t>(rows * vocab));
+  std::vector<std::int32_t> want(static_cast<std::size_t>(rows));
+  std::vector<kernels::cuda::SampleControls> controls(static_cast<std::size_t>(rows));
+  for (std::int64_t r = 0; r < rows; ++r) {
+    float* row = logits.data() + r * vocab;
+    // NaN at id 0, at the would-be maximum, and at random places.
+    const auto top = std::max_element(row, row + vocab) - row;
+    row[0] = NAN;
+    row[top] = NAN;
+    for (int i = 0; i < 50; ++i) row[uniform(rng, 0, vocab - 1)] = NAN;
+    std::int64_t best = -1;
+    for (std::int64_t i = 0; i < vocab; ++i) {
+      if (!std::isnan(row[i]) && (best < 0 || row[i] > row[best])) best = i;
+    }
+    want[static_cast<std::size_t>(r)] = static_cast<std::int32_t>(best);
+    // Greedy, then sampling with and without top-k / top-p.
+    auto& c = controls[static_cast<std::size_t>(r)];
+    c = {r % 4 == 0 ? 0.0F : 1.0F, r % 4 == 2 ? 5 : 0, r % 4 == 3 ? 0.9F : 1.0F, 5,
+         static_cast<std::uint64_t>(r)};
+  }
+  const auto d_logits = upload(logits);
+  const auto d_controls = upload(controls);
+  auto d_tokens = poisoned<std::int32_t>(static_cast<std::size_t>(rows));
+  kernels::cuda::sample(d_logits.data(), rows, vocab, d_controls.data(), d_tokens.data(), nullptr);
+  const std::vector<std::int32_t> tokens = download(d_tokens, static_cast<std::size_t>(rows));
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::int32_t t = tokens[static_cast<std::size_t>(r)];
+    ASSERT_GE(t, 0) << "row " << r;
+    ASSERT_LT(t, vocab) << "row " << r;
+    EXPECT_FALSE(std::isnan(logits[static_cast<std::size_t>(r * vocab + t)]))
+        << "row " << r << " drew NaN id " << t;
+    if (r % 4 == 0) {
+      EXPECT_EQ(t, want[static_cast<std::size_t>(r)]) << "row " << r;
+    }
+  }
 }
 
 }  // namespace

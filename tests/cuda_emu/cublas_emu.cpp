@@ -1,0 +1,255 @@
+// CUDA emulation: the cuBLAS calls CapServe makes (handle, stream, cublasGemmEx), declared by the real
+// cublas_v2.h. Column-major as documented: C = alpha * op(A) * op(B) + beta * C with op(A) m x k, op(B) k x
+// n, C m x n; argument errors are rejected as cuBLAS rejects them (cuBLAS API reference, cublasGemmEx:
+// invalid operations, negative sizes and leading dimensions below the rows of the stored matrix give
+// CUBLAS_STATUS_INVALID_VALUE; type combinations outside its table CUBLAS_STATUS_NOT_SUPPORTED). The product
+// is OpenBLAS's sgemm on the operands widened to fp32: fp32 accumulation as on the device, in another order.
+#include <cblas.h>
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "emu_state.h"
+#include "handle_registry.h"
+
+namespace capserve::cuda_emu::detail {
+namespace {
+
+struct EmuBlas {
+  cudaStream_t stream = nullptr;
+  int device = 0;
+};
+
+thread_local cublasStatus_t detailed_status = CUBLAS_STATUS_SUCCESS;
+thread_local std::string status_detail;
+thread_local std::string status_text;
+
+cublasStatus_t blas_fail(cublasStatus_t status, std::string detail) {
+  detailed_status = status;
+  status_detail = std::move(detail);
+  return status;
+}
+
+EmuBlas* find_handle(cublasHandle_t h) {
+  return handles<EmuBlas>().find(h);
+}
+
+bool valid_op(cublasOperation_t op) {
+  return op == CUBLAS_OP_N || op == CUBLAS_OP_T || op == CUBLAS_OP_C;
+}
+
+std::size_t element_bytes(cudaDataType t) {
+  switch (t) {
+    case CUDA_R_16BF:
+    case CUDA_R_16F:
+      return 2;
+    case CUDA_R_32F:
+      return 4;
+    default:
+      return 0;
+  }
+}
+
+// cublasGemmEx's table for the fp32 compute types: A and B alike, C alike or fp32 (16-bit inputs) or fp32.
+bool supported(cudaDataType a, cudaDataType b, cudaDataType c, cublasComputeType_t compute) {
+  const bool fp32_compute = compute == CUBLAS_COMPUTE_32F || compute == CUBLAS_COMPUTE_32F_PEDANTIC ||
+                            compute == CUBLAS_COMPUTE_32F_FAST_16F ||
+                            compute == CUBLAS_COMPUTE_32F_FAST_16BF ||
+                            compute == CUBLAS_COMPUTE_32F_FAST_TF32;
+  if (!fp32_compute || a != b) return false;
+  if (a == CUDA_R_16BF || a == CUDA_R_16F) return c == a || c == CUDA_R_32F;
+  return a == CUDA_R_32F && c == CUDA_R_32F;
+}
+
+float load(const void* base, cudaDataType t, std::size_t i) {
+  switch (t) {
+    case CUDA_R_16BF:
+      return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
+    case CUDA_R_16F:
+      return __half2float(static_cast<const __half*>(base)[i]);
+    default:
+      return static_cast<const float*>(base)[i];
+  }
+}
+
+void store(void* base, cudaDataType t, std::size_t i, float v) {
+  switch (t) {
+    case CUDA_R_16BF:
+      static_cast<__nv_bfloat16*>(base)[i] = __float2bfloat16(v);
+      break;
+    case CUDA_R_16F:
+      static_cast<__half*>(base)[i] = __float2half(v);
+      break;
+    default:
+      static_cast<float*>(base)[i] = v;
+  }
+}
+
+// A column-major rows x cols matrix with leading dimension ld, widened to fp32 (same layout).
+std::vector<float> widen(const void* p, cudaDataType t, int rows, int cols, int ld) {
+  std::vector<float> out(static_cast<std::size_t>(ld) * static_cast<std::size_t>(cols));
+  for (int j = 0; j < cols; ++j) {
+    for (int i = 0; i < rows; ++i) {
+      const std::size_t at =
+          static_cast<std::size_t>(j) * static_cast<std::size_t>(ld) + static_cast<std::size_t>(i);
+      out[at] = load(p, t, at);
+    }
+  }
+  return out;
+}
+
+// Empty when the stored rows x cols matrix (leading dimension ld) lies in one device allocation.
+std::string check_matrix(const char* name, const void* p, cudaDataType t, int rows, int cols, int ld) {
+  if (rows == 0 || cols == 0) return {};
+  const std::size_t elements =
+      static_cast<std::size_t>(cols - 1) * static_cast<std::size_t>(ld) + static_cast<std::size_t>(rows);
+  return check_range(p, elements * element_bytes(t), MemoryKind::device, name);
+}
+
+}  // namespace
+}  // namespace capserve::cuda_emu::detail
+
+namespace d = capserve::cuda_emu::detail;
+
+const char* cublasGetStatusName(cublasStatus_t status) {
+  switch (status) {
+    case CUBLAS_STATUS_SUCCESS:
+      return "CUBLAS_STATUS_SUCCESS";
+    case CUBLAS_STATUS_NOT_INITIALIZED:
+      return "CUBLAS_STATUS_NOT_INITIALIZED";
+    case CUBLAS_STATUS_ALLOC_FAILED:
+      return "CUBLAS_STATUS_ALLOC_FAILED";
+    case CUBLAS_STATUS_INVALID_VALUE:
+      return "CUBLAS_STATUS_INVALID_VALUE";
+    case CUBLAS_STATUS_EXECUTION_FAILED:
+      return "CUBLAS_STATUS_EXECUTION_FAILED";
+    case CUBLAS_STATUS_NOT_SUPPORTED:
+      return "CUBLAS_STATUS_NOT_SUPPORTED";
+    default:
+      return "CUBLAS_STATUS_INTERNAL_ERROR";
+  }
+}
+
+const char* cublasGetStatusString(cublasStatus_t status) {
+  const char* text = "unknown error";
+  switch (status) {
+    case CUBLAS_STATUS_SUCCESS:
+      text = "success";
+      break;
+    case CUBLAS_STATUS_NOT_INITIALIZED:
+      text = "the library was not initialized";
+      break;
+    case CUBLAS_STATUS_ALLOC_FAILED:
+      text = "the resource allocation failed";
+      break;
+    case CUBLAS_STATUS_INVALID_VALUE:
+      text = "an invalid numeric value was used as an argument";
+      break;
+    case CUBLAS_STATUS_EXECUTION_FAILED:
+      text = "the GPU program failed to execute";
+      break;
+    case CUBLAS_STATUS_NOT_SUPPORTED:
+      text = "the functionality requested is not supported";
+      break;
+    default:
+      break;
+  }
+  if (status != d::detailed_status || d::status_detail.empty()) return text;
+  d::status_text = std::string(text) + " [CUDA emulation: " + d::status_detail + "]";
+  return d::status_text.c_str();
+}
+
+cublasStatus_t cublasCreate_v2(cublasHandle_t* handle) {
+  if (handle == nullptr)
+    return d::blas_fail(CUBLAS_STATUS_INVALID_VALUE, "cublasCreate: null pointer to the result");
+  *handle = reinterpret_cast<cublasHandle_t>(
+      d::handles<d::EmuBlas>().add(std::make_unique<d::EmuBlas>(d::EmuBlas{nullptr, d::current_device()})));
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasDestroy_v2(cublasHandle_t handle) {
+  if (!d::handles<d::EmuBlas>().remove(handle))
+    return d::blas_fail(CUBLAS_STATUS_NOT_INITIALIZED, "cublasDestroy: not a live handle");
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasSetStream_v2(cublasHandle_t handle, cudaStream_t stream) {
+  d::EmuBlas* h = d::find_handle(handle);
+  if (h == nullptr) return d::blas_fail(CUBLAS_STATUS_NOT_INITIALIZED, "cublasSetStream: not a live handle");
+  if (std::string why = d::check_launch_stream(stream); !why.empty())
+    return d::blas_fail(CUBLAS_STATUS_INVALID_VALUE, "cublasSetStream: " + why);
+  h->stream = stream;
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb, int m,
+                            int n, int k, const void* alpha, const void* A, cudaDataType Atype, int lda,
+                            const void* B, cudaDataType Btype, int ldb, const void* beta, void* C,
+                            cudaDataType Ctype, int ldc, cublasComputeType_t computeType, cublasGemmAlgo_t) {
+  const d::EmuBlas* h = d::find_handle(handle);
+  if (h == nullptr) return d::blas_fail(CUBLAS_STATUS_NOT_INITIALIZED, "cublasGemmEx: not a live handle");
+  const auto arg = [](const char* name, int v) { return std::string(name) + " = " + std::to_string(v); };
+  if (!d::valid_op(transa) || !d::valid_op(transb))
+    return d::blas_fail(CUBLAS_STATUS_INVALID_VALUE, "cublasGemmEx: transa/transb must be N, T or C");
+  if (m < 0 || n < 0 || k < 0)
+    return d::blas_fail(CUBLAS_STATUS_INVALID_VALUE, "cublasGemmEx: negative size (" + arg("m", m) + ", " +
+                                                         arg("n", n) + ", " + arg("k", k) + ")");
+  // Stored shapes: A is m x k (N) or k x m (T/C), B k x n or n x k, C m x n.
+  const int a_rows = transa == CUBLAS_OP_N ? m : k;
+  const int a_cols = transa == CUBLAS_OP_N ? k : m;
+  const int b_rows = transb == CUBLAS_OP_N ? k : n;
+  const int b_cols = transb == CUBLAS_OP_N ? n : k;
+  if (lda < std::max(1, a_rows))
+    return d::blas_fail(CUBLAS_STATUS_INVALID_VALUE, "cublasGemmEx: " + arg("lda", lda) + " below the " +
+                                                         std::to_string(a_rows) + " rows of the stored A");
+  if (ldb < std::max(1, b_rows))
+    return d::blas_fail(CUBLAS_STATUS_INVALID_VALUE, "cublasGemmEx: " + arg("ldb", ldb) + " below the " +
+                                                         std::to_string(b_rows) + " rows of the stored B");
+  if (ldc < std::max(1, m))
+    return d::blas_fail(CUBLAS_STATUS_INVALID_VALUE, "cublasGemmEx: " + arg("ldc", ldc) + " below the " +
+                                                         std::to_string(m) + " rows of C");
+  if (!d::supported(Atype, Btype, Ctype, computeType))
+    return d::blas_fail(CUBLAS_STATUS_NOT_SUPPORTED,
+                        "cublasGemmEx: types A " + std::to_string(Atype) + ", B " + std::to_string(Btype) +
+                            ", C " + std::to_string(Ctype) + " with compute type " +
+                            std::to_string(computeType) +
+                            " (the emulation has the fp32 compute types over bf16, fp16 and fp32)");
+  if (alpha == nullptr || beta == nullptr)
+    return d::blas_fail(CUBLAS_STATUS_INVALID_VALUE, "cublasGemmEx: null alpha or beta");
+  if (m == 0 || n == 0) return CUBLAS_STATUS_SUCCESS;
+  for (const std::string& why :
+       {d::check_matrix("A", A, Atype, a_rows, a_cols, lda),
+        d::check_matrix("B", B, Btype, b_rows, b_cols, ldb), d::check_matrix("C", C, Ctype, m, n, ldc)}) {
+    // A device would fault on the access and fail the kernel.
+    if (!why.empty()) return d::blas_fail(CUBLAS_STATUS_EXECUTION_FAILED, "cublasGemmEx: " + why);
+  }
+  const float a_scale = *static_cast<const float*>(alpha);
+  const float b_scale = *static_cast<const float*>(beta);
+  const std::vector<float> a = d::widen(A, Atype, a_rows, a_cols, lda);
+  const std::vector<float> b = d::widen(B, Btype, b_rows, b_cols, ldb);
+  // beta == 0: C is not read (it may hold anything, NaN included), as cuBLAS documents.
+  std::vector<float> c =
+      b_scale == 0.0F ? std::vector<float>(static_cast<std::size_t>(ldc) * static_cast<std::size_t>(n), 0.0F)
+                      : d::widen(C, Ctype, m, n, ldc);
+  if (k > 0) {
+    cblas_sgemm(CblasColMajor, transa == CUBLAS_OP_N ? CblasNoTrans : CblasTrans,
+                transb == CUBLAS_OP_N ? CblasNoTrans : CblasTrans, m, n, k, a_scale, a.data(), lda, b.data(),
+                ldb, b_scale, c.data(), ldc);
+  } else {
+    for (float& v : c) v *= b_scale;
+  }
+  for (int j = 0; j < n; ++j) {
+    for (int i = 0; i < m; ++i) {
+      const std::size_t at =
+          static_cast<std::size_t>(j) * static_cast<std::size_t>(ldc) + static_cast<std::size_t>(i);
+      d::store(C, Ctype, at, c[at]);
+    }
+  }
+  return CUBLAS_STATUS_SUCCESS;
+}

@@ -1,0 +1,47 @@
+#pragma once
+// CUDA emulation, test side: the schedule of emulated threads and the counters tests assert on. (Device side
+// and execution model: capserve_cuda_emu.h.)
+//
+// Environment, read once per process:
+//   CAPSERVE_CUDA_EMU_SCHEDULE=shuffled:SEED   start with the shuffled schedule
+//   CAPSERVE_CUDA_EMU_DEVICES=N                emulate N devices (default 1), e.g. one per rank for NCCL
+#include <cstdint>
+
+namespace capserve::cuda_emu {
+
+// What the host asked of the emulated device since the last reset.
+struct Counters {
+  std::int64_t host_syncs = 0;          // cudaDeviceSynchronize, cudaStreamSynchronize, cudaEventSynchronize,
+                                        // and cudaMemcpy (which waits for the copy)
+  std::int64_t device_allocations = 0;  // cudaMalloc
+  std::int64_t device_frees = 0;        // cudaFree
+  std::int64_t host_allocations = 0;    // cudaMallocHost
+  std::int64_t kernel_launches = 0;
+  std::int64_t copies = 0;  // cudaMemcpy and cudaMemcpyAsync
+};
+
+[[nodiscard]] Counters counters();
+void reset_counters();
+
+enum class Schedule : std::uint8_t {
+  in_order,  // threads by index between barriers
+  shuffled,  // each block's threads in a seeded random order, drawn anew after every barrier
+};
+
+// For this host thread's launches from now on.
+void set_schedule(Schedule schedule, std::uint64_t seed = 0);
+
+// The schedule in force while it lives, the previous one restored after.
+class ScopedSchedule {
+ public:
+  explicit ScopedSchedule(Schedule schedule, std::uint64_t seed = 0);
+  ~ScopedSchedule();
+  ScopedSchedule(const ScopedSchedule&) = delete;
+  ScopedSchedule& operator=(const ScopedSchedule&) = delete;
+
+ private:
+  Schedule previous_;
+  std::uint64_t previous_seed_;
+};
+
+}  // namespace capserve::cuda_emu

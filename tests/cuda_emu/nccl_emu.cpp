@@ -1,0 +1,523 @@
+// CUDA emulation: an NCCL stand-in over MPI for the calls CapServe makes, declared by the real nccl.h. Device
+// memory is host memory here, so every operation is the matching MPI operation on the buffers. It enforces
+// the API's contracts that a GPU run would break on (a hang, garbage, or an error):
+//   - ncclCommInitRank: MPI must be running, every rank must pass the same id and size, and each rank its own
+//     index; the communicator keeps the device that was current.
+//   - ncclGroupStart/End nest; sends and receives queued in a group start together at the outermost End (so
+//     a rank may send to and receive from a peer in one group). Sends and receives must pair up between the
+//     ranks (one left without a partner for CAPSERVE_CUDA_EMU_NCCL_TIMEOUT_S seconds fails, where a GPU would
+//     hang), and a receive must get exactly the bytes it asked for (the sender's count travels with the
+//     data).
+//   - Collectives are checked to be the same call on every rank, in the same order (kind, count, type, op).
+//   - Buffers must be device memory, the stream must belong to the communicator's device, and that device
+//     must be current.
+// A failed check returns the error NCCL would (ncclInvalidArgument / ncclInvalidUsage), names the fault in
+// ncclGetLastError, and is kept as the communicator's async error (ncclCommGetAsyncError). A rank whose send
+// or receive failed tells the others, which see ncclRemoteError only when they poll ncclCommGetAsyncError, as
+// with NCCL: their own calls are not stopped by it. Everything completes before the call returns: streams are
+// trivially in order.
+#include <mpi.h>
+#include <nccl.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "emu_state.h"
+#include "handle_registry.h"
+
+namespace cd = capserve::cuda_emu::detail;
+
+struct ncclComm {
+  MPI_Comm mpi = MPI_COMM_NULL;
+  int rank = 0;
+  int size = 1;
+  int device = 0;
+  std::uint64_t collectives = 0;  // issued so far, for the order check
+  ncclResult_t async_error = ncclSuccess;
+  std::string last_error;
+};
+
+namespace capserve::cuda_emu::detail {
+namespace {
+
+constexpr char kIdMagic[] = "capserve-emu-nccl";
+constexpr int kTagSize = 1;
+constexpr int kTagData = 2;
+constexpr int kTagNotice = 3;  // a rank's failure, for the others' ncclCommGetAsyncError
+
+thread_local std::string global_last_error;
+
+// One queued send or receive of a group.
+struct PointToPoint {
+  ncclComm* comm;
+  bool send;
+  void* buffer;
+  std::int64_t bytes;
+  int peer;
+};
+
+struct GroupState {
+  int depth = 0;
+  std::vector<PointToPoint> queued;
+  ncclResult_t error = ncclSuccess;  // a call in the group failed: End reports it
+};
+thread_local GroupState group;
+
+// Tells the other ranks that this one failed: as with NCCL, they learn it only by polling
+// ncclCommGetAsyncError (their own calls go on, and may wait forever for this rank).
+void notify_peers(ncclComm* comm, const std::string& what) {
+  static std::deque<std::string> sent;  // buffers of sends never waited for: kept for the process's life
+  sent.push_back("rank " + std::to_string(comm->rank) + " failed: " + what);
+  for (int r = 0; r < comm->size; ++r) {
+    if (r == comm->rank) continue;
+    MPI_Request request = MPI_REQUEST_NULL;
+    MPI_Isend(sent.back().data(), static_cast<int>(sent.back().size()), MPI_CHAR, r, kTagNotice, comm->mpi,
+              &request);
+    MPI_Request_free(&request);
+  }
+}
+
+ncclResult_t nccl_fail(ncclComm* comm, ncclResult_t rc, std::string what) {
+  global_last_error = what;
+  if (handles<ncclComm>().find(comm) != nullptr) {
+    comm->last_error = std::move(what);
+    comm->async_error = rc;
+  }
+  if (group.depth > 0 && group.error == ncclSuccess) group.error = rc;
+  return rc;
+}
+
+std::size_t type_bytes(ncclDataType_t t) {
+  switch (t) {
+    case ncclInt8:
+    case ncclUint8:
+      return 1;
+    case ncclFloat16:
+    case ncclBfloat16:
+      return 2;
+    case ncclInt32:
+    case ncclUint32:
+    case ncclFloat32:
+      return 4;
+    case ncclInt64:
+    case ncclUint64:
+    case ncclFloat64:
+      return 8;
+    default:
+      return 0;
+  }
+}
+
+MPI_Datatype mpi_type(ncclDataType_t t) {
+  switch (t) {
+    case ncclInt8:
+      return MPI_INT8_T;
+    case ncclUint8:
+      return MPI_UINT8_T;
+    case ncclInt32:
+      return MPI_INT32_T;
+    case ncclUint32:
+      return MPI_UINT32_T;
+    case ncclInt64:
+      return MPI_INT64_T;
+    case ncclUint64:
+      return MPI_UINT64_T;
+    case ncclFloat32:
+      return MPI_FLOAT;
+    case ncclFloat64:
+      return MPI_DOUBLE;
+    default:
+      return MPI_DATATYPE_NULL;  // fp16/bf16 reductions: not emulated
+  }
+}
+
+MPI_Op mpi_op(ncclRedOp_t op) {
+  switch (op) {
+    case ncclSum:
+      return MPI_SUM;
+    case ncclProd:
+      return MPI_PROD;
+    case ncclMax:
+      return MPI_MAX;
+    case ncclMin:
+      return MPI_MIN;
+    default:
+      return MPI_OP_NULL;
+  }
+}
+
+// The communicator is usable from this thread on `stream`, with `bytes` of device memory at each buffer.
+ncclResult_t check_call(ncclComm* comm, const char* call, cudaStream_t stream,
+                        std::initializer_list<std::pair<const void*, std::size_t>> buffers) {
+  if (handles<ncclComm>().find(comm) == nullptr)
+    return nccl_fail(nullptr, ncclInvalidArgument, std::string(call) + ": not a live communicator");
+  if (comm->async_error != ncclSuccess)
+    return nccl_fail(comm, comm->async_error,
+                     std::string(call) + ": the communicator failed before (" + comm->last_error + ")");
+  if (current_device() != comm->device)
+    return nccl_fail(comm, ncclInvalidUsage,
+                     std::string(call) + ": the communicator's device " + std::to_string(comm->device) +
+                         " is not current on this thread (device " + std::to_string(current_device()) + ")");
+  if (std::string why = check_launch_stream(stream); !why.empty())
+    return nccl_fail(comm, ncclInvalidUsage, std::string(call) + ": " + why);
+  for (const auto& [p, bytes] : buffers) {
+    if (bytes == 0) continue;
+    if (std::string why = check_range(p, bytes, MemoryKind::device, "buffer"); !why.empty())
+      return nccl_fail(comm, ncclInvalidArgument, std::string(call) + ": " + why);
+  }
+  return ncclSuccess;
+}
+
+// Every rank must issue the same collective as its n-th: compare (kind, count, type, op) across the ranks.
+ncclResult_t check_order(ncclComm* comm, const char* call, std::int64_t kind, std::int64_t count,
+                         std::int64_t type, std::int64_t op) {
+  const std::int64_t mine[4] = {kind, count, type, op};
+  std::vector<std::int64_t> all(static_cast<std::size_t>(comm->size) * 4);
+  MPI_Allgather(mine, 4, MPI_INT64_T, all.data(), 4, MPI_INT64_T, comm->mpi);
+  const std::uint64_t index = comm->collectives++;
+  for (int r = 0; r < comm->size; ++r) {
+    const std::int64_t* theirs = all.data() + static_cast<std::ptrdiff_t>(r) * 4;
+    if (std::equal(mine, mine + 4, theirs)) continue;
+    return nccl_fail(comm, ncclInvalidUsage,
+                     std::string(call) + ": collective #" + std::to_string(index) +
+                         " differs between ranks: rank " + std::to_string(comm->rank) + " issued kind " +
+                         std::to_string(kind) + " count " + std::to_string(count) + " type " +
+                         std::to_string(type) + " op " + std::to_string(op) + ", rank " + std::to_string(r) +
+                         " kind " + std::to_string(theirs[0]) + " count " + std::to_string(theirs[1]) +
+                         " type " + std::to_string(theirs[2]) + " op " + std::to_string(theirs[3]) +
+                         " (collectives must be issued in the same order everywhere)");
+  }
+  return ncclSuccess;
+}
+
+// Seconds a send or receive may wait for its peer before it fails (CAPSERVE_CUDA_EMU_NCCL_TIMEOUT_S, default
+// 30): on a GPU an unpaired send or receive hangs.
+double peer_timeout() {
+  const char* env = std::getenv("CAPSERVE_CUDA_EMU_NCCL_TIMEOUT_S");
+  return env != nullptr ? std::atof(env) : 30.0;
+}
+
+// Waits for every request; false when some are still pending at the deadline (those stay unmatched).
+bool wait_until(std::vector<MPI_Request>& requests, std::chrono::steady_clock::time_point deadline) {
+  for (;;) {
+    int done = 0;
+    MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done, MPI_STATUSES_IGNORE);
+    if (done != 0) return true;
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::yield();
+  }
+}
+
+// The first operation still waiting, for the message.
+std::string unpaired(const std::vector<PointToPoint>& ops, const std::vector<MPI_Request>& requests,
+                     const std::vector<std::size_t>& op_of) {
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    if (requests[i] == MPI_REQUEST_NULL) continue;
+    const PointToPoint& o = ops[op_of[i]];
+    return std::string(o.send ? "ncclSend to" : "ncclRecv from") + " rank " + std::to_string(o.peer) +
+           " on rank " + std::to_string(o.comm->rank) + " found no matching " +
+           (o.send ? "ncclRecv" : "ncclSend") +
+           " (sends and receives must pair up between the ranks, in the same order)";
+  }
+  return "a send or receive found no partner";
+}
+
+// Starts every send and receive, then waits for all. A receive learns the sender's byte count first.
+ncclResult_t run_point_to_point(std::vector<PointToPoint>& ops) {
+  ncclResult_t rc = ncclSuccess;
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                             std::chrono::duration<double>(peer_timeout()));
+  std::vector<MPI_Request> size_requests;
+  std::vector<MPI_Request> data_requests;
+  std::vector<std::size_t> size_op;  // the operation of each request
+  std::vector<std::size_t> data_op;
+  std::vector<std::int64_t> sizes(ops.size());
+  for (std::size_t i = 0; i < ops.size(); ++i) {
+    PointToPoint& o = ops[i];
+    MPI_Request r = MPI_REQUEST_NULL;
+    if (o.send) {
+      MPI_Isend(&o.bytes, 1, MPI_INT64_T, o.peer, kTagSize, o.comm->mpi, &r);
+      size_requests.push_back(r);
+      size_op.push_back(i);
+      MPI_Isend(o.buffer, static_cast<int>(o.bytes), MPI_BYTE, o.peer, kTagData, o.comm->mpi, &r);
+      data_requests.push_back(r);
+      data_op.push_back(i);
+    } else {
+      MPI_Irecv(&sizes[i], 1, MPI_INT64_T, o.peer, kTagSize, o.comm->mpi, &r);
+      size_requests.push_back(r);
+      size_op.push_back(i);
+    }
+  }
+  if (!wait_until(size_requests, deadline)) {
+    const std::string why = unpaired(ops, size_requests, size_op);
+    notify_peers(ops.front().comm, why);
+    return nccl_fail(ops.front().comm, ncclInvalidUsage, why);
+  }
+  // Receives whose sizes agree take the data; the others drain it into scratch and fail.
+  std::vector<std::vector<std::byte>> scratch;
+  for (std::size_t i = 0; i < ops.size(); ++i) {
+    PointToPoint& o = ops[i];
+    if (o.send) continue;
+    void* into = o.buffer;
+    if (sizes[i] != o.bytes) {
+      rc = nccl_fail(o.comm, ncclInvalidUsage,
+                     "ncclRecv on rank " + std::to_string(o.comm->rank) + " expects " +
+                         std::to_string(o.bytes) + " bytes from rank " + std::to_string(o.peer) +
+                         ", which sent " + std::to_string(sizes[i]) +
+                         " (send and receive counts and types must match)");
+      scratch.emplace_back(static_cast<std::size_t>(sizes[i]));
+      into = scratch.back().data();
+    }
+    MPI_Request r = MPI_REQUEST_NULL;
+    MPI_Irecv(into, static_cast<int>(sizes[i]), MPI_BYTE, o.peer, kTagData, o.comm->mpi, &r);
+    data_requests.push_back(r);
+    data_op.push_back(i);
+  }
+  if (!wait_until(data_requests, deadline)) {
+    const std::string why = unpaired(ops, data_requests, data_op);
+    notify_peers(ops.front().comm, why);
+    return nccl_fail(ops.front().comm, ncclInvalidUsage, why);
+  }
+  if (rc != ncclSuccess) notify_peers(ops.front().comm, ops.front().comm->last_error);
+  return rc;
+}
+
+ncclResult_t point_to_point(ncclComm* comm, bool send, void* buffer, std::size_t count, ncclDataType_t type,
+                            int peer, cudaStream_t stream) {
+  const char* call = send ? "ncclSend" : "ncclRecv";
+  const std::size_t bytes = count * type_bytes(type);
+  if (type_bytes(type) == 0)
+    return nccl_fail(comm, ncclInvalidArgument, std::string(call) + ": unknown datatype");
+  if (const ncclResult_t rc = check_call(comm, call, stream, {{buffer, bytes}}); rc != ncclSuccess) return rc;
+  if (peer < 0 || peer >= comm->size)
+    return nccl_fail(comm, ncclInvalidArgument,
+                     std::string(call) + ": peer " + std::to_string(peer) + " outside [0, " +
+                         std::to_string(comm->size) + ")");
+  PointToPoint op{comm, send, buffer, static_cast<std::int64_t>(bytes), peer};
+  if (group.depth > 0) {
+    group.queued.push_back(op);
+    return ncclSuccess;
+  }
+  std::vector<PointToPoint> single{op};
+  return run_point_to_point(single);
+}
+
+}  // namespace
+}  // namespace capserve::cuda_emu::detail
+
+namespace d = capserve::cuda_emu::detail;
+
+const char* ncclGetErrorString(ncclResult_t result) {
+  switch (result) {
+    case ncclSuccess:
+      return "no error";
+    case ncclUnhandledCudaError:
+      return "unhandled cuda error";
+    case ncclSystemError:
+      return "unhandled system error";
+    case ncclInternalError:
+      return "internal error";
+    case ncclInvalidArgument:
+      return "invalid argument";
+    case ncclInvalidUsage:
+      return "invalid usage";
+    case ncclRemoteError:
+      return "remote process exited or there was a network error";
+    case ncclInProgress:
+      return "NCCL operation in progress";
+    default:
+      return "unknown result code";
+  }
+}
+
+const char* ncclGetLastError(ncclComm_t comm) {
+  return d::handles<ncclComm>().find(comm) != nullptr ? comm->last_error.c_str()
+                                                      : d::global_last_error.c_str();
+}
+
+ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
+  if (id == nullptr) return d::nccl_fail(nullptr, ncclInvalidArgument, "ncclGetUniqueId: null id");
+  std::memset(id->internal, 0, sizeof id->internal);
+  std::memcpy(id->internal, d::kIdMagic, sizeof d::kIdMagic);
+  const std::uint64_t nonce = std::random_device{}();
+  std::memcpy(id->internal + 64, &nonce, sizeof nonce);
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank) {
+  if (comm == nullptr) return d::nccl_fail(nullptr, ncclInvalidArgument, "ncclCommInitRank: null comm");
+  *comm = nullptr;
+  int running = 0;
+  MPI_Initialized(&running);
+  if (running == 0)
+    return d::nccl_fail(nullptr, ncclSystemError,
+                        "ncclCommInitRank: the NCCL stand-in runs over MPI; MPI is not initialised");
+  if (std::memcmp(id.internal, d::kIdMagic, sizeof d::kIdMagic) != 0)
+    return d::nccl_fail(nullptr, ncclInvalidArgument,
+                        "ncclCommInitRank: the id does not come from ncclGetUniqueId");
+  // Every rank of MPI_COMM_WORLD takes part, as every rank of ours does; the id's nonce picks the group.
+  std::uint64_t nonce = 0;
+  std::memcpy(&nonce, id.internal + 64, sizeof nonce);
+  MPI_Comm mpi = MPI_COMM_NULL;
+  MPI_Comm_split(MPI_COMM_WORLD, static_cast<int>(nonce & 0x3FFFFFFF), rank, &mpi);
+  int size = 0;
+  int my_rank = 0;
+  MPI_Comm_size(mpi, &size);
+  MPI_Comm_rank(mpi, &my_rank);
+  std::vector<int> ranks(static_cast<std::size_t>(size));
+  MPI_Allgather(&rank, 1, MPI_INT, ranks.data(), 1, MPI_INT, mpi);
+  std::string error;
+  if (size != nranks)
+    error = "ncclCommInitRank: nranks " + std::to_string(nranks) + " but " + std::to_string(size) +
+            " ranks joined with this id";
+  else if (rank < 0 || rank >= nranks || ranks[static_cast<std::size_t>(my_rank)] != rank)
+    error = "ncclCommInitRank: rank " + std::to_string(rank) + " outside [0, " + std::to_string(nranks) + ")";
+  for (int r = 0; r < size && error.empty(); ++r) {
+    if (ranks[static_cast<std::size_t>(r)] != r)
+      error = "ncclCommInitRank: the ranks joining with this id are not 0.." + std::to_string(size - 1) +
+              " each once";
+  }
+  if (!error.empty()) {
+    MPI_Comm_free(&mpi);
+    return d::nccl_fail(nullptr, ncclInvalidArgument, error);
+  }
+  MPI_Comm_set_errhandler(mpi, MPI_ERRORS_ARE_FATAL);
+  *comm = d::handles<ncclComm>().add(
+      std::make_unique<ncclComm>(ncclComm{mpi, rank, size, cd::current_device(), 0, ncclSuccess, {}}));
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommDestroy(ncclComm_t comm) {
+  if (d::handles<ncclComm>().find(comm) == nullptr)
+    return d::nccl_fail(nullptr, ncclInvalidArgument, "ncclCommDestroy: not a live communicator");
+  MPI_Comm_free(&comm->mpi);
+  d::handles<ncclComm>().remove(comm);
+  return ncclSuccess;
+}
+
+// Abort may run while peers wait elsewhere: nothing collective, the MPI communicator is left as it is.
+ncclResult_t ncclCommAbort(ncclComm_t comm) {
+  if (!d::handles<ncclComm>().remove(comm))
+    return d::nccl_fail(nullptr, ncclInvalidArgument, "ncclCommAbort: not a live communicator");
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* async_error) {
+  if (d::handles<ncclComm>().find(comm) == nullptr || async_error == nullptr)
+    return d::nccl_fail(nullptr, ncclInvalidArgument, "ncclCommGetAsyncError: not a live communicator");
+  if (comm->async_error == ncclSuccess) {
+    int arrived = 0;
+    MPI_Status status;
+    MPI_Iprobe(MPI_ANY_SOURCE, d::kTagNotice, comm->mpi, &arrived, &status);
+    if (arrived != 0) {
+      int length = 0;
+      MPI_Get_count(&status, MPI_CHAR, &length);
+      std::string notice(static_cast<std::size_t>(length), '\0');
+      MPI_Recv(notice.data(), length, MPI_CHAR, status.MPI_SOURCE, d::kTagNotice, comm->mpi,
+               MPI_STATUS_IGNORE);
+      comm->async_error = ncclRemoteError;
+      comm->last_error = notice;
+    }
+  }
+  *async_error = comm->async_error;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommCount(const ncclComm_t comm, int* count) {
+  if (d::handles<ncclComm>().find(comm) == nullptr || count == nullptr) return ncclInvalidArgument;
+  *count = comm->size;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommUserRank(const ncclComm_t comm, int* rank) {
+  if (d::handles<ncclComm>().find(comm) == nullptr || rank == nullptr) return ncclInvalidArgument;
+  *rank = comm->rank;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommCuDevice(const ncclComm_t comm, int* device) {
+  if (d::handles<ncclComm>().find(comm) == nullptr || device == nullptr) return ncclInvalidArgument;
+  *device = comm->device;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclGroupStart() {
+  ++d::group.depth;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclGroupEnd() {
+  if (d::group.depth == 0)
+    return d::nccl_fail(nullptr, ncclInvalidUsage, "ncclGroupEnd without a matching ncclGroupStart");
+  if (--d::group.depth > 0) return ncclSuccess;
+  std::vector<d::PointToPoint> ops;
+  ops.swap(d::group.queued);
+  const ncclResult_t failed = d::group.error;
+  d::group.error = ncclSuccess;
+  // A failed call drops the whole group on this rank; its peers' matching calls would wait forever, so the
+  // caller must make the ranks agree (as NcclCommunicator does) rather than go on.
+  if (failed != ncclSuccess) return failed;
+  if (ops.empty()) return ncclSuccess;
+  return d::run_point_to_point(ops);
+}
+
+ncclResult_t ncclSend(const void* sendbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm,
+                      cudaStream_t stream) {
+  return d::point_to_point(comm, true, const_cast<void*>(sendbuff), count, datatype, peer, stream);
+}
+
+ncclResult_t ncclRecv(void* recvbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm,
+                      cudaStream_t stream) {
+  return d::point_to_point(comm, false, recvbuff, count, datatype, peer, stream);
+}
+
+ncclResult_t ncclAllReduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype,
+                           ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
+  const std::size_t bytes = count * d::type_bytes(datatype);
+  if (d::mpi_type(datatype) == MPI_DATATYPE_NULL || d::mpi_op(op) == MPI_OP_NULL)
+    return d::nccl_fail(comm, ncclInvalidArgument, "ncclAllReduce: datatype or op not emulated");
+  if (const ncclResult_t rc =
+          d::check_call(comm, "ncclAllReduce", stream, {{sendbuff, bytes}, {recvbuff, bytes}});
+      rc != ncclSuccess)
+    return rc;
+  if (const ncclResult_t rc =
+          d::check_order(comm, "ncclAllReduce", 1, static_cast<std::int64_t>(count), datatype, op);
+      rc != ncclSuccess)
+    return rc;
+  MPI_Allreduce(sendbuff == recvbuff ? MPI_IN_PLACE : sendbuff, recvbuff, static_cast<int>(count),
+                d::mpi_type(datatype), d::mpi_op(op), comm->mpi);
+  return ncclSuccess;
+}
+
+ncclResult_t ncclAllGather(const void* sendbuff, void* recvbuff, size_t sendcount, ncclDataType_t datatype,
+                           ncclComm_t comm, cudaStream_t stream) {
+  const std::size_t bytes = sendcount * d::type_bytes(datatype);
+  if (d::type_bytes(datatype) == 0)
+    return d::nccl_fail(comm, ncclInvalidArgument, "ncclAllGather: unknown datatype");
+  if (d::handles<ncclComm>().find(comm) == nullptr)
+    return d::nccl_fail(nullptr, ncclInvalidArgument, "ncclAllGather: not a live communicator");
+  if (const ncclResult_t rc =
+          d::check_call(comm, "ncclAllGather", stream,
+                        {{sendbuff, bytes}, {recvbuff, bytes * static_cast<std::size_t>(comm->size)}});
+      rc != ncclSuccess)
+    return rc;
+  if (const ncclResult_t rc =
+          d::check_order(comm, "ncclAllGather", 2, static_cast<std::int64_t>(sendcount), datatype, -1);
+      rc != ncclSuccess)
+    return rc;
+  const bool in_place =
+      static_cast<const std::byte*>(sendbuff) ==
+      static_cast<const std::byte*>(recvbuff) + bytes * static_cast<std::size_t>(comm->rank);
+  MPI_Allgather(in_place ? MPI_IN_PLACE : sendbuff, static_cast<int>(bytes), MPI_BYTE, recvbuff,
+                static_cast<int>(bytes), MPI_BYTE, comm->mpi);
+  return ncclSuccess;
+}
