@@ -9,13 +9,6 @@
 #include "runtime/tokenizer/utf8.h"
 
 namespace capserve::loadgen {
-namespace {
-
-bool is_continuation(char c) {
-  return (static_cast<unsigned char>(c) & 0xC0) == 0x80;
-}
-
-}  // namespace
 
 PromptSource::PromptSource(PromptConfig config, const runtime::Tokenizer* tokenizer)
     : config_(std::move(config)), tokenizer_(tokenizer), rng_(config_.seed) {
@@ -57,8 +50,8 @@ std::string PromptSource::slice(std::size_t domain, std::size_t bytes) {
   bytes = std::clamp<std::size_t>(bytes, 1, text.size());
   std::size_t begin = std::uniform_int_distribution<std::size_t>(0, text.size() - bytes)(rng_);
   std::size_t end = begin + bytes;
-  while (begin < text.size() && is_continuation(text[begin])) ++begin;
-  while (end < text.size() && is_continuation(text[end])) ++end;
+  while (begin < text.size() && runtime::utf8::is_continuation(text[begin])) ++begin;
+  while (end < text.size() && runtime::utf8::is_continuation(text[end])) ++end;
   return text.substr(begin, end - begin);
 }
 
