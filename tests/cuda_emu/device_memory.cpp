@@ -1,7 +1,9 @@
 // CUDA emulation: device and page-locked host memory on host pages, with the faults a device would take.
-// Every allocation gets its own mapping, its end against an inaccessible guard page (cudaMalloc's 256-byte
-// alignment leaves at most 255 bytes of slack before it). Freed memory stays mapped inaccessible for a while,
-// so a kernel reading it faults; the fault handler names the allocation before the process dies.
+// Every allocation gets its own mapping between two inaccessible guard pages: its end against the upper one
+// (cudaMalloc's 256-byte alignment leaves at most 255 bytes of slack before it), so an overrun faults at
+// once; an underrun faults once it passes the rest of the first page (less than 4 KiB of slack below the
+// start). Freed memory stays mapped inaccessible for a while, so a kernel reading it faults; the fault
+// handler names the allocation before the process dies.
 #include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -9,6 +11,7 @@
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <iterator>
 #include <map>
 #include <mutex>
 
@@ -48,13 +51,16 @@ Registry& registry() {
   return *r;
 }
 
-// The allocation whose mapping contains p, in `m` (keyed by begin or map_base), or null.
+// The allocation whose mapping (guard pages included) contains p, in `m` (keyed by begin or map_base), or
+// null. Keyed by begin, p in the lower guard page sorts before its allocation's key, so both neighbours are
+// candidates.
 const Allocation* containing(const std::map<std::uintptr_t, Allocation>& m, std::uintptr_t p) {
-  auto it = m.upper_bound(p);
-  if (it == m.begin()) return nullptr;
-  --it;
-  const Allocation& a = it->second;
-  return p >= a.map_base && p < a.map_base + a.map_bytes ? &a : nullptr;
+  const auto holds = [p](const Allocation& a) { return p >= a.map_base && p < a.map_base + a.map_bytes; };
+  const auto next = m.upper_bound(p);
+  if (next != m.end() && holds(next->second)) return &next->second;
+  if (next == m.begin()) return nullptr;
+  const Allocation& before = std::prev(next)->second;
+  return holds(before) ? &before : nullptr;
 }
 
 void write_stderr(const char* text) {
@@ -75,11 +81,20 @@ void on_fault(int sig, siginfo_t* info, void*) {
                   a->bytes, reinterpret_cast<void*>(a->begin),
                   static_cast<std::ptrdiff_t>(p) - static_cast<std::ptrdiff_t>(a->begin));
   } else if (const Allocation* b = containing(r.live, p)) {
-    std::snprintf(
-        message, sizeof message,
-        "CUDA emulation: illegal address: access %td bytes past the end of a %zu-byte allocation at "
-        "%p\n",
-        static_cast<std::ptrdiff_t>(p - (b->begin + b->bytes)), b->bytes, reinterpret_cast<void*>(b->begin));
+    if (p < b->begin) {
+      std::snprintf(
+          message, sizeof message,
+          "CUDA emulation: illegal address: access %td bytes before the start of a %zu-byte allocation "
+          "at %p\n",
+          static_cast<std::ptrdiff_t>(b->begin - p), b->bytes, reinterpret_cast<void*>(b->begin));
+    } else {
+      std::snprintf(
+          message, sizeof message,
+          "CUDA emulation: illegal address: access %td bytes past the end of a %zu-byte allocation at "
+          "%p\n",
+          static_cast<std::ptrdiff_t>(p - (b->begin + b->bytes)), b->bytes,
+          reinterpret_cast<void*>(b->begin));
+    }
   }
   write_stderr(message);
   signal(sig, SIG_DFL);  // returning re-runs the access, which now takes the default action
@@ -101,15 +116,15 @@ void* map_allocation(std::size_t bytes, MemoryKind kind, int device) {
   install_fault_handler();
   const std::size_t data = round_up(bytes == 0 ? 1 : bytes, kAlign);
   const std::size_t accessible = round_up(data, kPage);
-  const std::size_t total = accessible + kPage;
+  const std::size_t total = kPage + accessible + kPage;
   void* base = mmap(nullptr, total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (base == MAP_FAILED) return nullptr;
-  if (mprotect(base, accessible, PROT_READ | PROT_WRITE) != 0) {
+  const auto map_base = reinterpret_cast<std::uintptr_t>(base);
+  if (mprotect(reinterpret_cast<void*>(map_base + kPage), accessible, PROT_READ | PROT_WRITE) != 0) {
     munmap(base, total);
     return nullptr;
   }
-  const auto map_base = reinterpret_cast<std::uintptr_t>(base);
-  const std::uintptr_t begin = map_base + accessible - data;
+  const std::uintptr_t begin = map_base + kPage + accessible - data;
   Registry& r = registry();
   const std::lock_guard lock(r.mutex);
   r.live[begin] = Allocation{begin, bytes, map_base, total, kind, device};

@@ -234,6 +234,24 @@ TEST(CudaEmulationDeathTest, AKernelReadingFreedMemoryDiesNamingIt) {
   EXPECT_DEATH(read_freed(), "access to device memory freed by cudaFree");
 }
 
+__global__ void read_at_kernel(Indirect in, int offset, int* out) {
+  out[threadIdx.x] = in.values[offset];
+}
+
+// The pointer hides in a struct, so only the guard pages can catch these reads.
+void read_outside_allocation(int offset) {
+  int* values = nullptr;
+  CAPSERVE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&values), 1024 * sizeof(int)));  // one whole page
+  DeviceBuffer<int> out(1);
+  launch(read_at_kernel, 1, 1, 0, nullptr, Indirect{values}, offset, out.data());
+}
+
+TEST(CudaEmulationDeathTest, AKernelReadingPastEitherEndOfAnAllocationDiesNamingIt) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(read_outside_allocation(1024), "access 0 bytes past the end of a 4096-byte allocation");
+  EXPECT_DEATH(read_outside_allocation(-1), "access 4 bytes before the start of a 4096-byte allocation");
+}
+
 TEST(CudaEmulation, CopiesAreCheckedAgainstTheirAllocation) {
   DeviceBuffer<int> d(10);
   std::vector<int> host(11);
