@@ -1,11 +1,20 @@
 #pragma once
-// The hot operations of a forward pass behind one backend-neutral interface. Activations are float32
-// row-major matrices passed as spans with explicit shapes; weights are WeightViews in their stored dtype (no
-// conversion copy). One virtual call per operation per layer: every method works on a whole batch of tokens.
+// The operations of a forward pass behind one backend-neutral interface, on tensors of the backend's device
+// (kernels/tensor.h). Activations are float32 row-major tensors whose shapes say the sizes; weights are
+// WeightViews in their stored dtype (no conversion copy). One virtual call per operation per layer: every
+// method works on a whole batch of tokens. Memory comes from the backend (allocate / scratch), and the host
+// sees device data only through to_host, each call naming why the step needs it, so that a step's host
+// synchronisations are few, named and counted.
+#include <array>
+#include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <span>
+#include <string_view>
 
+#include "kernels/buffer.h"
 #include "kernels/dtype.h"
+#include "kernels/tensor.h"
 
 namespace capserve::kernels {
 
@@ -19,8 +28,8 @@ struct ExpertWeights {
 
 // One paged KV-cache layer: k and v are [num_blocks, block_size, num_kv_heads, head_dim].
 struct PagedKvLayer {
-  std::span<float> k;
-  std::span<float> v;
+  Tensor k;
+  Tensor v;
   std::int64_t block_size = 0;
   std::int64_t num_kv_heads = 0;
   std::int64_t head_dim = 0;
@@ -29,7 +38,7 @@ struct PagedKvLayer {
 // One paged latent-cache layer of multi-head latent attention: rows [num_blocks, block_size, kv_lora_rank +
 // rope_dim], each a token's normalized KV latent followed by its rotated rope key (shared by all heads).
 struct PagedLatentLayer {
-  std::span<float> rows;
+  Tensor rows;
   std::int64_t block_size = 0;
   std::int64_t kv_lora_rank = 0;
   std::int64_t rope_dim = 0;
@@ -78,6 +87,15 @@ struct LatentAttentionParams {
   LatentForm form = LatentForm::cheaper;
 };
 
+// Why a step copies device data to the host: every synchronisation point of a step has a name, and the
+// backend counts them, so tests can assert how many a step makes.
+enum class HostSync : std::uint8_t {
+  logits,  // per step: the next-token logits the sampler reads
+  count_   // the number of reasons
+};
+
+std::string_view host_sync_name(HostSync why);
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -85,53 +103,85 @@ class Backend {
   Backend(const Backend&) = delete;
   Backend& operator=(const Backend&) = delete;
 
+  [[nodiscard]] virtual Device device() const = 0;
+
+  // At least `bytes` of device memory, aligned for every element type.
+  [[nodiscard]] virtual Buffer allocate(std::size_t bytes) = 0;
+  // A tensor of `shape` over `slot`, which is reallocated when too small: grow-only, so a warm step
+  // allocates nothing. The contents are undefined.
+  Tensor scratch(Buffer& slot, DType dtype, std::initializer_list<std::int64_t> shape);
+
+  // Copies a tensor of this backend into host memory of its size; the host waits for it (a synchronisation
+  // point, counted under `why`).
+  void to_host(const Tensor& src, std::span<std::byte> dst, HostSync why);
+  // Copies host memory into a tensor of this backend, of its size. The host does not wait; `src` must stay
+  // valid until the backend's next to_host.
+  void from_host(std::span<const std::byte> src, const Tensor& dst);
+  // to_host calls since construction, per reason.
+  [[nodiscard]] std::int64_t host_syncs(HostSync why) const {
+    return host_syncs_[static_cast<std::size_t>(why)];
+  }
+
   // y[m, n] = x[m, k] * w[n, k]^T (+ bias[n] when bias is not empty).
-  virtual void linear(std::span<const float> x, std::int64_t m, const WeightView& w, const WeightView& bias,
-                      std::span<float> y) = 0;
+  virtual void linear(const Tensor& x, const WeightView& w, const WeightView& bias, const Tensor& y) = 0;
 
-  // out[i, :] = table[ids[i], :]
-  virtual void embedding(std::span<const std::int32_t> ids, const WeightView& table,
-                         std::span<float> out) = 0;
+  // out[i, :] = table[ids[i], :]; ids is int32 [rows].
+  virtual void embedding(const Tensor& ids, const WeightView& table, const Tensor& out) = 0;
 
-  // Row-wise RMSNorm over `cols` with a learned scale; out may alias x.
-  virtual void rms_norm(std::span<const float> x, std::int64_t cols, const WeightView& weight, float eps,
-                        std::span<float> out) = 0;
+  // Row-wise RMSNorm of x [rows, cols] with a learned scale [cols]; out may alias x.
+  virtual void rms_norm(const Tensor& x, const WeightView& weight, float eps, const Tensor& out) = 0;
 
-  // Rotary embedding in place on the `layout` part of x [tokens, heads, head_dim]; cos/sin are [tokens,
+  // Rotary embedding in place on the `layout` part of x [tokens, heads * head_dim]; cos/sin are [tokens,
   // layout.dim / 2] for each token's position.
-  virtual void rope(std::span<float> x, const RotaryLayout& layout, std::span<const float> cos,
-                    std::span<const float> sin) = 0;
+  virtual void rope(const Tensor& x, const RotaryLayout& layout, const Tensor& cos, const Tensor& sin) = 0;
+
+  // dst += src, element-wise (the residual stream).
+  virtual void add(const Tensor& dst, const Tensor& src) = 0;
+  // dst[r, :] += sigmoid(gate[r]) * src[r, :]; gate is [rows] (a sigmoid-gated shared expert).
+  virtual void add_sigmoid_gated(const Tensor& dst, const Tensor& src, const Tensor& gate) = 0;
+  // x = clamp(x, -limit, limit), element-wise.
+  virtual void clamp(const Tensor& x, float limit) = 0;
+  // dst[i, :] = src[rows[i], :]; rows are host indices (step metadata).
+  virtual void gather_rows(const Tensor& src, std::span<const std::int64_t> rows, const Tensor& dst) = 0;
 
   // Writes the new tokens' k/v rows [rows, num_kv_heads * head_dim] into their cache slots.
-  virtual void kv_store(std::span<const SequenceSlice> seqs, std::span<const float> k,
-                        std::span<const float> v, const PagedKvLayer& cache) = 0;
+  virtual void kv_store(std::span<const SequenceSlice> seqs, const Tensor& k, const Tensor& v,
+                        const PagedKvLayer& cache) = 0;
 
   // Causal (optionally sliding-window) grouped-query attention of each sequence's new queries
   // q [rows, num_heads * head_dim] over its cached keys/values; out [rows, num_heads * head_dim].
-  virtual void paged_attention(std::span<const SequenceSlice> seqs, std::span<const float> q,
+  virtual void paged_attention(std::span<const SequenceSlice> seqs, const Tensor& q,
                                const PagedKvLayer& cache, const AttentionParams& params,
-                               std::span<float> out) = 0;
+                               const Tensor& out) = 0;
 
   // Writes the new tokens' latent rows [rows, kv_lora_rank] and rope keys [rows, rope_dim] into their cache
   // slots.
-  virtual void latent_store(std::span<const SequenceSlice> seqs, std::span<const float> latent,
-                            std::span<const float> rope_key, const PagedLatentLayer& cache) = 0;
+  virtual void latent_store(std::span<const SequenceSlice> seqs, const Tensor& latent, const Tensor& rope_key,
+                            const PagedLatentLayer& cache) = 0;
 
-  // Causal multi-head latent attention of each sequence's new queries q [rows, num_heads, qk_nope_head_dim +
-  // qk_rope_head_dim] (rope part already rotated) over its cached latents; kv_b is kv_b_proj [num_heads *
+  // Causal multi-head latent attention of each sequence's new queries q [rows, num_heads * (qk_nope_head_dim
+  // + qk_rope_head_dim)] (rope part already rotated) over its cached latents; kv_b is kv_b_proj [num_heads *
   // (qk_nope_head_dim + v_head_dim), kv_lora_rank], per head its key rows then its value rows. out [rows,
   // num_heads * v_head_dim].
-  virtual void latent_attention(std::span<const SequenceSlice> seqs, std::span<const float> q,
+  virtual void latent_attention(std::span<const SequenceSlice> seqs, const Tensor& q,
                                 const PagedLatentLayer& cache, const WeightView& kv_b,
-                                const LatentAttentionParams& params, std::span<float> out) = 0;
+                                const LatentAttentionParams& params, const Tensor& out) = 0;
 
   // SwiGLU experts over rows already grouped by expert: rows [offsets[e], offsets[e+1]) go through
-  // experts[e]. x and out are [offsets.back(), hidden].
-  virtual void grouped_expert_ffn(std::span<const float> x, std::span<const std::int64_t> offsets,
-                                  std::span<const ExpertWeights> experts, std::span<float> out) = 0;
+  // experts[e]. x and out are [offsets.back(), hidden]; offsets are host values.
+  virtual void grouped_expert_ffn(const Tensor& x, std::span<const std::int64_t> offsets,
+                                  std::span<const ExpertWeights> experts, const Tensor& out) = 0;
 
   // Thread count for the backend's own parallel loops and its BLAS.
   virtual void set_num_threads(int n) = 0;
+
+ protected:
+  // The copies of to_host and from_host, after their checks.
+  virtual void copy_to_host(const Tensor& src, std::span<std::byte> dst) = 0;
+  virtual void copy_from_host(std::span<const std::byte> src, const Tensor& dst) = 0;
+
+ private:
+  std::array<std::int64_t, static_cast<std::size_t>(HostSync::count_)> host_syncs_{};
 };
 
 }  // namespace capserve::kernels

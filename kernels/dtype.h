@@ -1,5 +1,6 @@
 #pragma once
-// Element types the kernels read from checkpoints; activations are always float32 on the CPU path.
+// Element types: the float types weights are stored in (checkpoints), and the integer types of token ids,
+// offsets and flags. Activations are float32 on the CPU path.
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -7,10 +8,27 @@
 
 namespace capserve::kernels {
 
-enum class DType : std::uint8_t { f32, f16, bf16 };
+enum class DType : std::uint8_t { f32, f16, bf16, i32, i64, u8 };
 
 constexpr std::size_t dtype_size(DType t) {
-  return t == DType::f32 ? 4 : 2;
+  switch (t) {
+    case DType::f32:
+    case DType::i32:
+      return 4;
+    case DType::f16:
+    case DType::bf16:
+      return 2;
+    case DType::i64:
+      return 8;
+    case DType::u8:
+      return 1;
+  }
+  return 0;
+}
+
+// The types a weight may be stored in.
+constexpr bool is_float(DType t) {
+  return t == DType::f32 || t == DType::f16 || t == DType::bf16;
 }
 
 constexpr std::string_view dtype_name(DType t) {
@@ -21,11 +39,17 @@ constexpr std::string_view dtype_name(DType t) {
       return "F16";
     case DType::bf16:
       return "BF16";
+    case DType::i32:
+      return "I32";
+    case DType::i64:
+      return "I64";
+    case DType::u8:
+      return "U8";
   }
   return "?";
 }
 
-// Parses a safetensors dtype string ("F32", "F16", "BF16").
+// Parses a safetensors dtype string of a weight type ("F32", "F16", "BF16").
 constexpr std::optional<DType> parse_dtype(std::string_view s) {
   if (s == "F32") return DType::f32;
   if (s == "F16") return DType::f16;

@@ -160,9 +160,11 @@ void TokenDispatcher::run(std::span<const float> h, std::int64_t tokens, std::in
     cursor[0] = 0;
   }
   backend.grouped_expert_ffn(
-      std::span<const float>(permuted_in_.data(), static_cast<std::size_t>(in_entries * hidden)),
+      kernels::Tensor::host(std::span(permuted_in_.data(), static_cast<std::size_t>(in_entries * hidden)),
+                            {in_entries, hidden}),
       expert_offsets_, layer.local,
-      std::span<float>(permuted_out_.data(), static_cast<std::size_t>(in_entries * hidden)));
+      kernels::Tensor::host(std::span(permuted_out_.data(), static_cast<std::size_t>(in_entries * hidden)),
+                            {in_entries, hidden}));
 
   // One result row per received row: its experts' outputs with their gate weights, in the source's slot
   // order.

@@ -8,7 +8,7 @@ namespace capserve::runtime {
 Engine::Engine(Model& model, kernels::Backend& backend, const EngineOptions& options)
     : model_(model),
       backend_(backend),
-      cache_(kv_cache_shape(model.config(), options.kv_block_size, options.kv_blocks)) {}
+      cache_(kv_cache_shape(model.config(), options.kv_block_size, options.kv_blocks), backend) {}
 
 std::int64_t Engine::length(SequenceId seq) const {
   const auto it = lengths_.find(seq);

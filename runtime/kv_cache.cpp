@@ -32,11 +32,12 @@ KvCacheShape kv_cache_shape(const ModelConfig& config, std::int64_t block_size, 
   return s;
 }
 
-KvCache::KvCache(const KvCacheShape& shape) : shape_(shape) {
-  const auto floats =
-      static_cast<std::size_t>(shape.num_layers * shape.num_blocks * shape.block_size * row_floats(shape));
-  k_.assign(floats, 0.0F);
-  if (!shape.latent()) v_.assign(floats, 0.0F);
+KvCache::KvCache(const KvCacheShape& shape, kernels::Backend& backend) : shape_(shape) {
+  const auto bytes =
+      static_cast<std::size_t>(shape.num_layers * shape.num_blocks * shape.block_size * row_floats(shape)) *
+      sizeof(float);
+  k_ = backend.allocate(bytes);
+  if (!shape.latent()) v_ = backend.allocate(bytes);
   free_.reserve(static_cast<std::size_t>(shape.num_blocks));
   // Lowest block ids are handed out first.
   for (std::int64_t b = shape.num_blocks - 1; b >= 0; --b) free_.push_back(static_cast<std::int32_t>(b));
@@ -72,21 +73,24 @@ std::span<const std::int32_t> KvCache::block_table(SequenceId seq) const {
 }
 
 std::int64_t KvCache::bytes() const {
-  return static_cast<std::int64_t>((k_.size() + v_.size()) * sizeof(float));
+  return static_cast<std::int64_t>(k_.bytes() + v_.bytes());
 }
 
 kernels::PagedKvLayer KvCache::layer(std::int64_t layer) {
   if (shape_.latent()) throw std::logic_error("KvCache: a latent cache has no K/V layers");
-  const auto per_layer = static_cast<std::size_t>(shape_.num_blocks * shape_.block_size * row_floats(shape_));
-  const auto offset = static_cast<std::size_t>(layer) * per_layer;
-  return {std::span<float>(k_).subspan(offset, per_layer), std::span<float>(v_).subspan(offset, per_layer),
-          shape_.block_size, shape_.num_kv_heads, shape_.head_dim};
+  const std::int64_t blocks = shape_.num_layers * shape_.num_blocks;
+  const auto pool = [&](const kernels::Buffer& b) {
+    return b.view(kernels::DType::f32, {blocks, shape_.block_size, shape_.num_kv_heads, shape_.head_dim})
+        .rows(layer * shape_.num_blocks, shape_.num_blocks);
+  };
+  return {pool(k_), pool(v_), shape_.block_size, shape_.num_kv_heads, shape_.head_dim};
 }
 
 kernels::PagedLatentLayer KvCache::latent_layer(std::int64_t layer) {
   if (!shape_.latent()) throw std::logic_error("KvCache: a K/V cache has no latent layers");
-  const auto per_layer = static_cast<std::size_t>(shape_.num_blocks * shape_.block_size * row_floats(shape_));
-  return {std::span<float>(k_).subspan(static_cast<std::size_t>(layer) * per_layer, per_layer),
+  const std::int64_t blocks = shape_.num_layers * shape_.num_blocks;
+  return {k_.view(kernels::DType::f32, {blocks, shape_.block_size, row_floats(shape_)})
+              .rows(layer * shape_.num_blocks, shape_.num_blocks),
           shape_.block_size, shape_.kv_lora_rank, shape_.rope_dim};
 }
 

@@ -37,7 +37,8 @@ KvCacheShape kv_cache_shape(const ModelConfig& config, std::int64_t block_size, 
 
 class KvCache {
  public:
-  explicit KvCache(const KvCacheShape& shape);
+  // The pools are allocated by `backend`, on its device (uninitialised: attention reads only written slots).
+  KvCache(const KvCacheShape& shape, kernels::Backend& backend);
 
   // Blocks needed for a sequence to hold `tokens` tokens in total.
   [[nodiscard]] std::int64_t blocks_for(std::int64_t tokens) const;
@@ -58,8 +59,8 @@ class KvCache {
 
  private:
   KvCacheShape shape_;
-  std::vector<float> k_;  // K, or the latent rows
-  std::vector<float> v_;  // V; empty for a latent cache
+  kernels::Buffer k_;  // K, or the latent rows
+  kernels::Buffer v_;  // V; empty for a latent cache
   std::vector<std::int32_t> free_;
   std::unordered_map<SequenceId, std::vector<std::int32_t>> tables_;
 };

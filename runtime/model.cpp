@@ -11,17 +11,12 @@
 namespace capserve::runtime {
 namespace {
 
-void add_into(std::span<float> dst, std::span<const float> src, std::size_t n) {
-  for (std::size_t i = 0; i < n; ++i) dst[i] += src[i];
-}
-
-void clamp_all(std::span<float> v, std::size_t n, float c) {
-  for (std::size_t i = 0; i < n; ++i) v[i] = std::clamp(v[i], -c, c);
-}
+using kernels::DType;
+using kernels::Tensor;
 
 template <typename T>
-void grow(std::vector<T>& v, std::int64_t n) {
-  if (static_cast<std::int64_t>(v.size()) < n) v.resize(static_cast<std::size_t>(n));
+std::span<const std::byte> bytes_of(std::span<T> values) {
+  return std::as_bytes(values);
 }
 
 std::vector<std::int64_t> moe_layer_indices(const ModelConfig& config) {
@@ -92,22 +87,20 @@ void Model::router_dry_run(std::span<const std::int32_t> tokens, std::int64_t la
   const std::int64_t hidden = config_.hidden_size;
   const std::int64_t experts = config_.num_experts;
   DryRunScratch& s = dry_run_;
-  grow(s.embedded, rows * hidden);
-  grow(s.normed, rows * hidden);
-  grow(s.logits, rows * experts);
-  const std::span<float> embedded(s.embedded.data(), static_cast<std::size_t>(rows * hidden));
-  const std::span<float> normed(s.normed.data(), static_cast<std::size_t>(rows * hidden));
-  const std::span<float> logits(s.logits.data(), static_cast<std::size_t>(rows * experts));
-  backend.embedding(tokens, weights_.embed, embedded);
+  const Tensor ids = backend.scratch(s.tokens, DType::i32, {rows});
+  const Tensor embedded = backend.scratch(s.embedded, DType::f32, {rows, hidden});
+  const Tensor normed = backend.scratch(s.normed, DType::f32, {rows, hidden});
+  const Tensor logits = backend.scratch(s.logits, DType::f32, {rows, experts});
+  backend.from_host(bytes_of(tokens), ids);
+  backend.embedding(ids, weights_.embed, embedded);
   const std::int64_t n = std::min<std::int64_t>(layers, static_cast<std::int64_t>(moe_layers_.size()));
   for (std::int64_t i = 0; i < n; ++i) {
     const LayerWeights& lw =
         weights_.layers[static_cast<std::size_t>(moe_layers_[static_cast<std::size_t>(i)])];
-    backend.rms_norm(embedded, hidden, lw.post_attention_norm, static_cast<float>(config_.rms_norm_eps),
-                     normed);
-    backend.linear(normed, rows, lw.moe.router, {}, logits);
-    route_softmax_topk(logits, rows, experts, config_.top_k, config_.norm_topk_prob, s.routing,
-                       config_.router);
+    backend.rms_norm(embedded, lw.post_attention_norm, static_cast<float>(config_.rms_norm_eps), normed);
+    backend.linear(normed, lw.moe.router, {}, logits);
+    route_softmax_topk(logits.host_span<const float>(), rows, experts, config_.top_k, config_.norm_topk_prob,
+                       s.routing, config_.router);
     for (const std::int32_t e : s.routing.experts) ++counts[static_cast<std::size_t>(i * experts + e)];
   }
 }
@@ -116,13 +109,21 @@ void Model::forward(const ForwardBatch& batch, KvCache& cache, kernels::Backend&
                     std::span<float> logits) {
   const auto rows = static_cast<std::int64_t>(batch.tokens.size());
   const std::int64_t hidden = config_.hidden_size;
+  const std::int64_t half = config_.rotary_dim() / 2;
   Scratch& s = scratch_;
-  grow(s.residual, rows * hidden);
-  grow(s.normed, rows * hidden);
-  grow(s.proj, rows * hidden);
+  Activations& a = act_;
+  a.residual = backend.scratch(s.residual, DType::f32, {rows, hidden});
+  a.normed = backend.scratch(s.normed, DType::f32, {rows, hidden});
+  a.proj = backend.scratch(s.proj, DType::f32, {rows, hidden});
+  a.cos = backend.scratch(s.cos, DType::f32, {rows, half});
+  a.sin = backend.scratch(s.sin, DType::f32, {rows, half});
+  const Tensor ids = backend.scratch(s.tokens, DType::i32, {rows});
 
-  backend.embedding(batch.tokens, weights_.embed, s.residual);
-  rope_.tables(batch.positions, s.cos, s.sin);
+  backend.from_host(bytes_of(batch.tokens), ids);
+  backend.embedding(ids, weights_.embed, a.residual);
+  rope_.tables(batch.positions, s.cos_host, s.sin_host);
+  backend.from_host(bytes_of(std::span<const float>(s.cos_host)), a.cos);
+  backend.from_host(bytes_of(std::span<const float>(s.sin_host)), a.sin);
 
   // Rows of the phase the capacity scheduler leaves alone are exempt from dropping.
   const parallel::CapacityPhase phase = scheduler_.config().apply_to;
@@ -146,16 +147,13 @@ void Model::forward(const ForwardBatch& batch, KvCache& cache, kernels::Backend&
   }
 
   const auto wanted = static_cast<std::int64_t>(batch.logit_rows.size());
-  grow(s.final_rows, wanted * hidden);
-  for (std::int64_t i = 0; i < wanted; ++i) {
-    std::memcpy(s.final_rows.data() + i * hidden,
-                s.residual.data() + batch.logit_rows[static_cast<std::size_t>(i)] * hidden,
-                static_cast<std::size_t>(hidden) * sizeof(float));
-  }
-  const std::span<float> final_rows(s.final_rows.data(), static_cast<std::size_t>(wanted * hidden));
-  backend.rms_norm(final_rows, hidden, weights_.final_norm, static_cast<float>(config_.rms_norm_eps),
-                   final_rows);
-  backend.linear(final_rows, wanted, weights_.lm_head, {}, logits);
+  const Tensor final_rows = backend.scratch(s.final_rows, DType::f32, {wanted, hidden});
+  const Tensor logits_t = backend.scratch(s.logits, DType::f32, {wanted, config_.vocab_size});
+  backend.gather_rows(a.residual, batch.logit_rows, final_rows);
+  backend.rms_norm(final_rows, weights_.final_norm, static_cast<float>(config_.rms_norm_eps), final_rows);
+  backend.linear(final_rows, weights_.lm_head, {}, logits_t);
+  backend.to_host(logits_t, std::as_writable_bytes(logits.first(static_cast<std::size_t>(logits_t.numel()))),
+                  kernels::HostSync::logits);
   stats_.reduce(*comm_, placement_);
   run_stats_.add(stats_.step());
 }
@@ -163,18 +161,12 @@ void Model::forward(const ForwardBatch& batch, KvCache& cache, kernels::Backend&
 void Model::attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache,
                       kernels::Backend& backend) {
   const LayerWeights& lw = weights_.layers[static_cast<std::size_t>(layer)];
-  const auto rows = static_cast<std::int64_t>(batch.tokens.size());
-  const std::int64_t hidden = config_.hidden_size;
-  Scratch& s = scratch_;
-  backend.rms_norm(std::span<const float>(s.residual.data(), static_cast<std::size_t>(rows * hidden)), hidden,
-                   lw.input_norm, static_cast<float>(config_.rms_norm_eps), s.normed);
-  if (config_.mla) {
-    latent_attention(layer, batch, cache, backend);
-  } else {
-    grouped_query_attention(layer, batch, cache, backend);
-  }
-  backend.linear(s.attn, rows, lw.attention.o, lw.attention.o_bias, s.proj);
-  add_into(s.residual, s.proj, static_cast<std::size_t>(rows * hidden));
+  const Activations& a = act_;
+  backend.rms_norm(a.residual, lw.input_norm, static_cast<float>(config_.rms_norm_eps), a.normed);
+  const Tensor attn = config_.mla ? latent_attention(layer, batch, cache, backend)
+                                  : grouped_query_attention(layer, batch, cache, backend);
+  backend.linear(attn, lw.attention.o, lw.attention.o_bias, a.proj);
+  backend.add(a.residual, a.proj);
 }
 
 float Model::softmax_scale() const {
@@ -182,8 +174,8 @@ float Model::softmax_scale() const {
       config_.softmax_scale.value_or(1.0 / std::sqrt(static_cast<double>(config_.head_dim))));
 }
 
-void Model::grouped_query_attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache,
-                                    kernels::Backend& backend) {
+Tensor Model::grouped_query_attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache,
+                                      kernels::Backend& backend) {
   const AttentionWeights& a = weights_.layers[static_cast<std::size_t>(layer)].attention;
   const auto rows = static_cast<std::int64_t>(batch.tokens.size());
   const std::int64_t d = config_.head_dim;
@@ -191,38 +183,37 @@ void Model::grouped_query_attention(std::int64_t layer, const ForwardBatch& batc
   const std::int64_t kv_width = config_.num_kv_heads * d;
   const auto eps = static_cast<float>(config_.rms_norm_eps);
   Scratch& s = scratch_;
-  grow(s.q, rows * q_width);
-  grow(s.k, rows * kv_width);
-  grow(s.v, rows * kv_width);
-  grow(s.attn, rows * q_width);
-  const std::span<float> q(s.q.data(), static_cast<std::size_t>(rows * q_width));
-  const std::span<float> k(s.k.data(), static_cast<std::size_t>(rows * kv_width));
-  const std::span<float> v(s.v.data(), static_cast<std::size_t>(rows * kv_width));
+  const Tensor& normed = act_.normed;
+  const Tensor q = backend.scratch(s.q, DType::f32, {rows, q_width});
+  const Tensor k = backend.scratch(s.k, DType::f32, {rows, kv_width});
+  const Tensor v = backend.scratch(s.v, DType::f32, {rows, kv_width});
+  const Tensor attn = backend.scratch(s.attn, DType::f32, {rows, q_width});
 
-  backend.linear(s.normed, rows, a.q, a.q_bias, q);
-  backend.linear(s.normed, rows, a.k, a.k_bias, k);
-  backend.linear(s.normed, rows, a.v, a.v_bias, v);
+  backend.linear(normed, a.q, a.q_bias, q);
+  backend.linear(normed, a.k, a.k_bias, k);
+  backend.linear(normed, a.v, a.v_bias, v);
   if (config_.qk_norm) {
-    backend.rms_norm(q, q_width, a.q_norm, eps, q);
-    backend.rms_norm(k, kv_width, a.k_norm, eps, k);
+    backend.rms_norm(q, a.q_norm, eps, q);
+    backend.rms_norm(k, a.k_norm, eps, k);
   }
   if (config_.clip_qkv) {
     const auto c = static_cast<float>(*config_.clip_qkv);
-    clamp_all(q, q.size(), c);
-    clamp_all(k, k.size(), c);
-    clamp_all(v, v.size(), c);
+    backend.clamp(q, c);
+    backend.clamp(k, c);
+    backend.clamp(v, c);
   }
-  backend.rope(q, {config_.num_heads, d, 0, d, config_.interleaved_rope}, s.cos, s.sin);
-  backend.rope(k, {config_.num_kv_heads, d, 0, d, config_.interleaved_rope}, s.cos, s.sin);
+  backend.rope(q, {config_.num_heads, d, 0, d, config_.interleaved_rope}, act_.cos, act_.sin);
+  backend.rope(k, {config_.num_kv_heads, d, 0, d, config_.interleaved_rope}, act_.cos, act_.sin);
 
   const kernels::PagedKvLayer kv = cache.layer(layer);
   backend.kv_store(batch.seqs, k, v, kv);
   backend.paged_attention(batch.seqs, q, kv, {config_.num_heads, softmax_scale(), config_.sliding_window},
-                          s.attn);
+                          attn);
+  return attn;
 }
 
-void Model::latent_attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache,
-                             kernels::Backend& backend) {
+Tensor Model::latent_attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache,
+                               kernels::Backend& backend) {
   const AttentionWeights& a = weights_.layers[static_cast<std::size_t>(layer)].attention;
   const MlaConfig& m = *config_.mla;
   const auto rows = static_cast<std::int64_t>(batch.tokens.size());
@@ -232,43 +223,38 @@ void Model::latent_attention(std::int64_t layer, const ForwardBatch& batch, KvCa
   const std::int64_t dr = m.qk_rope_head_dim;
   const auto eps = static_cast<float>(m.norm_eps);
   Scratch& s = scratch_;
-  grow(s.q, rows * heads * qk);
-  grow(s.k, rows * r);
-  grow(s.v, rows * dr);
-  grow(s.attn, rows * heads * m.v_head_dim);
-  const std::span<float> q(s.q.data(), static_cast<std::size_t>(rows * heads * qk));
-  const std::span<float> latent(s.k.data(), static_cast<std::size_t>(rows * r));
-  const std::span<float> rope_key(s.v.data(), static_cast<std::size_t>(rows * dr));
+  const Tensor& normed = act_.normed;
+  const Tensor q = backend.scratch(s.q, DType::f32, {rows, heads * qk});
+  const Tensor latent = backend.scratch(s.k, DType::f32, {rows, r});
+  const Tensor rope_key = backend.scratch(s.v, DType::f32, {rows, dr});
+  const Tensor attn = backend.scratch(s.attn, DType::f32, {rows, heads * m.v_head_dim});
 
   if (m.q_lora_rank > 0) {
-    grow(s.q_lora, rows * m.q_lora_rank);
-    const std::span<float> q_lora(s.q_lora.data(), static_cast<std::size_t>(rows * m.q_lora_rank));
-    backend.linear(s.normed, rows, a.q_a, a.q_a_bias, q_lora);
-    backend.rms_norm(q_lora, m.q_lora_rank, a.q_a_norm, eps, q_lora);
-    backend.linear(q_lora, rows, a.q_b, {}, q);
+    const Tensor q_lora = backend.scratch(s.q_lora, DType::f32, {rows, m.q_lora_rank});
+    backend.linear(normed, a.q_a, a.q_a_bias, q_lora);
+    backend.rms_norm(q_lora, a.q_a_norm, eps, q_lora);
+    backend.linear(q_lora, a.q_b, {}, q);
   } else {
-    backend.linear(s.normed, rows, a.q, {}, q);
+    backend.linear(normed, a.q, {}, q);
   }
-  backend.linear(s.normed, rows, a.kv_a_latent, a.kv_a_latent_bias, latent);
-  backend.rms_norm(latent, r, a.kv_a_norm, eps, latent);
-  backend.linear(s.normed, rows, a.kv_a_rope, a.kv_a_rope_bias, rope_key);
-  backend.rope(q, {heads, qk, m.qk_nope_head_dim, dr, config_.interleaved_rope}, s.cos, s.sin);
-  backend.rope(rope_key, {1, dr, 0, dr, config_.interleaved_rope}, s.cos, s.sin);
+  backend.linear(normed, a.kv_a_latent, a.kv_a_latent_bias, latent);
+  backend.rms_norm(latent, a.kv_a_norm, eps, latent);
+  backend.linear(normed, a.kv_a_rope, a.kv_a_rope_bias, rope_key);
+  backend.rope(q, {heads, qk, m.qk_nope_head_dim, dr, config_.interleaved_rope}, act_.cos, act_.sin);
+  backend.rope(rope_key, {1, dr, 0, dr, config_.interleaved_rope}, act_.cos, act_.sin);
 
   const kernels::PagedLatentLayer kv = cache.latent_layer(layer);
   backend.latent_store(batch.seqs, latent, rope_key, kv);
   const kernels::LatentAttentionParams params{heads,        m.qk_nope_head_dim, dr,
                                               m.v_head_dim, softmax_scale(),    latent_form_};
-  backend.latent_attention(batch.seqs, q, kv, a.kv_b, params, s.attn);
+  backend.latent_attention(batch.seqs, q, kv, a.kv_b, params, attn);
+  return attn;
 }
 
 void Model::feed_forward(std::int64_t layer, std::int64_t rows, kernels::Backend& backend) {
   const LayerWeights& lw = weights_.layers[static_cast<std::size_t>(layer)];
-  const std::int64_t hidden = config_.hidden_size;
-  Scratch& s = scratch_;
-  const std::span<const float> normed(s.normed.data(), static_cast<std::size_t>(rows * hidden));
-  backend.rms_norm(std::span<const float>(s.residual.data(), static_cast<std::size_t>(rows * hidden)), hidden,
-                   lw.post_attention_norm, static_cast<float>(config_.rms_norm_eps), s.normed);
+  const Activations& a = act_;
+  backend.rms_norm(a.residual, lw.post_attention_norm, static_cast<float>(config_.rms_norm_eps), a.normed);
   if (lw.is_moe) {
     MoeLayerContext context{layer,
                             placement_,
@@ -278,12 +264,12 @@ void Model::feed_forward(std::int64_t layer, std::int64_t rows, kernels::Backend
                             stats_.layer(moe_index_[static_cast<std::size_t>(layer)]),
                             row_dropped_,
                             row_rerouted_};
-    moe_block(backend, config_, lw.moe, normed, rows, s.proj, s.moe, context);
+    moe_block(backend, config_, lw.moe, a.normed, a.proj, scratch_.moe, context);
   } else {
     const std::int64_t whole[2] = {0, rows};
-    backend.grouped_expert_ffn(normed, whole, lw.dense_mlp, s.proj);
+    backend.grouped_expert_ffn(a.normed, whole, lw.dense_mlp, a.proj);
   }
-  add_into(s.residual, s.proj, static_cast<std::size_t>(rows * hidden));
+  backend.add(a.residual, a.proj);
 }
 
 }  // namespace capserve::runtime

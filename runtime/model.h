@@ -89,10 +89,11 @@ class Model {
   // Input norm, the layer's attention (grouped-query or multi-head latent) into scratch_.attn, o_proj,
   // residual.
   void attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache, kernels::Backend& backend);
-  void grouped_query_attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache,
-                               kernels::Backend& backend);
-  void latent_attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache,
-                        kernels::Backend& backend);
+  // Each returns the attention output [rows, heads * value head dim], before o_proj.
+  kernels::Tensor grouped_query_attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache,
+                                          kernels::Backend& backend);
+  kernels::Tensor latent_attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache,
+                                   kernels::Backend& backend);
   [[nodiscard]] float softmax_scale() const;
   void feed_forward(std::int64_t layer, std::int64_t rows, kernels::Backend& backend);
 
@@ -113,14 +114,19 @@ class Model {
   std::vector<std::int32_t> row_dropped_, row_rerouted_;
   kernels::LatentForm latent_form_ = kernels::LatentForm::cheaper;
 
-  // Grow-only activation buffers, reused by every step.
+  // Grow-only activation buffers of the backend, reused by every step.
   struct Scratch {
     // MLA: k holds the latents, v the rope keys, q_lora the low-rank queries.
-    std::vector<float> residual, normed, q, q_lora, k, v, attn, proj, cos, sin, final_rows;
+    kernels::Buffer tokens, residual, normed, q, q_lora, k, v, attn, proj, cos, sin, final_rows, logits;
+    std::vector<float> cos_host, sin_host;  // the step's rotary tables, made on the host
     MoeScratch moe;
   } scratch_;
+  // The current step's tensors over scratch_ that every layer uses.
+  struct Activations {
+    kernels::Tensor residual, normed, proj, cos, sin;  // [rows, hidden] x3, [rows, rotary_dim / 2] x2
+  } act_;
   struct DryRunScratch {
-    std::vector<float> embedded, normed, logits;
+    kernels::Buffer tokens, embedded, normed, logits;
     Routing routing;
   } dry_run_;
 };

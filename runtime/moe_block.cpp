@@ -66,18 +66,23 @@ void route_softmax_topk(std::span<const float> router_logits, std::int64_t rows,
 }
 
 void moe_block(kernels::Backend& backend, const ModelConfig& config, const MoeWeights& weights,
-               std::span<const float> h, std::int64_t rows, std::span<float> out, MoeScratch& s,
+               const kernels::Tensor& h_t, const kernels::Tensor& out_t, MoeScratch& s,
                MoeLayerContext& ctx) {
   using Clock = std::chrono::steady_clock;
+  using kernels::DType;
+  using kernels::Tensor;
+  const std::int64_t rows = h_t.dim(0);
+  const std::span<const float> h = h_t.host_span<const float>();
+  const std::span<float> out = out_t.host_span<float>();
   const std::int64_t hidden = config.hidden_size;
   const std::int64_t num_experts = config.num_experts;
   const std::int64_t top_k = config.top_k;
   const auto slots = static_cast<std::size_t>(rows * top_k);
 
-  s.router_logits.resize(static_cast<std::size_t>(rows * num_experts));
-  backend.linear(h, rows, weights.router, {}, s.router_logits);
-  route_softmax_topk(s.router_logits, rows, num_experts, top_k, config.norm_topk_prob, s.routing,
-                     config.router);
+  const Tensor router_logits = backend.scratch(s.router_logits, DType::f32, {rows, num_experts});
+  backend.linear(h_t, weights.router, {}, router_logits);
+  route_softmax_topk(router_logits.host_span<const float>(), rows, num_experts, top_k, config.norm_topk_prob,
+                     s.routing, config.router);
 
   parallel::MoeLayerStats& stats = ctx.stats;
   stats.tokens += rows;
@@ -120,19 +125,15 @@ void moe_block(kernels::Backend& backend, const ModelConfig& config, const MoeWe
   stats.combine_seconds += moved.combine_seconds;
 
   if (!weights.shared.empty()) {
-    s.shared_out.resize(static_cast<std::size_t>(rows * hidden));
+    const Tensor shared_out = backend.scratch(s.shared_out, DType::f32, {rows, hidden});
     const std::int64_t whole[2] = {0, rows};
-    backend.grouped_expert_ffn(h, whole, weights.shared, s.shared_out);
-    const bool gated = !weights.shared_gate.empty();
-    if (gated) {
-      s.shared_gate.resize(static_cast<std::size_t>(rows));
-      backend.linear(h, rows, weights.shared_gate, {}, s.shared_gate);
-    }
-    for (std::int64_t t = 0; t < rows; ++t) {
-      const float g = gated ? 1.0F / (1.0F + std::exp(-s.shared_gate[static_cast<std::size_t>(t)])) : 1.0F;
-      const float* src = s.shared_out.data() + t * hidden;
-      float* dst = out.data() + t * hidden;
-      for (std::int64_t i = 0; i < hidden; ++i) dst[i] += g * src[i];
+    backend.grouped_expert_ffn(h_t, whole, weights.shared, shared_out);
+    if (weights.shared_gate.empty()) {
+      backend.add(out_t, shared_out);
+    } else {
+      const Tensor gate = backend.scratch(s.shared_gate, DType::f32, {rows});
+      backend.linear(h_t, weights.shared_gate, {}, gate.reshaped({rows, 1}));
+      backend.add_sigmoid_gated(out_t, shared_out, gate);
     }
   }
 }

@@ -35,11 +35,11 @@ void route_softmax_topk(std::span<const float> router_logits, std::int64_t rows,
 
 // Grow-only buffers reused across layers and steps.
 struct MoeScratch {
-  std::vector<float> router_logits;
+  kernels::Buffer router_logits;
   Routing routing;
   std::vector<parallel::SlotStatus> status;
-  std::vector<float> shared_out;
-  std::vector<float> shared_gate;
+  kernels::Buffer shared_out;
+  kernels::Buffer shared_gate;
 };
 
 // The expert-parallel machinery one MoE layer runs through, and where its statistics go.
@@ -56,7 +56,7 @@ struct MoeLayerContext {
 
 // out[rows, hidden] = MoE(h); out is overwritten. Every rank calls it for every MoE layer, rows may be 0.
 void moe_block(kernels::Backend& backend, const ModelConfig& config, const MoeWeights& weights,
-               std::span<const float> h, std::int64_t rows, std::span<float> out, MoeScratch& scratch,
+               const kernels::Tensor& h, const kernels::Tensor& out, MoeScratch& scratch,
                MoeLayerContext& context);
 
 }  // namespace capserve::runtime

@@ -15,7 +15,9 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <stdexcept>
+#include <string>
 
 #include "kernels/cpu/weight_convert.h"
 
@@ -27,6 +29,8 @@ namespace {
 // rows.
 constexpr std::int64_t kDirectMaxRows = 32;
 constexpr std::int64_t kLanes = 16;
+// Host buffers start on a cache line (and an AVX-512 vector).
+constexpr std::size_t kHostAlignment = 64;
 
 #if defined(__AVX512F__)
 template <DType D>
@@ -199,7 +203,12 @@ void convert_to_f32(DType dtype, const std::byte* base, std::int64_t first, std:
     case DType::f16:
       convert_typed<DType::f16>(base, first, count, out);
       return;
+    case DType::i32:
+    case DType::i64:
+    case DType::u8:
+      break;
   }
+  throw std::invalid_argument("convert_to_f32: " + std::string(dtype_name(dtype)) + " is not a weight type");
 }
 
 namespace {
@@ -229,13 +238,16 @@ void CpuBackend::set_num_threads(int n) {
   openblas_set_num_threads(num_threads_);
 }
 
-void CpuBackend::linear(std::span<const float> x, std::int64_t m, const WeightView& w, const WeightView& bias,
-                        std::span<float> y) {
+void CpuBackend::linear(const Tensor& xt, const WeightView& w, const WeightView& bias, const Tensor& yt) {
   const std::int64_t k = w.cols;
   const std::int64_t n = w.rows;
-  if (static_cast<std::int64_t>(x.size()) < m * k || static_cast<std::int64_t>(y.size()) < m * n) {
-    throw std::invalid_argument("linear: activation buffers smaller than m x k / m x n");
+  const std::int64_t m = xt.dims() == 0 ? 0 : xt.dim(0);
+  if (xt.numel() != m * k || yt.numel() != m * n) {
+    throw std::invalid_argument("linear: x " + xt.shape_text() + " and y " + yt.shape_text() + " for a [" +
+                                std::to_string(n) + ", " + std::to_string(k) + "] weight");
   }
+  const std::span<const float> x = xt.host_span<const float>();
+  const std::span<float> y = yt.host_span<float>();
   if (m == 0) return;
   if (m > kDirectMaxRows) {
     sgemm(true, m, n, k, x.data(), k, widen(w, widened_weight_), k, y.data(), n);
@@ -250,6 +262,10 @@ void CpuBackend::linear(std::span<const float> x, std::int64_t m, const WeightVi
       case DType::f16:
         linear_direct<DType::f16>(x.data(), m, k, w.data, n, y.data());
         break;
+      case DType::i32:
+      case DType::i64:
+      case DType::u8:
+        throw std::invalid_argument("linear: " + std::string(dtype_name(w.dtype)) + " is not a weight type");
     }
   }
   if (!bias.empty()) {
@@ -262,8 +278,13 @@ void CpuBackend::linear(std::span<const float> x, std::int64_t m, const WeightVi
   }
 }
 
-void CpuBackend::embedding(std::span<const std::int32_t> ids, const WeightView& table, std::span<float> out) {
+void CpuBackend::embedding(const Tensor& idst, const WeightView& table, const Tensor& outt) {
   const std::int64_t cols = table.cols;
+  const std::span<const std::int32_t> ids = idst.host_span<const std::int32_t>();
+  const std::span<float> out = outt.host_span<float>();
+  if (outt.numel() != static_cast<std::int64_t>(ids.size()) * cols)
+    throw std::invalid_argument("embedding: out " + outt.shape_text() + " for " + std::to_string(ids.size()) +
+                                " ids of width " + std::to_string(cols));
   for (std::size_t i = 0; i < ids.size(); ++i) {
     const std::int64_t id = ids[i];
     if (id < 0 || id >= table.rows) throw std::out_of_range("embedding: token id out of range");
@@ -272,8 +293,13 @@ void CpuBackend::embedding(std::span<const std::int32_t> ids, const WeightView& 
   }
 }
 
-void CpuBackend::rms_norm(std::span<const float> x, std::int64_t cols, const WeightView& weight, float eps,
-                          std::span<float> out) {
+void CpuBackend::rms_norm(const Tensor& xt, const WeightView& weight, float eps, const Tensor& outt) {
+  const std::int64_t cols = xt.row_numel();
+  if (weight.numel() != cols || outt.numel() != xt.numel())
+    throw std::invalid_argument("rms_norm: x " + xt.shape_text() + ", out " + outt.shape_text() +
+                                ", weight of " + std::to_string(weight.numel()));
+  const std::span<const float> x = xt.host_span<const float>();
+  const std::span<float> out = outt.host_span<float>();
   norm_weight_.resize(static_cast<std::size_t>(cols));
   convert_to_f32(weight.dtype, weight.data, 0, cols, norm_weight_.data());
   const float* g = norm_weight_.data();
@@ -289,8 +315,10 @@ void CpuBackend::rms_norm(std::span<const float> x, std::int64_t cols, const Wei
   }
 }
 
-void CpuBackend::rope(std::span<float> x, const RotaryLayout& layout, std::span<const float> cos,
-                      std::span<const float> sin) {
+void CpuBackend::rope(const Tensor& xt, const RotaryLayout& layout, const Tensor& cost, const Tensor& sint) {
+  const std::span<float> x = xt.host_span<float>();
+  const std::span<const float> cos = cost.host_span<const float>();
+  const std::span<const float> sin = sint.host_span<const float>();
   const std::int64_t half = layout.dim / 2;
   const auto tokens = static_cast<std::int64_t>(x.size()) / (layout.heads * layout.head_dim);
   for (std::int64_t t = 0; t < tokens; ++t) {
@@ -344,22 +372,30 @@ float dot(const float* a, const float* b, std::int64_t n) {
 
 }  // namespace
 
-void CpuBackend::kv_store(std::span<const SequenceSlice> seqs, std::span<const float> k,
-                          std::span<const float> v, const PagedKvLayer& cache) {
+void CpuBackend::kv_store(std::span<const SequenceSlice> seqs, const Tensor& kt, const Tensor& vt,
+                          const PagedKvLayer& cache) {
   const std::int64_t width = cache.num_kv_heads * cache.head_dim;
+  const std::span<const float> k = kt.host_span<const float>();
+  const std::span<const float> v = vt.host_span<const float>();
+  float* const cache_k = cache.k.host_span<float>().data();
+  float* const cache_v = cache.v.host_span<float>().data();
   for (const SequenceSlice& s : seqs) {
     for (std::int64_t i = 0; i < s.num_tokens; ++i) {
       const std::int64_t dst = cache_row(cache.block_size, s.block_table, s.start_pos + i) * width;
       const std::int64_t src = (s.first_row + i) * width;
-      std::memcpy(cache.k.data() + dst, k.data() + src, static_cast<std::size_t>(width) * sizeof(float));
-      std::memcpy(cache.v.data() + dst, v.data() + src, static_cast<std::size_t>(width) * sizeof(float));
+      std::memcpy(cache_k + dst, k.data() + src, static_cast<std::size_t>(width) * sizeof(float));
+      std::memcpy(cache_v + dst, v.data() + src, static_cast<std::size_t>(width) * sizeof(float));
     }
   }
 }
 
-void CpuBackend::paged_attention(std::span<const SequenceSlice> seqs, std::span<const float> q,
+void CpuBackend::paged_attention(std::span<const SequenceSlice> seqs, const Tensor& qt,
                                  const PagedKvLayer& cache, const AttentionParams& params,
-                                 std::span<float> out) {
+                                 const Tensor& outt) {
+  const std::span<const float> q = qt.host_span<const float>();
+  const std::span<float> out = outt.host_span<float>();
+  const float* const cache_k = cache.k.host_span<const float>().data();
+  const float* const cache_v = cache.v.host_span<const float>().data();
   const std::int64_t d = cache.head_dim;
   const std::int64_t heads = params.num_heads;
   const std::int64_t group = heads / cache.num_kv_heads;
@@ -385,7 +421,7 @@ void CpuBackend::paged_attention(std::span<const SequenceSlice> seqs, std::span<
               params.sliding_window > 0 ? std::max<std::int64_t>(0, pos - params.sliding_window + 1) : 0;
           const float* qv = q.data() + ((s.first_row + i) * heads + h) * d;
           for (std::int64_t p = lo; p <= pos; ++p) {
-            const float* kv = cache.k.data() + rows[static_cast<std::size_t>(p)] * kv_width + kv_off;
+            const float* kv = cache_k + rows[static_cast<std::size_t>(p)] * kv_width + kv_off;
             scores[static_cast<std::size_t>(p)] = dot(qv, kv, d) * params.scale;
           }
           softmax_range(scores.data(), lo, pos);
@@ -393,7 +429,7 @@ void CpuBackend::paged_attention(std::span<const SequenceSlice> seqs, std::span<
           std::fill(o, o + d, 0.0F);
           for (std::int64_t p = lo; p <= pos; ++p) {
             const float w = scores[static_cast<std::size_t>(p)];
-            const float* vv = cache.v.data() + rows[static_cast<std::size_t>(p)] * kv_width + kv_off;
+            const float* vv = cache_v + rows[static_cast<std::size_t>(p)] * kv_width + kv_off;
             for (std::int64_t e = 0; e < d; ++e) o[e] += w * vv[e];
           }
         }
@@ -402,13 +438,16 @@ void CpuBackend::paged_attention(std::span<const SequenceSlice> seqs, std::span<
   }
 }
 
-void CpuBackend::latent_store(std::span<const SequenceSlice> seqs, std::span<const float> latent,
-                              std::span<const float> rope_key, const PagedLatentLayer& cache) {
+void CpuBackend::latent_store(std::span<const SequenceSlice> seqs, const Tensor& latentt,
+                              const Tensor& rope_keyt, const PagedLatentLayer& cache) {
+  const std::span<const float> latent = latentt.host_span<const float>();
+  const std::span<const float> rope_key = rope_keyt.host_span<const float>();
+  float* const cache_rows = cache.rows.host_span<float>().data();
   const std::int64_t r = cache.kv_lora_rank;
   const std::int64_t dr = cache.rope_dim;
   for (const SequenceSlice& s : seqs) {
     for (std::int64_t i = 0; i < s.num_tokens; ++i) {
-      float* dst = cache.rows.data() + cache_row(cache.block_size, s.block_table, s.start_pos + i) * (r + dr);
+      float* dst = cache_rows + cache_row(cache.block_size, s.block_table, s.start_pos + i) * (r + dr);
       const std::int64_t row = s.first_row + i;
       std::memcpy(dst, latent.data() + row * r, static_cast<std::size_t>(r) * sizeof(float));
       std::memcpy(dst + r, rope_key.data() + row * dr, static_cast<std::size_t>(dr) * sizeof(float));
@@ -434,9 +473,12 @@ bool absorbed_is_cheaper(std::int64_t n, std::int64_t context, std::int64_t r,
 
 }  // namespace
 
-void CpuBackend::latent_attention(std::span<const SequenceSlice> seqs, std::span<const float> q,
+void CpuBackend::latent_attention(std::span<const SequenceSlice> seqs, const Tensor& qt,
                                   const PagedLatentLayer& cache, const WeightView& kv_b,
-                                  const LatentAttentionParams& params, std::span<float> out) {
+                                  const LatentAttentionParams& params, const Tensor& outt) {
+  const std::span<const float> q = qt.host_span<const float>();
+  const std::span<float> out = outt.host_span<float>();
+  const float* const cache_rows = cache.rows.host_span<const float>().data();
   const std::int64_t heads = params.num_heads;
   const std::int64_t dn = params.qk_nope_head_dim;
   const std::int64_t dr = params.qk_rope_head_dim;
@@ -514,7 +556,7 @@ void CpuBackend::latent_attention(std::span<const SequenceSlice> seqs, std::span
     latent_ctx_.resize(static_cast<std::size_t>(context * r));
     for (std::int64_t p = 0; p < context; ++p) {
       std::memcpy(latent_ctx_.data() + p * r,
-                  cache.rows.data() + cache_row(cache.block_size, s.block_table, p) * row_width,
+                  cache_rows + cache_row(cache.block_size, s.block_table, p) * row_width,
                   static_cast<std::size_t>(r) * sizeof(float));
     }
     sgemm(true, context, kv_width, r, latent_ctx_.data(), r, wkv, r,
@@ -535,7 +577,7 @@ void CpuBackend::latent_attention(std::span<const SequenceSlice> seqs, std::span
         rows.resize(static_cast<std::size_t>(context));
         for (std::int64_t p = 0; p < context; ++p) {
           rows[static_cast<std::size_t>(p)] =
-              cache.rows.data() + cache_row(cache.block_size, s.block_table, p) * row_width;
+              cache_rows + cache_row(cache.block_size, s.block_table, p) * row_width;
         }
         scores.resize(static_cast<std::size_t>(context));
         for (std::int64_t i = 0; i < s.num_tokens; ++i) {
@@ -588,10 +630,9 @@ void CpuBackend::latent_attention(std::span<const SequenceSlice> seqs, std::span
   });
 }
 
-void CpuBackend::grouped_expert_ffn(std::span<const float> x, std::span<const std::int64_t> offsets,
-                                    std::span<const ExpertWeights> experts, std::span<float> out) {
+void CpuBackend::grouped_expert_ffn(const Tensor& x, std::span<const std::int64_t> offsets,
+                                    std::span<const ExpertWeights> experts, const Tensor& out) {
   if (experts.empty()) return;
-  const std::int64_t hidden = experts.front().gate.cols;
   for (std::size_t e = 0; e + 1 < offsets.size(); ++e) {
     const std::int64_t first = offsets[e];
     const std::int64_t n = offsets[e + 1] - first;
@@ -600,11 +641,78 @@ void CpuBackend::grouped_expert_ffn(std::span<const float> x, std::span<const st
     const std::int64_t ffn = w.gate.rows;
     gate_.resize(static_cast<std::size_t>(n * ffn));
     up_.resize(static_cast<std::size_t>(n * ffn));
-    const std::span<const float> xe = x.subspan(static_cast<std::size_t>(first * hidden));
-    linear(xe, n, w.gate, {}, gate_);
-    linear(xe, n, w.up, {}, up_);
+    const Tensor xe = x.rows(first, n);
+    const Tensor gate = Tensor::host(std::span(gate_.data(), gate_.size()), {n, ffn});
+    const Tensor up = Tensor::host(std::span(up_.data(), up_.size()), {n, ffn});
+    linear(xe, w.gate, {}, gate);
+    linear(xe, w.up, {}, up);
     for (std::size_t i = 0; i < static_cast<std::size_t>(n * ffn); ++i) gate_[i] = silu(gate_[i]) * up_[i];
-    linear(gate_, n, w.down, {}, out.subspan(static_cast<std::size_t>(first * hidden)));
+    linear(gate, w.down, {}, out.rows(first, n));
+  }
+}
+
+namespace {
+
+void release_host(void* data, Device /*device*/) noexcept {
+  ::operator delete (data, std::align_val_t{kHostAlignment});
+}
+
+}  // namespace
+
+Buffer CpuBackend::allocate(std::size_t bytes) {
+  return {::operator new (std::max<std::size_t>(bytes, 1), std::align_val_t{kHostAlignment}), bytes, kCpu,
+          release_host};
+}
+
+void CpuBackend::copy_to_host(const Tensor& src, std::span<std::byte> dst) {
+  std::memcpy(dst.data(), src.data(), dst.size());
+}
+
+void CpuBackend::copy_from_host(std::span<const std::byte> src, const Tensor& dst) {
+  std::memcpy(dst.data(), src.data(), src.size());
+}
+
+void CpuBackend::add(const Tensor& dst, const Tensor& src) {
+  if (dst.numel() != src.numel())
+    throw std::invalid_argument("add: dst " + dst.shape_text() + " and src " + src.shape_text());
+  const std::span<float> d = dst.host_span<float>();
+  const std::span<const float> s = src.host_span<const float>();
+  for (std::size_t i = 0; i < d.size(); ++i) d[i] += s[i];
+}
+
+void CpuBackend::add_sigmoid_gated(const Tensor& dst, const Tensor& src, const Tensor& gate) {
+  const std::int64_t rows = gate.numel();
+  if (dst.numel() != src.numel() || dst.dims() == 0 || dst.dim(0) != rows)
+    throw std::invalid_argument("add_sigmoid_gated: dst " + dst.shape_text() + ", src " + src.shape_text() +
+                                ", gate " + gate.shape_text());
+  const std::int64_t width = dst.row_numel();
+  const std::span<float> d = dst.host_span<float>();
+  const std::span<const float> s = src.host_span<const float>();
+  const std::span<const float> g = gate.host_span<const float>();
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const float w = 1.0F / (1.0F + std::exp(-g[static_cast<std::size_t>(r)]));
+    float* dr = d.data() + r * width;
+    const float* sr = s.data() + r * width;
+    for (std::int64_t i = 0; i < width; ++i) dr[i] += w * sr[i];
+  }
+}
+
+void CpuBackend::clamp(const Tensor& x, float limit) {
+  for (float& v : x.host_span<float>()) v = std::clamp(v, -limit, limit);
+}
+
+void CpuBackend::gather_rows(const Tensor& src, std::span<const std::int64_t> rows, const Tensor& dst) {
+  const std::int64_t width = src.row_numel();
+  if (dst.dims() == 0 || dst.dim(0) != static_cast<std::int64_t>(rows.size()) || dst.row_numel() != width)
+    throw std::invalid_argument("gather_rows: " + std::to_string(rows.size()) + " rows of " +
+                                src.shape_text() + " into " + dst.shape_text());
+  const std::span<const float> s = src.host_span<const float>();
+  const std::span<float> d = dst.host_span<float>();
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    if (rows[i] < 0 || rows[i] >= src.dim(0))
+      throw std::out_of_range("gather_rows: row " + std::to_string(rows[i]) + " of " + src.shape_text());
+    std::memcpy(d.data() + static_cast<std::int64_t>(i) * width, s.data() + rows[i] * width,
+                static_cast<std::size_t>(width) * sizeof(float));
   }
 }
 

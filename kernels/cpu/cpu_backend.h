@@ -7,30 +7,37 @@
 
 namespace capserve::kernels::cpu {
 
-class CpuBackend final : public Backend {
+class CpuBackend : public Backend {
  public:
   explicit CpuBackend(int num_threads);
 
-  void linear(std::span<const float> x, std::int64_t m, const WeightView& w, const WeightView& bias,
-              std::span<float> y) override;
-  void embedding(std::span<const std::int32_t> ids, const WeightView& table, std::span<float> out) override;
-  void rms_norm(std::span<const float> x, std::int64_t cols, const WeightView& weight, float eps,
-                std::span<float> out) override;
-  void rope(std::span<float> x, const RotaryLayout& layout, std::span<const float> cos,
-            std::span<const float> sin) override;
-  void kv_store(std::span<const SequenceSlice> seqs, std::span<const float> k, std::span<const float> v,
+  [[nodiscard]] Device device() const override { return kCpu; }
+  [[nodiscard]] Buffer allocate(std::size_t bytes) override;
+
+  void linear(const Tensor& x, const WeightView& w, const WeightView& bias, const Tensor& y) override;
+  void embedding(const Tensor& ids, const WeightView& table, const Tensor& out) override;
+  void rms_norm(const Tensor& x, const WeightView& weight, float eps, const Tensor& out) override;
+  void rope(const Tensor& x, const RotaryLayout& layout, const Tensor& cos, const Tensor& sin) override;
+  void add(const Tensor& dst, const Tensor& src) override;
+  void add_sigmoid_gated(const Tensor& dst, const Tensor& src, const Tensor& gate) override;
+  void clamp(const Tensor& x, float limit) override;
+  void gather_rows(const Tensor& src, std::span<const std::int64_t> rows, const Tensor& dst) override;
+  void kv_store(std::span<const SequenceSlice> seqs, const Tensor& k, const Tensor& v,
                 const PagedKvLayer& cache) override;
-  void paged_attention(std::span<const SequenceSlice> seqs, std::span<const float> q,
-                       const PagedKvLayer& cache, const AttentionParams& params,
-                       std::span<float> out) override;
-  void latent_store(std::span<const SequenceSlice> seqs, std::span<const float> latent,
-                    std::span<const float> rope_key, const PagedLatentLayer& cache) override;
-  void latent_attention(std::span<const SequenceSlice> seqs, std::span<const float> q,
-                        const PagedLatentLayer& cache, const WeightView& kv_b,
-                        const LatentAttentionParams& params, std::span<float> out) override;
-  void grouped_expert_ffn(std::span<const float> x, std::span<const std::int64_t> offsets,
-                          std::span<const ExpertWeights> experts, std::span<float> out) override;
+  void paged_attention(std::span<const SequenceSlice> seqs, const Tensor& q, const PagedKvLayer& cache,
+                       const AttentionParams& params, const Tensor& out) override;
+  void latent_store(std::span<const SequenceSlice> seqs, const Tensor& latent, const Tensor& rope_key,
+                    const PagedLatentLayer& cache) override;
+  void latent_attention(std::span<const SequenceSlice> seqs, const Tensor& q, const PagedLatentLayer& cache,
+                        const WeightView& kv_b, const LatentAttentionParams& params,
+                        const Tensor& out) override;
+  void grouped_expert_ffn(const Tensor& x, std::span<const std::int64_t> offsets,
+                          std::span<const ExpertWeights> experts, const Tensor& out) override;
   void set_num_threads(int n) override;
+
+ protected:
+  void copy_to_host(const Tensor& src, std::span<std::byte> dst) override;
+  void copy_from_host(std::span<const std::byte> src, const Tensor& dst) override;
 
  private:
   int num_threads_;

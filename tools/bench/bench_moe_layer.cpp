@@ -545,9 +545,9 @@ int run_synthetic(parallel::MpiWorld& world, parallel::MpiCommunicator& comm, co
         for (int r = 0; r < 4; ++r) {
           const auto t0 = Clock::now();
           backend.grouped_expert_ffn(
-              std::span<const float>(x.data(), rows), offsets,
+              kernels::Tensor::host(std::span(x.data(), rows), {group * n, hidden}), offsets,
               std::span<const kernels::ExpertWeights>(local_weights.data(), static_cast<std::size_t>(group)),
-              std::span<float>(y.data(), rows));
+              kernels::Tensor::host(std::span(y.data(), rows), {group * n, hidden}));
           if (r > 0) best = std::min(best, seconds_since(t0));
         }
         expert_cost.push_back({{"rows", n}, {"ms", 1e3 * best / static_cast<double>(group)}});

@@ -410,7 +410,8 @@ TEST(CudaKernels, GroupedExpertFfnMatchesTheCpuBackend) {
       x[i] = from_bf16(x_bits[i]);
     }
     std::vector<float> ref(x.size());
-    cpu.grouped_expert_ffn(x, offsets, cpu_experts, ref);
+    cpu.grouped_expert_ffn(kernels::Tensor::host(std::span(x), {rows, hidden}), offsets, cpu_experts,
+                           kernels::Tensor::host(std::span(ref), {rows, hidden}));
 
     const auto d_x = upload(x_bits);
     auto d_out = poisoned<float>(x.size());
@@ -433,7 +434,8 @@ TEST(CudaKernels, RmsNormAndRopeMatchTheCpuBackend) {
   const std::vector<float> wv = normal_vector(rng, w.size());
   for (std::size_t i = 0; i < w.size(); ++i) w[i] = to_bf16(wv[i]);
   std::vector<float> ref(x.size());
-  cpu.rms_norm(x, cols, bf16_view(w, 1, cols), 1e-6F, ref);
+  cpu.rms_norm(kernels::Tensor::host(std::span(x), {rows, cols}), bf16_view(w, 1, cols), 1e-6F,
+               kernels::Tensor::host(std::span(ref), {rows, cols}));
   const auto d_x = upload(x);
   const auto d_w = upload(w);
   auto d_out = poisoned<float>(x.size());
@@ -453,7 +455,9 @@ TEST(CudaKernels, RmsNormAndRopeMatchTheCpuBackend) {
       sin[i] = static_cast<float>(std::sin(angle));
     }
     std::vector<float> want = q;
-    cpu.rope(want, layout, cos, sin);
+    cpu.rope(kernels::Tensor::host(std::span(want), {tokens, layout.heads * layout.head_dim}), layout,
+             kernels::Tensor::host(std::span(cos), {tokens, layout.dim / 2}),
+             kernels::Tensor::host(std::span(sin), {tokens, layout.dim / 2}));
     auto d_q = upload(q);
     const auto d_cos = upload(cos);
     const auto d_sin = upload(sin);
@@ -515,10 +519,15 @@ TEST(CudaKernels, PagedAttentionMatchesTheCpuBackend) {
     kernels::cuda::kv_store(batch, d_k.data(), d_v.data(), layer, nullptr);
     kernels::cuda::paged_attention(batch, d_q.data(), layer, params, d_out.data(), nullptr);
 
-    const kernels::PagedKvLayer cpu_layer{cache_k, cache_v, block_size, kv_heads, d};
-    cpu.kv_store(seqs, k, v, cpu_layer);
+    const kernels::PagedKvLayer cpu_layer{
+        kernels::Tensor::host(std::span(cache_k), {num_blocks, block_size, kv_heads, d}),
+        kernels::Tensor::host(std::span(cache_v), {num_blocks, block_size, kv_heads, d}), block_size,
+        kv_heads, d};
+    cpu.kv_store(seqs, kernels::Tensor::host(std::span(k), {rows, width}),
+                 kernels::Tensor::host(std::span(v), {rows, width}), cpu_layer);
     std::vector<float> ref(q.size());
-    cpu.paged_attention(seqs, q, cpu_layer, params, ref);
+    cpu.paged_attention(seqs, kernels::Tensor::host(std::span(q), {rows, heads * d}), cpu_layer, params,
+                        kernels::Tensor::host(std::span(ref), {rows, heads * d}));
     EXPECT_EQ(download(d_cache_k, cache_k.size()), cache_k);
     EXPECT_EQ(download(d_cache_v, cache_v.size()), cache_v);
     EXPECT_LT(relative_error(download(d_out, q.size()), ref), 1e-5) << "window " << window;

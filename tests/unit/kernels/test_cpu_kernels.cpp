@@ -87,7 +87,7 @@ TEST_P(LinearTest, MatchesReference) {
   const std::vector<float> x = random_vector(static_cast<std::size_t>(m * k), 3);
   std::vector<float> y(static_cast<std::size_t>(m * n));
   CpuBackend backend(2);
-  backend.linear(x, m, w.view, bias.view, y);
+  backend.linear(Tensor::host(std::span(x), {m, k}), w.view, bias.view, Tensor::host(std::span(y), {m, n}));
   for (std::int64_t r = 0; r < m; ++r) {
     for (std::int64_t j = 0; j < n; ++j) {
       double ref = bias.values[static_cast<std::size_t>(j)];
@@ -108,7 +108,8 @@ TEST(CpuKernels, RmsNorm) {
   const std::vector<float> x = random_vector(3 * cols, 4);
   const StoredWeight g = make_weight(DType::bf16, 1, cols, 5);
   std::vector<float> y(x.size());
-  CpuBackend(1).rms_norm(x, cols, g.view, 1e-5F, y);
+  CpuBackend(1).rms_norm(Tensor::host(std::span(x), {3, cols}), g.view, 1e-5F,
+                         Tensor::host(std::span(y), {3, cols}));
   for (std::int64_t r = 0; r < 3; ++r) {
     double ss = 0;
     for (std::int64_t i = 0; i < cols; ++i)
@@ -125,7 +126,8 @@ TEST(CpuKernels, RopeRotatesHalves) {
   std::vector<float> x = {1.0F, 2.0F, 3.0F, 4.0F};  // one token, one head, head_dim 4
   const std::vector<float> cos = {0.0F, 1.0F};
   const std::vector<float> sin = {1.0F, 0.0F};
-  CpuBackend(1).rope(x, {1, 4, 0, 4, false}, cos, sin);
+  CpuBackend(1).rope(Tensor::host(std::span(x), {1, 4}), {1, 4, 0, 4, false},
+                     Tensor::host(std::span(cos), {1, 2}), Tensor::host(std::span(sin), {1, 2}));
   // pair (x0, x2) rotated by 90 degrees, pair (x1, x3) unchanged
   EXPECT_FLOAT_EQ(x[0], -3.0F);
   EXPECT_FLOAT_EQ(x[2], 1.0F);
@@ -138,7 +140,8 @@ TEST(CpuKernels, RopeInterleavedPairsAfterAnOffset) {
   std::vector<float> x = {1.0F, 2.0F, 3.0F, 4.0F, 5.0F, 6.0F, 7.0F, 8.0F, 9.0F, 10.0F, 11.0F, 12.0F};
   const std::vector<float> cos = {0.0F, 1.0F};
   const std::vector<float> sin = {1.0F, 0.0F};
-  CpuBackend(1).rope(x, {2, 6, 2, 4, true}, cos, sin);
+  CpuBackend(1).rope(Tensor::host(std::span(x), {1, 12}), {2, 6, 2, 4, true},
+                     Tensor::host(std::span(cos), {1, 2}), Tensor::host(std::span(sin), {1, 2}));
   const std::vector<float> want = {1.0F, 2.0F, -4.0F,  3.0F, 5.0F,  6.0F,
                                    7.0F, 8.0F, -10.0F, 9.0F, 11.0F, 12.0F};
   EXPECT_EQ(x, want);
@@ -156,14 +159,15 @@ TEST(CpuKernels, LatentAttentionFormsMatchExpandedReference) {
   const std::vector<std::int32_t> table1 = {1, 6, 2};
   const std::int64_t context[2] = {11, 10};
   std::vector<float> pool(static_cast<std::size_t>(8 * block * (r + dr)));
-  const PagedLatentLayer cache{pool, block, r, dr};
+  const PagedLatentLayer cache{Tensor::host(std::span(pool), {8, block, r + dr}), block, r, dr};
   CpuBackend backend(2);
   std::vector<std::vector<float>> latents, rope_keys;
   for (int s = 0; s < 2; ++s) {
     latents.push_back(random_vector(static_cast<std::size_t>(context[s] * r), 21 + s));
     rope_keys.push_back(random_vector(static_cast<std::size_t>(context[s] * dr), 23 + s));
     const SequenceSlice all{0, context[s], 0, s == 0 ? table0 : table1};
-    backend.latent_store(std::span(&all, 1), latents.back(), rope_keys.back(), cache);
+    backend.latent_store(std::span(&all, 1), Tensor::host(std::span(latents.back()), {context[s], r}),
+                         Tensor::host(std::span(rope_keys.back()), {context[s], dr}), cache);
   }
   // Sequence 0: its last 9 positions are new (a prefill chunk: the cheaper form expands it); sequence 1: its
   // last position (decode: the cheaper form absorbs).
@@ -211,7 +215,9 @@ TEST(CpuKernels, LatentAttentionFormsMatchExpandedReference) {
   }
   for (const LatentForm form : {LatentForm::absorbed, LatentForm::expanded, LatentForm::cheaper}) {
     std::vector<float> out(want.size());
-    backend.latent_attention(seqs, q, cache, kv_b.view, {heads, dn, dr, dv, scale, form}, out);
+    backend.latent_attention(seqs, Tensor::host(std::span(q), {10, heads * qk}), cache, kv_b.view,
+                             {heads, dn, dr, dv, scale, form},
+                             Tensor::host(std::span(out), {10, heads * dv}));
     for (std::size_t i = 0; i < want.size(); ++i)
       EXPECT_NEAR(out[i], want[i], 1e-5 * (1 + std::fabs(want[i]))) << "form " << static_cast<int>(form);
   }
@@ -226,12 +232,15 @@ TEST(CpuKernels, PagedAttentionMatchesDense) {
     const std::vector<float> v = random_vector(static_cast<std::size_t>(tokens * kv_heads * d), 8);
     std::vector<float> kc(static_cast<std::size_t>(8 * block * kv_heads * d)), vc(kc.size());
     const std::vector<std::int32_t> table = {5, 2, 7};  // deliberately out of order
-    const PagedKvLayer cache{kc, vc, block, kv_heads, d};
+    const PagedKvLayer cache{Tensor::host(std::span(kc), {8, block, kv_heads, d}),
+                             Tensor::host(std::span(vc), {8, block, kv_heads, d}), block, kv_heads, d};
     const std::vector<SequenceSlice> seqs = {{0, tokens, 0, table}};
     CpuBackend backend(2);
-    backend.kv_store(seqs, k, v, cache);
+    backend.kv_store(seqs, Tensor::host(std::span(k), {tokens, kv_heads * d}),
+                     Tensor::host(std::span(v), {tokens, kv_heads * d}), cache);
     std::vector<float> out(q.size());
-    backend.paged_attention(seqs, q, cache, {heads, 0.3F, window}, out);
+    backend.paged_attention(seqs, Tensor::host(std::span(q), {tokens, heads * d}), cache,
+                            {heads, 0.3F, window}, Tensor::host(std::span(out), {tokens, heads * d}));
     for (std::int64_t t = 0; t < tokens; ++t) {
       for (std::int64_t h = 0; h < heads; ++h) {
         const std::int64_t g = h / (heads / kv_heads);
@@ -275,7 +284,8 @@ TEST(CpuKernels, GroupedExpertFfnMatchesPerExpertSwiGlu) {
     experts.push_back({store[3 * e].view, store[3 * e + 1].view, store[3 * e + 2].view});
   const std::vector<float> x = random_vector(static_cast<std::size_t>(40 * hidden), 9);
   std::vector<float> out(x.size());
-  CpuBackend(2).grouped_expert_ffn(x, offsets, experts, out);
+  CpuBackend(2).grouped_expert_ffn(Tensor::host(std::span(x), {40, hidden}), offsets, experts,
+                                   Tensor::host(std::span(out), {40, hidden}));
   for (std::size_t e = 0; e < 3; ++e) {
     for (std::int64_t r = offsets[e]; r < offsets[e + 1]; ++r) {
       std::vector<double> act(static_cast<std::size_t>(ffn));

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "kernels/backend.h"
+#include "kernels/cpu/cpu_backend.h"
 #include "kernels/cuda/moe_index_emulation.h"
 #include "parallel/capacity_config.h"
 #include "parallel/capacity_scheduler.h"
@@ -472,14 +473,19 @@ TEST(MoeIndexLogic, RadixRoundFixesTheThresholdDigit) {
 // ---------------------------------------------------------------------------------------------------------
 // Permute: the grouping TokenDispatcher hands to the expert FFN, recorded through a backend.
 
-class RecordingBackend final : public kernels::Backend {
+// The CPU backend with its expert FFN replaced by a recording one (nothing else is used).
+class RecordingBackend final : public kernels::cpu::CpuBackend {
  public:
+  RecordingBackend() : CpuBackend(1) {}
+
   std::vector<std::int64_t> offsets;
   std::vector<float> x;
 
-  void grouped_expert_ffn(std::span<const float> in, std::span<const std::int64_t> off,
+  void grouped_expert_ffn(const kernels::Tensor& in_t, std::span<const std::int64_t> off,
                           std::span<const kernels::ExpertWeights> /*experts*/,
-                          std::span<float> out) override {
+                          const kernels::Tensor& out_t) override {
+    const std::span<const float> in = in_t.host_span<const float>();
+    const std::span<float> out = out_t.host_span<float>();
     offsets.assign(off.begin(), off.end());
     x.assign(in.begin(), in.end());
     // A distinct function per group, so the combine's gate-weighted sum is checked against the right rows.
@@ -490,45 +496,6 @@ class RecordingBackend final : public kernels::Backend {
           out[row * hidden + c] = in[row * hidden + c] * static_cast<float>(g + 1) + static_cast<float>(c);
       }
     }
-  }
-  void linear(std::span<const float>, std::int64_t, const kernels::WeightView&, const kernels::WeightView&,
-              std::span<float>) override {
-    unused();
-  }
-  void embedding(std::span<const std::int32_t>, const kernels::WeightView&, std::span<float>) override {
-    unused();
-  }
-  void rms_norm(std::span<const float>, std::int64_t, const kernels::WeightView&, float,
-                std::span<float>) override {
-    unused();
-  }
-  void rope(std::span<float>, const kernels::RotaryLayout&, std::span<const float>,
-            std::span<const float>) override {
-    unused();
-  }
-  void kv_store(std::span<const kernels::SequenceSlice>, std::span<const float>, std::span<const float>,
-                const kernels::PagedKvLayer&) override {
-    unused();
-  }
-  void paged_attention(std::span<const kernels::SequenceSlice>, std::span<const float>,
-                       const kernels::PagedKvLayer&, const kernels::AttentionParams&,
-                       std::span<float>) override {
-    unused();
-  }
-  void latent_store(std::span<const kernels::SequenceSlice>, std::span<const float>, std::span<const float>,
-                    const kernels::PagedLatentLayer&) override {
-    unused();
-  }
-  void latent_attention(std::span<const kernels::SequenceSlice>, std::span<const float>,
-                        const kernels::PagedLatentLayer&, const kernels::WeightView&,
-                        const kernels::LatentAttentionParams&, std::span<float>) override {
-    unused();
-  }
-  void set_num_threads(int) override {}
-
- private:
-  [[noreturn]] static void unused() {
-    throw std::logic_error("RecordingBackend: only the expert FFN is used");
   }
 };
 

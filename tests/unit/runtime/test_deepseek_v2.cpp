@@ -140,13 +140,16 @@ TEST_P(DeepSeek, SharedExpertsSurviveCapacityDropForEveryToken) {
   MoeLayerContext context{layer, placement, scheduler, dispatcher, {}, stats, dropped, rerouted};
   MoeScratch scratch;
   std::vector<float> out(h.size());
-  moe_block(backend_, c, moe, h, rows, out, scratch, context);
+  using kernels::Tensor;
+  moe_block(backend_, c, moe, Tensor::host(std::span(h), {rows, hidden}),
+            Tensor::host(std::span(out), {rows, hidden}), scratch, context);
   EXPECT_GT(stats.dropped, rows * c.top_k / 2);
 
   // Shared experts of every row, and each kept routed expert of each row, computed on their own.
   std::vector<float> shared(h.size());
   const std::int64_t whole[2] = {0, rows};
-  backend_.grouped_expert_ffn(h, whole, moe.shared, shared);
+  backend_.grouped_expert_ffn(Tensor::host(std::span(h), {rows, hidden}), whole, moe.shared,
+                              Tensor::host(std::span(shared), {rows, hidden}));
   std::vector<float> one(static_cast<std::size_t>(hidden));
   std::int64_t lost_all = 0;
   for (std::int64_t t = 0; t < rows; ++t) {
@@ -158,7 +161,9 @@ TEST_P(DeepSeek, SharedExpertsSurviveCapacityDropForEveryToken) {
       if (e < 0) continue;
       ++kept;
       const std::int64_t single[2] = {0, 1};
-      backend_.grouped_expert_ffn(row, single, std::span(&moe.experts[static_cast<std::size_t>(e)], 1), one);
+      backend_.grouped_expert_ffn(Tensor::host(row, {1, hidden}), single,
+                                  std::span(&moe.experts[static_cast<std::size_t>(e)], 1),
+                                  Tensor::host(std::span(one), {1, hidden}));
       const float w = scratch.routing.weights[static_cast<std::size_t>(t * c.top_k + s)];
       for (std::int64_t i = 0; i < hidden; ++i)
         want[static_cast<std::size_t>(i)] += w * one[static_cast<std::size_t>(i)];
