@@ -1,10 +1,10 @@
 #pragma once
 // The operations of a forward pass behind one backend-neutral interface, on tensors of the backend's device
 // (kernels/tensor.h). Activations are float32 row-major tensors whose shapes say the sizes; weights are
-// WeightViews in their stored dtype (no conversion copy). One virtual call per operation per layer: every
-// method works on a whole batch of tokens. Memory comes from the backend (allocate / scratch), and the host
-// sees device data only through to_host, each call naming why the step needs it, so that a step's host
-// synchronisations are few, named and counted.
+// tensors in their stored dtype, uploaded once through upload() (on the CPU the mmapped checkpoint itself).
+// One virtual call per operation per layer: every method works on a whole batch of tokens. Memory comes from
+// the backend (allocate / scratch), and the host sees device data only through to_host, each call naming why
+// the step needs it, so that a step's host synchronisations are few, named and counted.
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -21,9 +21,9 @@ namespace capserve::kernels {
 // One expert's SwiGLU weights: out = down(silu(gate(x)) * up(x)); gate/up are [ffn, hidden], down is [hidden,
 // ffn].
 struct ExpertWeights {
-  WeightView gate;
-  WeightView up;
-  WeightView down;
+  Tensor gate;
+  Tensor up;
+  Tensor down;
 };
 
 // One paged KV-cache layer: k and v are [num_blocks, block_size, num_kv_heads, head_dim].
@@ -105,6 +105,11 @@ class Backend {
 
   [[nodiscard]] virtual Device device() const = 0;
 
+  // A checkpoint weight (host memory) as a tensor on this backend's device [rows, cols]. The CPU backend
+  // returns a view of the host memory itself (zero copy: it must outlive the tensor) and leaves `storage`
+  // empty; a device backend copies it into `storage`, which the caller keeps as long as the tensor.
+  [[nodiscard]] virtual Tensor upload(const WeightView& host, Buffer& storage) = 0;
+
   // At least `bytes` of device memory, aligned for every element type.
   [[nodiscard]] virtual Buffer allocate(std::size_t bytes) = 0;
   // A tensor of `shape` over `slot`, which is reallocated when too small: grow-only, so a warm step
@@ -123,13 +128,13 @@ class Backend {
   }
 
   // y[m, n] = x[m, k] * w[n, k]^T (+ bias[n] when bias is not empty).
-  virtual void linear(const Tensor& x, const WeightView& w, const WeightView& bias, const Tensor& y) = 0;
+  virtual void linear(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& y) = 0;
 
   // out[i, :] = table[ids[i], :]; ids is int32 [rows].
-  virtual void embedding(const Tensor& ids, const WeightView& table, const Tensor& out) = 0;
+  virtual void embedding(const Tensor& ids, const Tensor& table, const Tensor& out) = 0;
 
   // Row-wise RMSNorm of x [rows, cols] with a learned scale [cols]; out may alias x.
-  virtual void rms_norm(const Tensor& x, const WeightView& weight, float eps, const Tensor& out) = 0;
+  virtual void rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& out) = 0;
 
   // Rotary embedding in place on the `layout` part of x [tokens, heads * head_dim]; cos/sin are [tokens,
   // layout.dim / 2] for each token's position.
@@ -164,7 +169,7 @@ class Backend {
   // (qk_nope_head_dim + v_head_dim), kv_lora_rank], per head its key rows then its value rows. out [rows,
   // num_heads * v_head_dim].
   virtual void latent_attention(std::span<const SequenceSlice> seqs, const Tensor& q,
-                                const PagedLatentLayer& cache, const WeightView& kv_b,
+                                const PagedLatentLayer& cache, const Tensor& kv_b,
                                 const LatentAttentionParams& params, const Tensor& out) = 0;
 
   // SwiGLU experts over rows already grouped by expert: rows [offsets[e], offsets[e+1]) go through

@@ -97,6 +97,11 @@ class Tensor {
     check_dtype(dtype_of<std::remove_const_t<T>>());
     return static_cast<T*>(data_);
   }
+  // The raw bytes on the host, whatever the element type: only for a tensor on the CPU device.
+  [[nodiscard]] void* host_data() const {
+    check_host();
+    return data_;
+  }
   // The elements on the host: only for a tensor on the CPU device.
   template <typename T>
   [[nodiscard]] std::span<T> host_span() const {
@@ -114,5 +119,10 @@ class Tensor {
   std::array<std::int64_t, kMaxDims> shape_{};
   int dims_ = 0;
 };
+
+// A weight in host memory (e.g. the mmapped checkpoint) as a CPU tensor [rows, cols], without a copy.
+inline Tensor weight_tensor(const WeightView& w) {
+  return {const_cast<std::byte*>(w.data), w.dtype, kCpu, {w.rows, w.cols}};
+}
 
 }  // namespace capserve::kernels

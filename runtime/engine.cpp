@@ -5,10 +5,9 @@
 
 namespace capserve::runtime {
 
-Engine::Engine(Model& model, kernels::Backend& backend, const EngineOptions& options)
+Engine::Engine(Model& model, const EngineOptions& options)
     : model_(model),
-      backend_(backend),
-      cache_(kv_cache_shape(model.config(), options.kv_block_size, options.kv_blocks), backend) {}
+      cache_(kv_cache_shape(model.config(), options.kv_block_size, options.kv_blocks), model.backend()) {}
 
 std::int64_t Engine::length(SequenceId seq) const {
   const auto it = lengths_.find(seq);
@@ -58,7 +57,7 @@ Status Engine::step(std::span<const Work> work) {
   logit_rows_.clear();
   decode_rows_.clear();
   if (Status s = validate(work); !s.ok()) {
-    model_.forward({tokens_, positions_, slices_, logit_rows_, decode_rows_}, cache_, backend_, logits_);
+    model_.forward({tokens_, positions_, slices_, logit_rows_, decode_rows_}, cache_, logits_);
     return s;
   }
   for (const Work& w : work) {
@@ -79,7 +78,7 @@ Status Engine::step(std::span<const Work> work) {
     }
   }
   logits_.resize(logit_rows_.size() * static_cast<std::size_t>(model_.config().vocab_size));
-  model_.forward({tokens_, positions_, slices_, logit_rows_, decode_rows_}, cache_, backend_, logits_);
+  model_.forward({tokens_, positions_, slices_, logit_rows_, decode_rows_}, cache_, logits_);
   const std::span<const std::int32_t> dropped = model_.last_row_dropped();
   const std::span<const std::int32_t> rerouted = model_.last_row_rerouted();
   moe_counts_.assign(work.size(), {});

@@ -21,7 +21,8 @@ struct EngineOptions {
 
 class Engine {
  public:
-  Engine(Model& model, kernels::Backend& backend, const EngineOptions& options);
+  // Runs on the model's backend, which also holds the KV cache.
+  Engine(Model& model, const EngineOptions& options);
 
   struct Work {
     SequenceId seq = 0;  // an unknown id starts a new sequence
@@ -54,7 +55,6 @@ class Engine {
   Status validate(std::span<const Work> work);
 
   Model& model_;
-  kernels::Backend& backend_;
   KvCache cache_;
   std::unordered_map<SequenceId, std::int64_t> lengths_;
   // Grow-only step buffers.

@@ -37,18 +37,18 @@ parallel::ExpertPlacement make_placement(const ModelConfig& config, const std::s
 
 }  // namespace
 
-std::unique_ptr<Model> Model::load(const std::filesystem::path& dir) {
+std::unique_ptr<Model> Model::load(const std::filesystem::path& dir, kernels::Backend& backend) {
   auto self = std::make_unique<parallel::SelfCommunicator>();
   parallel::Communicator& comm = *self;
-  return load_with(dir, std::move(self), comm, ParallelOptions{});
+  return load_with(dir, backend, std::move(self), comm, ParallelOptions{});
 }
 
-std::unique_ptr<Model> Model::load(const std::filesystem::path& dir, parallel::Communicator& comm,
-                                   const ParallelOptions& options) {
-  return load_with(dir, nullptr, comm, options);
+std::unique_ptr<Model> Model::load(const std::filesystem::path& dir, kernels::Backend& backend,
+                                   parallel::Communicator& comm, const ParallelOptions& options) {
+  return load_with(dir, backend, nullptr, comm, options);
 }
 
-std::unique_ptr<Model> Model::load_with(const std::filesystem::path& dir,
+std::unique_ptr<Model> Model::load_with(const std::filesystem::path& dir, kernels::Backend& backend,
                                         std::unique_ptr<parallel::Communicator> own_comm,
                                         parallel::Communicator& comm, const ParallelOptions& options) {
   const nlohmann::json json = read_json_file(dir / "config.json");
@@ -59,18 +59,19 @@ std::unique_ptr<Model> Model::load_with(const std::filesystem::path& dir,
   if (const std::string why = options.capacity.validate(config.num_layers); !why.empty())
     throw LoadError(why);
   return std::unique_ptr<Model>(new Model(std::move(config), Checkpoint::open(dir), arch.tensor_names(),
-                                          std::move(own_comm), comm, options));
+                                          backend, std::move(own_comm), comm, options));
 }
 
-Model::Model(ModelConfig config, Checkpoint checkpoint, const TensorNames& names,
+Model::Model(ModelConfig config, Checkpoint checkpoint, const TensorNames& names, kernels::Backend& backend,
              std::unique_ptr<parallel::Communicator> own_comm, parallel::Communicator& comm,
              const ParallelOptions& options)
     : config_(std::move(config)),
+      backend_(&backend),
       own_comm_(std::move(own_comm)),
       comm_(&comm),
       placement_(make_placement(config_, options.placement, comm.size())),
       checkpoint_(std::move(checkpoint)),
-      weights_(load_model_weights(checkpoint_, config_, names, placement_, comm.rank())),
+      weights_(load_model_weights(checkpoint_, config_, names, placement_, comm.rank(), backend)),
       rope_(config_.rotary_dim(), config_.rope_theta, config_.rope_scaling),
       scheduler_(options.capacity, comm),
       dispatcher_(comm),
@@ -82,7 +83,8 @@ Model::Model(ModelConfig config, Checkpoint checkpoint, const TensorNames& names
 }
 
 void Model::router_dry_run(std::span<const std::int32_t> tokens, std::int64_t layers,
-                           kernels::Backend& backend, std::span<std::int64_t> counts) {
+                           std::span<std::int64_t> counts) {
+  kernels::Backend& backend = *backend_;
   const auto rows = static_cast<std::int64_t>(tokens.size());
   const std::int64_t hidden = config_.hidden_size;
   const std::int64_t experts = config_.num_experts;
@@ -105,8 +107,8 @@ void Model::router_dry_run(std::span<const std::int32_t> tokens, std::int64_t la
   }
 }
 
-void Model::forward(const ForwardBatch& batch, KvCache& cache, kernels::Backend& backend,
-                    std::span<float> logits) {
+void Model::forward(const ForwardBatch& batch, KvCache& cache, std::span<float> logits) {
+  kernels::Backend& backend = *backend_;
   const auto rows = static_cast<std::int64_t>(batch.tokens.size());
   const std::int64_t hidden = config_.hidden_size;
   const std::int64_t half = config_.rotary_dim() / 2;
@@ -142,8 +144,8 @@ void Model::forward(const ForwardBatch& batch, KvCache& cache, kernels::Backend&
   scheduler_.begin_step(rows);
 
   for (std::int64_t layer = 0; layer < config_.num_layers; ++layer) {
-    attention(layer, batch, cache, backend);
-    feed_forward(layer, rows, backend);
+    attention(layer, batch, cache);
+    feed_forward(layer, rows);
   }
 
   const auto wanted = static_cast<std::int64_t>(batch.logit_rows.size());
@@ -158,13 +160,13 @@ void Model::forward(const ForwardBatch& batch, KvCache& cache, kernels::Backend&
   run_stats_.add(stats_.step());
 }
 
-void Model::attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache,
-                      kernels::Backend& backend) {
+void Model::attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache) {
+  kernels::Backend& backend = *backend_;
   const LayerWeights& lw = weights_.layers[static_cast<std::size_t>(layer)];
   const Activations& a = act_;
   backend.rms_norm(a.residual, lw.input_norm, static_cast<float>(config_.rms_norm_eps), a.normed);
-  const Tensor attn = config_.mla ? latent_attention(layer, batch, cache, backend)
-                                  : grouped_query_attention(layer, batch, cache, backend);
+  const Tensor attn =
+      config_.mla ? latent_attention(layer, batch, cache) : grouped_query_attention(layer, batch, cache);
   backend.linear(attn, lw.attention.o, lw.attention.o_bias, a.proj);
   backend.add(a.residual, a.proj);
 }
@@ -174,8 +176,8 @@ float Model::softmax_scale() const {
       config_.softmax_scale.value_or(1.0 / std::sqrt(static_cast<double>(config_.head_dim))));
 }
 
-Tensor Model::grouped_query_attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache,
-                                      kernels::Backend& backend) {
+Tensor Model::grouped_query_attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache) {
+  kernels::Backend& backend = *backend_;
   const AttentionWeights& a = weights_.layers[static_cast<std::size_t>(layer)].attention;
   const auto rows = static_cast<std::int64_t>(batch.tokens.size());
   const std::int64_t d = config_.head_dim;
@@ -212,8 +214,8 @@ Tensor Model::grouped_query_attention(std::int64_t layer, const ForwardBatch& ba
   return attn;
 }
 
-Tensor Model::latent_attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache,
-                               kernels::Backend& backend) {
+Tensor Model::latent_attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache) {
+  kernels::Backend& backend = *backend_;
   const AttentionWeights& a = weights_.layers[static_cast<std::size_t>(layer)].attention;
   const MlaConfig& m = *config_.mla;
   const auto rows = static_cast<std::int64_t>(batch.tokens.size());
@@ -251,7 +253,8 @@ Tensor Model::latent_attention(std::int64_t layer, const ForwardBatch& batch, Kv
   return attn;
 }
 
-void Model::feed_forward(std::int64_t layer, std::int64_t rows, kernels::Backend& backend) {
+void Model::feed_forward(std::int64_t layer, std::int64_t rows) {
+  kernels::Backend& backend = *backend_;
   const LayerWeights& lw = weights_.layers[static_cast<std::size_t>(layer)];
   const Activations& a = act_;
   backend.rms_norm(a.residual, lw.post_attention_norm, static_cast<float>(config_.rms_norm_eps), a.normed);

@@ -42,25 +42,28 @@ struct ParallelOptions {
 
 class Model {
  public:
-  // Reads config.json and the safetensors checkpoint in `dir`; LoadError naming the key, file or tensor at
-  // fault (or a bad placement or capacity option). The single-process form owns a size-1 communicator; the
-  // other keeps a reference to `comm`, which must outlive the model.
-  static std::unique_ptr<Model> load(const std::filesystem::path& dir);
-  static std::unique_ptr<Model> load(const std::filesystem::path& dir, parallel::Communicator& comm,
-                                     const ParallelOptions& options);
+  // Reads config.json and the safetensors checkpoint in `dir` and uploads the weights through `backend`,
+  // which then runs every forward pass; LoadError naming the key, file or tensor at fault (or a bad placement
+  // or capacity option). The single-process form owns a size-1 communicator; the other keeps a reference to
+  // `comm`. Backend and communicator must outlive the model.
+  static std::unique_ptr<Model> load(const std::filesystem::path& dir, kernels::Backend& backend);
+  static std::unique_ptr<Model> load(const std::filesystem::path& dir, kernels::Backend& backend,
+                                     parallel::Communicator& comm, const ParallelOptions& options);
+
+  [[nodiscard]] kernels::Backend& backend() const { return *backend_; }
 
   [[nodiscard]] const ModelConfig& config() const { return config_; }
 
   // Writes the new tokens' K/V into `cache` and fills logits [logit_rows.size(), vocab_size]. A collective:
   // every rank calls it once per step, with zero rows if it has nothing to run.
-  void forward(const ForwardBatch& batch, KvCache& cache, kernels::Backend& backend, std::span<float> logits);
+  void forward(const ForwardBatch& batch, KvCache& cache, std::span<float> logits);
 
   // The last forward's MoE statistics over all ranks, one entry per MoE layer.
   [[nodiscard]] const parallel::MoeStepStats& last_moe_stats() const { return stats_.step(); }
   // Router dry run for batch selection: each token's embedding through the first `layers` MoE layers'
   // post-attention RMSNorm and router to its top-k, no attention, no experts, no collective; adds the chosen
   // experts' counts into counts [layers, num_experts]. Not thread-safe with forward (one engine thread).
-  void router_dry_run(std::span<const std::int32_t> tokens, std::int64_t layers, kernels::Backend& backend,
+  void router_dry_run(std::span<const std::int32_t> tokens, std::int64_t layers,
                       std::span<std::int64_t> counts);
   [[nodiscard]] std::span<const std::int64_t> moe_layers() const { return moe_layers_; }
 
@@ -79,25 +82,24 @@ class Model {
   [[nodiscard]] const parallel::CapacityConfig& capacity() const { return scheduler_.config(); }
 
  private:
-  static std::unique_ptr<Model> load_with(const std::filesystem::path& dir,
+  static std::unique_ptr<Model> load_with(const std::filesystem::path& dir, kernels::Backend& backend,
                                           std::unique_ptr<parallel::Communicator> own_comm,
                                           parallel::Communicator& comm, const ParallelOptions& options);
-  Model(ModelConfig config, Checkpoint checkpoint, const TensorNames& names,
+  Model(ModelConfig config, Checkpoint checkpoint, const TensorNames& names, kernels::Backend& backend,
         std::unique_ptr<parallel::Communicator> own_comm, parallel::Communicator& comm,
         const ParallelOptions& options);
 
   // Input norm, the layer's attention (grouped-query or multi-head latent) into scratch_.attn, o_proj,
   // residual.
-  void attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache, kernels::Backend& backend);
+  void attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache);
   // Each returns the attention output [rows, heads * value head dim], before o_proj.
-  kernels::Tensor grouped_query_attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache,
-                                          kernels::Backend& backend);
-  kernels::Tensor latent_attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache,
-                                   kernels::Backend& backend);
+  kernels::Tensor grouped_query_attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache);
+  kernels::Tensor latent_attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache);
   [[nodiscard]] float softmax_scale() const;
-  void feed_forward(std::int64_t layer, std::int64_t rows, kernels::Backend& backend);
+  void feed_forward(std::int64_t layer, std::int64_t rows);
 
   ModelConfig config_;
+  kernels::Backend* backend_;
   std::unique_ptr<parallel::Communicator> own_comm_;  // set only for single-process models
   parallel::Communicator* comm_;
   parallel::ExpertPlacement placement_;

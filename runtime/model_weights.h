@@ -1,6 +1,7 @@
 #pragma once
-// The weights of a decoder-only MoE model as views into the mmapped checkpoint, fetched by the names an
-// architecture gives and checked against the shapes its config implies.
+// The weights of a decoder-only MoE model, fetched by the names an architecture gives, checked against the
+// shapes its config implies, and uploaded through the backend: on the CPU views into the mmapped checkpoint
+// (zero copy), on a device copies the weights own. Each rank uploads only its own routed experts.
 #include <vector>
 
 #include "kernels/backend.h"
@@ -12,28 +13,28 @@
 namespace capserve::runtime {
 
 struct AttentionWeights {
-  kernels::WeightView q, k, v, o;
-  kernels::WeightView q_bias, k_bias, v_bias;  // empty without qkv_bias
-  kernels::WeightView o_bias;                  // empty without o_bias
-  kernels::WeightView q_norm, k_norm;          // empty without qk_norm
+  kernels::Tensor q, k, v, o;
+  kernels::Tensor q_bias, k_bias, v_bias;  // empty without qkv_bias
+  kernels::Tensor o_bias;                  // empty without o_bias
+  kernels::Tensor q_norm, k_norm;          // empty without qk_norm
   // Multi-head latent attention: q is q_proj without q LoRA, else empty and q_a -> q_a_norm -> q_b;
   // kv_a_proj_with_mqa split into the rows giving the latent and those giving the rope key; biases empty
   // without attention_bias.
-  kernels::WeightView q_a, q_a_bias, q_a_norm, q_b;
-  kernels::WeightView kv_a_latent, kv_a_latent_bias, kv_a_rope, kv_a_rope_bias;
-  kernels::WeightView kv_a_norm, kv_b;
+  kernels::Tensor q_a, q_a_bias, q_a_norm, q_b;
+  kernels::Tensor kv_a_latent, kv_a_latent_bias, kv_a_rope, kv_a_rope_bias;
+  kernels::Tensor kv_a_norm, kv_b;
 };
 
 struct MoeWeights {
-  kernels::WeightView router;                   // [num_experts, hidden]
+  kernels::Tensor router;                       // [num_experts, hidden]
   std::vector<kernels::ExpertWeights> experts;  // this rank's routed experts, by local index
   std::vector<kernels::ExpertWeights> shared;   // zero or one shared expert
-  kernels::WeightView shared_gate;              // [1, hidden]; empty: the shared expert is ungated
+  kernels::Tensor shared_gate;                  // [1, hidden]; empty: the shared expert is ungated
 };
 
 struct LayerWeights {
-  kernels::WeightView input_norm;
-  kernels::WeightView post_attention_norm;
+  kernels::Tensor input_norm;
+  kernels::Tensor post_attention_norm;
   AttentionWeights attention;
   bool is_moe = false;
   MoeWeights moe;
@@ -41,15 +42,18 @@ struct LayerWeights {
 };
 
 struct ModelWeights {
-  kernels::WeightView embed;
-  kernels::WeightView final_norm;
-  kernels::WeightView lm_head;
+  std::vector<kernels::Buffer>
+      storage;  // device copies (empty on the CPU); the tensors below point into them
+  kernels::Tensor embed;
+  kernels::Tensor final_norm;
+  kernels::Tensor lm_head;
   std::vector<LayerWeights> layers;
 };
 
 // Fetches every tensor (LoadError naming file and tensor on a missing one or a wrong shape) and then rejects
 // tensors the architecture does not use. Routed experts are kept only where `placement` puts them on `rank`.
 ModelWeights load_model_weights(Checkpoint& ckpt, const ModelConfig& config, const TensorNames& names,
-                                const parallel::ExpertPlacement& placement, int rank);
+                                const parallel::ExpertPlacement& placement, int rank,
+                                kernels::Backend& backend);
 
 }  // namespace capserve::runtime

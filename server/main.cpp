@@ -203,8 +203,8 @@ server::StepWatchdog::Clock::duration step_bound(const Options& o) {
 // Rank 0: the front end, the scheduler and the step loop's driving side. Every rank learns whether the front
 // end started (the one collective before the step loop): on failure all of them exit 1 cleanly, rank 0 with
 // the reason as its last line.
-int serve(parallel::MpiWorld& world, Options& o, runtime::Model& model, kernels::Backend& backend,
-          server::RankWorker& worker, parallel::RankHeartbeat* heartbeat) {
+int serve(parallel::MpiWorld& world, Options& o, runtime::Model& model, server::RankWorker& worker,
+          parallel::RankHeartbeat* heartbeat) {
   const runtime::ModelConfig& config = model.config();
   std::optional<runtime::Tokenizer> tokenizer;
   std::optional<runtime::ChatTemplate> chat;
@@ -222,7 +222,7 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Model& model, kernels:
   server::LoadPredictor predictor = [&, dry_layers](std::span<const std::int32_t> prompt,
                                                     std::span<float> rank_load) {
     counts.assign(static_cast<std::size_t>(dry_layers * config.num_experts), 0);
-    model.router_dry_run(prompt, dry_layers, backend, counts);
+    model.router_dry_run(prompt, dry_layers, counts);
     for (std::int64_t l = 0; l < dry_layers; ++l) {
       const auto owners = placement.owners(model.moe_layers()[static_cast<std::size_t>(l)]);
       for (std::int64_t e = 0; e < config.num_experts; ++e)
@@ -422,12 +422,17 @@ int main(int argc, char** argv) {
   }
   if (!server::parse_strategy(o.strategy, o.scheduler.selector.strategy)) return 2;
 
+  const int threads = o.threads > 0
+                          ? o.threads
+                          : static_cast<int>(std::max(1U, std::thread::hardware_concurrency() /
+                                                              static_cast<unsigned>(world->local_size())));
+  kernels::cpu::CpuBackend backend(threads);
   std::unique_ptr<parallel::MpiCommunicator> comm;
   std::unique_ptr<runtime::Model> model;
   std::string failure;
   try {
     comm = std::make_unique<parallel::MpiCommunicator>();
-    model = runtime::Model::load(o.model_dir, *comm, runtime::finish_parallel_flags(o.parallel));
+    model = runtime::Model::load(o.model_dir, backend, *comm, runtime::finish_parallel_flags(o.parallel));
   } catch (const std::exception& e) {
     failure = e.what();
   }
@@ -447,12 +452,7 @@ int main(int argc, char** argv) {
   o.limits.eos_token_ids = config.eos_token_ids;
   o.limits.model_id =
       o.model_id.empty() ? std::filesystem::path(o.model_dir).filename().string() : o.model_id;
-  const int threads = o.threads > 0
-                          ? o.threads
-                          : static_cast<int>(std::max(1U, std::thread::hardware_concurrency() /
-                                                              static_cast<unsigned>(world->local_size())));
-  kernels::cpu::CpuBackend backend(threads);
-  runtime::Engine engine(*model, backend, o.engine);
+  runtime::Engine engine(*model, o.engine);
   server::RankWorker worker(engine, rank);
   // Lets rank 0's step watchdog name a stalled rank. Every rank decides alike (same flags, same MPI).
   std::optional<parallel::RankHeartbeat> heartbeat;
@@ -461,7 +461,7 @@ int main(int argc, char** argv) {
   }
   if (rank != 0) return follow(*world, worker);
   try {
-    return serve(*world, o, *model, backend, worker, heartbeat ? &*heartbeat : nullptr);
+    return serve(*world, o, *model, worker, heartbeat ? &*heartbeat : nullptr);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "capserve: %s\n", e.what());
     world->abort(1);

@@ -238,7 +238,26 @@ void CpuBackend::set_num_threads(int n) {
   openblas_set_num_threads(num_threads_);
 }
 
-void CpuBackend::linear(const Tensor& xt, const WeightView& w, const WeightView& bias, const Tensor& yt) {
+namespace {
+
+// A weight tensor as the host view the kernels read; an empty tensor gives an empty view.
+WeightView host_weight(const Tensor& w) {
+  if (w.dims() == 0) return {};
+  if (!is_float(w.dtype())) {
+    throw std::invalid_argument("CpuBackend: a weight of type " + std::string(dtype_name(w.dtype())));
+  }
+  return {w.dtype(), static_cast<const std::byte*>(w.host_data()), w.dim(0), w.row_numel()};
+}
+
+}  // namespace
+
+Tensor CpuBackend::upload(const WeightView& host, Buffer& /*storage*/) {
+  return weight_tensor(host);
+}
+
+void CpuBackend::linear(const Tensor& xt, const Tensor& wt, const Tensor& biast, const Tensor& yt) {
+  const WeightView w = host_weight(wt);
+  const WeightView bias = host_weight(biast);
   const std::int64_t k = w.cols;
   const std::int64_t n = w.rows;
   const std::int64_t m = xt.dims() == 0 ? 0 : xt.dim(0);
@@ -278,7 +297,8 @@ void CpuBackend::linear(const Tensor& xt, const WeightView& w, const WeightView&
   }
 }
 
-void CpuBackend::embedding(const Tensor& idst, const WeightView& table, const Tensor& outt) {
+void CpuBackend::embedding(const Tensor& idst, const Tensor& tablet, const Tensor& outt) {
+  const WeightView table = host_weight(tablet);
   const std::int64_t cols = table.cols;
   const std::span<const std::int32_t> ids = idst.host_span<const std::int32_t>();
   const std::span<float> out = outt.host_span<float>();
@@ -293,7 +313,8 @@ void CpuBackend::embedding(const Tensor& idst, const WeightView& table, const Te
   }
 }
 
-void CpuBackend::rms_norm(const Tensor& xt, const WeightView& weight, float eps, const Tensor& outt) {
+void CpuBackend::rms_norm(const Tensor& xt, const Tensor& weightt, float eps, const Tensor& outt) {
+  const WeightView weight = host_weight(weightt);
   const std::int64_t cols = xt.row_numel();
   if (weight.numel() != cols || outt.numel() != xt.numel())
     throw std::invalid_argument("rms_norm: x " + xt.shape_text() + ", out " + outt.shape_text() +
@@ -474,8 +495,9 @@ bool absorbed_is_cheaper(std::int64_t n, std::int64_t context, std::int64_t r,
 }  // namespace
 
 void CpuBackend::latent_attention(std::span<const SequenceSlice> seqs, const Tensor& qt,
-                                  const PagedLatentLayer& cache, const WeightView& kv_b,
+                                  const PagedLatentLayer& cache, const Tensor& kv_bt,
                                   const LatentAttentionParams& params, const Tensor& outt) {
+  const WeightView kv_b = host_weight(kv_bt);
   const std::span<const float> q = qt.host_span<const float>();
   const std::span<float> out = outt.host_span<float>();
   const float* const cache_rows = cache.rows.host_span<const float>().data();
@@ -638,7 +660,7 @@ void CpuBackend::grouped_expert_ffn(const Tensor& x, std::span<const std::int64_
     const std::int64_t n = offsets[e + 1] - first;
     if (n == 0) continue;
     const ExpertWeights& w = experts[e];
-    const std::int64_t ffn = w.gate.rows;
+    const std::int64_t ffn = w.gate.dim(0);
     gate_.resize(static_cast<std::size_t>(n * ffn));
     up_.resize(static_cast<std::size_t>(n * ffn));
     const Tensor xe = x.rows(first, n);

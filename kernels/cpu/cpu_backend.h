@@ -12,11 +12,12 @@ class CpuBackend : public Backend {
   explicit CpuBackend(int num_threads);
 
   [[nodiscard]] Device device() const override { return kCpu; }
+  [[nodiscard]] Tensor upload(const WeightView& host, Buffer& storage) override;
   [[nodiscard]] Buffer allocate(std::size_t bytes) override;
 
-  void linear(const Tensor& x, const WeightView& w, const WeightView& bias, const Tensor& y) override;
-  void embedding(const Tensor& ids, const WeightView& table, const Tensor& out) override;
-  void rms_norm(const Tensor& x, const WeightView& weight, float eps, const Tensor& out) override;
+  void linear(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& y) override;
+  void embedding(const Tensor& ids, const Tensor& table, const Tensor& out) override;
+  void rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& out) override;
   void rope(const Tensor& x, const RotaryLayout& layout, const Tensor& cos, const Tensor& sin) override;
   void add(const Tensor& dst, const Tensor& src) override;
   void add_sigmoid_gated(const Tensor& dst, const Tensor& src, const Tensor& gate) override;
@@ -29,8 +30,7 @@ class CpuBackend : public Backend {
   void latent_store(std::span<const SequenceSlice> seqs, const Tensor& latent, const Tensor& rope_key,
                     const PagedLatentLayer& cache) override;
   void latent_attention(std::span<const SequenceSlice> seqs, const Tensor& q, const PagedLatentLayer& cache,
-                        const WeightView& kv_b, const LatentAttentionParams& params,
-                        const Tensor& out) override;
+                        const Tensor& kv_b, const LatentAttentionParams& params, const Tensor& out) override;
   void grouped_expert_ffn(const Tensor& x, std::span<const std::int64_t> offsets,
                           std::span<const ExpertWeights> experts, const Tensor& out) override;
   void set_num_threads(int n) override;

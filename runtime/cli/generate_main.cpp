@@ -122,6 +122,7 @@ int main(int argc, char** argv) {
   }
 
   // Everything that can fail before the first collective is agreed on, so that no rank is left waiting.
+  kernels::cpu::CpuBackend backend(threads);
   std::unique_ptr<parallel::MpiCommunicator> comm;
   std::unique_ptr<runtime::Model> model;
   std::optional<runtime::Tokenizer> tokenizer;
@@ -129,7 +130,7 @@ int main(int argc, char** argv) {
   std::string failure;
   try {
     comm = std::make_unique<parallel::MpiCommunicator>();
-    model = runtime::Model::load(model_dir, *comm, runtime::finish_parallel_flags(parallel_flags));
+    model = runtime::Model::load(model_dir, backend, *comm, runtime::finish_parallel_flags(parallel_flags));
     for (const std::string& ids : input_ids) prompts.push_back(parse_ids(ids));
     if (!prompts_text.empty()) {
       tokenizer = runtime::Tokenizer::load(model_dir);
@@ -174,8 +175,7 @@ int main(int argc, char** argv) {
     mine.push_back(prompts[i]);
     mine_index.push_back(i);
   }
-  kernels::cpu::CpuBackend backend(threads);
-  runtime::Engine engine(*model, backend, engine_options);
+  runtime::Engine engine(*model, engine_options);
   std::vector<runtime::Generation> out;
   const std::vector<runtime::SamplingParams> all_params(mine.size(), params);
   const runtime::Status status = runtime::generate(engine, mine, all_params, !dump_logits.empty(), out);

@@ -460,12 +460,8 @@ std::int64_t mapped_resident_kb(const fs::path& dir) {
   return kb;
 }
 
-std::int64_t bytes_of(const kernels::WeightView& w) {
-  return w.numel() * static_cast<std::int64_t>(kernels::dtype_size(w.dtype));
-}
-
 std::int64_t bytes_of(const kernels::ExpertWeights& e) {
-  return bytes_of(e.gate) + bytes_of(e.up) + bytes_of(e.down);
+  return static_cast<std::int64_t>(e.gate.bytes() + e.up.bytes() + e.down.bytes());
 }
 
 // ---- the tests ----
@@ -474,7 +470,7 @@ class MpiModel : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
     dir_ = testing::fixture_models_dir() / GetParam();
-    single_ = Model::load(dir_);
+    single_ = Model::load(dir_, backend_);
     prompts_ = prompt_set(GetParam(), single_->config().vocab_size);
   }
 
@@ -510,10 +506,10 @@ TEST_P(MpiModel, GammaInfEqualsSingleProcess) {
   if (ranks == 3) {
     EXPECT_NE(c.num_experts % 3, 0) << "np = 3 is here to place an expert count that 3 does not divide";
   }
-  Engine single_engine(*single_, backend_, {});
+  Engine single_engine(*single_, {});
   const RunResult ref = reference_run(single_engine, ranks, "single process");
   for (const std::string placement : {"contiguous", "round-robin"}) {
-    const auto model = Model::load(dir_, comm_, options(placement));
+    const auto model = Model::load(dir_, backend_, comm_, options(placement));
     // The placement is the documented one, and a rank holds 1 + E / R or E / R experts.
     for (std::int64_t e = 0; e < c.num_experts; ++e) {
       EXPECT_EQ(model->placement().owners(0)[static_cast<std::size_t>(e)],
@@ -522,7 +518,7 @@ TEST_P(MpiModel, GammaInfEqualsSingleProcess) {
     }
     const auto local = static_cast<std::int64_t>(model->placement().local_experts(0, rank).size());
     EXPECT_EQ(local, c.num_experts / ranks + (rank < c.num_experts % ranks ? 1 : 0)) << placement;
-    Engine engine(*model, backend_, {});
+    Engine engine(*model, {});
     for (const Split split : {Split::spread, Split::rank0}) {
       const std::string where = GetParam() + ", " + placement + ", " + name(split) + ", rank " +
                                 std::to_string(rank) + " of " + std::to_string(ranks);
@@ -543,7 +539,7 @@ TEST_P(MpiModel, StepStatisticsAreGlobalAndMatchSingleProcess) {
   const int ranks = comm_.size();
   const int rank = comm_.rank();
   const runtime::ModelConfig& c = single_->config();
-  Engine single_engine(*single_, backend_, {});
+  Engine single_engine(*single_, {});
   const std::vector<std::size_t> order = global_order(prompts_.size(), ranks);
   std::vector<Engine::Work> all_work;
   std::int64_t tokens = 0;
@@ -557,8 +553,8 @@ TEST_P(MpiModel, StepStatisticsAreGlobalAndMatchSingleProcess) {
 
   for (const std::string placement : {"contiguous", "round-robin"}) {
     const std::string where = GetParam() + ", " + placement + ", rank " + std::to_string(rank);
-    const auto model = Model::load(dir_, comm_, options(placement));
-    Engine engine(*model, backend_, {});
+    const auto model = Model::load(dir_, backend_, comm_, options(placement));
+    Engine engine(*model, {});
     std::vector<Engine::Work> work;
     for (const std::size_t i : my_prompts(prompts_.size(), ranks, rank, Split::spread))
       work.push_back({i, prompts_[i], false});
@@ -610,8 +606,8 @@ TEST_P(MpiModel, GlobalCapacityIsIndependentOfTheTokenSplit) {
         const ParallelOptions opts = options("contiguous", gamma, policy, granularity);
         const std::string config = GetParam() + ", " + describe(opts) + ", rank " + std::to_string(rank) +
                                    " of " + std::to_string(ranks);
-        const auto model = Model::load(dir_, comm_, opts);
-        Engine engine(*model, backend_, {});
+        const auto model = Model::load(dir_, backend_, comm_, opts);
+        Engine engine(*model, {});
         // Expert capacity depends only on the step's global token count, so one rank holding every token is
         // the reference. Device capacity is per rank (C_dev scales with the experts a rank hosts), so there
         // the reference is this rank count with every token on rank 0.
@@ -619,8 +615,8 @@ TEST_P(MpiModel, GlobalCapacityIsIndependentOfTheTokenSplit) {
         RunResult ref;
         if (one_rank_reference) {
           parallel::SelfCommunicator self;
-          const auto ref_model = Model::load(dir_, self, opts);
-          Engine ref_engine(*ref_model, backend_, {});
+          const auto ref_model = Model::load(dir_, backend_, self, opts);
+          Engine ref_engine(*ref_model, {});
           ref = reference_run(ref_engine, ranks, config + ", one rank");
         }
         for (const Split split : {Split::rank0, Split::spread}) {
@@ -692,7 +688,7 @@ TEST_P(MpiModel, DroppedTokensKeepSharedExpertAndResidual) {
 
   // References (gamma = inf, one process): every one-token sequence's logits.
   const auto logits_of = [&](Model& m) {
-    Engine e(m, backend_, {});
+    Engine e(m, {});
     std::vector<Engine::Work> work;
     for (std::size_t j = 0; j < order.size(); ++j) work.push_back({j, one_token[order[j]], false});
     const runtime::Status st = e.step(work);
@@ -705,8 +701,8 @@ TEST_P(MpiModel, DroppedTokensKeepSharedExpertAndResidual) {
     return by_prompt;
   };
   const auto full = logits_of(*single_);
-  const auto without_routed = logits_of(*Model::load(no_routed.dir()));
-  const auto without_moe = logits_of(*Model::load(no_moe.dir()));
+  const auto without_routed = logits_of(*Model::load(no_routed.dir(), backend_));
+  const auto without_moe = logits_of(*Model::load(no_moe.dir(), backend_));
   double zeroing_changed = 0;
   for (std::size_t i = 0; i < kTokens; ++i)
     zeroing_changed = std::max(zeroing_changed, testing::relative_max_diff(full[i], without_routed[i]));
@@ -714,8 +710,8 @@ TEST_P(MpiModel, DroppedTokensKeepSharedExpertAndResidual) {
       << "zeroing the routed experts changed nothing: the check below is vacuous";
 
   const ParallelOptions opts = options("contiguous", 0.25, CapacityPolicy::drop);
-  const auto model = Model::load(dir_, comm_, opts);
-  Engine engine(*model, backend_, {});
+  const auto model = Model::load(dir_, backend_, comm_, opts);
+  Engine engine(*model, {});
   std::vector<Engine::Work> work;
   for (const std::size_t i : mine) work.push_back({i, one_token[i], false});
   const runtime::Status st = engine.step(work);
@@ -759,8 +755,8 @@ TEST_P(MpiModel, DispatchMovesOnlyKeptRoutedAssignments) {
   std::int64_t dropped = 0;
   for (const std::string placement : {"contiguous", "round-robin"}) {
     const ParallelOptions opts = options(placement, 0.25, CapacityPolicy::drop, CapacityGranularity::device);
-    const auto model = Model::load(dir_, comm_, opts);
-    Engine engine(*model, backend_, {});
+    const auto model = Model::load(dir_, backend_, comm_, opts);
+    Engine engine(*model, {});
     for (int step = 0; step < 8; ++step) {
       const int src = step % ranks;
       const std::vector<std::int32_t> token{static_cast<std::int32_t>((step * 53 + 11) % c.vocab_size)};
@@ -816,7 +812,7 @@ TEST_P(MpiModel, EachRankHoldsOnlyItsRoutedExperts) {
   const runtime::TensorNames names = arch.tensor_names();
   const auto expert_bytes = [&](const parallel::ExpertPlacement& placement, int r) {
     runtime::Checkpoint ckpt = runtime::Checkpoint::open(dir_);
-    const runtime::ModelWeights w = runtime::load_model_weights(ckpt, c, names, placement, r);
+    const runtime::ModelWeights w = runtime::load_model_weights(ckpt, c, names, placement, r, backend_);
     std::int64_t bytes = 0;
     std::int64_t count = 0;
     for (const runtime::LayerWeights& l : w.layers) {
@@ -839,8 +835,8 @@ TEST_P(MpiModel, EachRankHoldsOnlyItsRoutedExperts) {
   std::int64_t dist_mapped = 0;
   std::int64_t dist_rss = 0;
   {
-    const auto model = Model::load(dir_, comm_, options("contiguous"));
-    Engine engine(*model, backend_, {});
+    const auto model = Model::load(dir_, backend_, comm_, options("contiguous"));
+    Engine engine(*model, {});
     EXPECT_TRUE(engine.step(work).ok());
     dist_mapped = mapped_resident_kb(dir_);
     dist_rss = status_kb("VmRSS");
@@ -863,8 +859,8 @@ TEST_P(MpiModel, EachRankHoldsOnlyItsRoutedExperts) {
   }
   std::int64_t single_mapped = 0;
   {
-    const auto model = Model::load(dir_);
-    Engine engine(*model, backend_, {});
+    const auto model = Model::load(dir_, backend_);
+    Engine engine(*model, {});
     std::vector<Engine::Work> all;
     for (std::size_t i = 0; i < prompts_.size(); ++i) all.push_back({i, prompts_[i], false});
     EXPECT_TRUE(engine.step(all).ok());
@@ -897,8 +893,8 @@ TEST_P(MpiModel, StepRefusedOnOneRankOnly) {
     // Rank r's prompt: the fixture's prompt r % 4; the reference runs the good ranks' prompts, in rank order.
     const auto prompt_of = [&](int r) { return prompts_[static_cast<std::size_t>(r % 4)]; };
     parallel::SelfCommunicator self;
-    const auto ref_model = Model::load(dir_, self, opts);
-    Engine ref_engine(*ref_model, backend_, {});
+    const auto ref_model = Model::load(dir_, backend_, self, opts);
+    Engine ref_engine(*ref_model, {});
     std::vector<std::vector<std::int32_t>> ref_prompts;
     for (int r = 0; r < ranks; ++r) {
       if (r != bad) ref_prompts.push_back(prompt_of(r));
@@ -907,9 +903,9 @@ TEST_P(MpiModel, StepRefusedOnOneRankOnly) {
     for (std::size_t j = 0; j < ref_prompts.size(); ++j) ref_work.push_back({j, ref_prompts[j], false});
     EXPECT_TRUE(ref_engine.step(ref_work).ok());
 
-    const auto model = Model::load(dir_, comm_, opts);
+    const auto model = Model::load(dir_, backend_, comm_, opts);
     {
-      Engine engine(*model, backend_, {});
+      Engine engine(*model, {});
       const std::vector<std::int32_t> invalid{3, static_cast<std::int32_t>(c.vocab_size)};
       const std::vector<std::int32_t> mine = rank == bad ? invalid : prompt_of(rank);
       const Engine::Work w{1, mine, false};
@@ -940,7 +936,7 @@ TEST_P(MpiModel, StepRefusedOnOneRankOnly) {
     }
     {
       // Too few KV blocks on the bad rank only (every rank has 2 blocks of 16 tokens).
-      Engine engine(*model, backend_, {16, 2});
+      Engine engine(*model, {16, 2});
       std::vector<std::int32_t> mine = prompt_of(rank == bad ? 3 : rank);  // 29 tokens fit
       if (rank == bad) {
         const std::vector<std::int32_t> again = mine;
@@ -957,7 +953,7 @@ TEST_P(MpiModel, StepRefusedOnOneRankOnly) {
     }
     {
       // A step with no work on any rank: zero tokens everywhere, still a valid (collective) step.
-      Engine engine(*model, backend_, {});
+      Engine engine(*model, {});
       const runtime::Status st = engine.step({});
       EXPECT_TRUE(st.ok()) << where << ": " << st.message();
       for (const auto& s : model->last_moe_stats().layers) {
@@ -968,7 +964,7 @@ TEST_P(MpiModel, StepRefusedOnOneRankOnly) {
     }
     {
       // generate: the bad rank's error is its own; the others stop with an internal error; none hangs.
-      Engine engine(*model, backend_, {});
+      Engine engine(*model, {});
       const std::vector<std::vector<std::int32_t>> mine{rank == bad ? std::vector<std::int32_t>{-1}
                                                                     : prompt_of(rank)};
       const std::vector<runtime::SamplingParams> params(1, greedy());

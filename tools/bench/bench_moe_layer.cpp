@@ -403,9 +403,10 @@ int run_synthetic(parallel::MpiWorld& world, parallel::MpiCommunicator& comm, co
   for (std::int64_t i = 0; i < n_local; ++i) {
     const auto* base = reinterpret_cast<const std::byte*>(weight_store.data() + i * 3 * per_matrix);
     const std::size_t mat_bytes = static_cast<std::size_t>(per_matrix) * 2;
-    local_weights.push_back({{kernels::DType::bf16, base, ffn, hidden},
-                             {kernels::DType::bf16, base + mat_bytes, ffn, hidden},
-                             {kernels::DType::bf16, base + 2 * mat_bytes, hidden, ffn}});
+    local_weights.push_back(
+        {kernels::weight_tensor({kernels::DType::bf16, base, ffn, hidden}),
+         kernels::weight_tensor({kernels::DType::bf16, base + mat_bytes, ffn, hidden}),
+         kernels::weight_tensor({kernels::DType::bf16, base + 2 * mat_bytes, hidden, ffn})});
   }
 
   // Routing of this rank's tokens per (domain, layer), fixed for the run; random hidden states.
@@ -730,17 +731,17 @@ int run_model(parallel::MpiWorld& world, parallel::MpiCommunicator& comm, const 
   const int rank = world.rank();
   const int ranks = world.size();
   TimingCommunicator timed(comm);
+  kernels::cpu::CpuBackend backend(threads);
   std::vector<std::unique_ptr<runtime::Model>> models;
   for (const Contender& c : contenders) {
     runtime::ParallelOptions options;
     options.capacity = c.config;
-    models.push_back(runtime::Model::load(model_dir, timed, options));
+    models.push_back(runtime::Model::load(model_dir, backend, timed, options));
   }
-  kernels::cpu::CpuBackend backend(threads);
   runtime::EngineOptions engine_options;
   engine_options.kv_blocks = windows_per_rank * ((window + 1) / engine_options.kv_block_size + 2);
   std::vector<std::unique_ptr<runtime::Engine>> engines;
-  for (auto& m : models) engines.push_back(std::make_unique<runtime::Engine>(*m, backend, engine_options));
+  for (auto& m : models) engines.push_back(std::make_unique<runtime::Engine>(*m, engine_options));
 
   // Each rank's burst of a domain: windows [rank * W, (rank + 1) * W) of the held-out text.
   const runtime::Tokenizer tokenizer = runtime::Tokenizer::load(model_dir);

@@ -69,11 +69,11 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   try {
-    const auto model = capserve::runtime::Model::load(model_dir);
     capserve::kernels::cpu::CpuBackend backend(threads);
+    const auto model = capserve::runtime::Model::load(model_dir, backend);
     capserve::runtime::EngineOptions options;
     options.kv_blocks = batch * ((prompt_len + decode_steps) / options.kv_block_size + 2);
-    Engine engine(*model, backend, options);
+    Engine engine(*model, options);
 
     std::mt19937 rng(static_cast<unsigned>(seed));
     std::uniform_int_distribution<std::int32_t> token(

@@ -334,13 +334,14 @@ int main(int argc, char** argv) {
   }
 
   // Everything that can fail before the first collective is agreed on, so that no rank is left waiting.
+  capserve::kernels::cpu::CpuBackend backend(o.threads);
   std::unique_ptr<parallel::MpiCommunicator> comm;
   std::unique_ptr<runtime::Model> model;
   std::vector<DomainResult> results;
   std::string failure;
   try {
     comm = std::make_unique<parallel::MpiCommunicator>();
-    model = runtime::Model::load(o.model_dir, *comm, runtime::finish_parallel_flags(o.parallel));
+    model = runtime::Model::load(o.model_dir, backend, *comm, runtime::finish_parallel_flags(o.parallel));
     results = load_domains(o, runtime::Tokenizer::load(o.model_dir));
   } catch (const std::exception& e) {
     failure = e.what();
@@ -349,10 +350,9 @@ int main(int argc, char** argv) {
   if (!world->all_agree(failure.empty())) return 1;
 
   try {
-    capserve::kernels::cpu::CpuBackend backend(o.threads);
     runtime::EngineOptions options;
     options.kv_blocks = o.batch_windows * ((o.window + 1) / options.kv_block_size + 1);
-    Engine engine(*model, backend, options);
+    Engine engine(*model, options);
     for (DomainResult& r : results) evaluate_domain(engine, *model, o, rank, ranks, r);
     const parallel::RunStats run = model->run_stats();  // before the probe step
     const std::vector<std::int64_t> bos = bos_load(engine, *model, rank);

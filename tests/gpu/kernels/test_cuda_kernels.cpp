@@ -92,8 +92,9 @@ const __nv_bfloat16* bf16_ptr(const DeviceBuffer<std::uint16_t>& d) {
   return reinterpret_cast<const __nv_bfloat16*>(d.data());
 }
 
-kernels::WeightView bf16_view(const std::vector<std::uint16_t>& bits, std::int64_t rows, std::int64_t cols) {
-  return {kernels::DType::bf16, reinterpret_cast<const std::byte*>(bits.data()), rows, cols};
+kernels::Tensor bf16_view(const std::vector<std::uint16_t>& bits, std::int64_t rows, std::int64_t cols) {
+  return kernels::weight_tensor(
+      {kernels::DType::bf16, reinterpret_cast<const std::byte*>(bits.data()), rows, cols});
 }
 
 // ---------------------------------------------------------------------------------------------------------

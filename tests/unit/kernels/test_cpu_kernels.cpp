@@ -25,7 +25,7 @@ std::vector<float> random_vector(std::size_t n, unsigned seed) {
 struct StoredWeight {
   std::vector<std::byte> bytes;
   std::vector<float> values;
-  WeightView view;
+  Tensor view;
 };
 
 std::uint16_t to_bf16(float f) {
@@ -62,7 +62,7 @@ StoredWeight make_weight(DType dtype, std::int64_t rows, std::int64_t cols, unsi
       w.values[i] = dtype == DType::bf16 ? bf16_to_f32(h) : f16_to_f32(h);
     }
   }
-  w.view = {dtype, w.bytes.data(), rows, cols};
+  w.view = weight_tensor({dtype, w.bytes.data(), rows, cols});
   return w;
 }
 

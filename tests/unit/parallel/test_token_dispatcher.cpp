@@ -42,8 +42,9 @@ struct Experts {
     }
   }
 
-  static kernels::WeightView view(const std::vector<float>& w, std::int64_t rows, std::int64_t cols) {
-    return {kernels::DType::f32, reinterpret_cast<const std::byte*>(w.data()), rows, cols};
+  static kernels::Tensor view(const std::vector<float>& w, std::int64_t rows, std::int64_t cols) {
+    return kernels::weight_tensor(
+        {kernels::DType::f32, reinterpret_cast<const std::byte*>(w.data()), rows, cols});
   }
 
   // The experts `rank` hosts, by local index.

@@ -47,9 +47,9 @@ class DeepSeek : public ::testing::TestWithParam<std::string> {
 };
 
 TEST_P(DeepSeek, CacheHoldsOneLatentRowPerTokenAndLayer) {
-  const auto model = Model::load(dir());
+  const auto model = Model::load(dir(), backend_);
   const ModelConfig& c = model->config();
-  const Engine engine(*model, backend_, {16, 64});
+  const Engine engine(*model, {16, 64});
   const KvCacheShape& shape = engine.cache().shape();
   ASSERT_TRUE(shape.latent());
   const std::int64_t latent = (c.mla->kv_lora_rank + c.mla->qk_rope_head_dim) * 4;
@@ -77,12 +77,12 @@ TEST(LatentCache, DeepSeekV2LiteBytesPerToken) {
 // Prefill, then greedy decode, with every layer's attention forced into one form: the logits agree at every
 // step and both continuations are transformers' own.
 TEST_P(DeepSeek, AbsorbedDecodeEqualsExpanded) {
-  const auto absorbed = Model::load(dir());
-  const auto expanded = Model::load(dir());
+  const auto absorbed = Model::load(dir(), backend_);
+  const auto expanded = Model::load(dir(), backend_);
   absorbed->set_latent_form(kernels::LatentForm::absorbed);
   expanded->set_latent_form(kernels::LatentForm::expanded);
-  Engine a(*absorbed, backend_, {});
-  Engine e(*expanded, backend_, {});
+  Engine a(*absorbed, {});
+  Engine e(*expanded, {});
   const nlohmann::json prompt = testing::fixture_reference(GetParam())["prompts"][3];
   const auto ids = prompt["input_ids"].get<std::vector<std::int32_t>>();
   const auto expected = prompt["greedy_ids"].get<std::vector<std::int32_t>>();
@@ -114,7 +114,7 @@ TEST_P(DeepSeek, SharedExpertsSurviveCapacityDropForEveryToken) {
   const ModelConfig c = arch.parse_config(ConfigReader(json));
   Checkpoint ckpt = Checkpoint::open(dir());
   const auto placement = parallel::ExpertPlacement::contiguous(c.num_layers, c.num_experts, 1);
-  const ModelWeights weights = load_model_weights(ckpt, c, arch.tensor_names(), placement, 0);
+  const ModelWeights weights = load_model_weights(ckpt, c, arch.tensor_names(), placement, 0, backend_);
   std::int64_t layer = 0;
   while (!c.layer_is_moe[static_cast<std::size_t>(layer)]) ++layer;
   const MoeWeights& moe = weights.layers[static_cast<std::size_t>(layer)].moe;

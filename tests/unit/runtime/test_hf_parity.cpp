@@ -20,8 +20,8 @@ class HfParity : public ::testing::TestWithParam<std::string> {
   void SetUp() override {
     dir_ = testing::fixture_models_dir() / GetParam();
     ref_ = testing::fixture_reference(GetParam());
-    model_ = runtime::Model::load(dir_);
-    engine_ = std::make_unique<runtime::Engine>(*model_, backend_, runtime::EngineOptions{});
+    model_ = runtime::Model::load(dir_, backend_);
+    engine_ = std::make_unique<runtime::Engine>(*model_, runtime::EngineOptions{});
   }
 
   runtime::NpyArray npy(const nlohmann::json& file) const {

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "kernels/cpu/cpu_backend.h"
 #include "runtime/load_error.h"
 #include "runtime/model.h"
 #include "tests/unit/runtime/fixture_models.h"
@@ -14,6 +15,12 @@ namespace capserve::runtime {
 namespace {
 
 namespace fs = std::filesystem;
+
+// The backend the models load onto (the CPU: their weights stay views of the checkpoint).
+kernels::Backend& cpu_backend() {
+  static kernels::cpu::CpuBackend backend(1);
+  return backend;
+}
 
 // A temporary model directory: the fixture's safetensors files linked in, config.json edited by the test.
 class EditedModel {
@@ -42,7 +49,7 @@ class EditedModel {
   std::string load_error_of(const std::string& config_text) {
     std::ofstream(dir_ / "config.json") << config_text;
     try {
-      Model::load(dir_);
+      Model::load(dir_, cpu_backend());
     } catch (const LoadError& e) {
       return e.what();
     }
@@ -71,8 +78,8 @@ TEST(ModelConfig, LegacyRopeKeysGiveTheSameModel) {
   m.config()["rope_theta"] = params["rope_theta"];
   m.config()["rope_scaling"] = {{"type", params["rope_type"]}, {"factor", params["factor"]}};
   ASSERT_EQ(m.load_error(), "");
-  const auto legacy = Model::load(m.dir());
-  const auto current = Model::load(testing::fixture_models_dir() / "olmoe_bf16");
+  const auto legacy = Model::load(m.dir(), cpu_backend());
+  const auto current = Model::load(testing::fixture_models_dir() / "olmoe_bf16", cpu_backend());
   EXPECT_EQ(legacy->config().rope_theta, current->config().rope_theta);
   EXPECT_EQ(legacy->config().rope_scaling.type, RopeScaling::Type::linear);
   EXPECT_EQ(legacy->config().rope_scaling.factor, current->config().rope_scaling.factor);
@@ -143,7 +150,7 @@ TEST(ModelConfig, WrongShapeNamesTensorAndFile) {
 }
 
 TEST(ModelConfig, MissingOrBrokenConfigFile) {
-  EXPECT_THROW(Model::load("/nonexistent/capserve"), LoadError);
+  EXPECT_THROW(Model::load("/nonexistent/capserve", cpu_backend()), LoadError);
   EditedModel m("mixtral_sharded");
   m.config() = nlohmann::json::array({1, 2});
   EXPECT_ERROR_MENTIONS(m, "must be a JSON object");
@@ -153,7 +160,7 @@ TEST(ModelConfig, MissingOrBrokenConfigFile) {
 TEST(ModelConfig, DeepSeekFixturesLoadAndHoldTheirShape) {
   EditedModel lite("deepseek_v2_lite");
   EXPECT_EQ(lite.load_error(), "");
-  const auto model = Model::load(testing::fixture_models_dir() / "deepseek_v2");
+  const auto model = Model::load(testing::fixture_models_dir() / "deepseek_v2", cpu_backend());
   const ModelConfig& c = model->config();
   ASSERT_TRUE(c.mla.has_value());
   EXPECT_EQ(c.mla->q_lora_rank, 48);
@@ -188,8 +195,8 @@ TEST(ModelConfig, DeepSeekHubStyleConfigGivesTheSameModel) {
   m.config()["scoring_func"] = "softmax";
   m.config()["aux_loss_alpha"] = 0.001;
   ASSERT_EQ(m.load_error(), "");
-  const auto hub = Model::load(m.dir());
-  const auto current = Model::load(testing::fixture_models_dir() / "deepseek_v2_lite");
+  const auto hub = Model::load(m.dir(), cpu_backend());
+  const auto current = Model::load(testing::fixture_models_dir() / "deepseek_v2_lite", cpu_backend());
   EXPECT_EQ(hub->config().softmax_scale, current->config().softmax_scale);
   EXPECT_EQ(hub->config().rope_scaling.attention_factor, current->config().rope_scaling.attention_factor);
   EXPECT_EQ(hub->config().head_dim, current->config().head_dim);
@@ -227,7 +234,7 @@ TEST(ModelConfig, DeepSeekNormTopkProbReplacesTheScaling) {
   EditedModel m("deepseek_v2");
   m.config()["norm_topk_prob"] = true;
   ASSERT_EQ(m.load_error(), "");
-  const auto model = Model::load(m.dir());
+  const auto model = Model::load(m.dir(), cpu_backend());
   EXPECT_TRUE(model->config().norm_topk_prob);
   EXPECT_EQ(model->config().router.scaling, 1.0);
 }

@@ -37,9 +37,9 @@ std::vector<std::vector<float>> run_alone(runtime::Engine& engine, const Script&
 class RaggedBatch : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(RaggedBatch, EqualsEachSequenceAlone) {
-  const auto model = runtime::Model::load(testing::fixture_models_dir() / GetParam());
   kernels::cpu::CpuBackend backend(2);
-  runtime::Engine engine(*model, backend, {});
+  const auto model = runtime::Model::load(testing::fixture_models_dir() / GetParam(), backend);
+  runtime::Engine engine(*model, {});
   const auto vocab = static_cast<std::size_t>(model->config().vocab_size);
   const nlohmann::json ref = testing::fixture_reference(GetParam());
   const auto prompt = [&](int i) { return ref["prompts"][i]["input_ids"].get<std::vector<std::int32_t>>(); };
