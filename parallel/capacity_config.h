@@ -1,5 +1,5 @@
 #pragma once
-// Every option of capacity-aware scheduling (DESIGN.md section 4), with the string forms the command-line
+// Every option of capacity-aware scheduling (parallel/README.md), with the string forms the command-line
 // flags and config files use.
 #include <cstdint>
 #include <limits>

@@ -1,5 +1,5 @@
 #pragma once
-// Capacity-aware scheduling of one MoE layer's routing (DESIGN.md section 4): a pure function of the local
+// Capacity-aware scheduling of one MoE layer's routing (parallel/README.md): a pure function of the local
 // tokens' router output, the placement and the config, plus — in global scope — small allreduces through the
 // Communicator (per-bin counts, then per-bin 256-bucket histograms of the selection keys until each full
 // bin's threshold is exact). Every rank reaches the same per-bin decisions, so the kept set is the exact

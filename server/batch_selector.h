@@ -1,5 +1,5 @@
 #pragma once
-// Router-assisted batch selection (CAPS, DESIGN.md section 5): which waiting requests join the running batch
+// Router-assisted batch selection (CAPS, server/README.md): which waiting requests join the running batch
 // this step, chosen so that the batch's aggregate expert load — the running sequences' real loads plus the
 // newcomers' predicted ones — is as even as possible over the balance dimensions (ranks by default, since the
 // straggler is a device). A pure function of its inputs (and a seeded generator for the sampling strategies);

@@ -1,5 +1,5 @@
 #pragma once
-// Continuous batching on rank 0 (DESIGN.md section 5): requests wait in a queue, join the running batch when
+// Continuous batching on rank 0 (server/README.md): requests wait in a queue, join the running batch when
 // there is room (sequence slots, batched tokens, KV blocks on some rank) in the order the CAPS batch selector
 // chooses, decode one token per step, and end on a stop token, a stop string, their token budget, the context
 // length, cancellation or their deadline. Each sequence runs on the data-parallel rank with the most room.

@@ -1,7 +1,8 @@
 #pragma once
-// The server's Prometheus metrics (DESIGN.md section 6) in prometheus-cpp's registry; rank 0's HTTP server
-// answers /metrics with exposition(). Names follow Prometheus conventions with the prefix capserve_. Every
-// method is thread-safe (gRPC handler threads and the engine loop both report); none allocates per token.
+// The server's Prometheus metrics (server/README.md, proto/README.md) in prometheus-cpp's registry; rank 0's
+// HTTP server answers /metrics with exposition(). Names follow Prometheus conventions with the prefix
+// capserve_. Every method is thread-safe (gRPC handler threads and the engine loop both report); none
+// allocates per token.
 #include <cstdint>
 #include <memory>
 #include <span>

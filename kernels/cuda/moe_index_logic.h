@@ -9,9 +9,10 @@
 // A body only writes what thread i owns, plus integer counters through add_count (an atomic on the device),
 // whose sums do not depend on the order the threads run in; so running the threads one after another on the
 // host makes the device's decisions from the same inputs. Not always from the same router probabilities: the
-// device's expf may differ from the host's std::exp in the last bit (up to 2 ulp), so router probabilities, and
-// a top-k choice between experts within rounding of each other, may differ (tests/gpu allows exactly that). The
-// capacity scheduler and permute use only integers and comparisons of their inputs: those are bit-identical.
+// device's expf may differ from the host's std::exp in the last bit (up to 2 ulp), so router probabilities,
+// and a top-k choice between experts within rounding of each other, may differ (tests/gpu allows exactly
+// that). The capacity scheduler and permute use only integers and comparisons of their inputs: those are
+// bit-identical.
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -171,7 +172,7 @@ struct RouteToken {
 };
 
 // ---------------------------------------------------------------------------------------------------------
-// Capacity scheduler, local scope (DESIGN.md section 4; the same decisions as parallel::CapacityScheduler).
+// Capacity scheduler, local scope (parallel/README.md; the same decisions as parallel::CapacityScheduler).
 
 enum class ScoreKind : std::uint8_t { gate, order, reverse_order, random };
 enum class RerouteKind : std::uint8_t { none, reroute, expanded };

@@ -333,7 +333,7 @@ int expected_owner(const std::string& placement, std::int64_t e, std::int64_t ex
   return static_cast<int>(e < big ? e / (base + 1) : extra + (e - big) / base);
 }
 
-// The capacity invariants of DESIGN.md section 4, from a step's global statistics: no bin (expert or rank)
+// The capacity invariants of parallel/README.md, from a step's global statistics: no bin (expert or rank)
 // above its capacity; drop keeps exactly min(load, C) per bin; every slot that lost its original expert is
 // either dropped or rerouted.
 void expect_capacity_invariants(const MoeStepStats& stats, const parallel::CapacityConfig& cap,

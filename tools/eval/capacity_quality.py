@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Quality of capacity-aware scheduling on the embedded default model (DESIGN.md section 4).
+"""Quality of capacity-aware scheduling on the embedded default model (parallel/README.md).
 
 Runs capserve-eval-heldout under mpirun over a grid of capacity factors gamma x policies (drop by gate score,
 by order, at random; reroute R = 1..3; expanded drop m = 1, 2) x granularity x scope, and writes

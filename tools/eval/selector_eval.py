@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Batch selection (CAPS, DESIGN.md section 5) against the live server: fcfs vs greedy vs power_of_d.
+"""Batch selection (CAPS, server/README.md) against the live server: fcfs vs greedy vs power_of_d.
 
 Starts `capserve` under mpirun (deploy/launch.sh, --np ranks, the embedded default model) once per
 (capacity factor, strategy), drives each with capserve-loadgen over the same workloads — Poisson arrivals at

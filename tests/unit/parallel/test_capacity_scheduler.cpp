@@ -1,4 +1,4 @@
-// Capacity-aware scheduling (DESIGN.md section 4) against an independent brute-force reference: every
+// Capacity-aware scheduling (parallel/README.md) against an independent brute-force reference: every
 // expert's (or device's) assignments sorted by (score desc, token position in the scope asc, slot asc), the
 // first C kept; reroute rounds replayed token by token. The reference sees the whole step at once, so
 // comparing it with runs split over 1..4 ranks (in-process thread groups) also checks that global scope is
@@ -351,7 +351,7 @@ struct Contender {
   std::int32_t expert;
 };
 
-// The score order of DESIGN.md: larger score first, then earlier token, then earlier slot.
+// The score order of parallel/README.md: larger score first, then earlier token, then earlier slot.
 bool outranks(DropScore score, const Contender& a, const Contender& b) {
   double sa = 0;
   double sb = 0;
