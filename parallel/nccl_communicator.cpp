@@ -194,7 +194,7 @@ void NcclCommunicator::check(int result, const char* what) {
 void NcclCommunicator::begin_call() {
   CAPSERVE_CUDA_CHECK(cudaSetDevice(device_));
   // Errors of earlier work (a peer that failed, a network error) show only here; going on would wait forever
-  // for the failed rank.
+  // for the failed rank. Work still ncclInProgress (another thread's call) is waited for first.
   complete(ncclInProgress, "earlier work (ncclCommGetAsyncError)");
 }
 
