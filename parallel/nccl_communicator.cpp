@@ -3,14 +3,17 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <exception>
 #include <map>
 #include <span>
+#include <sstream>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "kernels/cuda/cuda_check.h"
@@ -54,9 +57,27 @@ std::string shared_gpu_error(const std::vector<std::vector<std::byte>>& uuids, i
   return {};
 }
 
+// Polls ncclCommGetAsyncError while it says ncclInProgress, sleeping `pause` between polls, until `deadline`:
+// the communicator's state (ncclInProgress only at the deadline), or the poll's own error.
+ncclResult_t wait_while_in_progress(ncclComm_t comm, std::chrono::steady_clock::time_point deadline,
+                                    std::chrono::microseconds pause) {
+  for (;;) {
+    ncclResult_t state = ncclSuccess;
+    if (const ncclResult_t rc = ncclCommGetAsyncError(comm, &state); rc != ncclSuccess) return rc;
+    if (state != ncclInProgress || std::chrono::steady_clock::now() >= deadline) return state;
+    std::this_thread::sleep_for(pause);
+  }
+}
+
+std::string seconds_text(std::chrono::milliseconds duration) {
+  std::ostringstream text;
+  text << std::chrono::duration<double>(duration).count() << " s";
+  return text.str();
+}
+
 }  // namespace
 
-NcclCommunicator::NcclCommunicator(MpiWorld& world)
+NcclCommunicator::NcclCommunicator(MpiWorld& world, std::chrono::milliseconds init_deadline)
     : rank_(world.rank()), size_(world.size()), uncaught_at_start_(std::uncaught_exceptions()) {
   // Every step ends with all ranks agreeing, so that a failure on one rank throws on all of them instead of
   // leaving the others waiting in the next collective.
@@ -120,15 +141,37 @@ NcclCommunicator::NcclCommunicator(MpiWorld& world)
   }
   std::memcpy(&id, id_message.data() + 1, sizeof id);
 
+  // Non-blocking, so that a rank that never joins cannot keep this one waiting forever.
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
   ncclComm_t comm = nullptr;
-  const ncclResult_t init_rc = ncclCommInitRank(&comm, size_, id, rank_);
-  if (init_rc == ncclSuccess) comm_ = comm;
+  ncclResult_t init_rc = ncclCommInitRankConfig(&comm, size_, id, rank_, &config);
+  if (comm != nullptr && init_rc == ncclInProgress) {
+    init_rc = wait_while_in_progress(comm, std::chrono::steady_clock::now() + init_deadline,
+                                     std::chrono::milliseconds(1));
+    if (init_rc == ncclInProgress) {
+      ncclCommAbort(comm);
+      // No agreement with the other ranks here: the missing one would never answer.
+      throw std::runtime_error(std::string(kWho) + ": rank " + std::to_string(rank_) +
+                               ": NCCL initialisation (ncclCommInitRankConfig) did not complete within " +
+                               seconds_text(init_deadline) + ": waited for all " + std::to_string(size_) +
+                               " ranks to join the communicator (a rank died or hangs after the id "
+                               "broadcast); aborted it");
+    }
+  }
+  const std::string init_error =
+      init_rc == ncclSuccess ? std::string() : nccl_error(init_rc, comm, "ncclCommInitRankConfig");
+  if (init_rc == ncclSuccess) {
+    comm_ = comm;
+  } else if (comm != nullptr) {
+    ncclCommAbort(comm);
+  }
   if (!world.all_agree(init_rc == ncclSuccess)) {
     if (comm_ != nullptr) ncclCommAbort(comm_);
     comm_ = nullptr;
-    throw std::runtime_error(init_rc != ncclSuccess
-                                 ? nccl_error(init_rc, nullptr, "ncclCommInitRank")
-                                 : std::string(kWho) + ": ncclCommInitRank failed on another rank");
+    throw std::runtime_error(!init_error.empty()
+                                 ? init_error
+                                 : std::string(kWho) + ": ncclCommInitRankConfig failed on another rank");
   }
 }
 
@@ -151,10 +194,19 @@ void NcclCommunicator::check(int result, const char* what) {
 void NcclCommunicator::begin_call() {
   CAPSERVE_CUDA_CHECK(cudaSetDevice(device_));
   // Errors of earlier work (a peer that failed, a network error) show only here; going on would wait forever
-  // for the failed rank.
-  ncclResult_t async = ncclSuccess;
-  check(ncclCommGetAsyncError(comm_, &async), "ncclCommGetAsyncError");
-  if (async != ncclSuccess && async != ncclInProgress) check(async, "earlier work (ncclCommGetAsyncError)");
+  // for the failed rank. Work still ncclInProgress (another thread's call) is waited for first.
+  complete(ncclInProgress, "earlier work (ncclCommGetAsyncError)");
+}
+
+void NcclCommunicator::complete(int result, const char* what) {
+  const auto rc = static_cast<ncclResult_t>(result);
+  if (rc != ncclInProgress) {
+    check(rc, what);
+    return;
+  }
+  check(wait_while_in_progress(comm_, std::chrono::steady_clock::time_point::max(),
+                               std::chrono::microseconds(20)),
+        what);
 }
 
 void NcclCommunicator::exchange(std::span<const std::byte> send, const BlockLayout& send_layout,
@@ -184,7 +236,7 @@ void NcclCommunicator::exchange(std::span<const std::byte> send, const BlockLayo
     ncclGroupEnd();  // closes the group; NCCL drops a group in which a call failed
     throw;
   }
-  check(ncclGroupEnd(), "ncclGroupEnd");
+  complete(ncclGroupEnd(), "ncclGroupEnd");
 }
 
 void NcclCommunicator::alltoall_counts(std::span<const std::int64_t> send, std::span<std::int64_t> recv,
@@ -211,15 +263,15 @@ void NcclCommunicator::alltoallv(std::span<const std::byte> send, std::span<cons
 void NcclCommunicator::allreduce_sum(std::span<std::int64_t> values, DeviceStream stream) {
   if (values.empty()) return;
   begin_call();
-  check(ncclAllReduce(values.data(), values.data(), values.size(), ncclInt64, ncclSum, comm_, stream),
-        "ncclAllReduce (sum)");
+  complete(ncclAllReduce(values.data(), values.data(), values.size(), ncclInt64, ncclSum, comm_, stream),
+           "ncclAllReduce (sum)");
 }
 
 void NcclCommunicator::allreduce_max(std::span<double> values, DeviceStream stream) {
   if (values.empty()) return;
   begin_call();
-  check(ncclAllReduce(values.data(), values.data(), values.size(), ncclFloat64, ncclMax, comm_, stream),
-        "ncclAllReduce (max)");
+  complete(ncclAllReduce(values.data(), values.data(), values.size(), ncclFloat64, ncclMax, comm_, stream),
+           "ncclAllReduce (max)");
 }
 
 void NcclCommunicator::allgather(std::span<const std::int64_t> mine, std::span<std::int64_t> all,
@@ -228,7 +280,7 @@ void NcclCommunicator::allgather(std::span<const std::int64_t> mine, std::span<s
                 "all");
   if (mine.empty()) return;
   begin_call();
-  check(ncclAllGather(mine.data(), all.data(), mine.size(), ncclInt64, comm_, stream), "ncclAllGather");
+  complete(ncclAllGather(mine.data(), all.data(), mine.size(), ncclInt64, comm_, stream), "ncclAllGather");
 }
 
 }  // namespace capserve::parallel

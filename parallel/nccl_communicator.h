@@ -8,6 +8,11 @@
 // and fails on every rank with a message naming the fix: HostStagedCommunicator for several ranks per GPU.
 // Streams passed to the calls must belong to this communicator's device; any thread may call (each call makes
 // that device current on the calling thread).
+//
+// The communicator is non-blocking (ncclConfig_t::blocking = 0): initialisation is polled up to a deadline,
+// so a rank that dies or hangs after the id broadcast makes the others throw instead of waiting forever, and
+// every call polls ncclCommGetAsyncError until its operation leaves ncclInProgress, as NCCL requires.
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -22,9 +27,13 @@ namespace capserve::parallel {
 
 class NcclCommunicator final : public DeviceCommunicator {
  public:
+  static constexpr std::chrono::milliseconds kDefaultInitDeadline{120'000};
+
   // Collective over the whole world. Throws std::runtime_error on every rank when any rank has no CUDA
-  // device, two ranks share a GPU, or NCCL fails to initialize.
-  explicit NcclCommunicator(MpiWorld& world);
+  // device, two ranks share a GPU, or NCCL fails to initialize. When NCCL's initialisation has not completed
+  // within `init_deadline` (some rank never joined), aborts it and throws on this rank alone, naming the
+  // rank, the deadline and what it waited for: the ranks then are out of step, and the job must end.
+  explicit NcclCommunicator(MpiWorld& world, std::chrono::milliseconds init_deadline = kDefaultInitDeadline);
   // ncclCommDestroy; ncclCommAbort instead after an NCCL error or while an exception unwinds (the other ranks
   // may never reach a matching call).
   ~NcclCommunicator() override;
@@ -56,6 +65,10 @@ class NcclCommunicator final : public DeviceCommunicator {
   void begin_call();
   // Throws on an NCCL error (result is an ncclResult_t) and marks the communicator for ncclCommAbort.
   void check(int result, const char* what);
+  // check() for a call that may return ncclInProgress (every call of a non-blocking communicator outside a
+  // group): then polls until its operation completed, pausing briefly between polls (the step watchdog covers
+  // a hang).
+  void complete(int result, const char* what);
 
   int rank_ = 0;
   int size_ = 1;

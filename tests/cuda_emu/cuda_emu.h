@@ -5,6 +5,7 @@
 // Environment, read once per process:
 //   CAPSERVE_CUDA_EMU_SCHEDULE=shuffled:SEED   start with the shuffled schedule
 //   CAPSERVE_CUDA_EMU_DEVICES=N                emulate N devices (default 1), e.g. one per rank for NCCL
+#include <chrono>
 #include <cstdint>
 
 namespace capserve::cuda_emu {
@@ -43,5 +44,11 @@ class ScopedSchedule {
   Schedule previous_;
   std::uint64_t previous_seed_;
 };
+
+// NCCL stand-in (nccl_emu.cpp, linked with capserve_nccl_emu): the next ncclCommInitRank or
+// ncclCommInitRankConfig of this process joins the other ranks only `delay` after it is called, as a rank
+// that hangs after the id broadcast would (blocking mode sleeps first; non-blocking mode stays
+// ncclInProgress).
+void delay_next_nccl_init(std::chrono::steady_clock::duration delay);
 
 }  // namespace capserve::cuda_emu

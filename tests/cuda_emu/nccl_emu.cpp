@@ -1,8 +1,17 @@
 // CUDA emulation: an NCCL stand-in over MPI for the calls CapServe makes, declared by the real nccl.h. Device
 // memory is host memory here, so every operation is the matching MPI operation on the buffers. It enforces
 // the API's contracts that a GPU run would break on (a hang, garbage, or an error):
-//   - ncclCommInitRank: MPI must be running, every rank must pass the same id and size, and each rank its own
-//     index; the communicator keeps the device that was current.
+//   - ncclCommInitRank / ncclCommInitRankConfig: MPI must be running, every rank of MPI_COMM_WORLD joins,
+//   with
+//     the same id and size, each passing its MPI_COMM_WORLD rank; the communicator keeps the device that was
+//     current. The config must come from NCCL_CONFIG_INITIALIZER.
+//   - Non-blocking communicators (config.blocking = 0): init returns ncclInProgress and joins the other ranks
+//     (MPI_Comm_idup, then MPI_Iallgather of the ids) only as ncclCommGetAsyncError is polled. Every
+//     operation (ncclGroupEnd, a collective, a send or receive outside a group) returns ncclInProgress and
+//     stays so for two polls. Using the communicator while it is ncclInProgress fails with ncclInvalidUsage
+//     (not kept as its async error: polling goes on). Aborting it while it still joins parks the pending MPI
+//     request and its buffers for the process's life: MPI can neither cancel nor free a collective request,
+//     and MPI_Finalize does not wait for it.
 //   - ncclGroupStart/End nest; sends and receives queued in a group start together at the outermost End (so
 //     a rank may send to and receive from a peer in one group). Sends and receives must pair up between the
 //     ranks (one left without a partner for CAPSERVE_CUDA_EMU_NCCL_TIMEOUT_S seconds fails, where a GPU would
@@ -30,19 +39,39 @@
 #include <thread>
 #include <vector>
 
+#include "cuda_emu.h"
 #include "emu_state.h"
 #include "handle_registry.h"
 
 namespace cd = capserve::cuda_emu::detail;
+
+namespace capserve::cuda_emu::detail {
+
+// A communicator's initialisation, until it completes; MPI writes into it asynchronously, so it has a stable
+// address and outlives an abort.
+struct Join {
+  enum class Stage : std::uint8_t { delayed, duplicating, gathering };
+  Stage stage = Stage::delayed;
+  std::chrono::steady_clock::time_point start_at;  // delay_next_nccl_init
+  MPI_Comm mpi = MPI_COMM_NULL;
+  MPI_Request request = MPI_REQUEST_NULL;
+  std::int64_t mine[3] = {};  // rank, nranks, the id's nonce
+  std::vector<std::int64_t> all;
+};
+
+}  // namespace capserve::cuda_emu::detail
 
 struct ncclComm {
   MPI_Comm mpi = MPI_COMM_NULL;
   int rank = 0;
   int size = 1;
   int device = 0;
+  bool blocking = true;
   std::uint64_t collectives = 0;  // issued so far, for the order check
   ncclResult_t async_error = ncclSuccess;
   std::string last_error;
+  std::unique_ptr<capserve::cuda_emu::detail::Join> join;  // set while initialising
+  int polls_in_progress = 0;  // non-blocking: polls before the last operation leaves ncclInProgress
 };
 
 namespace capserve::cuda_emu::detail {
@@ -85,11 +114,12 @@ void notify_peers(ncclComm* comm, const std::string& what) {
   }
 }
 
-ncclResult_t nccl_fail(ncclComm* comm, ncclResult_t rc, std::string what) {
+// `sticky`: kept as the communicator's async error (it is then failed for good).
+ncclResult_t nccl_fail(ncclComm* comm, ncclResult_t rc, std::string what, bool sticky = true) {
   global_last_error = what;
   if (handles<ncclComm>().find(comm) != nullptr) {
     comm->last_error = std::move(what);
-    comm->async_error = rc;
+    if (sticky) comm->async_error = rc;
   }
   if (group.depth > 0 && group.error == ncclSuccess) group.error = rc;
   return rc;
@@ -159,6 +189,20 @@ ncclResult_t check_call(ncclComm* comm, const char* call, cudaStream_t stream,
                         std::initializer_list<std::pair<const void*, std::size_t>> buffers) {
   if (handles<ncclComm>().find(comm) == nullptr)
     return nccl_fail(nullptr, ncclInvalidArgument, std::string(call) + ": not a live communicator");
+  if (comm->join != nullptr)
+    return nccl_fail(
+        comm, ncclInvalidUsage,
+        std::string(call) +
+            ": the communicator is still initialising (ncclCommInitRankConfig returned "
+            "ncclInProgress); poll ncclCommGetAsyncError until it is no longer ncclInProgress first",
+        false);
+  if (comm->polls_in_progress > 0)
+    return nccl_fail(
+        comm, ncclInvalidUsage,
+        std::string(call) +
+            ": the communicator's previous operation is still ncclInProgress; poll "
+            "ncclCommGetAsyncError until it is no longer ncclInProgress first (non-blocking mode)",
+        false);
   if (comm->async_error != ncclSuccess)
     return nccl_fail(comm, comm->async_error,
                      std::string(call) + ": the communicator failed before (" + comm->last_error + ")");
@@ -196,6 +240,72 @@ ncclResult_t check_order(ncclComm* comm, const char* call, std::int64_t kind, st
                          " (collectives must be issued in the same order everywhere)");
   }
   return ncclSuccess;
+}
+
+// The result of an operation that succeeded: a non-blocking communicator reports ncclInProgress and stays so
+// for two polls of ncclCommGetAsyncError, so that a caller that polls once, or not at all, is caught.
+ncclResult_t started(ncclComm* comm) {
+  if (comm->blocking) return ncclSuccess;
+  comm->polls_in_progress = 2;
+  return ncclInProgress;
+}
+
+std::chrono::steady_clock::duration next_init_delay{};  // delay_next_nccl_init
+
+// Joins parked by ncclCommAbort while MPI may still write into them.
+std::vector<std::unique_ptr<Join>>& abandoned_joins() {
+  static auto* const joins = new std::vector<std::unique_ptr<Join>>;  // deliberately never destroyed
+  return *joins;
+}
+
+// Why the ranks' (rank, nranks, nonce) rule out one communicator over MPI_COMM_WORLD, or "".
+std::string join_error(const Join& join, int world_rank, int world_size) {
+  const auto nranks = join.mine[1];
+  if (nranks != world_size)
+    return "ncclCommInitRank: nranks " + std::to_string(nranks) + " but " + std::to_string(world_size) +
+           " ranks joined with this id";
+  if (join.mine[0] != world_rank)
+    return "ncclCommInitRank: rank " + std::to_string(join.mine[0]) + " outside [0, " +
+           std::to_string(nranks) + ") or not this process's MPI_COMM_WORLD rank " +
+           std::to_string(world_rank) + " (the stand-in needs them equal)";
+  for (int r = 0; r < world_size; ++r) {
+    const std::int64_t* theirs = join.all.data() + static_cast<std::ptrdiff_t>(r) * 3;
+    if (theirs[0] != r || theirs[1] != nranks || theirs[2] != join.mine[2])
+      return "ncclCommInitRank: the ranks joining are not 0.." + std::to_string(world_size - 1) +
+             " each once with one id and nranks (rank " + std::to_string(r) + " passed rank " +
+             std::to_string(theirs[0]) + ", nranks " + std::to_string(theirs[1]) + ")";
+  }
+  return {};
+}
+
+// One step of the join, without waiting; clears comm->join once it completed (comm->async_error says how).
+void advance_join(ncclComm* comm) {
+  Join& join = *comm->join;
+  if (join.stage == Join::Stage::delayed) {
+    if (std::chrono::steady_clock::now() < join.start_at) return;
+    MPI_Comm_idup(MPI_COMM_WORLD, &join.mpi, &join.request);
+    join.stage = Join::Stage::duplicating;
+  }
+  int done = 0;
+  MPI_Test(&join.request, &done, MPI_STATUS_IGNORE);
+  if (done == 0) return;
+  if (join.stage == Join::Stage::duplicating) {
+    MPI_Comm_set_errhandler(join.mpi, MPI_ERRORS_ARE_FATAL);
+    int size = 0;
+    MPI_Comm_size(join.mpi, &size);
+    join.all.resize(static_cast<std::size_t>(size) * 3);
+    MPI_Iallgather(join.mine, 3, MPI_INT64_T, join.all.data(), 3, MPI_INT64_T, join.mpi, &join.request);
+    join.stage = Join::Stage::gathering;
+    return;
+  }
+  int world_rank = 0;
+  int world_size = 0;
+  MPI_Comm_rank(join.mpi, &world_rank);
+  MPI_Comm_size(join.mpi, &world_size);
+  comm->mpi = join.mpi;
+  const std::string error = join_error(join, world_rank, world_size);
+  comm->join.reset();
+  if (!error.empty()) nccl_fail(comm, ncclInvalidArgument, error);
 }
 
 // Seconds a send or receive may wait for its peer before it fails (CAPSERVE_CUDA_EMU_NCCL_TIMEOUT_S, default
@@ -308,7 +418,8 @@ ncclResult_t point_to_point(ncclComm* comm, bool send, void* buffer, std::size_t
     return ncclSuccess;
   }
   std::vector<PointToPoint> single{op};
-  return run_point_to_point(single);
+  const ncclResult_t rc = run_point_to_point(single);
+  return rc == ncclSuccess ? started(comm) : rc;
 }
 
 }  // namespace
@@ -353,7 +464,12 @@ ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
   return ncclSuccess;
 }
 
-ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank) {
+void capserve::cuda_emu::delay_next_nccl_init(std::chrono::steady_clock::duration delay) {
+  d::next_init_delay = delay;
+}
+
+ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank,
+                                    ncclConfig_t* config) {
   if (comm == nullptr) return d::nccl_fail(nullptr, ncclInvalidArgument, "ncclCommInitRank: null comm");
   *comm = nullptr;
   int running = 0;
@@ -364,56 +480,84 @@ ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int
   if (std::memcmp(id.internal, d::kIdMagic, sizeof d::kIdMagic) != 0)
     return d::nccl_fail(nullptr, ncclInvalidArgument,
                         "ncclCommInitRank: the id does not come from ncclGetUniqueId");
-  // Every rank of MPI_COMM_WORLD takes part, as every rank of ours does; the id's nonce picks the group.
+  const ncclConfig_t defaults = NCCL_CONFIG_INITIALIZER;
+  if (config != nullptr && (config->size != defaults.size || config->magic != defaults.magic))
+    return d::nccl_fail(nullptr, ncclInvalidArgument,
+                        "ncclCommInitRankConfig: the config was not set from NCCL_CONFIG_INITIALIZER");
+  // NCCL's default (NCCL_COMM_BLOCKING unset) is blocking.
+  const bool blocking =
+      config == nullptr || config->blocking == NCCL_CONFIG_UNDEF_INT || config->blocking != 0;
+
+  auto join = std::make_unique<d::Join>();
+  join->start_at = std::chrono::steady_clock::now() + d::next_init_delay;
+  d::next_init_delay = {};
   std::uint64_t nonce = 0;
   std::memcpy(&nonce, id.internal + 64, sizeof nonce);
-  MPI_Comm mpi = MPI_COMM_NULL;
-  MPI_Comm_split(MPI_COMM_WORLD, static_cast<int>(nonce & 0x3FFFFFFF), rank, &mpi);
-  int size = 0;
-  int my_rank = 0;
-  MPI_Comm_size(mpi, &size);
-  MPI_Comm_rank(mpi, &my_rank);
-  std::vector<int> ranks(static_cast<std::size_t>(size));
-  MPI_Allgather(&rank, 1, MPI_INT, ranks.data(), 1, MPI_INT, mpi);
-  std::string error;
-  if (size != nranks)
-    error = "ncclCommInitRank: nranks " + std::to_string(nranks) + " but " + std::to_string(size) +
-            " ranks joined with this id";
-  else if (rank < 0 || rank >= nranks || ranks[static_cast<std::size_t>(my_rank)] != rank)
-    error = "ncclCommInitRank: rank " + std::to_string(rank) + " outside [0, " + std::to_string(nranks) + ")";
-  for (int r = 0; r < size && error.empty(); ++r) {
-    if (ranks[static_cast<std::size_t>(r)] != r)
-      error = "ncclCommInitRank: the ranks joining with this id are not 0.." + std::to_string(size - 1) +
-              " each once";
+  join->mine[0] = rank;
+  join->mine[1] = nranks;
+  join->mine[2] = static_cast<std::int64_t>(nonce & 0x7FFFFFFFFFFFFFFF);
+  auto state = std::make_unique<ncclComm>();
+  state->rank = rank;
+  state->size = nranks;
+  state->device = cd::current_device();
+  state->blocking = blocking;
+  state->join = std::move(join);
+  ncclComm* made = d::handles<ncclComm>().add(std::move(state));
+  if (!blocking) {
+    *comm = made;
+    return ncclInProgress;
   }
-  if (!error.empty()) {
-    MPI_Comm_free(&mpi);
-    return d::nccl_fail(nullptr, ncclInvalidArgument, error);
+  // Blocking: every rank of MPI_COMM_WORLD takes part, as every rank of ours does.
+  std::this_thread::sleep_until(made->join->start_at);
+  while (made->join != nullptr) {
+    d::advance_join(made);
+    std::this_thread::yield();
   }
-  MPI_Comm_set_errhandler(mpi, MPI_ERRORS_ARE_FATAL);
-  *comm = d::handles<ncclComm>().add(
-      std::make_unique<ncclComm>(ncclComm{mpi, rank, size, cd::current_device(), 0, ncclSuccess, {}}));
+  if (made->async_error != ncclSuccess) {
+    const ncclResult_t rc = made->async_error;
+    MPI_Comm_free(&made->mpi);
+    d::handles<ncclComm>().remove(made);
+    return rc;  // the last error is set
+  }
+  *comm = made;
   return ncclSuccess;
+}
+
+ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank) {
+  return ncclCommInitRankConfig(comm, nranks, id, rank, nullptr);
 }
 
 ncclResult_t ncclCommDestroy(ncclComm_t comm) {
   if (d::handles<ncclComm>().find(comm) == nullptr)
     return d::nccl_fail(nullptr, ncclInvalidArgument, "ncclCommDestroy: not a live communicator");
+  if (comm->join != nullptr)
+    return d::nccl_fail(comm, ncclInvalidUsage,
+                        "ncclCommDestroy: the communicator is still initialising; ncclCommAbort it", false);
   MPI_Comm_free(&comm->mpi);
   d::handles<ncclComm>().remove(comm);
   return ncclSuccess;
 }
 
-// Abort may run while peers wait elsewhere: nothing collective, the MPI communicator is left as it is.
+// Abort may run while peers wait elsewhere: nothing collective, the MPI communicator is left as it is. A join
+// under way is parked (see the top of this file).
 ncclResult_t ncclCommAbort(ncclComm_t comm) {
-  if (!d::handles<ncclComm>().remove(comm))
+  if (d::handles<ncclComm>().find(comm) == nullptr)
     return d::nccl_fail(nullptr, ncclInvalidArgument, "ncclCommAbort: not a live communicator");
+  if (comm->join != nullptr && comm->join->stage != d::Join::Stage::delayed)
+    d::abandoned_joins().push_back(std::move(comm->join));
+  d::handles<ncclComm>().remove(comm);
   return ncclSuccess;
 }
 
 ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* async_error) {
   if (d::handles<ncclComm>().find(comm) == nullptr || async_error == nullptr)
     return d::nccl_fail(nullptr, ncclInvalidArgument, "ncclCommGetAsyncError: not a live communicator");
+  if (comm->join != nullptr) d::advance_join(comm);
+  if (comm->join != nullptr ||
+      (comm->async_error == ncclSuccess && comm->polls_in_progress > 0 && --comm->polls_in_progress > 0)) {
+    *async_error = ncclInProgress;
+    return ncclSuccess;
+  }
   if (comm->async_error == ncclSuccess) {
     int arrived = 0;
     MPI_Status status;
@@ -467,7 +611,12 @@ ncclResult_t ncclGroupEnd() {
   // caller must make the ranks agree (as NcclCommunicator does) rather than go on.
   if (failed != ncclSuccess) return failed;
   if (ops.empty()) return ncclSuccess;
-  return d::run_point_to_point(ops);
+  if (const ncclResult_t rc = d::run_point_to_point(ops); rc != ncclSuccess) return rc;
+  ncclResult_t rc = ncclSuccess;
+  for (const d::PointToPoint& o : ops) {
+    if (d::started(o.comm) == ncclInProgress) rc = ncclInProgress;
+  }
+  return rc;
 }
 
 ncclResult_t ncclSend(const void* sendbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm,
@@ -495,7 +644,7 @@ ncclResult_t ncclAllReduce(const void* sendbuff, void* recvbuff, size_t count, n
     return rc;
   MPI_Allreduce(sendbuff == recvbuff ? MPI_IN_PLACE : sendbuff, recvbuff, static_cast<int>(count),
                 d::mpi_type(datatype), d::mpi_op(op), comm->mpi);
-  return ncclSuccess;
+  return d::started(comm);
 }
 
 ncclResult_t ncclAllGather(const void* sendbuff, void* recvbuff, size_t sendcount, ncclDataType_t datatype,
@@ -519,5 +668,5 @@ ncclResult_t ncclAllGather(const void* sendbuff, void* recvbuff, size_t sendcoun
       static_cast<const std::byte*>(recvbuff) + bytes * static_cast<std::size_t>(comm->rank);
   MPI_Allgather(in_place ? MPI_IN_PLACE : sendbuff, static_cast<int>(bytes), MPI_BYTE, recvbuff,
                 static_cast<int>(bytes), MPI_BYTE, comm->mpi);
-  return ncclSuccess;
+  return d::started(comm);
 }
