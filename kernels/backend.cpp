@@ -7,6 +7,8 @@ namespace capserve::kernels {
 
 std::string_view host_sync_name(HostSync why) {
   switch (why) {
+    case HostSync::sampled_tokens:
+      return "sampled_tokens";
     case HostSync::logits:
       return "logits";
     case HostSync::count_:

@@ -14,6 +14,7 @@
 
 #include "kernels/buffer.h"
 #include "kernels/dtype.h"
+#include "kernels/sampling.h"
 #include "kernels/tensor.h"
 
 namespace capserve::kernels {
@@ -90,8 +91,9 @@ struct LatentAttentionParams {
 // Why a step copies device data to the host: every synchronisation point of a step has a name, and the
 // backend counts them, so tests can assert how many a step makes.
 enum class HostSync : std::uint8_t {
-  logits,  // per step: the next-token logits the sampler reads
-  count_   // the number of reasons
+  sampled_tokens,  // per step: the sampled next tokens, which the scheduler needs
+  logits,          // the logits themselves: only for scoring and dumps, never on the serving path
+  count_           // the number of reasons
 };
 
 std::string_view host_sync_name(HostSync why);
@@ -176,6 +178,12 @@ class Backend {
   // experts[e]. x and out are [offsets.back(), hidden]; offsets are host values.
   virtual void grouped_expert_ffn(const Tensor& x, std::span<const std::int64_t> offsets,
                                   std::span<const ExpertWeights> experts, const Tensor& out) = 0;
+
+  // tokens[r] (int32 [rows]) drawn from logits [rows, vocab] under controls[r] (host values): greedy takes
+  // the first maximal id; otherwise temperature, top-k (ties to the lower id), top-p, then one draw
+  // determined by (seed, step). A row with a NaN or infinite logit gets non_finite_token(its first such id).
+  virtual void sample(const Tensor& logits, std::span<const SampleControls> controls,
+                      const Tensor& tokens) = 0;
 
   // Thread count for the backend's own parallel loops and its BLAS.
   virtual void set_num_threads(int n) = 0;

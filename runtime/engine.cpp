@@ -56,7 +56,11 @@ Status Engine::step(std::span<const Work> work) {
   slices_.clear();
   logit_rows_.clear();
   decode_rows_.clear();
+  kernels::Backend& backend = model_.backend();
+  const std::int64_t vocab = model_.config().vocab_size;
+  host_logits_current_ = false;
   if (Status s = validate(work); !s.ok()) {
+    logits_ = backend.scratch(logits_buffer_, kernels::DType::f32, {0, vocab});
     model_.forward({tokens_, positions_, slices_, logit_rows_, decode_rows_}, cache_, logits_);
     return s;
   }
@@ -77,7 +81,8 @@ Status Engine::step(std::span<const Work> work) {
       logit_rows_.push_back(first_row + n - 1);
     }
   }
-  logits_.resize(logit_rows_.size() * static_cast<std::size_t>(model_.config().vocab_size));
+  logits_ = backend.scratch(logits_buffer_, kernels::DType::f32,
+                            {static_cast<std::int64_t>(logit_rows_.size()), vocab});
   model_.forward({tokens_, positions_, slices_, logit_rows_, decode_rows_}, cache_, logits_);
   const std::span<const std::int32_t> dropped = model_.last_row_dropped();
   const std::span<const std::int32_t> rerouted = model_.last_row_rerouted();
@@ -90,6 +95,24 @@ Status Engine::step(std::span<const Work> work) {
     }
   }
   return {};
+}
+
+std::span<const float> Engine::logits() const {
+  if (!host_logits_current_) {
+    host_logits_.resize(static_cast<std::size_t>(logits_.numel()));
+    model_.backend().to_host(logits_, std::as_writable_bytes(std::span(host_logits_)),
+                             kernels::HostSync::logits);
+    host_logits_current_ = true;
+  }
+  return host_logits_;
+}
+
+void Engine::sample(std::span<const kernels::SampleControls> controls, std::span<std::int32_t> tokens) {
+  kernels::Backend& backend = model_.backend();
+  const kernels::Tensor drawn =
+      backend.scratch(tokens_buffer_, kernels::DType::i32, {static_cast<std::int64_t>(tokens.size())});
+  backend.sample(logits_, controls, drawn);
+  backend.to_host(drawn, std::as_writable_bytes(tokens), kernels::HostSync::sampled_tokens);
 }
 
 }  // namespace capserve::runtime

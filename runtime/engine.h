@@ -30,13 +30,21 @@ class Engine {
     bool all_logits = false;  // logits of every new position instead of only the last one
   };
 
-  // Runs one step. On success logits() holds, for each work item in order, one row (or tokens.size() rows
-  // with all_logits) of vocab_size floats. On failure no sequence changed: an unknown or invalid token id, an
-  // empty work item, a sequence past max_position_embeddings (INVALID_ARGUMENT) or too few free KV blocks
-  // (RESOURCE_EXHAUSTED). A collective under expert parallelism: every rank calls it every step, with no work
-  // if it has none, and a rank whose work is refused still joins the step's collectives with zero tokens.
+  // Runs one step. On success the step's logits hold, for each work item in order, one row (or tokens.size()
+  // rows with all_logits) of vocab_size floats: on the backend's device (device_logits), where sample() draws
+  // from them, or copied to the host by logits(). On failure no sequence changed: an unknown or invalid token
+  // id, an empty work item, a sequence past max_position_embeddings (INVALID_ARGUMENT) or too few free KV
+  // blocks (RESOURCE_EXHAUSTED). A collective under expert parallelism: every rank calls it every step, with
+  // no work if it has none, and a rank whose work is refused still joins the step's collectives with zero
+  // tokens.
   Status step(std::span<const Work> work);
-  [[nodiscard]] std::span<const float> logits() const { return logits_; }
+  [[nodiscard]] const kernels::Tensor& device_logits() const { return logits_; }
+  // The logits on the host: a synchronisation (HostSync::logits), made once per step on first use; for
+  // scoring, dumps and tests, never on the serving path.
+  [[nodiscard]] std::span<const float> logits() const;
+  // tokens[i] drawn from logits row i under controls[i] (Backend::sample); one synchronisation
+  // (HostSync::sampled_tokens).
+  void sample(std::span<const kernels::SampleControls> controls, std::span<std::int32_t> tokens);
 
   // Per work item of the last successful step: assignment slots the capacity scheduler dropped or rerouted
   // for its tokens, summed over layers.
@@ -63,7 +71,10 @@ class Engine {
   std::vector<kernels::SequenceSlice> slices_;
   std::vector<std::int64_t> logit_rows_;
   std::vector<std::uint8_t> decode_rows_;
-  std::vector<float> logits_;
+  kernels::Buffer logits_buffer_, tokens_buffer_;
+  kernels::Tensor logits_;
+  mutable std::vector<float> host_logits_;
+  mutable bool host_logits_current_ = false;
   std::vector<MoeCounts> moe_counts_;
 };
 

@@ -15,8 +15,9 @@ Status generate(Engine& engine, std::span<const std::vector<std::int32_t>> promp
   }
   const auto vocab = static_cast<std::size_t>(engine.model().config().vocab_size);
   out.assign(n, {});
-  std::vector<Sampler> samplers(params.begin(), params.end());
   std::vector<std::int32_t> last(n);
+  std::vector<kernels::SampleControls> controls;
+  std::vector<std::int32_t> drawn;
   std::vector<bool> done(n, false);
   std::vector<Engine::Work> work;
   std::vector<std::size_t> owner;  // work item -> prompt index
@@ -43,19 +44,25 @@ Status generate(Engine& engine, std::span<const std::vector<std::int32_t>> promp
     if (state[0] == 0) break;
     status = engine.step(work);
     if (!status.ok()) continue;
-    const std::span<const float> logits = engine.logits();
+    controls.clear();
+    for (const std::size_t i : owner) controls.push_back(sample_controls(params[i], out[i].tokens.size()));
+    drawn.resize(work.size());
+    engine.sample(controls, drawn);
     for (std::size_t w = 0; w < work.size(); ++w) {
       const std::size_t i = owner[w];
-      const std::span<const float> row = logits.subspan(w * vocab, vocab);
-      std::int32_t token = 0;
-      if (status = samplers[i].sample(row, token); !status.ok()) {
-        status = Status::internal("prompt " + std::to_string(i) + ": " + status.message());
+      const std::int32_t token = drawn[w];
+      if (kernels::is_non_finite_token(token)) {
+        status =
+            Status::internal("prompt " + std::to_string(i) + ": " + non_finite_logits_error(token).message());
         break;
       }
       out[i].tokens.push_back(token);
-      if (record_logits) out[i].logits.insert(out[i].logits.end(), row.begin(), row.end());
+      if (record_logits) {
+        const std::span<const float> row = engine.logits().subspan(w * vocab, vocab);
+        out[i].logits.insert(out[i].logits.end(), row.begin(), row.end());
+      }
       last[i] = token;
-      done[i] = samplers[i].is_stop(token) ||
+      done[i] = is_stop_token(params[i], token) ||
                 static_cast<std::int64_t>(out[i].tokens.size()) >= params[i].max_new_tokens;
     }
     if (!status.ok()) continue;  // every rank stops at the next check

@@ -107,7 +107,7 @@ void Model::router_dry_run(std::span<const std::int32_t> tokens, std::int64_t la
   }
 }
 
-void Model::forward(const ForwardBatch& batch, KvCache& cache, std::span<float> logits) {
+void Model::forward(const ForwardBatch& batch, KvCache& cache, const Tensor& logits) {
   kernels::Backend& backend = *backend_;
   const auto rows = static_cast<std::int64_t>(batch.tokens.size());
   const std::int64_t hidden = config_.hidden_size;
@@ -150,12 +150,9 @@ void Model::forward(const ForwardBatch& batch, KvCache& cache, std::span<float> 
 
   const auto wanted = static_cast<std::int64_t>(batch.logit_rows.size());
   const Tensor final_rows = backend.scratch(s.final_rows, DType::f32, {wanted, hidden});
-  const Tensor logits_t = backend.scratch(s.logits, DType::f32, {wanted, config_.vocab_size});
   backend.gather_rows(a.residual, batch.logit_rows, final_rows);
   backend.rms_norm(final_rows, weights_.final_norm, static_cast<float>(config_.rms_norm_eps), final_rows);
-  backend.linear(final_rows, weights_.lm_head, {}, logits_t);
-  backend.to_host(logits_t, std::as_writable_bytes(logits.first(static_cast<std::size_t>(logits_t.numel()))),
-                  kernels::HostSync::logits);
+  backend.linear(final_rows, weights_.lm_head, {}, logits);
   stats_.reduce(*comm_, placement_);
   run_stats_.add(stats_.step());
 }

@@ -54,9 +54,10 @@ class Model {
 
   [[nodiscard]] const ModelConfig& config() const { return config_; }
 
-  // Writes the new tokens' K/V into `cache` and fills logits [logit_rows.size(), vocab_size]. A collective:
+  // Writes the new tokens' K/V into `cache` and fills logits [logit_rows.size(), vocab_size] (a tensor of the
+  // model's backend). A collective:
   // every rank calls it once per step, with zero rows if it has nothing to run.
-  void forward(const ForwardBatch& batch, KvCache& cache, std::span<float> logits);
+  void forward(const ForwardBatch& batch, KvCache& cache, const kernels::Tensor& logits);
 
   // The last forward's MoE statistics over all ranks, one entry per MoE layer.
   [[nodiscard]] const parallel::MoeStepStats& last_moe_stats() const { return stats_.step(); }
@@ -119,7 +120,7 @@ class Model {
   // Grow-only activation buffers of the backend, reused by every step.
   struct Scratch {
     // MLA: k holds the latents, v the rope keys, q_lora the low-rank queries.
-    kernels::Buffer tokens, residual, normed, q, q_lora, k, v, attn, proj, cos, sin, final_rows, logits;
+    kernels::Buffer tokens, residual, normed, q, q_lora, k, v, attn, proj, cos, sin, final_rows;
     std::vector<float> cos_host, sin_host;  // the step's rotary tables, made on the host
     MoeScratch moe;
   } scratch_;

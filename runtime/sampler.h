@@ -1,13 +1,13 @@
 #pragma once
-// Next-token sampling with the usual controls, applied in the order transformers applies them: temperature,
-// top-k, top-p. temperature == 0 is greedy (first maximal id), and so is a temperature so small that the
-// logits divided by it overflow. A given seed always yields the same tokens.
+// A sequence's sampling parameters and what the runtime derives from them. The draw itself is the backend's
+// (Backend::sample): temperature, top-k, top-p in the order transformers applies them; temperature == 0 is
+// greedy (first maximal id), and so is a temperature so small that the logits divided by it overflow; a given
+// seed always yields the same tokens.
 #include <cstdint>
-#include <random>
-#include <span>
 #include <string>
 #include <vector>
 
+#include "kernels/sampling.h"
 #include "runtime/status.h"
 
 namespace capserve::runtime {
@@ -25,20 +25,13 @@ struct SamplingParams {
 // range.
 std::string validate_sampling(const SamplingParams& params);
 
-class Sampler {
- public:
-  explicit Sampler(const SamplingParams& params);
+// The backend's controls (kernels/sampling.h) for draw number `step` of a sequence sampled under `params`.
+kernels::SampleControls sample_controls(const SamplingParams& params, std::uint64_t step);
 
-  // Sets `token` to the next token. Fails (internal) when a logit is NaN or infinite: the model produced no
-  // distribution to sample from.
-  Status sample(std::span<const float> logits, std::int32_t& token);
-  [[nodiscard]] bool is_stop(std::int32_t token) const;
+[[nodiscard]] bool is_stop_token(const SamplingParams& params, std::int32_t token);
 
- private:
-  SamplingParams params_;
-  std::mt19937_64 rng_;
-  std::vector<std::int32_t> order_;  // grow-only scratch
-  std::vector<float> probs_;
-};
+// The error of a sequence whose logits had no distribution to sample from (`token` as the backend's sample
+// wrote it: kernels::non_finite_token).
+Status non_finite_logits_error(std::int32_t token);
 
 }  // namespace capserve::runtime

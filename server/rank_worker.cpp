@@ -15,7 +15,7 @@ StepResult RankWorker::run(const StepPlan& plan) {
     params.top_k = s.top_k;
     params.top_p = s.top_p;
     params.seed = s.seed;
-    sequences_.insert_or_assign(s.id, Sequence{runtime::Sampler(params), 0});
+    sequences_.insert_or_assign(s.id, Sequence{params, 0, 0});
     work_.push_back({s.id, s.prompt, false});
     work_ids_.push_back(s.id);
   }
@@ -37,17 +37,22 @@ StepResult RankWorker::run(const StepPlan& plan) {
     result.error = status.message();
     return result;
   }
-  const auto vocab = static_cast<std::size_t>(engine_.model().config().vocab_size);
-  const std::span<const float> logits = engine_.logits();
+  controls_.clear();
+  for (const std::uint64_t id : work_ids_) {
+    Sequence& seq = sequences_.at(id);
+    controls_.push_back(runtime::sample_controls(seq.params, seq.drawn++));
+  }
+  tokens_.resize(work_ids_.size());
+  engine_.sample(controls_, tokens_);
   const auto counts = engine_.moe_counts();
   result.sequences.reserve(work_ids_.size());
   for (std::size_t i = 0; i < work_ids_.size(); ++i) {
     Sequence& seq = sequences_.at(work_ids_[i]);
     // A failed sequence stays until rank 0 frees it with the request it ends.
-    const SequenceFailure failure = seq.sampler.sample(logits.subspan(i * vocab, vocab), seq.last).ok()
-                                        ? SequenceFailure::none
-                                        : SequenceFailure::non_finite_logits;
-    result.sequences.push_back({work_ids_[i], seq.last, counts[i].dropped, counts[i].rerouted, failure});
+    const bool failed = kernels::is_non_finite_token(tokens_[i]);
+    if (!failed) seq.last = tokens_[i];
+    result.sequences.push_back({work_ids_[i], seq.last, counts[i].dropped, counts[i].rerouted,
+                                failed ? SequenceFailure::non_finite_logits : SequenceFailure::none});
   }
   return result;
 }

@@ -22,8 +22,9 @@ class RankWorker {
 
  private:
   struct Sequence {
-    runtime::Sampler sampler;
+    runtime::SamplingParams params;
     std::int32_t last = 0;
+    std::uint64_t drawn = 0;  // tokens sampled so far: the next draw's step
   };
 
   runtime::Engine& engine_;
@@ -32,6 +33,8 @@ class RankWorker {
   // Per step, reused.
   std::vector<runtime::Engine::Work> work_;
   std::vector<std::uint64_t> work_ids_;
+  std::vector<kernels::SampleControls> controls_;
+  std::vector<std::int32_t> tokens_;
 };
 
 }  // namespace capserve::server

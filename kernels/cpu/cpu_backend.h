@@ -33,6 +33,7 @@ class CpuBackend : public Backend {
                         const Tensor& kv_b, const LatentAttentionParams& params, const Tensor& out) override;
   void grouped_expert_ffn(const Tensor& x, std::span<const std::int64_t> offsets,
                           std::span<const ExpertWeights> experts, const Tensor& out) override;
+  void sample(const Tensor& logits, std::span<const SampleControls> controls, const Tensor& tokens) override;
   void set_num_threads(int n) override;
 
  protected:
@@ -55,6 +56,9 @@ class CpuBackend : public Backend {
   std::vector<float> latent_o_;
   std::vector<float> latent_kv_;
   std::vector<float> latent_ctx_;
+  // sample: one row's candidate ids and their weights.
+  std::vector<std::int32_t> sample_order_;
+  std::vector<float> sample_probs_;
 };
 
 }  // namespace capserve::kernels::cpu

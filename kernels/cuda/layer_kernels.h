@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "kernels/backend.h"
+#include "kernels/sampling.h"
 
 namespace capserve::kernels::cuda {
 
@@ -57,20 +58,11 @@ void kv_store(const DeviceAttentionBatch& batch, const float* k, const float* v,
 void paged_attention(const DeviceAttentionBatch& batch, const float* q, const DeviceKvLayer& cache,
                      const AttentionParams& params, float* out, cudaStream_t stream);
 
-// One row's sampling controls, as runtime::SamplingParams; `step` numbers the draws of one seed.
-struct SampleControls {
-  float temperature = 0.0F;  // 0: greedy
-  std::int32_t top_k = 0;
-  float top_p = 1.0F;
-  std::uint64_t seed = 0;
-  std::uint64_t step = 0;
-};
-
-// tokens[r] sampled from logits [rows, vocab] under controls[r] (device arrays). NaN logits are never chosen
-// (a row of only NaN gives id 0). Greedy takes the first maximal id, as the CPU sampler; otherwise
-// temperature, then top-k (ties to the lower id), then top-p, and a draw from a counter-based generator: the
-// same distribution as the CPU sampler, not the same stream. A (seed, step) draws the same token on every
-// run: no sum depends on the order threads run in.
+// tokens[r] sampled from logits [rows, vocab] under controls[r] (kernels/sampling.h; device arrays). NaN
+// logits are never chosen (a row of only NaN gives id 0). Greedy takes the first maximal id, as the CPU
+// sampler; otherwise temperature, then top-k (ties to the lower id), then top-p, and a draw from a
+// counter-based generator: the same distribution as the CPU sampler, not the same stream. A (seed, step)
+// draws the same token on every run: no sum depends on the order threads run in.
 void sample(const float* logits, std::int64_t rows, std::int64_t vocab, const SampleControls* controls,
             std::int32_t* tokens, cudaStream_t stream);
 

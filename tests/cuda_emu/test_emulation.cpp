@@ -331,7 +331,7 @@ TEST(CudaEmulation, TopPSamplingIsTheSameUnderEveryShuffledSchedule) {
   ASSERT_GE(top_ps.size(), 13U * 3);
   const auto rows = static_cast<std::int64_t>(top_ps.size()) * 2;
   std::vector<float> all;
-  std::vector<kernels::cuda::SampleControls> controls;
+  std::vector<kernels::SampleControls> controls;
   for (std::int64_t r = 0; r < rows; ++r) {
     all.insert(all.end(), logits.begin(), logits.end());
     controls.push_back(

@@ -543,7 +543,7 @@ TEST(CudaKernels, SamplingFollowsTheCpuSampler) {
   // Integer logits: ties everywhere, so greedy must take the first maximal id.
   std::vector<float> logits(static_cast<std::size_t>(rows * vocab));
   for (float& l : logits) l = static_cast<float>(uniform(rng, 0, 20));
-  std::vector<kernels::cuda::SampleControls> controls(static_cast<std::size_t>(rows));
+  std::vector<kernels::SampleControls> controls(static_cast<std::size_t>(rows));
   for (std::size_t r = 0; r < controls.size(); ++r) {
     // Greedy, or sampling so narrow that only the best token survives (top-k 1, or a tiny top-p).
     controls[r].temperature = r % 3 == 0 ? 0.0F : 0.8F;
@@ -556,11 +556,14 @@ TEST(CudaKernels, SamplingFollowsTheCpuSampler) {
   auto d_tokens = poisoned<std::int32_t>(static_cast<std::size_t>(rows));
   kernels::cuda::sample(d_logits.data(), rows, vocab, d_controls.data(), d_tokens.data(), nullptr);
   const std::vector<std::int32_t> tokens = download(d_tokens, static_cast<std::size_t>(rows));
+  kernels::cpu::CpuBackend cpu(1);
   for (std::int64_t r = 0; r < rows; ++r) {
-    runtime::Sampler greedy(runtime::SamplingParams{});
-    const std::span<const float> row(logits.data() + r * vocab, static_cast<std::size_t>(vocab));
+    const kernels::SampleControls greedy;
     std::int32_t expected = -1;
-    ASSERT_TRUE(greedy.sample(row, expected).ok());
+    cpu.sample(kernels::Tensor::host(std::span(logits).subspan(static_cast<std::size_t>(r * vocab),
+                                                               static_cast<std::size_t>(vocab)),
+                                     {1, vocab}),
+               std::span(&greedy, 1), kernels::Tensor::host(std::span(&expected, 1), {1}));
     EXPECT_EQ(tokens[static_cast<std::size_t>(r)], expected) << "row " << r;
   }
 
@@ -569,7 +572,7 @@ TEST(CudaKernels, SamplingFollowsTheCpuSampler) {
   const std::int64_t draws = 20000;
   std::vector<float> many;
   for (std::int64_t i = 0; i < draws; ++i) many.insert(many.end(), small.begin(), small.end());
-  std::vector<kernels::cuda::SampleControls> sampling(static_cast<std::size_t>(draws));
+  std::vector<kernels::SampleControls> sampling(static_cast<std::size_t>(draws));
   for (std::size_t i = 0; i < sampling.size(); ++i) sampling[i] = {1.0F, 4, 0.9F, 7, i};
   const auto d_many = upload(many);
   const auto d_sampling = upload(sampling);
@@ -582,18 +585,14 @@ TEST(CudaKernels, SamplingFollowsTheCpuSampler) {
     ASSERT_LT(t, static_cast<std::int32_t>(small.size()));
     gpu_freq[static_cast<std::size_t>(t)] += 1.0 / static_cast<double>(draws);
   }
-  runtime::SamplingParams params;
-  params.temperature = 1.0F;
-  params.top_k = 4;
-  params.top_p = 0.9F;
-  params.seed = 3;
-  runtime::Sampler cpu(params);
+  std::vector<kernels::SampleControls> cpu_sampling(static_cast<std::size_t>(draws));
+  for (std::size_t i = 0; i < cpu_sampling.size(); ++i) cpu_sampling[i] = {1.0F, 4, 0.9F, 3, i};
+  std::vector<std::int32_t> cpu_drawn(static_cast<std::size_t>(draws));
+  cpu.sample(kernels::Tensor::host(std::span(many), {draws, static_cast<std::int64_t>(small.size())}),
+             cpu_sampling, kernels::Tensor::host(std::span(cpu_drawn), {draws}));
   std::vector<double> cpu_freq(small.size(), 0.0);
-  for (std::int64_t i = 0; i < draws; ++i) {
-    std::int32_t t = -1;
-    ASSERT_TRUE(cpu.sample(small, t).ok());
+  for (const std::int32_t t : cpu_drawn)
     cpu_freq[static_cast<std::size_t>(t)] += 1.0 / static_cast<double>(draws);
-  }
   for (std::size_t t = 0; t < small.size(); ++t) EXPECT_NEAR(gpu_freq[t], cpu_freq[t], 0.02) << "token " << t;
 }
 
@@ -604,7 +603,7 @@ TEST(CudaKernels, NanLogitsAreNeverSampled) {
   const std::int64_t rows = 24;
   std::vector<float> logits = normal_vector(rng, static_cast<std::size_t>(rows * vocab));
   std::vector<std::int32_t> want(static_cast<std::size_t>(rows));
-  std::vector<kernels::cuda::SampleControls> controls(static_cast<std::size_t>(rows));
+  std::vector<kernels::SampleControls> controls(static_cast<std::size_t>(rows));
   for (std::int64_t r = 0; r < rows; ++r) {
     float* row = logits.data() + r * vocab;
     // NaN at id 0, at the would-be maximum, and at random places.
