@@ -2,6 +2,7 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/expert_ffn.h"
+#include "kernels/cuda/gemm.h"
 #include "kernels/cuda/launch.h"
 
 namespace capserve::kernels::cuda {
@@ -17,17 +18,6 @@ __global__ void silu_mul_kernel(const float* gate, const float* up, std::int64_t
 
 std::int64_t align256(std::int64_t n) {
   return (n + 255) / 256 * 256;
-}
-
-// Row-major y[m, n] = x[m, k] * w[n, k]^T: in cuBLAS's column-major view, y^T = w^T(op T) * x^T.
-void gemm_xwt(cublasHandle_t handle, const __nv_bfloat16* x, const __nv_bfloat16* w, std::int64_t m,
-              std::int64_t n, std::int64_t k, void* y, cudaDataType_t y_type) {
-  const float alpha = 1.0F;
-  const float beta = 0.0F;
-  CAPSERVE_CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n),
-                                     static_cast<int>(m), static_cast<int>(k), &alpha, w, CUDA_R_16BF,
-                                     static_cast<int>(k), x, CUDA_R_16BF, static_cast<int>(k), &beta, y,
-                                     y_type, static_cast<int>(n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
 }  // namespace
@@ -69,15 +59,17 @@ void ExpertFfn::run(const __nv_bfloat16* x, std::span<const std::int64_t> host_o
     const std::int64_t n = host_offsets[e + 1] - first;
     if (n == 0) continue;
     const DeviceExpert& w = experts[e];
-    gemm_xwt(handle_, x + first * hidden, w.gate, n, ffn, hidden, gate + first * ffn, CUDA_R_32F);
-    gemm_xwt(handle_, x + first * hidden, w.up, n, ffn, hidden, up + first * ffn, CUDA_R_32F);
+    gemm_xwt(handle_, x + first * hidden, w.gate, CUDA_R_16BF, n, ffn, hidden, gate + first * ffn,
+             CUDA_R_32F);
+    gemm_xwt(handle_, x + first * hidden, w.up, CUDA_R_16BF, n, ffn, hidden, up + first * ffn, CUDA_R_32F);
   }
   silu_mul(gate, up, rows * ffn, act, stream);
   for (std::size_t e = 0; e < experts.size(); ++e) {
     const std::int64_t first = host_offsets[e];
     const std::int64_t n = host_offsets[e + 1] - first;
     if (n == 0) continue;
-    gemm_xwt(handle_, act + first * ffn, experts[e].down, n, hidden, ffn, out + first * hidden, CUDA_R_32F);
+    gemm_xwt(handle_, act + first * ffn, experts[e].down, CUDA_R_16BF, n, hidden, ffn, out + first * hidden,
+             CUDA_R_32F);
   }
 }
 

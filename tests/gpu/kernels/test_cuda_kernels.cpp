@@ -2,23 +2,28 @@
 // capacity scheduler, permute) decision for decision, the arithmetic ones by ||out - ref|| / ||ref|| — fp32
 // kernels under 1e-5, bf16 GEMMs under 1e-2. Every output is poisoned (all bits set: NaN / -1) before the
 // run, so an unwritten element fails. Skipped where no CUDA device is usable.
+#include <cuda_fp16.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/expert_ffn.h"
 #include "kernels/cuda/layer_kernels.h"
+#include "kernels/cuda/linear.h"
 #include "kernels/cuda/moe_index_emulation.h"
 #include "kernels/cuda/moe_kernels.h"
+#include "kernels/cuda/row_kernels.h"
 #include "parallel/capacity_scheduler.h"
 #include "parallel/expert_placement.h"
 #include "parallel/self_communicator.h"
@@ -634,6 +639,134 @@ TEST(CudaKernels, NanLogitsAreNeverSampled) {
         << "row " << r << " drew NaN id " << t;
     if (r % 4 == 0) {
       EXPECT_EQ(t, want[static_cast<std::size_t>(r)]) << "row " << r;
+    }
+  }
+}
+
+// The residual-stream operations against the CPU backend's: embedding from tables in every weight dtype,
+// residual add, clamp and row gather bit for bit; the sigmoid-gated add within the device's expf.
+TEST(CudaKernels, ResidualStreamOperationsEqualTheCpuBackend) {
+  CAPSERVE_REQUIRE_CUDA_DEVICE();
+  using kernels::Tensor;
+  Rng rng(83);
+  kernels::cpu::CpuBackend cpu(1);
+  const std::int64_t rows = 37;
+  const std::int64_t cols = 300;
+  const std::int64_t vocab = 50;
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(rows));
+  for (std::int32_t& id : ids) id = static_cast<std::int32_t>(uniform(rng, 0, vocab - 1));
+  const auto d_ids = upload(ids);
+  const std::vector<float> values = normal_vector(rng, static_cast<std::size_t>(vocab * cols));
+  std::vector<std::uint16_t> bf16(values.size());
+  std::vector<std::uint16_t> f16(values.size());
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    bf16[i] = to_bf16(values[i]);
+    f16[i] = std::bit_cast<std::uint16_t>(__float2half_rn(values[i]));
+  }
+  const auto table_bytes = [](const auto& v) { return reinterpret_cast<const std::byte*>(v.data()); };
+  const std::vector<std::pair<kernels::DType, const std::byte*>> tables = {
+      {kernels::DType::f32, table_bytes(values)},
+      {kernels::DType::bf16, table_bytes(bf16)},
+      {kernels::DType::f16, table_bytes(f16)}};
+  for (const auto& [dtype, host_table] : tables) {
+    const std::size_t bytes = static_cast<std::size_t>(vocab * cols) * kernels::dtype_size(dtype);
+    DeviceBuffer<std::byte> d_table(bytes);
+    CAPSERVE_CUDA_CHECK(cudaMemcpy(d_table.data(), host_table, bytes, cudaMemcpyHostToDevice));
+    auto d_out = poisoned<float>(static_cast<std::size_t>(rows * cols));
+    kernels::cuda::embedding(d_ids.data(), rows, d_table.data(), dtype, vocab, cols, d_out.data(), nullptr);
+    std::vector<float> ref(static_cast<std::size_t>(rows * cols));
+    cpu.embedding(Tensor::host(std::span(ids), {rows}),
+                  kernels::weight_tensor({dtype, host_table, vocab, cols}),
+                  Tensor::host(std::span(ref), {rows, cols}));
+    EXPECT_EQ(download(d_out, ref.size()), ref) << kernels::dtype_name(dtype);
+  }
+
+  const std::vector<float> x = normal_vector(rng, static_cast<std::size_t>(rows * cols), 4.0F);
+  const std::vector<float> y = normal_vector(rng, x.size());
+  const std::vector<float> gate = normal_vector(rng, static_cast<std::size_t>(rows), 2.0F);
+  const auto x_t = [&](std::vector<float>& v) { return Tensor::host(std::span(v), {rows, cols}); };
+
+  auto d_x = upload(x);
+  const auto d_y = upload(y);
+  std::vector<float> want = x;
+  kernels::cuda::add(d_x.data(), d_y.data(), rows * cols, nullptr);
+  std::vector<float> y_copy = y;
+  cpu.add(x_t(want), x_t(y_copy));
+  EXPECT_EQ(download(d_x, x.size()), want);
+
+  kernels::cuda::clamp(d_x.data(), rows * cols, 1.5F, nullptr);
+  cpu.clamp(x_t(want), 1.5F);
+  EXPECT_EQ(download(d_x, x.size()), want);
+
+  const auto d_gate = upload(gate);
+  kernels::cuda::add_sigmoid_gated(d_x.data(), d_y.data(), d_gate.data(), rows, cols, nullptr);
+  std::vector<float> gate_copy = gate;
+  cpu.add_sigmoid_gated(x_t(want), x_t(y_copy), Tensor::host(std::span(gate_copy), {rows}));
+  EXPECT_LT(relative_error(download(d_x, x.size()), want), 1e-6);
+
+  std::vector<std::int64_t> picks = {rows - 1, 0, 5, 5, 17};
+  const auto d_picks = upload(picks);
+  auto d_gathered = poisoned<float>(picks.size() * static_cast<std::size_t>(cols));
+  const auto d_src = upload(x);
+  kernels::cuda::gather_rows(d_src.data(), d_picks.data(), static_cast<std::int64_t>(picks.size()), cols,
+                             d_gathered.data(), nullptr);
+  std::vector<float> x_copy = x;
+  std::vector<float> gathered(picks.size() * static_cast<std::size_t>(cols));
+  cpu.gather_rows(x_t(x_copy), picks,
+                  Tensor::host(std::span(gathered), {static_cast<std::int64_t>(picks.size()), cols}));
+  EXPECT_EQ(download(d_gathered, gathered.size()), gathered);
+}
+
+// The dense layer against the CPU backend's for every weight dtype, with and without a bias: f32 weights to
+// fp32 rounding, bf16 and f16 weights within the rounding of x to their type.
+TEST(CudaKernels, LinearEqualsTheCpuBackendForEveryWeightType) {
+  CAPSERVE_REQUIRE_CUDA_DEVICE();
+  using kernels::DType;
+  using kernels::Tensor;
+  Rng rng(89);
+  kernels::cpu::CpuBackend cpu(1);
+  kernels::cuda::Linear linear;
+  const std::int64_t k = 96;
+  const std::int64_t n = 70;
+  const std::vector<float> w = normal_vector(rng, static_cast<std::size_t>(n * k), 0.1F);
+  const std::vector<float> b = normal_vector(rng, static_cast<std::size_t>(n));
+  for (const DType dtype : {DType::f32, DType::bf16, DType::f16}) {
+    std::vector<std::byte> w_bytes(w.size() * kernels::dtype_size(dtype));
+    std::vector<std::byte> b_bytes(b.size() * kernels::dtype_size(dtype));
+    const auto store = [dtype](const std::vector<float>& from, std::vector<std::byte>& to) {
+      for (std::size_t i = 0; i < from.size(); ++i) {
+        if (dtype == DType::f32) {
+          std::memcpy(to.data() + 4 * i, &from[i], 4);
+        } else {
+          const std::uint16_t h = dtype == DType::bf16
+                                      ? to_bf16(from[i])
+                                      : std::bit_cast<std::uint16_t>(__float2half_rn(from[i]));
+          std::memcpy(to.data() + 2 * i, &h, 2);
+        }
+      }
+    };
+    store(w, w_bytes);
+    store(b, b_bytes);
+    const auto d_w = upload(w_bytes);
+    const auto d_b = upload(b_bytes);
+    for (const std::int64_t m : {1, 5, 40}) {
+      for (const bool with_bias : {false, true}) {
+        const std::vector<float> x = normal_vector(rng, static_cast<std::size_t>(m * k));
+        const auto d_x = upload(x);
+        auto d_y = poisoned<float>(static_cast<std::size_t>(m * n));
+        DeviceBuffer<std::byte> workspace(static_cast<std::size_t>(
+            std::max<std::int64_t>(1, kernels::cuda::Linear::workspace_bytes(m, k, dtype))));
+        linear.run(d_x.data(), m, k, d_w.data(), dtype, n, with_bias ? d_b.data() : nullptr, dtype,
+                   d_y.data(), workspace.data(), nullptr);
+        std::vector<float> x_copy = x;
+        std::vector<float> ref(static_cast<std::size_t>(m * n));
+        cpu.linear(Tensor::host(std::span(x_copy), {m, k}),
+                   kernels::weight_tensor({dtype, w_bytes.data(), n, k}),
+                   with_bias ? kernels::weight_tensor({dtype, b_bytes.data(), 1, n}) : Tensor{},
+                   Tensor::host(std::span(ref), {m, n}));
+        EXPECT_LT(relative_error(download(d_y, ref.size()), ref), dtype == DType::f32 ? 1e-6 : 1e-2)
+            << kernels::dtype_name(dtype) << " m=" << m << " bias=" << with_bias;
+      }
     }
   }
 }

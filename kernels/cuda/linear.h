@@ -1,0 +1,33 @@
+#pragma once
+// A dense layer on the device: y[m, n] = x[m, k] * w[n, k]^T (+ bias[n]), fp32 activations, the weight in its
+// stored dtype. bf16 and f16 weights meet x rounded to their type (the GEMM accumulates in fp32, as every
+// bf16 inference engine does); f32 weights take an fp32 GEMM, which equals the CPU backend's product to
+// rounding. The bias is widened and added after the GEMM.
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kernels/dtype.h"
+
+namespace capserve::kernels::cuda {
+
+class Linear {
+ public:
+  Linear();
+  ~Linear();
+  Linear(const Linear&) = delete;
+  Linear& operator=(const Linear&) = delete;
+
+  // Workspace bytes for m rows of width k (x in the weight's type; none for f32 weights).
+  [[nodiscard]] static std::int64_t workspace_bytes(std::int64_t m, std::int64_t k, DType weight_dtype);
+
+  // bias may be null (no bias); it has n elements of bias_dtype.
+  void run(const float* x, std::int64_t m, std::int64_t k, const void* w, DType weight_dtype, std::int64_t n,
+           const void* bias, DType bias_dtype, float* y, void* workspace, cudaStream_t stream);
+
+ private:
+  cublasHandle_t handle_ = nullptr;
+};
+
+}  // namespace capserve::kernels::cuda

@@ -1,0 +1,125 @@
+#include "kernels/cuda/row_kernels.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/launch.h"
+
+namespace capserve::kernels::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+// Enough blocks to fill the device; each thread strides over the rest.
+constexpr std::int64_t kMaxBlocks = 4096;
+
+unsigned blocks_for(std::int64_t n) {
+  const std::int64_t b = (n + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(b < 1 ? 1 : (b > kMaxBlocks ? kMaxBlocks : b));
+}
+
+__device__ float widen(const float* p, std::int64_t i) {
+  return p[i];
+}
+__device__ float widen(const __nv_bfloat16* p, std::int64_t i) {
+  return __bfloat162float(p[i]);
+}
+__device__ float widen(const __half* p, std::int64_t i) {
+  return __half2float(p[i]);
+}
+
+template <typename W>
+__global__ void embedding_kernel(const std::int32_t* ids, const W* table, std::int64_t table_rows,
+                                 std::int64_t cols, float* out) {
+  const std::int64_t id = ids[blockIdx.x];
+  float* row = out + static_cast<std::int64_t>(blockIdx.x) * cols;
+  const bool inside = id >= 0 && id < table_rows;
+  for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+    row[c] = inside ? widen(table, id * cols + c) : __int_as_float(0x7FC00000);
+}
+
+__global__ void add_kernel(float* dst, const float* src, std::int64_t n) {
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
+    dst[i] += src[i];
+}
+
+__global__ void add_sigmoid_gated_kernel(float* dst, const float* src, const float* gate, std::int64_t cols) {
+  const std::int64_t r = blockIdx.x;
+  const float w = 1.0F / (1.0F + expf(-gate[r]));
+  for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) dst[r * cols + c] += w * src[r * cols + c];
+}
+
+__global__ void clamp_kernel(float* x, std::int64_t n, float limit) {
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
+    x[i] = fminf(fmaxf(x[i], -limit), limit);
+}
+
+__global__ void gather_rows_kernel(const float* src, const std::int64_t* rows, std::int64_t cols,
+                                   float* dst) {
+  const float* from = src + rows[blockIdx.x] * cols;
+  float* to = dst + static_cast<std::int64_t>(blockIdx.x) * cols;
+  for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) to[c] = from[c];
+}
+
+}  // namespace
+
+void embedding(const std::int32_t* ids, std::int64_t rows, const void* table, DType dtype,
+               std::int64_t table_rows, std::int64_t cols, float* out, cudaStream_t stream) {
+  if (rows == 0) return;
+  const auto grid = static_cast<unsigned>(rows);
+  switch (dtype) {
+    case DType::f32:
+      launch(embedding_kernel<float>, grid, kThreads, 0, stream, ids, static_cast<const float*>(table),
+             table_rows, cols, out);
+      CAPSERVE_CUDA_CHECK_LAUNCH();
+      return;
+    case DType::bf16:
+      launch(embedding_kernel<__nv_bfloat16>, grid, kThreads, 0, stream, ids,
+             static_cast<const __nv_bfloat16*>(table), table_rows, cols, out);
+      CAPSERVE_CUDA_CHECK_LAUNCH();
+      return;
+    case DType::f16:
+      launch(embedding_kernel<__half>, grid, kThreads, 0, stream, ids, static_cast<const __half*>(table),
+             table_rows, cols, out);
+      CAPSERVE_CUDA_CHECK_LAUNCH();
+      return;
+    case DType::i32:
+    case DType::i64:
+    case DType::u8:
+      break;
+  }
+  throw std::invalid_argument("cuda::embedding: a table of type " + std::string(dtype_name(dtype)));
+}
+
+void add(float* dst, const float* src, std::int64_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  launch(add_kernel, blocks_for(n), kThreads, 0, stream, dst, src, n);
+  CAPSERVE_CUDA_CHECK_LAUNCH();
+}
+
+void add_sigmoid_gated(float* dst, const float* src, const float* gate, std::int64_t rows, std::int64_t cols,
+                       cudaStream_t stream) {
+  if (rows == 0) return;
+  launch(add_sigmoid_gated_kernel, static_cast<unsigned>(rows), kThreads, 0, stream, dst, src, gate, cols);
+  CAPSERVE_CUDA_CHECK_LAUNCH();
+}
+
+void clamp(float* x, std::int64_t n, float limit, cudaStream_t stream) {
+  if (n == 0) return;
+  launch(clamp_kernel, blocks_for(n), kThreads, 0, stream, x, n, limit);
+  CAPSERVE_CUDA_CHECK_LAUNCH();
+}
+
+void gather_rows(const float* src, const std::int64_t* rows, std::int64_t count, std::int64_t cols,
+                 float* dst, cudaStream_t stream) {
+  if (count == 0) return;
+  launch(gather_rows_kernel, static_cast<unsigned>(count), kThreads, 0, stream, src, rows, cols, dst);
+  CAPSERVE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace capserve::kernels::cuda
