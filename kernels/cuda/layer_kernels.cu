@@ -1,53 +1,15 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "kernels/cuda/block_reduce.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/layer_kernels.h"
 #include "kernels/cuda/moe_index_logic.h"
+#include "kernels/cuda/paged_cache_slot.h"
 
 namespace capserve::kernels::cuda {
 namespace {
-
-constexpr int kWarp = 32;
-
-__device__ float warp_sum(float v) {
-  for (int o = kWarp / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xFFFFFFFFU, v, o);
-  return v;
-}
-
-__device__ std::uint64_t warp_max_u64(std::uint64_t v) {
-  for (int o = kWarp / 2; o > 0; o /= 2) {
-    const std::uint64_t other = __shfl_xor_sync(0xFFFFFFFFU, v, o);
-    v = other > v ? other : v;
-  }
-  return v;
-}
-
-// Sum over the block; every thread gets it. `scratch` holds one value per warp.
-__device__ float block_sum(float v, float* scratch) {
-  v = warp_sum(v);
-  const int warp = static_cast<int>(threadIdx.x) / kWarp;
-  const int warps = static_cast<int>(blockDim.x) / kWarp;
-  __syncthreads();  // scratch may still be read from the previous call
-  if (threadIdx.x % kWarp == 0) scratch[warp] = v;
-  __syncthreads();
-  float total = 0.0F;
-  for (int w = 0; w < warps; ++w) total += scratch[w];
-  return total;
-}
-
-__device__ std::uint64_t block_max_u64(std::uint64_t v, std::uint64_t* scratch) {
-  v = warp_max_u64(v);
-  const int warp = static_cast<int>(threadIdx.x) / kWarp;
-  const int warps = static_cast<int>(blockDim.x) / kWarp;
-  __syncthreads();
-  if (threadIdx.x % kWarp == 0) scratch[warp] = v;
-  __syncthreads();
-  std::uint64_t best = 0;
-  for (int w = 0; w < warps; ++w) best = scratch[w] > best ? scratch[w] : best;
-  return best;
-}
 
 __global__ void rms_norm_kernel(const float* x, std::int64_t cols, const __nv_bfloat16* weight, float eps,
                                 float* out) {
@@ -78,13 +40,6 @@ __global__ void rope_kernel(float* x, RotaryLayout layout, const float* cos, con
     *pa = a * c - b * s;
     *pb = b * c + a * s;
   }
-}
-
-__device__ std::int64_t cache_slot(const DeviceAttentionBatch& batch, std::int64_t block_size,
-                                   std::int64_t row, std::int64_t pos) {
-  const std::int32_t* table =
-      batch.block_tables + static_cast<std::int64_t>(batch.row_seq[row]) * batch.max_blocks;
-  return static_cast<std::int64_t>(table[pos / block_size]) * block_size + pos % block_size;
 }
 
 __global__ void kv_store_kernel(DeviceAttentionBatch batch, const float* k, const float* v,

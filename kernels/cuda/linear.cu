@@ -1,42 +1,16 @@
 #include "kernels/cuda/linear.h"
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <stdexcept>
 #include <string>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/element_types.h"
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/grid_stride.h"
 #include "kernels/cuda/launch.h"
 
 namespace capserve::kernels::cuda {
 namespace {
-
-constexpr int kThreads = 256;
-constexpr std::int64_t kMaxBlocks = 4096;
-
-unsigned blocks_for(std::int64_t n) {
-  const std::int64_t b = (n + kThreads - 1) / kThreads;
-  return static_cast<unsigned>(b < 1 ? 1 : (b > kMaxBlocks ? kMaxBlocks : b));
-}
-
-__device__ void narrow(float v, __nv_bfloat16* out) {
-  *out = __float2bfloat16(v);
-}
-__device__ void narrow(float v, __half* out) {
-  *out = __float2half(v);
-}
-
-__device__ float widen(const float* p, std::int64_t i) {
-  return p[i];
-}
-__device__ float widen(const __nv_bfloat16* p, std::int64_t i) {
-  return __bfloat162float(p[i]);
-}
-__device__ float widen(const __half* p, std::int64_t i) {
-  return __half2float(p[i]);
-}
 
 template <typename T>
 __global__ void narrow_kernel(const float* x, std::int64_t n, T* out) {
@@ -55,17 +29,19 @@ __global__ void add_bias_kernel(float* y, std::int64_t rows, std::int64_t n, con
 }
 
 void add_bias(float* y, std::int64_t m, std::int64_t n, const void* bias, DType dtype, cudaStream_t stream) {
-  const unsigned grid = blocks_for(m * n);
+  const unsigned grid = grid_stride_blocks(m * n);
   switch (dtype) {
     case DType::f32:
-      launch(add_bias_kernel<float>, grid, kThreads, 0, stream, y, m, n, static_cast<const float*>(bias));
+      launch(add_bias_kernel<float>, grid, kGridStrideThreads, 0, stream, y, m, n,
+             static_cast<const float*>(bias));
       break;
     case DType::bf16:
-      launch(add_bias_kernel<__nv_bfloat16>, grid, kThreads, 0, stream, y, m, n,
+      launch(add_bias_kernel<__nv_bfloat16>, grid, kGridStrideThreads, 0, stream, y, m, n,
              static_cast<const __nv_bfloat16*>(bias));
       break;
     case DType::f16:
-      launch(add_bias_kernel<__half>, grid, kThreads, 0, stream, y, m, n, static_cast<const __half*>(bias));
+      launch(add_bias_kernel<__half>, grid, kGridStrideThreads, 0, stream, y, m, n,
+             static_cast<const __half*>(bias));
       break;
     case DType::i32:
     case DType::i64:
@@ -99,13 +75,13 @@ void Linear::run(const float* x, std::int64_t m, std::int64_t k, const void* w, 
       gemm_xwt(handle_, x, w, CUDA_R_32F, m, n, k, y, CUDA_R_32F);
       break;
     case DType::bf16:
-      launch(narrow_kernel<__nv_bfloat16>, blocks_for(m * k), kThreads, 0, stream, x, m * k,
+      launch(narrow_kernel<__nv_bfloat16>, grid_stride_blocks(m * k), kGridStrideThreads, 0, stream, x, m * k,
              static_cast<__nv_bfloat16*>(workspace));
       CAPSERVE_CUDA_CHECK_LAUNCH();
       gemm_xwt(handle_, workspace, w, CUDA_R_16BF, m, n, k, y, CUDA_R_32F);
       break;
     case DType::f16:
-      launch(narrow_kernel<__half>, blocks_for(m * k), kThreads, 0, stream, x, m * k,
+      launch(narrow_kernel<__half>, grid_stride_blocks(m * k), kGridStrideThreads, 0, stream, x, m * k,
              static_cast<__half*>(workspace));
       CAPSERVE_CUDA_CHECK_LAUNCH();
       gemm_xwt(handle_, workspace, w, CUDA_R_16F, m, n, k, y, CUDA_R_32F);

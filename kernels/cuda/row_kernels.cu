@@ -1,35 +1,15 @@
 #include "kernels/cuda/row_kernels.h"
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <stdexcept>
 #include <string>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/element_types.h"
+#include "kernels/cuda/grid_stride.h"
 #include "kernels/cuda/launch.h"
 
 namespace capserve::kernels::cuda {
 namespace {
-
-constexpr int kThreads = 256;
-// Enough blocks to fill the device; each thread strides over the rest.
-constexpr std::int64_t kMaxBlocks = 4096;
-
-unsigned blocks_for(std::int64_t n) {
-  const std::int64_t b = (n + kThreads - 1) / kThreads;
-  return static_cast<unsigned>(b < 1 ? 1 : (b > kMaxBlocks ? kMaxBlocks : b));
-}
-
-__device__ float widen(const float* p, std::int64_t i) {
-  return p[i];
-}
-__device__ float widen(const __nv_bfloat16* p, std::int64_t i) {
-  return __bfloat162float(p[i]);
-}
-__device__ float widen(const __half* p, std::int64_t i) {
-  return __half2float(p[i]);
-}
 
 template <typename W>
 __global__ void embedding_kernel(const std::int32_t* ids, const W* table, std::int64_t table_rows,
@@ -74,18 +54,18 @@ void embedding(const std::int32_t* ids, std::int64_t rows, const void* table, DT
   const auto grid = static_cast<unsigned>(rows);
   switch (dtype) {
     case DType::f32:
-      launch(embedding_kernel<float>, grid, kThreads, 0, stream, ids, static_cast<const float*>(table),
-             table_rows, cols, out);
+      launch(embedding_kernel<float>, grid, kGridStrideThreads, 0, stream, ids,
+             static_cast<const float*>(table), table_rows, cols, out);
       CAPSERVE_CUDA_CHECK_LAUNCH();
       return;
     case DType::bf16:
-      launch(embedding_kernel<__nv_bfloat16>, grid, kThreads, 0, stream, ids,
+      launch(embedding_kernel<__nv_bfloat16>, grid, kGridStrideThreads, 0, stream, ids,
              static_cast<const __nv_bfloat16*>(table), table_rows, cols, out);
       CAPSERVE_CUDA_CHECK_LAUNCH();
       return;
     case DType::f16:
-      launch(embedding_kernel<__half>, grid, kThreads, 0, stream, ids, static_cast<const __half*>(table),
-             table_rows, cols, out);
+      launch(embedding_kernel<__half>, grid, kGridStrideThreads, 0, stream, ids,
+             static_cast<const __half*>(table), table_rows, cols, out);
       CAPSERVE_CUDA_CHECK_LAUNCH();
       return;
     case DType::i32:
@@ -98,27 +78,29 @@ void embedding(const std::int32_t* ids, std::int64_t rows, const void* table, DT
 
 void add(float* dst, const float* src, std::int64_t n, cudaStream_t stream) {
   if (n == 0) return;
-  launch(add_kernel, blocks_for(n), kThreads, 0, stream, dst, src, n);
+  launch(add_kernel, grid_stride_blocks(n), kGridStrideThreads, 0, stream, dst, src, n);
   CAPSERVE_CUDA_CHECK_LAUNCH();
 }
 
 void add_sigmoid_gated(float* dst, const float* src, const float* gate, std::int64_t rows, std::int64_t cols,
                        cudaStream_t stream) {
   if (rows == 0) return;
-  launch(add_sigmoid_gated_kernel, static_cast<unsigned>(rows), kThreads, 0, stream, dst, src, gate, cols);
+  launch(add_sigmoid_gated_kernel, static_cast<unsigned>(rows), kGridStrideThreads, 0, stream, dst, src, gate,
+         cols);
   CAPSERVE_CUDA_CHECK_LAUNCH();
 }
 
 void clamp(float* x, std::int64_t n, float limit, cudaStream_t stream) {
   if (n == 0) return;
-  launch(clamp_kernel, blocks_for(n), kThreads, 0, stream, x, n, limit);
+  launch(clamp_kernel, grid_stride_blocks(n), kGridStrideThreads, 0, stream, x, n, limit);
   CAPSERVE_CUDA_CHECK_LAUNCH();
 }
 
 void gather_rows(const float* src, const std::int64_t* rows, std::int64_t count, std::int64_t cols,
                  float* dst, cudaStream_t stream) {
   if (count == 0) return;
-  launch(gather_rows_kernel, static_cast<unsigned>(count), kThreads, 0, stream, src, rows, cols, dst);
+  launch(gather_rows_kernel, static_cast<unsigned>(count), kGridStrideThreads, 0, stream, src, rows, cols,
+         dst);
   CAPSERVE_CUDA_CHECK_LAUNCH();
 }
 

@@ -19,6 +19,7 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/expert_ffn.h"
+#include "kernels/cuda/latent_attention.h"
 #include "kernels/cuda/layer_kernels.h"
 #include "kernels/cuda/linear.h"
 #include "kernels/cuda/moe_index_emulation.h"
@@ -768,6 +769,93 @@ TEST(CudaKernels, LinearEqualsTheCpuBackendForEveryWeightType) {
             << kernels::dtype_name(dtype) << " m=" << m << " bias=" << with_bias;
       }
     }
+  }
+}
+
+// Multi-head latent attention on the device (always the absorbed form) against the CPU backend's (its
+// cheaper form per sequence: expanded for the prefill chunk, absorbed for the decode token), for every kv_b
+// dtype; the latent stores equal bit for bit. Two sequences over scattered blocks, one a prefill chunk behind
+// cached context.
+TEST(CudaKernels, LatentAttentionEqualsTheCpuBackend) {
+  CAPSERVE_REQUIRE_CUDA_DEVICE();
+  using kernels::DType;
+  using kernels::Tensor;
+  Rng rng(97);
+  kernels::cpu::CpuBackend cpu(1);
+  const std::int64_t heads = 3, dn = 16, dr = 8, dv = 12, r = 40, block = 4, num_blocks = 12;
+  const std::int64_t qk = dn + dr;
+  const std::vector<std::int32_t> table0 = {3, 0, 5, 9};
+  const std::vector<std::int32_t> table1 = {1, 6, 2};
+  const std::int64_t context[2] = {13, 10};
+  // Sequence 0's last 9 positions and sequence 1's last one are new this step.
+  const std::vector<kernels::SequenceSlice> cached = {{0, context[0] - 9, 0, table0},
+                                                      {context[0] - 9, context[1] - 1, 0, table1}};
+  const std::vector<kernels::SequenceSlice> seqs = {{0, 9, context[0] - 9, table0},
+                                                    {9, 1, context[1] - 1, table1}};
+  const std::int64_t cached_rows = context[0] - 9 + context[1] - 1;
+  const std::int64_t rows = 10;
+  const std::vector<float> old_latent = normal_vector(rng, static_cast<std::size_t>(cached_rows * r));
+  const std::vector<float> old_rope = normal_vector(rng, static_cast<std::size_t>(cached_rows * dr));
+  const std::vector<float> latent = normal_vector(rng, static_cast<std::size_t>(rows * r));
+  const std::vector<float> rope_key = normal_vector(rng, static_cast<std::size_t>(rows * dr));
+  const std::vector<float> q = normal_vector(rng, static_cast<std::size_t>(rows * heads * qk));
+  const std::vector<float> kv_b = normal_vector(rng, static_cast<std::size_t>(heads * (dn + dv) * r), 0.2F);
+
+  // Both caches filled the same way: the cached context, then this step's rows.
+  std::vector<float> pool(static_cast<std::size_t>(num_blocks * block * (r + dr)), 0.0F);
+  const kernels::PagedLatentLayer cpu_cache{Tensor::host(std::span(pool), {num_blocks, block, r + dr}), block,
+                                            r, dr};
+  auto d_pool = upload(pool);
+  const kernels::cuda::DeviceLatentLayer d_cache{d_pool.data(), block, r, dr};
+  const auto store_both = [&](std::span<const kernels::SequenceSlice> slices, const std::vector<float>& lat,
+                              const std::vector<float>& rk, std::int64_t n) {
+    std::vector<float> lat_copy = lat;
+    std::vector<float> rk_copy = rk;
+    cpu.latent_store(slices, Tensor::host(std::span(lat_copy), {n, r}),
+                     Tensor::host(std::span(rk_copy), {n, dr}), cpu_cache);
+    const kernels::cuda::AttentionBatchArrays arrays = kernels::cuda::attention_batch_arrays(slices);
+    const auto d_pos = upload(arrays.row_pos);
+    const auto d_seq = upload(arrays.row_seq);
+    const auto d_tables = upload(arrays.block_tables);
+    const auto d_lat = upload(lat);
+    const auto d_rk = upload(rk);
+    kernels::cuda::latent_store({n, d_pos.data(), d_seq.data(), d_tables.data(), arrays.max_blocks},
+                                d_lat.data(), d_rk.data(), d_cache, nullptr);
+    CAPSERVE_CUDA_CHECK(cudaDeviceSynchronize());
+  };
+  store_both(cached, old_latent, old_rope, cached_rows);
+  store_both(seqs, latent, rope_key, rows);
+  EXPECT_EQ(download(d_pool, pool.size()), pool);
+
+  const kernels::cuda::AttentionBatchArrays arrays = kernels::cuda::attention_batch_arrays(seqs);
+  const auto d_pos = upload(arrays.row_pos);
+  const auto d_seq = upload(arrays.row_seq);
+  const auto d_tables = upload(arrays.block_tables);
+  const kernels::cuda::DeviceAttentionBatch batch{rows, d_pos.data(), d_seq.data(), d_tables.data(),
+                                                  arrays.max_blocks};
+  const auto d_q = upload(q);
+  const kernels::LatentAttentionParams params{heads, dn, dr, dv, 0.3F, kernels::LatentForm::cheaper};
+  for (const DType dtype : {DType::f32, DType::bf16, DType::f16}) {
+    std::vector<std::byte> w(kv_b.size() * kernels::dtype_size(dtype));
+    for (std::size_t i = 0; i < kv_b.size(); ++i) {
+      if (dtype == DType::f32) {
+        std::memcpy(w.data() + 4 * i, &kv_b[i], 4);
+      } else {
+        const std::uint16_t h =
+            dtype == DType::bf16 ? to_bf16(kv_b[i]) : std::bit_cast<std::uint16_t>(__float2half_rn(kv_b[i]));
+        std::memcpy(w.data() + 2 * i, &h, 2);
+      }
+    }
+    const auto d_w = upload(w);
+    auto d_out = poisoned<float>(static_cast<std::size_t>(rows * heads * dv));
+    kernels::cuda::latent_attention(batch, d_q.data(), d_cache, d_w.data(), dtype, params, d_out.data(),
+                                    nullptr);
+    std::vector<float> q_copy = q;
+    std::vector<float> ref(static_cast<std::size_t>(rows * heads * dv));
+    cpu.latent_attention(seqs, Tensor::host(std::span(q_copy), {rows, heads * qk}), cpu_cache,
+                         kernels::weight_tensor({dtype, w.data(), heads * (dn + dv), r}), params,
+                         Tensor::host(std::span(ref), {rows, heads * dv}));
+    EXPECT_LT(relative_error(download(d_out, ref.size()), ref), 1e-5) << kernels::dtype_name(dtype);
   }
 }
 
