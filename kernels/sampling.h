@@ -2,6 +2,8 @@
 // Next-token sampling controls, one per row of a batch's logits, as every backend's `sample` takes them.
 #include <cstdint>
 
+#include "kernels/host_device.h"
+
 namespace capserve::kernels {
 
 struct SampleControls {
@@ -13,13 +15,13 @@ struct SampleControls {
 };
 
 // What `sample` writes for a row with a NaN or infinite logit at id i: no distribution to sample from.
-constexpr std::int32_t non_finite_token(std::int32_t first_bad_id) {
+CAPSERVE_HD constexpr std::int32_t non_finite_token(std::int32_t first_bad_id) {
   return -1 - first_bad_id;
 }
-constexpr bool is_non_finite_token(std::int32_t token) {
+CAPSERVE_HD constexpr bool is_non_finite_token(std::int32_t token) {
   return token < 0;
 }
-constexpr std::int32_t first_non_finite_id(std::int32_t token) {
+CAPSERVE_HD constexpr std::int32_t first_non_finite_id(std::int32_t token) {
   return -1 - token;
 }
 

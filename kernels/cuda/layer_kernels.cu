@@ -1,8 +1,10 @@
 #include <algorithm>
 #include <stdexcept>
+#include <string>
 
 #include "kernels/cuda/block_reduce.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/element_types.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/layer_kernels.h"
 #include "kernels/cuda/moe_index_logic.h"
@@ -11,16 +13,15 @@
 namespace capserve::kernels::cuda {
 namespace {
 
-__global__ void rms_norm_kernel(const float* x, std::int64_t cols, const __nv_bfloat16* weight, float eps,
-                                float* out) {
+template <typename W>
+__global__ void rms_norm_kernel(const float* x, std::int64_t cols, const W* weight, float eps, float* out) {
   __shared__ float scratch[32];
   const float* xr = x + static_cast<std::int64_t>(blockIdx.x) * cols;
   float* yr = out + static_cast<std::int64_t>(blockIdx.x) * cols;
   float ss = 0.0F;
   for (std::int64_t i = threadIdx.x; i < cols; i += blockDim.x) ss += xr[i] * xr[i];
   const float inv = rsqrtf(block_sum(ss, scratch) / static_cast<float>(cols) + eps);
-  for (std::int64_t i = threadIdx.x; i < cols; i += blockDim.x)
-    yr[i] = __bfloat162float(weight[i]) * (xr[i] * inv);
+  for (std::int64_t i = threadIdx.x; i < cols; i += blockDim.x) yr[i] = widen(weight, i) * (xr[i] * inv);
 }
 
 __global__ void rope_kernel(float* x, RotaryLayout layout, const float* cos, const float* sin) {
@@ -269,10 +270,29 @@ __global__ void __launch_bounds__(kSampleThreads)
 
 }  // namespace
 
-void rms_norm(const float* x, std::int64_t rows, std::int64_t cols, const __nv_bfloat16* weight, float eps,
-              float* out, cudaStream_t stream) {
+void rms_norm(const float* x, std::int64_t rows, std::int64_t cols, const void* weight, DType weight_dtype,
+              float eps, float* out, cudaStream_t stream) {
   if (rows <= 0) return;
-  launch(rms_norm_kernel, static_cast<unsigned>(rows), 256, 0, stream, x, cols, weight, eps, out);
+  const auto grid = static_cast<unsigned>(rows);
+  switch (weight_dtype) {
+    case DType::f32:
+      launch(rms_norm_kernel<float>, grid, 256, 0, stream, x, cols, static_cast<const float*>(weight), eps,
+             out);
+      break;
+    case DType::bf16:
+      launch(rms_norm_kernel<__nv_bfloat16>, grid, 256, 0, stream, x, cols,
+             static_cast<const __nv_bfloat16*>(weight), eps, out);
+      break;
+    case DType::f16:
+      launch(rms_norm_kernel<__half>, grid, 256, 0, stream, x, cols, static_cast<const __half*>(weight), eps,
+             out);
+      break;
+    case DType::i32:
+    case DType::i64:
+    case DType::u8:
+      throw std::invalid_argument("cuda::rms_norm: a weight of type " +
+                                  std::string(dtype_name(weight_dtype)));
+  }
   CAPSERVE_CUDA_CHECK_LAUNCH();
 }
 

@@ -15,8 +15,9 @@
 namespace capserve::kernels::cuda {
 
 // out[r, :] = weight * x[r, :] / sqrt(mean(x[r, :]^2) + eps); out may alias x.
-void rms_norm(const float* x, std::int64_t rows, std::int64_t cols, const __nv_bfloat16* weight, float eps,
-              float* out, cudaStream_t stream);
+// The weight [cols] is in its stored dtype.
+void rms_norm(const float* x, std::int64_t rows, std::int64_t cols, const void* weight, DType weight_dtype,
+              float eps, float* out, cudaStream_t stream);
 
 // Rotary embedding in place on the layout's part of x [tokens, heads, head_dim]; cos/sin [tokens, dim / 2].
 void rope(float* x, std::int64_t tokens, const RotaryLayout& layout, const float* cos, const float* sin,

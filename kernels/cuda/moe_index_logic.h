@@ -17,11 +17,7 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define CAPSERVE_HD __host__ __device__
-#else
-#define CAPSERVE_HD
-#endif
+#include "kernels/host_device.h"
 
 namespace capserve::kernels::moe {
 

@@ -7,6 +7,7 @@
 #include "kernels/cuda/element_types.h"
 #include "kernels/cuda/grid_stride.h"
 #include "kernels/cuda/launch.h"
+#include "kernels/sampling.h"
 
 namespace capserve::kernels::cuda {
 namespace {
@@ -46,7 +47,44 @@ __global__ void gather_rows_kernel(const float* src, const std::int64_t* rows, s
   for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) to[c] = from[c];
 }
 
+__global__ void swiglu_kernel(const float* gate, const float* up, std::int64_t n, float* act) {
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += stride) {
+    const float g = gate[i];
+    act[i] = g / (1.0F + expf(-g)) * up[i];
+  }
+}
+
+// One block per row: the smallest id of a non-finite logit, by a block-wide minimum in shared memory.
+__global__ void mark_non_finite_kernel(const float* logits, std::int64_t vocab, std::int32_t* tokens) {
+  __shared__ std::int32_t first_bad;
+  if (threadIdx.x == 0) first_bad = 0x7FFFFFFF;
+  __syncthreads();
+  const float* row = logits + static_cast<std::int64_t>(blockIdx.x) * vocab;
+  for (std::int64_t i = threadIdx.x; i < vocab; i += blockDim.x) {
+    const float l = row[i];  // l - l is 0 for every finite l, NaN for NaN and the infinities
+    if (l - l != 0.0F) atomicMin(&first_bad, static_cast<std::int32_t>(i));
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && first_bad != 0x7FFFFFFF) tokens[blockIdx.x] = non_finite_token(first_bad);
+}
+
 }  // namespace
+
+void swiglu(const float* gate, const float* up, std::int64_t n, float* act, cudaStream_t stream) {
+  if (n == 0) return;
+  launch(swiglu_kernel, grid_stride_blocks(n), kGridStrideThreads, 0, stream, gate, up, n, act);
+  CAPSERVE_CUDA_CHECK_LAUNCH();
+}
+
+void mark_non_finite_rows(const float* logits, std::int64_t rows, std::int64_t vocab, std::int32_t* tokens,
+                          cudaStream_t stream) {
+  if (rows == 0) return;
+  launch(mark_non_finite_kernel, static_cast<unsigned>(rows), kGridStrideThreads, 0, stream, logits, vocab,
+         tokens);
+  CAPSERVE_CUDA_CHECK_LAUNCH();
+}
 
 void embedding(const std::int32_t* ids, std::int64_t rows, const void* table, DType dtype,
                std::int64_t table_rows, std::int64_t cols, float* out, cudaStream_t stream) {

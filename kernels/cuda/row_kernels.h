@@ -31,4 +31,12 @@ void clamp(float* x, std::int64_t n, float limit, cudaStream_t stream);
 void gather_rows(const float* src, const std::int64_t* rows, std::int64_t count, std::int64_t cols,
                  float* dst, cudaStream_t stream);
 
+// act[i] = silu(gate[i]) * up[i] for i < n (the SwiGLU of an expert FFN, fp32).
+void swiglu(const float* gate, const float* up, std::int64_t n, float* act, cudaStream_t stream);
+
+// For each row of logits [rows, vocab] holding a NaN or infinite value, tokens[row] =
+// non_finite_token(its first such id) (kernels/sampling.h); other rows are left as they are.
+void mark_non_finite_rows(const float* logits, std::int64_t rows, std::int64_t vocab, std::int32_t* tokens,
+                          cudaStream_t stream);
+
 }  // namespace capserve::kernels::cuda

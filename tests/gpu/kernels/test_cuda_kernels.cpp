@@ -446,7 +446,8 @@ TEST(CudaKernels, RmsNormAndRopeMatchTheCpuBackend) {
   const auto d_x = upload(x);
   const auto d_w = upload(w);
   auto d_out = poisoned<float>(x.size());
-  kernels::cuda::rms_norm(d_x.data(), rows, cols, bf16_ptr(d_w), 1e-6F, d_out.data(), nullptr);
+  kernels::cuda::rms_norm(d_x.data(), rows, cols, d_w.data(), kernels::DType::bf16, 1e-6F, d_out.data(),
+                          nullptr);
   EXPECT_LT(relative_error(download(d_out, x.size()), ref), 1e-5);
 
   for (const bool interleaved : {false, true}) {

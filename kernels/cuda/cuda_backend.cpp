@@ -1,0 +1,262 @@
+#include "kernels/cuda/cuda_backend.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/latent_attention.h"
+#include "kernels/cuda/row_kernels.h"
+
+namespace capserve::kernels::cuda {
+namespace {
+
+// Frees device memory with its device current (and the caller's current device restored after).
+void release_device(void* data, Device device) noexcept {
+  int current = 0;
+  cudaGetDevice(&current);
+  cudaSetDevice(device.index);
+  cudaFree(data);
+  cudaSetDevice(current);
+}
+
+float* f32(const Tensor& t) {
+  return t.ptr<float>();
+}
+
+void check_float_weight(const Tensor& w, const char* what) {
+  if (!is_float(w.dtype()))
+    throw std::invalid_argument(std::string("CudaBackend: ") + what + " of type " +
+                                std::string(dtype_name(w.dtype())));
+}
+
+DeviceKvLayer device_layer(const PagedKvLayer& cache) {
+  return {f32(cache.k), f32(cache.v), cache.block_size, cache.num_kv_heads, cache.head_dim};
+}
+
+DeviceLatentLayer device_layer(const PagedLatentLayer& cache) {
+  return {f32(cache.rows), cache.block_size, cache.kv_lora_rank, cache.rope_dim};
+}
+
+}  // namespace
+
+CudaBackend::CudaBackend(int device) : device_(device) {
+  CAPSERVE_CUDA_CHECK(cudaSetDevice(device_));
+  CAPSERVE_CUDA_CHECK(cudaStreamCreate(&stream_));
+}
+
+CudaBackend::~CudaBackend() {
+  cudaSetDevice(device_);
+  cudaStreamSynchronize(stream_);
+  cudaStreamDestroy(stream_);
+}
+
+void CudaBackend::enter(std::initializer_list<const Tensor*> tensors) const {
+  CAPSERVE_CUDA_CHECK(cudaSetDevice(device_));
+  for (const Tensor* t : tensors) {
+    if (t->dims() > 0 && t->device() != device()) {
+      throw std::invalid_argument("CudaBackend (" + to_string(device()) + "): a tensor on " +
+                                  to_string(t->device()));
+    }
+  }
+}
+
+Buffer CudaBackend::allocate(std::size_t bytes) {
+  CAPSERVE_CUDA_CHECK(cudaSetDevice(device_));
+  void* p = nullptr;
+  CAPSERVE_CUDA_CHECK(cudaMalloc(&p, std::max<std::size_t>(bytes, 1)));
+  return {p, bytes, device(), release_device};
+}
+
+Tensor CudaBackend::upload(const WeightView& host, Buffer& storage) {
+  const std::size_t bytes = static_cast<std::size_t>(host.numel()) * dtype_size(host.dtype);
+  storage = allocate(bytes);
+  const Tensor t = storage.view(host.dtype, {host.rows, host.cols});
+  CAPSERVE_CUDA_CHECK(cudaMemcpyAsync(t.data(), host.data, bytes, cudaMemcpyHostToDevice, stream_));
+  return t;
+}
+
+void CudaBackend::copy_to_host(const Tensor& src, std::span<std::byte> dst) {
+  enter({&src});
+  if (dst.empty()) return;
+  CAPSERVE_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), dst.size(), cudaMemcpyDeviceToHost, stream_));
+  CAPSERVE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void CudaBackend::copy_from_host(std::span<const std::byte> src, const Tensor& dst) {
+  enter({&dst});
+  if (src.empty()) return;
+  // From pageable memory the runtime stages the bytes before returning, so `src` may change right after.
+  CAPSERVE_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), src.size(), cudaMemcpyHostToDevice, stream_));
+}
+
+template <typename T>
+const T* CudaBackend::stage(std::span<const T> host, Buffer& slot) {
+  const Tensor t = scratch(slot, DType::u8, {static_cast<std::int64_t>(host.size_bytes())});
+  copy_from_host(std::as_bytes(host), t);
+  return static_cast<const T*>(t.data());
+}
+DeviceAttentionBatch CudaBackend::attention_batch(std::span<const SequenceSlice> seqs) {
+  arrays_ = attention_batch_arrays(seqs);
+  const auto rows = static_cast<std::int64_t>(arrays_.row_pos.size());
+  return {rows, stage(std::span<const std::int32_t>(arrays_.row_pos), row_pos_),
+          stage(std::span<const std::int32_t>(arrays_.row_seq), row_seq_),
+          stage(std::span<const std::int32_t>(arrays_.block_tables), block_tables_), arrays_.max_blocks};
+}
+
+void CudaBackend::run_linear(const float* x, std::int64_t m, std::int64_t k, const Tensor& w,
+                             const Tensor& bias, float* y) {
+  check_float_weight(w, "a weight");
+  const std::int64_t n = w.dim(0);
+  if (w.row_numel() != k) {
+    throw std::invalid_argument("CudaBackend::linear: x of width " + std::to_string(k) + " for a weight " +
+                                w.shape_text());
+  }
+  if (bias.dims() > 0) check_float_weight(bias, "a bias");
+  const Tensor ws = scratch(linear_workspace_, DType::u8,
+                            {std::max<std::int64_t>(1, Linear::workspace_bytes(m, k, w.dtype()))});
+  linear_.run(x, m, k, w.data(), w.dtype(), n, bias.dims() > 0 ? bias.data() : nullptr, bias.dtype(), y,
+              ws.data(), stream_);
+}
+
+void CudaBackend::linear(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& y) {
+  enter({&x, &w, &bias, &y});
+  const std::int64_t m = x.dims() == 0 ? 0 : x.dim(0);
+  if (y.numel() != m * w.dim(0)) {
+    throw std::invalid_argument("CudaBackend::linear: y " + y.shape_text() + " for x " + x.shape_text() +
+                                " and a weight " + w.shape_text());
+  }
+  run_linear(f32(x), m, x.row_numel(), w, bias, f32(y));
+}
+
+void CudaBackend::embedding(const Tensor& ids, const Tensor& table, const Tensor& out) {
+  enter({&ids, &table, &out});
+  check_float_weight(table, "an embedding table");
+  const std::int64_t cols = table.row_numel();
+  if (out.numel() != ids.numel() * cols)
+    throw std::invalid_argument("CudaBackend::embedding: out " + out.shape_text() + " for " +
+                                std::to_string(ids.numel()) + " ids of width " + std::to_string(cols));
+  cuda::embedding(ids.ptr<const std::int32_t>(), ids.numel(), table.data(), table.dtype(), table.dim(0), cols,
+                  f32(out), stream_);
+}
+
+void CudaBackend::rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& out) {
+  enter({&x, &weight, &out});
+  check_float_weight(weight, "a norm weight");
+  const std::int64_t cols = x.row_numel();
+  if (weight.numel() != cols || out.numel() != x.numel())
+    throw std::invalid_argument("CudaBackend::rms_norm: x " + x.shape_text() + ", out " + out.shape_text() +
+                                ", weight " + weight.shape_text());
+  cuda::rms_norm(f32(x), x.dims() == 0 ? 0 : x.numel() / std::max<std::int64_t>(cols, 1), cols, weight.data(),
+                 weight.dtype(), eps, f32(out), stream_);
+}
+
+void CudaBackend::rope(const Tensor& x, const RotaryLayout& layout, const Tensor& cos, const Tensor& sin) {
+  enter({&x, &cos, &sin});
+  const std::int64_t tokens = x.dims() == 0 ? 0 : x.dim(0);
+  cuda::rope(f32(x), tokens, layout, f32(cos), f32(sin), stream_);
+}
+
+void CudaBackend::add(const Tensor& dst, const Tensor& src) {
+  enter({&dst, &src});
+  if (dst.numel() != src.numel())
+    throw std::invalid_argument("CudaBackend::add: dst " + dst.shape_text() + " and src " + src.shape_text());
+  cuda::add(f32(dst), f32(src), dst.numel(), stream_);
+}
+
+void CudaBackend::add_sigmoid_gated(const Tensor& dst, const Tensor& src, const Tensor& gate) {
+  enter({&dst, &src, &gate});
+  const std::int64_t rows = gate.numel();
+  if (dst.numel() != src.numel() || dst.dims() == 0 || dst.dim(0) != rows)
+    throw std::invalid_argument("CudaBackend::add_sigmoid_gated: dst " + dst.shape_text() + ", src " +
+                                src.shape_text() + ", gate " + gate.shape_text());
+  cuda::add_sigmoid_gated(f32(dst), f32(src), f32(gate), rows, dst.row_numel(), stream_);
+}
+
+void CudaBackend::clamp(const Tensor& x, float limit) {
+  enter({&x});
+  cuda::clamp(f32(x), x.numel(), limit, stream_);
+}
+
+void CudaBackend::gather_rows(const Tensor& src, std::span<const std::int64_t> rows, const Tensor& dst) {
+  enter({&src, &dst});
+  const std::int64_t width = src.row_numel();
+  if (dst.dims() == 0 || dst.dim(0) != static_cast<std::int64_t>(rows.size()) || dst.row_numel() != width)
+    throw std::invalid_argument("CudaBackend::gather_rows: " + std::to_string(rows.size()) + " rows of " +
+                                src.shape_text() + " into " + dst.shape_text());
+  for (const std::int64_t r : rows) {
+    if (r < 0 || r >= src.dim(0))
+      throw std::out_of_range("CudaBackend::gather_rows: row " + std::to_string(r) + " of " +
+                              src.shape_text());
+  }
+  cuda::gather_rows(f32(src), stage(rows, gather_rows_), static_cast<std::int64_t>(rows.size()), width,
+                    f32(dst), stream_);
+}
+
+void CudaBackend::kv_store(std::span<const SequenceSlice> seqs, const Tensor& k, const Tensor& v,
+                           const PagedKvLayer& cache) {
+  enter({&k, &v, &cache.k, &cache.v});
+  cuda::kv_store(attention_batch(seqs), f32(k), f32(v), device_layer(cache), stream_);
+}
+
+void CudaBackend::paged_attention(std::span<const SequenceSlice> seqs, const Tensor& q,
+                                  const PagedKvLayer& cache, const AttentionParams& params,
+                                  const Tensor& out) {
+  enter({&q, &cache.k, &cache.v, &out});
+  cuda::paged_attention(attention_batch(seqs), f32(q), device_layer(cache), params, f32(out), stream_);
+}
+
+void CudaBackend::latent_store(std::span<const SequenceSlice> seqs, const Tensor& latent,
+                               const Tensor& rope_key, const PagedLatentLayer& cache) {
+  enter({&latent, &rope_key, &cache.rows});
+  cuda::latent_store(attention_batch(seqs), f32(latent), f32(rope_key), device_layer(cache), stream_);
+}
+
+void CudaBackend::latent_attention(std::span<const SequenceSlice> seqs, const Tensor& q,
+                                   const PagedLatentLayer& cache, const Tensor& kv_b,
+                                   const LatentAttentionParams& params, const Tensor& out) {
+  enter({&q, &cache.rows, &kv_b, &out});
+  check_float_weight(kv_b, "kv_b_proj");
+  cuda::latent_attention(attention_batch(seqs), f32(q), device_layer(cache), kv_b.data(), kv_b.dtype(),
+                         params, f32(out), stream_);
+}
+
+void CudaBackend::grouped_expert_ffn(const Tensor& x, std::span<const std::int64_t> offsets,
+                                     std::span<const ExpertWeights> experts, const Tensor& out) {
+  enter({&x, &out});
+  if (experts.empty()) return;
+  if (offsets.size() != experts.size() + 1)
+    throw std::invalid_argument("CudaBackend::grouped_expert_ffn: " + std::to_string(offsets.size()) +
+                                " offsets for " + std::to_string(experts.size()) + " experts");
+  const std::int64_t hidden = x.row_numel();
+  for (std::size_t e = 0; e + 1 < offsets.size(); ++e) {
+    const std::int64_t first = offsets[e];
+    const std::int64_t n = offsets[e + 1] - first;
+    if (n == 0) continue;
+    const ExpertWeights& w = experts[e];
+    enter({&w.gate, &w.up, &w.down});
+    const std::int64_t ffn = w.gate.dim(0);
+    const Tensor gate = scratch(gate_, DType::f32, {n, ffn});
+    const Tensor up = scratch(up_, DType::f32, {n, ffn});
+    const float* xe = f32(x) + first * hidden;
+    run_linear(xe, n, hidden, w.gate, {}, f32(gate));
+    run_linear(xe, n, hidden, w.up, {}, f32(up));
+    swiglu(f32(gate), f32(up), n * ffn, f32(gate), stream_);
+    run_linear(f32(gate), n, ffn, w.down, {}, f32(out) + first * hidden);
+  }
+}
+
+void CudaBackend::sample(const Tensor& logits, std::span<const SampleControls> controls,
+                         const Tensor& tokens) {
+  enter({&logits, &tokens});
+  const std::int64_t rows = logits.dims() == 0 ? 0 : logits.dim(0);
+  if (static_cast<std::int64_t>(controls.size()) != rows || tokens.numel() != rows)
+    throw std::invalid_argument("CudaBackend::sample: logits " + logits.shape_text() + ", " +
+                                std::to_string(controls.size()) + " controls, tokens " + tokens.shape_text());
+  if (rows == 0) return;
+  const std::int64_t vocab = logits.row_numel();
+  cuda::sample(f32(logits), rows, vocab, stage(controls, controls_), tokens.ptr<std::int32_t>(), stream_);
+  mark_non_finite_rows(f32(logits), rows, vocab, tokens.ptr<std::int32_t>(), stream_);
+}
+
+}  // namespace capserve::kernels::cuda

@@ -1,0 +1,71 @@
+#pragma once
+// The kernel interface on one CUDA device: every Backend operation as the kernels of kernels/cuda/, queued on
+// the backend's own stream. Weights are uploaded once (upload copies them into device memory the caller
+// keeps); activations, caches and scratch are device buffers; the host waits only in to_host. Host metadata
+// of a step (the ragged batch's positions and block tables, gathered rows, sampling controls) is copied to
+// the device per call without a wait. A backend is used from one thread at a time (the engine's); it makes
+// its device current on every call, so that thread may also drive other devices.
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels/backend.h"
+#include "kernels/cuda/layer_kernels.h"
+#include "kernels/cuda/linear.h"
+
+namespace capserve::kernels::cuda {
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(int device);
+  ~CudaBackend() override;
+
+  [[nodiscard]] Device device() const override { return {DeviceKind::cuda, device_}; }
+  [[nodiscard]] Tensor upload(const WeightView& host, Buffer& storage) override;
+  [[nodiscard]] Buffer allocate(std::size_t bytes) override;
+
+  void linear(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& y) override;
+  void embedding(const Tensor& ids, const Tensor& table, const Tensor& out) override;
+  void rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& out) override;
+  void rope(const Tensor& x, const RotaryLayout& layout, const Tensor& cos, const Tensor& sin) override;
+  void add(const Tensor& dst, const Tensor& src) override;
+  void add_sigmoid_gated(const Tensor& dst, const Tensor& src, const Tensor& gate) override;
+  void clamp(const Tensor& x, float limit) override;
+  void gather_rows(const Tensor& src, std::span<const std::int64_t> rows, const Tensor& dst) override;
+  void kv_store(std::span<const SequenceSlice> seqs, const Tensor& k, const Tensor& v,
+                const PagedKvLayer& cache) override;
+  void paged_attention(std::span<const SequenceSlice> seqs, const Tensor& q, const PagedKvLayer& cache,
+                       const AttentionParams& params, const Tensor& out) override;
+  void latent_store(std::span<const SequenceSlice> seqs, const Tensor& latent, const Tensor& rope_key,
+                    const PagedLatentLayer& cache) override;
+  void latent_attention(std::span<const SequenceSlice> seqs, const Tensor& q, const PagedLatentLayer& cache,
+                        const Tensor& kv_b, const LatentAttentionParams& params, const Tensor& out) override;
+  void grouped_expert_ffn(const Tensor& x, std::span<const std::int64_t> offsets,
+                          std::span<const ExpertWeights> experts, const Tensor& out) override;
+  void sample(const Tensor& logits, std::span<const SampleControls> controls, const Tensor& tokens) override;
+  void set_num_threads(int /*n*/) override {}
+
+ protected:
+  void copy_to_host(const Tensor& src, std::span<std::byte> dst) override;
+  void copy_from_host(std::span<const std::byte> src, const Tensor& dst) override;
+
+ private:
+  // Makes this backend's device current and checks that every tensor lives on it.
+  void enter(std::initializer_list<const Tensor*> tensors) const;
+  // The ragged batch's rows, positions and block tables on the device (copied from the slices).
+  DeviceAttentionBatch attention_batch(std::span<const SequenceSlice> seqs);
+  // Host values into a grow-only device slot, queued on the stream.
+  template <typename T>
+  const T* stage(std::span<const T> host, Buffer& slot);
+  void run_linear(const float* x, std::int64_t m, std::int64_t k, const Tensor& w, const Tensor& bias,
+                  float* y);
+
+  int device_;
+  cudaStream_t stream_ = nullptr;
+  Linear linear_;
+  AttentionBatchArrays arrays_;  // host side of the last attention batch, reused
+  Buffer row_pos_, row_seq_, block_tables_, gather_rows_, controls_, linear_workspace_, gate_, up_;
+};
+
+}  // namespace capserve::kernels::cuda

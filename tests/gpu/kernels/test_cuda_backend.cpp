@@ -1,0 +1,283 @@
+// CudaBackend against CpuBackend through the Backend interface, operation by operation: the same inputs
+// (weights uploaded through each backend, activations copied in with from_host), results copied out with
+// to_host and compared — fp32 paths within 1e-5 relative, bf16 weights within the rounding of activations to
+// bf16. Also the backend's contract: device checks, host synchronisation counts, non-finite rows in sampling.
+// Skipped where no CUDA device is usable; the cuda-emu label runs it on the emulation.
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/cuda/cuda_backend.h"
+#include "tests/gpu/gpu_test_support.h"
+
+namespace capserve::kernels {
+namespace {
+
+using Rng = std::mt19937_64;
+
+std::vector<float> normal(Rng& rng, std::size_t n, float sd = 1.0F) {
+  std::normal_distribution<float> d(0.0F, sd);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+double relative_error(const std::vector<float>& out, const std::vector<float>& ref) {
+  double num = 0;
+  double den = 0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    num += (static_cast<double>(out[i]) - ref[i]) * (static_cast<double>(out[i]) - ref[i]);
+    den += static_cast<double>(ref[i]) * ref[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
+// A weight in `dtype` bytes (f32 as is; bf16 by truncation, which is exact to compare: both backends read the
+// same bytes).
+struct HostWeight {
+  std::vector<std::byte> bytes;
+  WeightView view;
+};
+
+HostWeight host_weight(const std::vector<float>& values, DType dtype, std::int64_t rows, std::int64_t cols) {
+  HostWeight w;
+  w.bytes.resize(values.size() * dtype_size(dtype));
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    if (dtype == DType::f32) {
+      std::memcpy(w.bytes.data() + 4 * i, &values[i], 4);
+    } else {
+      const auto h = static_cast<std::uint16_t>(std::bit_cast<std::uint32_t>(values[i]) >> 16);
+      std::memcpy(w.bytes.data() + 2 * i, &h, 2);
+    }
+  }
+  w.view = {dtype, w.bytes.data(), rows, cols};
+  return w;
+}
+
+// Both backends, and the means to put the same data on each and bring results back.
+class BackendPair : public ::testing::Test {
+ protected:
+  void SetUp() override { CAPSERVE_REQUIRE_CUDA_DEVICE(); }
+
+  cpu::CpuBackend cpu_{1};
+  std::optional<cuda::CudaBackend> gpu_storage_;
+  std::vector<Buffer> buffers_;
+
+  cuda::CudaBackend& gpu() {
+    if (!gpu_storage_) gpu_storage_.emplace(0);
+    return *gpu_storage_;
+  }
+  // Host values as a tensor of `backend` (copied in; kept alive by the fixture).
+  template <typename T>
+  Tensor put(Backend& backend, const std::vector<T>& host, std::initializer_list<std::int64_t> shape) {
+    buffers_.emplace_back();
+    const Tensor t = backend.scratch(buffers_.back(), dtype_of<T>(), shape);
+    backend.from_host(std::as_bytes(std::span(host)), t);
+    return t;
+  }
+  Tensor weight(Backend& backend, const WeightView& w) {
+    buffers_.emplace_back();
+    return backend.upload(w, buffers_.back());
+  }
+  template <typename T>
+  std::vector<T> get(Backend& backend, const Tensor& t) {
+    std::vector<T> out(static_cast<std::size_t>(t.numel()));
+    backend.to_host(t, std::as_writable_bytes(std::span(out)), HostSync::logits);
+    return out;
+  }
+  Tensor zeros(Backend& backend, std::initializer_list<std::int64_t> shape) {
+    std::int64_t n = 1;
+    for (const std::int64_t d : shape) n *= d;
+    return put(backend, std::vector<float>(static_cast<std::size_t>(n), 0.0F), shape);
+  }
+};
+
+TEST_F(BackendPair, DenseOperationsAgree) {
+  Rng rng(101);
+  const std::int64_t rows = 9, hidden = 64, out_dim = 48, vocab = 30;
+  const std::vector<float> x = normal(rng, static_cast<std::size_t>(rows * hidden));
+  const std::vector<std::int32_t> ids = {3, 0, 29, 7, 7, 12, 1, 2, 28};
+  for (const DType dtype : {DType::f32, DType::bf16}) {
+    const double tol = dtype == DType::f32 ? 1e-5 : 1e-2;
+    const HostWeight w =
+        host_weight(normal(rng, static_cast<std::size_t>(out_dim * hidden), 0.2F), dtype, out_dim, hidden);
+    const HostWeight bias = host_weight(normal(rng, static_cast<std::size_t>(out_dim)), dtype, 1, out_dim);
+    const HostWeight norm = host_weight(normal(rng, static_cast<std::size_t>(hidden)), dtype, 1, hidden);
+    const HostWeight table =
+        host_weight(normal(rng, static_cast<std::size_t>(vocab * hidden)), dtype, vocab, hidden);
+    std::vector<std::vector<float>> results[2];
+    Backend* backends[2] = {&cpu_, &gpu()};
+    for (int b = 0; b < 2; ++b) {
+      Backend& be = *backends[b];
+      const Tensor xt = put(be, x, {rows, hidden});
+      const Tensor y = zeros(be, {rows, out_dim});
+      be.linear(xt, weight(be, w.view), weight(be, bias.view), y);
+      results[b].push_back(get<float>(be, y));
+      const Tensor normed = zeros(be, {rows, hidden});
+      be.rms_norm(xt, weight(be, norm.view), 1e-6F, normed);
+      results[b].push_back(get<float>(be, normed));
+      const Tensor embedded = zeros(be, {rows, hidden});
+      be.embedding(put(be, ids, {rows}), weight(be, table.view), embedded);
+      results[b].push_back(get<float>(be, embedded));
+    }
+    const char* names[] = {"linear", "rms_norm", "embedding"};
+    for (std::size_t i = 0; i < results[0].size(); ++i) {
+      const double bound = i == 0 ? tol : 1e-6;  // only the GEMM rounds its input to the weight type
+      EXPECT_LT(relative_error(results[1][i], results[0][i]), bound) << names[i] << " " << dtype_name(dtype);
+    }
+  }
+
+  // The residual-stream operations and rope, in sequence on each backend.
+  const std::vector<float> src = normal(rng, x.size());
+  const std::vector<float> gate = normal(rng, static_cast<std::size_t>(rows));
+  const RotaryLayout layout{4, 16, 0, 16, false};
+  const std::vector<float> cos = normal(rng, static_cast<std::size_t>(rows * 8));
+  const std::vector<float> sin = normal(rng, cos.size());
+  const std::int64_t picks[] = {8, 0, 3};
+  std::vector<float> finals[2];
+  Backend* backends[2] = {&cpu_, &gpu()};
+  for (int b = 0; b < 2; ++b) {
+    Backend& be = *backends[b];
+    const Tensor xt = put(be, x, {rows, hidden});
+    const Tensor st = put(be, src, {rows, hidden});
+    be.add(xt, st);
+    be.add_sigmoid_gated(xt, st, put(be, gate, {rows}));
+    be.clamp(xt, 1.7F);
+    be.rope(xt, layout, put(be, cos, {rows, 8}), put(be, sin, {rows, 8}));
+    const Tensor picked = zeros(be, {3, hidden});
+    be.gather_rows(xt, picks, picked);
+    finals[b] = get<float>(be, picked);
+  }
+  EXPECT_LT(relative_error(finals[1], finals[0]), 1e-6);
+}
+
+TEST_F(BackendPair, AttentionOverPagedCachesAgrees) {
+  Rng rng(103);
+  const std::int64_t heads = 4, kv_heads = 2, d = 16, block = 4, blocks = 10;
+  const std::vector<std::int32_t> table0 = {7, 2, 5};
+  const std::vector<std::int32_t> table1 = {0, 9};
+  const std::vector<SequenceSlice> seqs = {{0, 10, 0, table0}, {10, 3, 4, table1}};
+  const std::int64_t rows = 13;
+  const std::vector<float> q = normal(rng, static_cast<std::size_t>(rows * heads * d));
+  const std::vector<float> k = normal(rng, static_cast<std::size_t>(rows * kv_heads * d));
+  const std::vector<float> v = normal(rng, k.size());
+  // Sequence 1's first 4 positions were cached by an earlier step.
+  const std::vector<SequenceSlice> earlier = {{0, 4, 0, table1}};
+  const std::vector<float> k0 = normal(rng, static_cast<std::size_t>(4 * kv_heads * d));
+  const std::vector<float> v0 = normal(rng, k0.size());
+  // Latent attention on the same slices.
+  const std::int64_t dn = 8, dr = 4, dv = 6, r = 24;
+  const std::vector<float> lq = normal(rng, static_cast<std::size_t>(rows * heads * (dn + dr)));
+  const std::vector<float> latent = normal(rng, static_cast<std::size_t>(rows * r));
+  const std::vector<float> rope_key = normal(rng, static_cast<std::size_t>(rows * dr));
+  const std::vector<float> latent0 = normal(rng, static_cast<std::size_t>(4 * r));
+  const std::vector<float> rope_key0 = normal(rng, static_cast<std::size_t>(4 * dr));
+  const HostWeight kv_b = host_weight(normal(rng, static_cast<std::size_t>(heads * (dn + dv) * r), 0.3F),
+                                      DType::bf16, heads * (dn + dv), r);
+  std::vector<float> out[2][2];
+  Backend* backends[2] = {&cpu_, &gpu()};
+  for (int b = 0; b < 2; ++b) {
+    Backend& be = *backends[b];
+    const PagedKvLayer cache{zeros(be, {blocks, block, kv_heads, d}), zeros(be, {blocks, block, kv_heads, d}),
+                             block, kv_heads, d};
+    be.kv_store(earlier, put(be, k0, {4, kv_heads * d}), put(be, v0, {4, kv_heads * d}), cache);
+    be.kv_store(seqs, put(be, k, {rows, kv_heads * d}), put(be, v, {rows, kv_heads * d}), cache);
+    const Tensor attn = zeros(be, {rows, heads * d});
+    be.paged_attention(seqs, put(be, q, {rows, heads * d}), cache, {heads, 0.25F, 0}, attn);
+    out[b][0] = get<float>(be, attn);
+
+    const PagedLatentLayer lcache{zeros(be, {blocks, block, r + dr}), block, r, dr};
+    be.latent_store(earlier, put(be, latent0, {4, r}), put(be, rope_key0, {4, dr}), lcache);
+    be.latent_store(seqs, put(be, latent, {rows, r}), put(be, rope_key, {rows, dr}), lcache);
+    const Tensor lattn = zeros(be, {rows, heads * dv});
+    be.latent_attention(seqs, put(be, lq, {rows, heads * (dn + dr)}), lcache, weight(be, kv_b.view),
+                        {heads, dn, dr, dv, 0.3F, LatentForm::cheaper}, lattn);
+    out[b][1] = get<float>(be, lattn);
+  }
+  EXPECT_LT(relative_error(out[1][0], out[0][0]), 1e-5) << "paged attention";
+  EXPECT_LT(relative_error(out[1][1], out[0][1]), 1e-5) << "latent attention";
+}
+
+TEST_F(BackendPair, GroupedExpertFfnAgrees) {
+  Rng rng(107);
+  const std::int64_t hidden = 32, ffn = 24;
+  const std::vector<std::int64_t> offsets = {0, 5, 5, 12};
+  const std::vector<float> x = normal(rng, static_cast<std::size_t>(12 * hidden));
+  for (const DType dtype : {DType::f32, DType::bf16}) {
+    std::vector<HostWeight> host;
+    for (int e = 0; e < 3; ++e) {
+      host.push_back(
+          host_weight(normal(rng, static_cast<std::size_t>(ffn * hidden), 0.3F), dtype, ffn, hidden));
+      host.push_back(
+          host_weight(normal(rng, static_cast<std::size_t>(ffn * hidden), 0.3F), dtype, ffn, hidden));
+      host.push_back(
+          host_weight(normal(rng, static_cast<std::size_t>(hidden * ffn), 0.3F), dtype, hidden, ffn));
+    }
+    std::vector<float> out[2];
+    Backend* backends[2] = {&cpu_, &gpu()};
+    for (int b = 0; b < 2; ++b) {
+      Backend& be = *backends[b];
+      std::vector<ExpertWeights> experts;
+      for (std::size_t e = 0; e < 3; ++e)
+        experts.push_back({weight(be, host[3 * e].view), weight(be, host[3 * e + 1].view),
+                           weight(be, host[3 * e + 2].view)});
+      const Tensor y = zeros(be, {12, hidden});
+      be.grouped_expert_ffn(put(be, x, {12, hidden}), offsets, experts, y);
+      out[b] = get<float>(be, y);
+    }
+    EXPECT_LT(relative_error(out[1], out[0]), dtype == DType::f32 ? 1e-5 : 2e-2) << dtype_name(dtype);
+  }
+}
+
+TEST_F(BackendPair, SamplingAgreesOnGreedyAndReportsNonFiniteRows) {
+  const std::int64_t vocab = 40;
+  std::vector<float> logits(static_cast<std::size_t>(4 * vocab));
+  for (std::size_t i = 0; i < logits.size(); ++i) logits[i] = std::sin(0.7F * static_cast<float>(i));
+  logits[static_cast<std::size_t>(vocab + 17)] = std::numeric_limits<float>::quiet_NaN();
+  logits[static_cast<std::size_t>(vocab + 30)] = std::numeric_limits<float>::infinity();
+  logits[static_cast<std::size_t>(3 * vocab + 5)] = -std::numeric_limits<float>::infinity();
+  const std::vector<SampleControls> controls = {{}, {}, {0.0F, 0, 1.0F, 1, 0}, {0.9F, 5, 0.9F, 3, 2}};
+  std::vector<std::int32_t> tokens[2];
+  Backend* backends[2] = {&cpu_, &gpu()};
+  for (int b = 0; b < 2; ++b) {
+    Backend& be = *backends[b];
+    const Tensor drawn = put(be, std::vector<std::int32_t>(4, 0), {4});
+    be.sample(put(be, logits, {4, vocab}), controls, drawn);
+    tokens[b] = get<std::int32_t>(be, drawn);
+  }
+  EXPECT_EQ(tokens[1][0], tokens[0][0]);
+  EXPECT_EQ(tokens[1][2], tokens[0][2]);
+  for (int b = 0; b < 2; ++b) {
+    EXPECT_EQ(tokens[b][1], non_finite_token(17)) << "backend " << b;
+    EXPECT_EQ(tokens[b][3], non_finite_token(5)) << "backend " << b;
+  }
+}
+
+TEST_F(BackendPair, TensorsOfAnotherDeviceAndHostSynchronisationsAreChecked) {
+  std::vector<float> host(8, 1.0F);
+  const Tensor on_cpu = Tensor::host(std::span(host), {2, 4});
+  const Tensor on_gpu = zeros(gpu(), {2, 4});
+  try {
+    gpu().add(on_gpu, on_cpu);
+    ADD_FAILURE() << "a CPU tensor was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("a tensor on cpu"), std::string::npos) << e.what();
+  }
+  const std::int64_t before = gpu().host_syncs(HostSync::sampled_tokens);
+  std::vector<float> back(8);
+  gpu().to_host(on_gpu, std::as_writable_bytes(std::span(back)), HostSync::sampled_tokens);
+  EXPECT_EQ(gpu().host_syncs(HostSync::sampled_tokens), before + 1);
+  EXPECT_EQ(back, std::vector<float>(8, 0.0F));
+}
+
+}  // namespace
+}  // namespace capserve::kernels
