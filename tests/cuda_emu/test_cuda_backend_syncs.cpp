@@ -1,0 +1,67 @@
+// CudaBackend's promises about the host, counted by the emulation: within a step the host waits only in
+// to_host (each call one synchronisation), and a warm step allocates no device memory (grow-only scratch).
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "cuda_emu.h"
+#include "kernels/cuda/cuda_backend.h"
+
+namespace capserve::kernels {
+namespace {
+
+TEST(CudaBackendSyncs, AWarmStepWaitsOnlyInToHostAndAllocatesNothing) {
+  cuda::CudaBackend backend(0);
+  const std::int64_t rows = 6, hidden = 32, vocab = 50, block = 4;
+  std::vector<float> table(static_cast<std::size_t>(vocab * hidden), 0.01F);
+  std::vector<float> norm(static_cast<std::size_t>(hidden), 1.0F);
+  std::vector<Buffer> weights(3);
+  const Tensor embed = backend.upload(
+      {DType::f32, reinterpret_cast<const std::byte*>(table.data()), vocab, hidden}, weights[0]);
+  const Tensor norm_w =
+      backend.upload({DType::f32, reinterpret_cast<const std::byte*>(norm.data()), 1, hidden}, weights[1]);
+  Buffer kv_k = backend.allocate(static_cast<std::size_t>(4 * block * hidden) * sizeof(float));
+  Buffer kv_v = backend.allocate(kv_k.bytes());
+  const PagedKvLayer cache{kv_k.view(DType::f32, {4, block, 2, hidden / 2}),
+                           kv_v.view(DType::f32, {4, block, 2, hidden / 2}), block, 2, hidden / 2};
+  Buffer ids_slot, x_slot, normed_slot, attn_slot, logits_slot, tokens_slot;
+  const std::vector<std::int32_t> ids = {1, 2, 3, 4, 5, 6};
+  const std::vector<std::int32_t> table_blocks = {2, 0};
+  const std::vector<SequenceSlice> seqs = {{0, rows, 0, table_blocks}};
+  const std::vector<SampleControls> controls(1);
+  const std::int64_t last_row[] = {rows - 1};
+  std::vector<std::int32_t> next(1);
+
+  const auto step = [&] {
+    const Tensor id_t = backend.scratch(ids_slot, DType::i32, {rows});
+    backend.from_host(std::as_bytes(std::span(ids)), id_t);
+    const Tensor x = backend.scratch(x_slot, DType::f32, {rows, hidden});
+    backend.embedding(id_t, embed, x);
+    const Tensor normed = backend.scratch(normed_slot, DType::f32, {rows, hidden});
+    backend.rms_norm(x, norm_w, 1e-6F, normed);
+    backend.kv_store(seqs, normed, normed, cache);
+    const Tensor attn = backend.scratch(attn_slot, DType::f32, {rows, hidden});
+    backend.paged_attention(seqs, normed, cache, {2, 0.5F, 0}, attn);
+    backend.add(x, attn);
+    const Tensor last = backend.scratch(normed_slot, DType::f32, {1, hidden});
+    backend.gather_rows(x, last_row, last);
+    const Tensor logits = backend.scratch(logits_slot, DType::f32, {1, vocab});
+    backend.linear(last, embed, {}, logits);
+    const Tensor tokens = backend.scratch(tokens_slot, DType::i32, {1});
+    backend.sample(logits, controls, tokens);
+    backend.to_host(tokens, std::as_writable_bytes(std::span(next)), HostSync::sampled_tokens);
+  };
+  step();  // warms the scratch slots
+  cuda_emu::reset_counters();
+  step();
+  const cuda_emu::Counters c = cuda_emu::counters();
+  EXPECT_EQ(c.host_syncs, 1);
+  EXPECT_EQ(c.device_allocations, 0);
+  EXPECT_EQ(c.device_frees, 0);
+  EXPECT_GT(c.kernel_launches, 7);
+  EXPECT_EQ(backend.host_syncs(HostSync::sampled_tokens), 2);
+}
+
+}  // namespace
+}  // namespace capserve::kernels
