@@ -147,6 +147,48 @@ TEST(CudaKernels, RouterMatchesTheCpuRouter) {
   }
 }
 
+// The sigmoid router (group-limited, normalised, scaled) on the device against the CPU's run of the same
+// logic (the host executor of moe_index_logic.h); the definition itself is checked in test_sigmoid_router.
+TEST(CudaKernels, SigmoidRouterMatchesTheCpu) {
+  CAPSERVE_REQUIRE_CUDA_DEVICE();
+  Rng rng(17);
+  for (int trial = 0; trial < 20; ++trial) {
+    moe::RouterParams p;
+    p.score = moe::RouterScore::sigmoid;
+    p.n_group = std::int64_t{1} << uniform(rng, 0, 3);
+    p.num_experts = p.n_group * uniform(rng, 2, 16);
+    p.topk_group = uniform(rng, 1, p.n_group);
+    p.top_k = uniform(rng, 1, std::min<std::int64_t>(8, p.topk_group * (p.num_experts / p.n_group)));
+    p.tokens = uniform(rng, 1, 300);
+    p.normalize = uniform(rng, 0, 1) == 1;
+    p.scaling = uniform(rng, 0, 1) == 1 ? 2.5F : 1.0F;
+    const std::vector<float> logits =
+        normal_vector(rng, static_cast<std::size_t>(p.tokens * p.num_experts), 3.0F);
+    std::vector<float> cpu_probs(logits.size());
+    std::vector<std::int32_t> cpu_experts(static_cast<std::size_t>(p.tokens * p.top_k));
+    std::vector<float> cpu_weights(cpu_experts.size());
+    moe::emulate_router(p, logits, cpu_probs, cpu_experts, cpu_weights);
+    const auto d_logits = upload(logits);
+    auto d_probs = poisoned<float>(logits.size());
+    auto d_experts = poisoned<std::int32_t>(cpu_experts.size());
+    auto d_weights = poisoned<float>(cpu_weights.size());
+    kernels::cuda::route(p, d_logits.data(), d_probs.data(), d_experts.data(), d_weights.data(), nullptr);
+    EXPECT_LT(relative_error(download(d_probs, logits.size()), cpu_probs), 1e-6) << "trial " << trial;
+    EXPECT_LT(relative_error(download(d_weights, cpu_weights.size()), cpu_weights), 1e-5)
+        << "trial " << trial;
+    const std::vector<std::int32_t> experts = download(d_experts, cpu_experts.size());
+    // As for softmax: a different choice only between experts scored within rounding of each other.
+    for (std::size_t a = 0; a < experts.size(); ++a) {
+      if (experts[a] == cpu_experts[a]) continue;
+      const std::size_t row = a / static_cast<std::size_t>(p.top_k) * static_cast<std::size_t>(p.num_experts);
+      ASSERT_GE(experts[a], 0);
+      EXPECT_NEAR(cpu_probs[row + static_cast<std::size_t>(experts[a])],
+                  cpu_probs[row + static_cast<std::size_t>(cpu_experts[a])], 1e-6F)
+          << "trial " << trial << " slot " << a;
+    }
+  }
+}
+
 TEST(CudaKernels, RouterRejectsGroupLimitsItCannotMeet) {
   CAPSERVE_REQUIRE_CUDA_DEVICE();
   moe::RouterParams p;
