@@ -12,7 +12,7 @@
 
 #include "kernels/backend.h"
 #include "parallel/capacity_config.h"
-#include "parallel/capacity_scheduler.h"
+#include "parallel/capacity_stage.h"
 #include "parallel/communicator.h"
 #include "parallel/expert_placement.h"
 #include "parallel/moe_stats.h"
@@ -107,7 +107,7 @@ class Model {
   Checkpoint checkpoint_;  // owns the mappings the weight views point into
   ModelWeights weights_;
   Rope rope_;
-  parallel::CapacityScheduler scheduler_;
+  parallel::CapacityStage scheduler_;
   parallel::TokenDispatcher dispatcher_;
   parallel::StepStatsRecorder stats_;
   parallel::RunStats run_stats_;

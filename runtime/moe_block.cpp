@@ -1,5 +1,7 @@
 #include "runtime/moe_block.h"
 
+#include "kernels/moe/host_executor.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -11,58 +13,17 @@ void route_softmax_topk(std::span<const float> router_logits, std::int64_t rows,
   out.experts.resize(static_cast<std::size_t>(rows * top_k));
   out.weights.resize(static_cast<std::size_t>(rows * top_k));
   out.probs.resize(static_cast<std::size_t>(rows * num_experts));
-  out.eligible.assign(static_cast<std::size_t>(num_experts), 1);
-  const std::int64_t group_size = num_experts / router.n_group;
-  const bool limited = router.topk_group < router.n_group;
-  const auto scaling = static_cast<float>(router.scaling);
-  for (std::int64_t t = 0; t < rows; ++t) {
-    const float* logit = router_logits.data() + t * num_experts;
-    float* probs = out.probs.data() + t * num_experts;
-    const float mx = *std::max_element(logit, logit + num_experts);
-    float sum = 0.0F;
-    for (std::int64_t e = 0; e < num_experts; ++e) {
-      probs[e] = std::exp(logit[e] - mx);
-      sum += probs[e];
-    }
-    for (std::int64_t e = 0; e < num_experts; ++e) probs[e] /= sum;
-    if (limited) {
-      // The topk_group groups with the highest best-expert probability (ties to the lower group) are
-      // eligible.
-      std::fill(out.eligible.begin(), out.eligible.end(), 0);
-      const auto group_best = [&](std::int64_t g) {
-        return *std::max_element(probs + g * group_size, probs + (g + 1) * group_size);
-      };
-      for (std::int64_t chosen = 0; chosen < router.topk_group; ++chosen) {
-        std::int64_t best = -1;
-        for (std::int64_t g = 0; g < router.n_group; ++g) {
-          if (out.eligible[static_cast<std::size_t>(g * group_size)] != 0) continue;
-          if (best < 0 || group_best(g) > group_best(best)) best = g;
-        }
-        std::fill_n(out.eligible.begin() + best * group_size, group_size, 1);
-      }
-    }
-    std::int32_t* ids = out.experts.data() + t * top_k;
-    float* w = out.weights.data() + t * top_k;
-    // Selection of the k best by repeated scan: k is small (2..8) and E modest, so this beats a sort.
-    for (std::int64_t s = 0; s < top_k; ++s) {
-      std::int64_t best = -1;
-      for (std::int64_t e = 0; e < num_experts; ++e) {
-        if (out.eligible[static_cast<std::size_t>(e)] == 0) continue;
-        if (std::find(ids, ids + s, static_cast<std::int32_t>(e)) != ids + s) continue;
-        if (best < 0 || probs[e] > probs[best]) best = e;
-      }
-      ids[s] = static_cast<std::int32_t>(best);
-      w[s] = probs[best];
-    }
-    if (normalize) {
-      float total = 0.0F;
-      for (std::int64_t s = 0; s < top_k; ++s) total += w[s];
-      for (std::int64_t s = 0; s < top_k; ++s) w[s] /= total;
-    }
-    if (scaling != 1.0F) {
-      for (std::int64_t s = 0; s < top_k; ++s) w[s] *= scaling;
-    }
-  }
+  kernels::moe::RouterParams p;
+  p.tokens = rows;
+  p.num_experts = num_experts;
+  p.top_k = top_k;
+  p.score = kernels::moe::RouterScore::softmax;
+  p.n_group = router.n_group;
+  p.topk_group = router.topk_group;
+  p.normalize = normalize;
+  p.scaling = static_cast<float>(router.scaling);
+  kernels::moe::route_on_host(p, router_logits.first(static_cast<std::size_t>(rows * num_experts)), out.probs,
+                              out.experts, out.weights);
 }
 
 void moe_block(kernels::Backend& backend, const ModelConfig& config, const MoeWeights& weights,

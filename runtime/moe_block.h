@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "kernels/backend.h"
-#include "parallel/capacity_scheduler.h"
+#include "parallel/capacity_stage.h"
 #include "parallel/expert_placement.h"
 #include "parallel/moe_stats.h"
 #include "parallel/token_dispatcher.h"
@@ -23,13 +23,14 @@ struct Routing {
   std::vector<float> probs;
   std::vector<std::int32_t> experts;
   std::vector<float> weights;
-  std::vector<std::uint8_t> eligible;  // scratch: one token's experts in its best groups
 };
 
 // Softmax over the router logits [rows, num_experts] in fp32, top-k (ties to the lower expert id) among the
 // experts of the router's topk_group best groups (all experts when n_group is 1), then the weights
-// renormalized to sum to 1 when `normalize` is set, and multiplied by the router's scaling. `probs` keeps the
-// whole softmax: the capacity scheduler may reroute a slot outside the token's groups, where capacity is.
+// renormalized to sum to 1 when `normalize` is set, and multiplied by the router's scaling: the shared index
+// logic's router (kernels/moe), run by the host executor, so the CPU routes exactly as the CUDA kernel does.
+// `probs` keeps the whole softmax: the capacity scheduler may reroute a slot outside the token's groups,
+// where capacity is.
 void route_softmax_topk(std::span<const float> router_logits, std::int64_t rows, std::int64_t num_experts,
                         std::int64_t top_k, bool normalize, Routing& out, const RouterConfig& router = {});
 
@@ -46,7 +47,7 @@ struct MoeScratch {
 struct MoeLayerContext {
   std::int64_t layer = 0;
   const parallel::ExpertPlacement& placement;
-  parallel::CapacityScheduler& scheduler;
+  parallel::CapacityStage& scheduler;
   parallel::TokenDispatcher& dispatcher;
   std::span<const std::uint8_t> exempt;  // [rows] or empty: rows the capacity scheduler never drops
   parallel::MoeLayerStats& stats;        // this rank's share, added to

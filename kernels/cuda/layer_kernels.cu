@@ -7,8 +7,8 @@
 #include "kernels/cuda/element_types.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/layer_kernels.h"
-#include "kernels/cuda/moe_index_logic.h"
 #include "kernels/cuda/paged_cache_slot.h"
+#include "kernels/moe/index_logic.h"
 
 namespace capserve::kernels::cuda {
 namespace {

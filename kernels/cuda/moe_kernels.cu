@@ -1,7 +1,7 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/moe_kernels.h"
-#include "kernels/cuda/moe_pipeline.h"
+#include "kernels/moe/pipeline.h"
 
 namespace capserve::kernels::cuda {
 namespace {

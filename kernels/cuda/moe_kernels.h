@@ -2,14 +2,14 @@
 // The MoE block's index work on the device: router (softmax or sigmoid, top-k), local-scope capacity
 // scheduling, permute to rows grouped by expert, and the gate-weighted combine back. Every pointer is device
 // memory; work is queued on `stream` with no allocation and no host synchronization. The decisions are those
-// of the thread bodies in moe_index_logic.h, which the host emulation checks against the CPU implementations.
+// of the thread bodies in kernels/moe/index_logic.h, which the CPU path runs through the host executor.
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 #include <functional>
 
-#include "kernels/cuda/moe_index_logic.h"
+#include "kernels/moe/index_logic.h"
 
 namespace capserve::kernels::cuda {
 

@@ -42,7 +42,7 @@
 
 #include "kernels/cpu/cpu_backend.h"
 #include "parallel/capacity_config.h"
-#include "parallel/capacity_scheduler.h"
+#include "parallel/capacity_stage.h"
 #include "parallel/expert_placement.h"
 #include "parallel/mpi_communicator.h"
 #include "parallel/mpi_world.h"
@@ -441,10 +441,10 @@ int run_synthetic(parallel::MpiWorld& world, parallel::MpiCommunicator& comm, co
 
   kernels::cpu::CpuBackend backend(threads);
   parallel::TokenDispatcher dispatcher(comm);
-  std::vector<std::unique_ptr<parallel::CapacityScheduler>> schedulers;
+  std::vector<std::unique_ptr<parallel::CapacityStage>> schedulers;
   for (const Contender& c : contenders) {
     if (const std::string why = c.config.validate(L); !why.empty()) throw std::runtime_error(why);
-    schedulers.push_back(std::make_unique<parallel::CapacityScheduler>(c.config, comm));
+    schedulers.push_back(std::make_unique<parallel::CapacityStage>(c.config, comm));
   }
 
   // Work copies of the routing (the scheduler edits it in place).
@@ -462,7 +462,7 @@ int run_synthetic(parallel::MpiWorld& world, parallel::MpiCommunicator& comm, co
       experts[static_cast<std::size_t>(l)] = r.experts;
       weights[static_cast<std::size_t>(l)] = r.weights;
     }
-    parallel::CapacityScheduler& sched = *schedulers[c];
+    parallel::CapacityStage& sched = *schedulers[c];
     std::int64_t dropped = 0, rerouted = 0, wire = 0;
     double t_sched = 0, t_disp = 0, t_exp = 0, t_comb = 0;
     world.barrier();

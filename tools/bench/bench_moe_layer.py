@@ -367,7 +367,7 @@ def notes(synth, model):
             "The scheduler's measured time is dominated by waiting: the two ranks reach each MoE layer at "
             "different times (attention and routing of their own sequences), and the first collective of the "
             "layer absorbs the difference. With capacity on that collective is the scheduler's count "
-            "allreduce (`CapacityScheduler::apply` -> `Communicator::allreduce_sum` of the per-bin counts); "
+            "allreduce (`CapacityStage::apply` -> `Communicator::allreduce_sum` of the per-bin counts); "
             "with capacity off it is the dispatcher's first `alltoall`, where the same wait is charged to "
             f"dispatch. Hence the scheduler share of up to {100 * worst['scheduler_share']:.1f}% "
             f"({worst['domain']}, {worst['config']}: {worst['scheduler_ms']:.2f} ms of which "
@@ -378,7 +378,7 @@ def notes(synth, model):
             f"at most {100 * worst_net['scheduler_net_share']:.2f}% of the layer ({worst_net['domain']}, "
             f"{worst_net['config']}: {worst_net['scheduler_net_ms']:.3f} ms). Its own work is small: on one "
             "core, `apply` for 1024 tokens, 16 experts, top-2 takes ~0.025 ms (drop), ~0.08 ms (reroute), "
-            "~0.1 ms (expanded, mostly the fallback-expert scan in `CapacityScheduler::reroute`), measured "
+            "~0.1 ms (expanded, mostly the fallback-expert scan of the reroute), measured "
             "alone with a size-1 communicator; in global scope each selection adds one count allreduce and "
             "one 256-bucket histogram allreduce per key byte until every full bin's threshold is exact "
             "(typically 2-4 rounds), each a few tens of microseconds between two ranks on one machine.",

@@ -24,21 +24,10 @@ namespace {
 
 using Rng = std::mt19937_64;
 
-std::vector<float> normal(Rng& rng, std::size_t n, float sd = 1.0F) {
-  std::normal_distribution<float> d(0.0F, sd);
-  std::vector<float> v(n);
-  for (float& x : v) x = d(rng);
-  return v;
-}
+using test::relative_error;
 
-double relative_error(const std::vector<float>& out, const std::vector<float>& ref) {
-  double num = 0;
-  double den = 0;
-  for (std::size_t i = 0; i < ref.size(); ++i) {
-    num += (static_cast<double>(out[i]) - ref[i]) * (static_cast<double>(out[i]) - ref[i]);
-    den += static_cast<double>(ref[i]) * ref[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-30));
+std::vector<float> normal(Rng& rng, std::size_t n, float sd = 1.0F) {
+  return test::normal_vector(rng, n, sd);
 }
 
 // A weight in `dtype` bytes (f32 as is; bf16 by truncation, which is exact to compare: both backends read the

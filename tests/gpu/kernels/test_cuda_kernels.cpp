@@ -22,10 +22,10 @@
 #include "kernels/cuda/latent_attention.h"
 #include "kernels/cuda/layer_kernels.h"
 #include "kernels/cuda/linear.h"
-#include "kernels/cuda/moe_index_emulation.h"
 #include "kernels/cuda/moe_kernels.h"
 #include "kernels/cuda/row_kernels.h"
-#include "parallel/capacity_scheduler.h"
+#include "kernels/moe/host_executor.h"
+#include "parallel/capacity_stage.h"
 #include "parallel/expert_placement.h"
 #include "parallel/self_communicator.h"
 #include "runtime/moe_block.h"
@@ -66,25 +66,8 @@ std::int64_t uniform(Rng& rng, std::int64_t lo, std::int64_t hi) {
   return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng);
 }
 
-std::vector<float> normal_vector(Rng& rng, std::size_t n, float sd = 1.0F) {
-  std::normal_distribution<float> d(0.0F, sd);
-  std::vector<float> v(n);
-  for (float& x : v) x = d(rng);
-  return v;
-}
-
-// ||out - ref|| / ||ref||, infinite when anything is not finite.
-double relative_error(const std::vector<float>& out, const std::vector<float>& ref) {
-  double num = 0.0;
-  double den = 0.0;
-  for (std::size_t i = 0; i < ref.size(); ++i) {
-    if (!std::isfinite(out[i])) return INFINITY;
-    const double d = static_cast<double>(out[i]) - ref[i];
-    num += d * d;
-    den += static_cast<double>(ref[i]) * ref[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-300));
-}
+using test::normal_vector;
+using test::relative_error;
 
 std::uint16_t to_bf16(float f) {
   const std::uint32_t u = std::bit_cast<std::uint32_t>(f);
@@ -167,7 +150,7 @@ TEST(CudaKernels, SigmoidRouterMatchesTheCpu) {
     std::vector<float> cpu_probs(logits.size());
     std::vector<std::int32_t> cpu_experts(static_cast<std::size_t>(p.tokens * p.top_k));
     std::vector<float> cpu_weights(cpu_experts.size());
-    moe::emulate_router(p, logits, cpu_probs, cpu_experts, cpu_weights);
+    moe::route_on_host(p, logits, cpu_probs, cpu_experts, cpu_weights);
     const auto d_logits = upload(logits);
     auto d_probs = poisoned<float>(logits.size());
     auto d_experts = poisoned<std::int32_t>(cpu_experts.size());
@@ -213,7 +196,7 @@ TEST(CudaKernels, RouterRejectsGroupLimitsItCannotMeet) {
   for (const std::int32_t e : download(d_experts, 12)) EXPECT_GE(e, 0);
 }
 
-TEST(CudaKernels, CapacitySchedulerDecisionsAreBitIdentical) {
+TEST(CudaKernels, CapacityStageDecisionsAreBitIdentical) {
   CAPSERVE_REQUIRE_CUDA_DEVICE();
   Rng rng(23);
   static constexpr double kGammas[] = {0.25, 0.5, 1.0 / 3.0, 0.75, 1.0, 1.25, 2.0};
@@ -249,14 +232,14 @@ TEST(CudaKernels, CapacitySchedulerDecisionsAreBitIdentical) {
     SCOPED_TRACE("trial " + std::to_string(trial) + ": T=" + std::to_string(T) + " E=" + std::to_string(E) +
                  " k=" + std::to_string(k) + " " + parallel::describe(config));
 
-    // CPU: with one rank, CapacityScheduler itself; with more, rank `rank` in local scope, which the host
-    // emulation below stands for (it equals CapacityScheduler bit for bit: unit test test_moe_index_logic).
+    // CPU: with one rank, CapacityStage itself; with more, rank `rank` in local scope, which the host
+    // emulation below stands for (it equals CapacityStage bit for bit: unit test test_moe_index_logic).
     std::vector<std::int32_t> cpu_experts = routing.experts;
     std::vector<float> cpu_weights = routing.weights;
     std::vector<parallel::SlotStatus> cpu_status(cpu_experts.size());
     if (ranks == 1) {
       parallel::SelfCommunicator self;
-      parallel::CapacityScheduler scheduler(config, self);
+      parallel::CapacityStage scheduler(config, self);
       scheduler.begin_step(T);
       parallel::LayerRouting r{T,           k,          E,  routing.probs, cpu_experts,
                                cpu_weights, cpu_status, {}, normalized,    1.0F};
@@ -318,7 +301,8 @@ TEST(CudaKernels, CapacitySchedulerDecisionsAreBitIdentical) {
     std::vector<std::int32_t> ref_experts = routing.experts;
     std::vector<float> ref_weights = routing.weights;
     std::vector<std::uint8_t> ref_status(ref_experts.size());
-    const moe::CapacityTotals ref_totals = moe::emulate_capacity(in, ref_experts, ref_weights, ref_status);
+    const moe::CapacityTotals ref_totals =
+        moe::schedule_capacity_on_host(in, ref_experts, ref_weights, ref_status);
     if (ranks == 1) {
       ASSERT_EQ(ref_experts, cpu_experts);
       for (std::size_t a = 0; a < cpu_status.size(); ++a)
@@ -352,7 +336,7 @@ TEST(CudaKernels, PermuteGatherAndCombineMatchTheHost) {
     p.top_k = k;
     p.num_groups = E;
     p.chunk = uniform(rng, 1, 512);
-    const moe::PermuteResult ref = moe::emulate_permute(p, experts, {}, {});
+    const moe::PermuteResult ref = moe::permute_on_host(p, experts, {}, {});
 
     const auto d_experts = upload(experts);
     DeviceBuffer<std::int64_t> workspace(

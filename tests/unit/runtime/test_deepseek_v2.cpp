@@ -9,7 +9,7 @@
 
 #include "kernels/cpu/cpu_backend.h"
 #include "parallel/capacity_config.h"
-#include "parallel/capacity_scheduler.h"
+#include "parallel/capacity_stage.h"
 #include "parallel/expert_placement.h"
 #include "parallel/self_communicator.h"
 #include "parallel/token_dispatcher.h"
@@ -129,7 +129,7 @@ TEST_P(DeepSeek, SharedExpertsSurviveCapacityDropForEveryToken) {
   parallel::CapacityConfig capacity;
   capacity.gamma = {0.25};
   capacity.policy = parallel::CapacityPolicy::drop;
-  parallel::CapacityScheduler scheduler(capacity, comm);
+  parallel::CapacityStage scheduler(capacity, comm);
   parallel::TokenDispatcher dispatcher(comm);
   scheduler.begin_step(rows);
   parallel::MoeLayerStats stats;

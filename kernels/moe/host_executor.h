@@ -1,19 +1,20 @@
 #pragma once
-// The MoE index kernels run on the host: the same thread bodies (moe_index_logic.h) and launch sequences
-// (moe_pipeline.h) as the CUDA kernels, each launch's threads one after another. Built by the plain C++
-// compiler, so tests without a GPU check the device's decisions against the CPU implementations.
+// The MoE index work on the host — routing, capacity scheduling, permute: the same thread bodies
+// (index_logic.h) and launch sequences (pipeline.h) the CUDA kernels run, each launch's threads one after
+// another. This is the CPU path's only implementation of them, so the CPU and the device make the same
+// decisions from the same inputs.
 #include <cstdint>
 #include <functional>
 #include <span>
 #include <vector>
 
-#include "kernels/cuda/moe_index_logic.h"
+#include "kernels/moe/index_logic.h"
 
 namespace capserve::kernels::moe {
 
 // Router: probs [T, E], experts and weights [T, k].
-void emulate_router(const RouterParams& p, std::span<const float> logits, std::span<float> probs,
-                    std::span<std::int32_t> experts, std::span<float> weights);
+void route_on_host(const RouterParams& p, std::span<const float> logits, std::span<float> probs,
+                   std::span<std::int32_t> experts, std::span<float> weights);
 
 struct CapacityInputs {
   CapacityParams params;
@@ -25,6 +26,8 @@ struct CapacityInputs {
   // Global scope: sums the values over the ranks (Communicator::allreduce_sum); empty in local scope. Then
   // params.total_tokens and token_offset are the step's token count and this rank's first token in it.
   std::function<void(std::span<std::int64_t>)> allreduce_sum;
+  // Grow-only scratch reused across calls (the hot path allocates nothing once warm); null: a fresh one.
+  std::vector<std::uint64_t>* workspace = nullptr;
 };
 
 struct CapacityTotals {
@@ -33,8 +36,8 @@ struct CapacityTotals {
 };
 
 // One layer's scheduling in place on experts/weights [T, k]; status [T, k] gets SlotState values.
-CapacityTotals emulate_capacity(const CapacityInputs& in, std::span<std::int32_t> experts,
-                                std::span<float> weights, std::span<std::uint8_t> status);
+CapacityTotals schedule_capacity_on_host(const CapacityInputs& in, std::span<std::int32_t> experts,
+                                         std::span<float> weights, std::span<std::uint8_t> status);
 
 struct PermuteResult {
   std::vector<std::int64_t> offsets;    // [groups + 1]
@@ -43,7 +46,7 @@ struct PermuteResult {
 };
 
 // owners/local_index empty: every expert is local and its own group.
-PermuteResult emulate_permute(const PermuteParams& p, std::span<const std::int32_t> experts,
+PermuteResult permute_on_host(const PermuteParams& p, std::span<const std::int32_t> experts,
                               std::span<const std::int32_t> owners,
                               std::span<const std::int32_t> local_index);
 

@@ -1,7 +1,7 @@
 #pragma once
 // The launch sequences of the MoE index kernels, written once over an executor: the CUDA executor
-// (moe_kernels.cu) launches each thread body as a kernel on a stream, the host executor
-// (moe_index_emulation.cpp) runs its threads in a loop. Either way the same bodies run in the same order.
+// (kernels/cuda/moe_kernels.cu) launches each thread body as a kernel on a stream, the host executor
+// (host_executor.cpp) runs its threads in a loop. Either way the same bodies run in the same order.
 //
 // An executor provides:
 //   for_each(n, body)               body(i) for i in [0, n), one launch
@@ -10,7 +10,7 @@
 //   reduce_sum(data, n)             global scope: data[0..n) summed over the ranks (local scope: nothing)
 #include <cstdint>
 
-#include "kernels/cuda/moe_index_logic.h"
+#include "kernels/moe/index_logic.h"
 
 namespace capserve::kernels::moe {
 

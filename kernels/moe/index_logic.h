@@ -1,10 +1,9 @@
 #pragma once
 // The per-element index logic of the MoE kernels (router top-k, capacity scheduler, permute), written once as
 // __host__ __device__ functions and "thread bodies": small functors whose operator()(i) is the work of thread
-// i of one launch. The CUDA kernels (moe_kernels.cu) run them on the device; the host emulation
-// (moe_index_emulation.cpp, built by the plain C++ compiler) runs the very same bodies in a loop, so unit
-// tests on machines without a GPU check the decisions the device makes against the CPU implementations
-// (parallel::CapacityScheduler, parallel::TokenDispatcher, runtime::route_softmax_topk).
+// i of one launch. The CUDA kernels (kernels/cuda/moe_kernels.cu) run them on the device; the host executor
+// (host_executor.cpp, built by the plain C++ compiler) runs the very same bodies in a loop, and is what the
+// CPU path routes and schedules capacity with: one implementation for every device.
 //
 // A body only writes what thread i owns, plus integer counters through add_count (an atomic on the device),
 // whose sums do not depend on the order the threads run in; so running the threads one after another on the
@@ -168,7 +167,7 @@ struct RouteToken {
 };
 
 // ---------------------------------------------------------------------------------------------------------
-// Capacity scheduler, local scope (parallel/README.md; the same decisions as parallel::CapacityScheduler).
+// Capacity scheduler, local scope (parallel/README.md; the same decisions as parallel::CapacityStage).
 
 enum class ScoreKind : std::uint8_t { gate, order, reverse_order, random };
 enum class RerouteKind : std::uint8_t { none, reroute, expanded };

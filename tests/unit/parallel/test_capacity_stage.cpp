@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "parallel/capacity_config.h"
-#include "parallel/capacity_scheduler.h"
+#include "parallel/capacity_stage.h"
 #include "parallel/expert_placement.h"
 #include "parallel/self_communicator.h"
 #include "tests/support/thread_communicator.h"
@@ -204,7 +204,7 @@ std::vector<Outcome> run_impl(const Case& c, Transport transport = Transport::au
     const auto r = static_cast<std::size_t>(comm.rank());
     const std::int64_t first = off[r];
     const std::int64_t n = c.split[r];
-    CapacityScheduler scheduler(c.config, comm);
+    CapacityStage scheduler(c.config, comm);
     scheduler.begin_step(n);
     for (std::size_t l = 0; l < L; ++l) {
       const auto a = static_cast<std::ptrdiff_t>(first * k);
@@ -729,7 +729,7 @@ std::vector<float> random_probs(std::mt19937_64& rng, std::int64_t T, std::int64
 // ---------------------------------------------------------------------------------------------------------
 // gamma = inf / policy none.
 
-TEST(CapacityScheduler, InfiniteGammaIsBitIdenticalAndSilent) {
+TEST(CapacityStage, InfiniteGammaIsBitIdenticalAndSilent) {
   std::mt19937_64 rng(1);
   for (const CapacityPolicy policy :
        {CapacityPolicy::drop, CapacityPolicy::reroute, CapacityPolicy::expanded, CapacityPolicy::none}) {
@@ -763,7 +763,7 @@ TEST(CapacityScheduler, InfiniteGammaIsBitIdenticalAndSilent) {
   }
 }
 
-TEST(CapacityScheduler, InfiniteLayerOfAPerLayerGammaIsUntouched) {
+TEST(CapacityStage, InfiniteLayerOfAPerLayerGammaIsUntouched) {
   CapacityConfig cfg = config(1.0);
   cfg.gamma = {0.5, kInf};
   const std::int64_t T = 12;
@@ -780,7 +780,7 @@ TEST(CapacityScheduler, InfiniteLayerOfAPerLayerGammaIsUntouched) {
 // ---------------------------------------------------------------------------------------------------------
 // Drop, expert granularity.
 
-TEST(CapacityScheduler, DropKeepsTheHighestGateWeights) {
+TEST(CapacityStage, DropKeepsTheHighestGateWeights) {
   // 8 tokens, E = 4, k = 1: C = ceil(1 * 8 / 4) = 2. Tokens 0..5 pick expert 0 with rising probability.
   const std::int64_t T = 8;
   const std::int64_t E = 4;
@@ -800,7 +800,7 @@ TEST(CapacityScheduler, DropKeepsTheHighestGateWeights) {
   expect_matches_reference(c);
 }
 
-TEST(CapacityScheduler, ExactTiesKeepExactlyCByTokenPosition) {
+TEST(CapacityStage, ExactTiesKeepExactlyCByTokenPosition) {
   // Every token has the same probabilities, so every assignment of an expert ties: the reference code of the
   // paper dropped all of them. C = ceil(gamma * T * k / E).
   for (const double gamma : {0.25, 0.5, 1.0, 1.5}) {
@@ -824,7 +824,7 @@ TEST(CapacityScheduler, ExactTiesKeepExactlyCByTokenPosition) {
   }
 }
 
-TEST(CapacityScheduler, GateTiesWithinOneDeviceGoToTheEarlierSlot) {
+TEST(CapacityStage, GateTiesWithinOneDeviceGoToTheEarlierSlot) {
   // Device granularity, one rank, k = 2 with equal weights: both slots of a token compete in the same bin;
   // C_dev = ceil(0.5 * 5 * 2) = 5 keeps tokens 0, 1 entirely and token 2's first slot.
   const std::int64_t T = 5;
@@ -841,7 +841,7 @@ TEST(CapacityScheduler, GateTiesWithinOneDeviceGoToTheEarlierSlot) {
   expect_matches_reference(c);
 }
 
-TEST(CapacityScheduler, OrderScoresKeepEarliestOrLatestTokens) {
+TEST(CapacityStage, OrderScoresKeepEarliestOrLatestTokens) {
   const std::int64_t T = 20;
   const std::int64_t E = 4;
   std::mt19937_64 rng(7);
@@ -867,7 +867,7 @@ TEST(CapacityScheduler, OrderScoresKeepEarliestOrLatestTokens) {
   }
 }
 
-TEST(CapacityScheduler, RandomScoreIsSeeded) {
+TEST(CapacityStage, RandomScoreIsSeeded) {
   const std::int64_t T = 200;
   const std::int64_t E = 4;
   const std::vector<float> probs = same_preferences(T, E);
@@ -900,7 +900,7 @@ TEST(CapacityScheduler, RandomScoreIsSeeded) {
 // ---------------------------------------------------------------------------------------------------------
 // Device granularity.
 
-TEST(CapacityScheduler, DeviceCapacityOnUnevenPlacements) {
+TEST(CapacityStage, DeviceCapacityOnUnevenPlacements) {
   // 10 experts on 4 ranks: contiguous hosts 3, 3, 2, 2; C_dev = ceil(gamma * T * k / E * n_local).
   std::mt19937_64 rng(3);
   for (const char* kind : {"contiguous", "round-robin"}) {
@@ -933,7 +933,7 @@ TEST(CapacityScheduler, DeviceCapacityOnUnevenPlacements) {
   }
 }
 
-TEST(CapacityScheduler, DeviceCapacityIsExactWhereFloatingPointRoundsUp) {
+TEST(CapacityStage, DeviceCapacityIsExactWhereFloatingPointRoundsUp) {
   // C_dev = ceil(gamma * N_bar * n_local) with N_bar = T * k / E. Computed as gamma * (T*k/E) * n_local in
   // floating point, 0.25 * (84 / 19) * 19 = 21.000000000000004 and the ceiling lets 22 through, one more than
   // the 21 = 0.25 * 84 that the design allows.
@@ -965,7 +965,7 @@ TEST(CapacityScheduler, DeviceCapacityIsExactWhereFloatingPointRoundsUp) {
 // ---------------------------------------------------------------------------------------------------------
 // Reroute.
 
-TEST(CapacityScheduler, RerouteRoundsFillFreeCapacityWithoutDisplacing) {
+TEST(CapacityStage, RerouteRoundsFillFreeCapacityWithoutDisplacing) {
   // 8 tokens all prefer 0 > 1 > 2 > 3, k = 1, C = 2 per expert. Drop keeps 2 on expert 0; each round moves 2
   // more tokens one expert further.
   const std::int64_t T = 8;
@@ -986,7 +986,7 @@ TEST(CapacityScheduler, RerouteRoundsFillFreeCapacityWithoutDisplacing) {
   }
 }
 
-TEST(CapacityScheduler, MoreRoundsNeverRerouteFewer) {
+TEST(CapacityStage, MoreRoundsNeverRerouteFewer) {
   std::mt19937_64 rng(17);
   for (int trial = 0; trial < 40; ++trial) {
     const std::int64_t T = 30;
@@ -1019,7 +1019,7 @@ TEST(CapacityScheduler, MoreRoundsNeverRerouteFewer) {
   }
 }
 
-TEST(CapacityScheduler, RerouteWeightFollowsTheModelsNormalization) {
+TEST(CapacityStage, RerouteWeightFollowsTheModelsNormalization) {
   // Tokens 0..3 all want experts 0 and 1 (k = 2) with the same probabilities there; E = 4, T = 4,
   // gamma = 0.5: C = 1 per expert. Token 0 keeps both (tie: earlier token). Round 1: token 1 bids for 2
   // (2/15) and 3 (1/15); tokens 2 and 3 for 2 and 3 (1.5/15 each). Expert 2 goes to token 1, expert 3 to
@@ -1054,7 +1054,7 @@ TEST(CapacityScheduler, RerouteWeightFollowsTheModelsNormalization) {
 // ---------------------------------------------------------------------------------------------------------
 // Expanded drop.
 
-TEST(CapacityScheduler, ExpandedReroutesOnlyToTheTokensOwnRank) {
+TEST(CapacityStage, ExpandedReroutesOnlyToTheTokensOwnRank) {
   // 8 experts on 2 ranks (0-3, 4-7). Every token prefers 0 > 1 > 2 > ... > 7: a free reroute would go to 1,
   // 2, 3; expanded must go to the token's own rank: rank 0's tokens to 2 or 3 (outside top-k {0, 1}), rank
   // 1's to 4, 5, ... by probability.
@@ -1091,7 +1091,7 @@ TEST(CapacityScheduler, ExpandedReroutesOnlyToTheTokensOwnRank) {
   }
 }
 
-TEST(CapacityScheduler, ExpandedLeavesATokenDroppedWhenItsLocalFallbacksAreFull) {
+TEST(CapacityStage, ExpandedLeavesATokenDroppedWhenItsLocalFallbacksAreFull) {
   // Rank 1 hosts experts 2, 3 (E = 4, 2 ranks); m = 1: a rank-1 token's only fallback is expert 2 (its
   // top-1 is 0). Expert 2 fills up; expert 1 and 3 have room, yet expanded must not use them.
   const std::int64_t T = 8;
@@ -1113,7 +1113,7 @@ TEST(CapacityScheduler, ExpandedLeavesATokenDroppedWhenItsLocalFallbacksAreFull)
 // ---------------------------------------------------------------------------------------------------------
 // Exempt rows, renormalization.
 
-TEST(CapacityScheduler, ExemptRowsAreNeverDroppedButUseCapacity) {
+TEST(CapacityStage, ExemptRowsAreNeverDroppedButUseCapacity) {
   const std::int64_t T = 8;
   const std::int64_t E = 4;
   // C = 2 on every expert; all tokens want expert 0.
@@ -1140,7 +1140,7 @@ TEST(CapacityScheduler, ExemptRowsAreNeverDroppedButUseCapacity) {
   }
 }
 
-TEST(CapacityScheduler, RenormalizeAfterDropRestoresEachTokensWeightSum) {
+TEST(CapacityStage, RenormalizeAfterDropRestoresEachTokensWeightSum) {
   std::mt19937_64 rng(23);
   for (const bool normalized : {false, true}) {
     for (const CapacityPolicy policy : {CapacityPolicy::drop, CapacityPolicy::reroute}) {
@@ -1177,7 +1177,7 @@ TEST(CapacityScheduler, RenormalizeAfterDropRestoresEachTokensWeightSum) {
 // ---------------------------------------------------------------------------------------------------------
 // Scope.
 
-TEST(CapacityScheduler, LocalScopeEnforcesEachRanksOwnCapacityWithoutCommunication) {
+TEST(CapacityStage, LocalScopeEnforcesEachRanksOwnCapacityWithoutCommunication) {
   std::mt19937_64 rng(29);
   for (const CapacityPolicy policy :
        {CapacityPolicy::drop, CapacityPolicy::reroute, CapacityPolicy::expanded}) {
@@ -1209,7 +1209,7 @@ TEST(CapacityScheduler, LocalScopeEnforcesEachRanksOwnCapacityWithoutCommunicati
   }
 }
 
-TEST(CapacityScheduler, LocalScopeUsesEachRanksTokenCount) {
+TEST(CapacityStage, LocalScopeUsesEachRanksTokenCount) {
   // Rank 0: 4 tokens, rank 1: 12 tokens, E = 4, k = 1, gamma = 1, all on expert 0: C_0 = 1, C_1 = 3.
   Case c = make_case(
       config(1.0, CapacityPolicy::drop, CapacityGranularity::expert, DropScore::gate, CapacityScope::local),
@@ -1222,7 +1222,7 @@ TEST(CapacityScheduler, LocalScopeUsesEachRanksTokenCount) {
 }
 
 // Global scope over every split of the same tokens: identical to one process.
-TEST(CapacityScheduler, GlobalScopeIsIndependentOfTheSplit) {
+TEST(CapacityStage, GlobalScopeIsIndependentOfTheSplit) {
   std::mt19937_64 rng(31);
   const std::int64_t T = 27;
   const std::int64_t E = 10;
@@ -1279,7 +1279,7 @@ TEST(CapacityScheduler, GlobalScopeIsIndependentOfTheSplit) {
   }
 }
 
-TEST(CapacityScheduler, ReusedAcrossStepsAndLayers) {
+TEST(CapacityStage, ReusedAcrossStepsAndLayers) {
   // One scheduler per rank for many steps with changing token counts (some zero): every step equals a fresh
   // scheduler, and the reference.
   std::mt19937_64 rng(37);
@@ -1307,7 +1307,7 @@ TEST(CapacityScheduler, ReusedAcrossStepsAndLayers) {
   std::vector<std::vector<Outcome>> reused(steps.size());
   std::mutex mutex;
   test::run_ranks(np, [&](Communicator& comm) {
-    CapacityScheduler scheduler(cfg, comm);
+    CapacityStage scheduler(cfg, comm);
     for (std::size_t i = 0; i < steps.size(); ++i) {
       const Case& c = steps[i];
       const auto r = static_cast<std::size_t>(comm.rank());
@@ -1365,9 +1365,9 @@ TEST(CapacityScheduler, ReusedAcrossStepsAndLayers) {
   }
 }
 
-TEST(CapacityScheduler, RejectsAMismatchedPlacementOrTokenCount) {
+TEST(CapacityStage, RejectsAMismatchedPlacementOrTokenCount) {
   SelfCommunicator comm;
-  CapacityScheduler scheduler(config(1.0), comm);
+  CapacityStage scheduler(config(1.0), comm);
   const ExpertPlacement two_ranks = ExpertPlacement::contiguous(1, 4, 2);
   std::vector<float> probs(8, 0.25F);
   std::vector<std::int32_t> experts = {0, 1};
@@ -1466,7 +1466,7 @@ Case random_case(std::uint64_t seed) {
   return c;
 }
 
-TEST(CapacityScheduler, RandomRoutingsProperty) {
+TEST(CapacityStage, RandomRoutingsProperty) {
   constexpr int kCases = 10000;
   const auto start = std::chrono::steady_clock::now();
   int threaded = 0;

@@ -1,10 +1,10 @@
-#include "kernels/cuda/moe_index_emulation.h"
+#include "kernels/moe/host_executor.h"
 
 #include <algorithm>
 #include <stdexcept>
 #include <string>
 
-#include "kernels/cuda/moe_pipeline.h"
+#include "kernels/moe/pipeline.h"
 
 namespace capserve::kernels::moe {
 namespace {
@@ -36,7 +36,7 @@ struct HostExec {
 };
 
 void check(bool ok, const std::string& what) {
-  if (!ok) throw std::invalid_argument("moe index emulation: " + what);
+  if (!ok) throw std::invalid_argument("moe index logic: " + what);
 }
 
 template <class T>
@@ -46,8 +46,8 @@ const T* or_null(std::span<const T> s) {
 
 }  // namespace
 
-void emulate_router(const RouterParams& p, std::span<const float> logits, std::span<float> probs,
-                    std::span<std::int32_t> experts, std::span<float> weights) {
+void route_on_host(const RouterParams& p, std::span<const float> logits, std::span<float> probs,
+                   std::span<std::int32_t> experts, std::span<float> weights) {
   const auto rows = static_cast<std::size_t>(p.tokens);
   check(logits.size() >= rows * static_cast<std::size_t>(p.num_experts) &&
             probs.size() >= rows * static_cast<std::size_t>(p.num_experts) &&
@@ -59,8 +59,8 @@ void emulate_router(const RouterParams& p, std::span<const float> logits, std::s
   run_router(x, RouteToken{p, logits.data(), probs.data(), experts.data(), weights.data()});
 }
 
-CapacityTotals emulate_capacity(const CapacityInputs& in, std::span<std::int32_t> experts,
-                                std::span<float> weights, std::span<std::uint8_t> status) {
+CapacityTotals schedule_capacity_on_host(const CapacityInputs& in, std::span<std::int32_t> experts,
+                                         std::span<float> weights, std::span<std::uint8_t> status) {
   const CapacityParams& p = in.params;
   const auto slots = static_cast<std::size_t>(p.tokens * p.top_k);
   check(experts.size() >= slots && weights.size() >= slots && status.size() >= slots,
@@ -70,7 +70,10 @@ CapacityTotals emulate_capacity(const CapacityInputs& in, std::span<std::int32_t
   check(static_cast<std::uint64_t>(p.total_tokens) * static_cast<std::uint64_t>(p.top_k) <= kLow32,
         "more than 2^32 assignments in one step");
   const CapacityWorkspace layout = capacity_workspace(p);
-  std::vector<std::uint64_t> workspace(static_cast<std::size_t>((layout.bytes + 7) / 8) + 2);
+  std::vector<std::uint64_t> own;
+  std::vector<std::uint64_t>& workspace = in.workspace != nullptr ? *in.workspace : own;
+  const auto words = static_cast<std::size_t>((layout.bytes + 7) / 8) + 2;
+  if (workspace.size() < words) workspace.resize(words);
   CapacityView v;
   v.p = p;
   v.probs = in.probs.data();
@@ -91,7 +94,7 @@ CapacityTotals emulate_capacity(const CapacityInputs& in, std::span<std::int32_t
   return {v.totals[0], v.totals[1]};
 }
 
-PermuteResult emulate_permute(const PermuteParams& p, std::span<const std::int32_t> experts,
+PermuteResult permute_on_host(const PermuteParams& p, std::span<const std::int32_t> experts,
                               std::span<const std::int32_t> owners,
                               std::span<const std::int32_t> local_index) {
   const auto slots = static_cast<std::size_t>(p.tokens * p.top_k);
