@@ -12,6 +12,7 @@
 // and a top-k choice between experts within rounding of each other, may differ (tests/gpu allows exactly
 // that). The capacity scheduler and permute use only integers and comparisons of their inputs: those are
 // bit-identical.
+#include <atomic>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -48,12 +49,15 @@ CAPSERVE_HD inline double ceil_f64(double x) {
 #endif
 }
 
-// Integer counters: atomic on the device, a plain add when the host runs the threads in turn.
+// Integer counters: atomic on the device and on the host. The host executor runs the threads in turn, so a
+// plain add would do there, but the CUDA emulation's race detector (tests/cuda_emu) runs these bodies under
+// TSan as unordered threads, where only an atomic is no race; and this inline function must be the same in
+// the host executor and the emulated kernels, which one program may link together.
 CAPSERVE_HD inline void add_count(std::int64_t* p, std::int64_t v) {
 #if defined(__CUDA_ARCH__)
   atomicAdd(reinterpret_cast<unsigned long long*>(p), static_cast<unsigned long long>(v));
 #else
-  *p += v;
+  std::atomic_ref<std::int64_t>(*p).fetch_add(v, std::memory_order_relaxed);
 #endif
 }
 

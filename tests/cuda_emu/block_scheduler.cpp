@@ -5,6 +5,11 @@
 // starts a new worker for the threads not yet started. The last thread to arrive at a barrier releases the
 // others and carries on without switching. So a kernel without barriers costs one fiber per block, and one
 // with barriers two switches per waiting thread and barrier.
+//
+// Under ThreadSanitizer (a program built with -fsanitize=thread) every CUDA thread also has its own TSan
+// fiber; switches between them carry no ordering, and only what CUDA orders is published: the launch (and
+// each block) before its threads, the threads before the launch's end, __syncthreads, warp collectives. So
+// an access to memory another thread of the block wrote without a barrier between is a TSan report.
 #include <sys/mman.h>
 #include <boost/context/fiber.hpp>
 #include <boost/context/stack_context.hpp>
@@ -12,6 +17,7 @@
 #include <algorithm>
 #include <bit>
 #include <exception>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <stdexcept>
@@ -29,6 +35,68 @@ namespace {
 
 namespace bc = boost::context;
 
+// The TSan fiber interface (<sanitizer/tsan_interface.h>), declared weak: present only when the program is
+// built with -fsanitize=thread, so this one library serves both builds.
+extern "C" {
+__attribute__((weak)) void* __tsan_get_current_fiber();
+__attribute__((weak)) void* __tsan_create_fiber(unsigned flags);
+__attribute__((weak)) void __tsan_destroy_fiber(void* fiber);
+__attribute__((weak)) void __tsan_switch_to_fiber(void* fiber, unsigned flags);
+__attribute__((weak)) void __tsan_acquire(void* address);
+__attribute__((weak)) void __tsan_release(void* address);
+__attribute__((weak)) void AnnotateIgnoreReadsBegin(const char* file, int line);
+__attribute__((weak)) void AnnotateIgnoreReadsEnd(const char* file, int line);
+__attribute__((weak)) void AnnotateIgnoreWritesBegin(const char* file, int line);
+__attribute__((weak)) void AnnotateIgnoreWritesEnd(const char* file, int line);
+}
+
+namespace race {
+
+constexpr unsigned kNoSync = 1;  // __tsan_switch_to_fiber_no_sync
+
+bool enabled() {
+  return __tsan_create_fiber != nullptr;
+}
+void switch_to(void* fiber) {
+  if (fiber != nullptr) __tsan_switch_to_fiber(fiber, kNoSync);
+}
+// What the running thread did happens before what any later acquire of `sync` does.
+void release(void* sync) {
+  if (enabled()) __tsan_release(sync);
+}
+void acquire(void* sync) {
+  if (enabled()) __tsan_acquire(sync);
+}
+
+// The scheduler's own bookkeeping, shared by the threads of a block, is no race (TSan sees its memcpy calls).
+struct IgnoreAccesses {
+  IgnoreAccesses() {
+    if (enabled()) {
+      AnnotateIgnoreReadsBegin(__FILE__, __LINE__);
+      AnnotateIgnoreWritesBegin(__FILE__, __LINE__);
+    }
+  }
+  ~IgnoreAccesses() {
+    if (enabled()) {
+      AnnotateIgnoreReadsEnd(__FILE__, __LINE__);
+      AnnotateIgnoreWritesEnd(__FILE__, __LINE__);
+    }
+  }
+  IgnoreAccesses(const IgnoreAccesses&) = delete;
+  IgnoreAccesses& operator=(const IgnoreAccesses&) = delete;
+};
+
+struct FiberDeleter {
+  void operator()(void* fiber) const noexcept { __tsan_destroy_fiber(fiber); }
+};
+// A CUDA thread's TSan fiber; null without TSan.
+using Fiber = std::unique_ptr<void, FiberDeleter>;
+Fiber make_fiber() {
+  return Fiber(enabled() ? __tsan_create_fiber(0) : nullptr);
+}
+
+}  // namespace race
+
 constexpr int kWarp = 32;
 constexpr std::size_t kStackBytes = 64 * 1024;
 constexpr std::size_t kGuardBytes = 4096;
@@ -40,8 +108,7 @@ class StackPool {
   StackPool(const StackPool&) = delete;
   StackPool& operator=(const StackPool&) = delete;
   ~StackPool() {
-    for (const bc::stack_context& s : free_)
-      munmap(static_cast<char*>(s.sp) - s.size - kGuardBytes, s.size + kGuardBytes);
+    for (const bc::stack_context& s : free_) unmap(s);
   }
 
   bc::stack_context take() {
@@ -59,9 +126,21 @@ class StackPool {
     s.sp = static_cast<char*>(base) + kGuardBytes + kStackBytes;
     return s;
   }
-  void give(const bc::stack_context& s) noexcept { free_.push_back(s); }
+  void give(const bc::stack_context& s) noexcept {
+    // Under TSan a stack is mapped afresh for every CUDA thread: one thread's stack accesses must not look
+    // like another's, unordered, at the same addresses (munmap clears TSan's record of them).
+    if (race::enabled()) {
+      unmap(s);
+      return;
+    }
+    free_.push_back(s);
+  }
 
  private:
+  static void unmap(const bc::stack_context& s) noexcept {
+    munmap(static_cast<char*>(s.sp) - s.size - kGuardBytes, s.size + kGuardBytes);
+  }
+
   std::vector<bc::stack_context> free_;
 };
 
@@ -90,6 +169,7 @@ struct EmuThread {
   std::uint64_t result = 0;
   BlockSync sync = BlockSync::plain;
   int predicate = 0;
+  void* race_fiber = nullptr;  // its TSan fiber, owned by the Block
 };
 
 const char* collective_name(Collective c) {
@@ -144,6 +224,16 @@ struct Block {
   EmuThread* self = nullptr;       // the thread running now
   std::exception_ptr error;
   std::vector<unsigned char> dynamic_shared;
+  // TSan: one fiber per thread slot, kept across launches (TSan's thread ids are finite); the host's; the
+  // objects the ordering CUDA guarantees is published through. A barrier alternates between two objects, so
+  // a thread still leaving one barrier never acquires what another did after it.
+  std::vector<race::Fiber> race_fibers;
+  void* host_race_fiber = nullptr;
+  char block_start = 0;
+  char block_end = 0;
+  char barrier_sync[2] = {};
+  unsigned barrier_generation = 0;
+  std::vector<char> warp_sync;
 };
 
 struct ScheduleState {
@@ -176,6 +266,7 @@ void set_current(Block& b, EmuThread& t) {
 // Switches back to the scheduler until this thread is released.
 void suspend(Block& b, EmuThread& t) {
   b.suspended = &t;
+  race::switch_to(b.host_race_fiber);
   *t.scheduler = std::move(*t.scheduler).resume();
   set_current(b, t);
 }
@@ -217,6 +308,7 @@ int release_barrier(Block& b, EmuThread& me) {
     make_ready(b, t);
   }
   b.at_barrier = 0;
+  ++b.barrier_generation;
   return result;
 }
 
@@ -313,17 +405,25 @@ void finish_thread(Block& b, EmuThread& me) {
 }
 
 bc::fiber worker(Block& b, bc::fiber&& scheduler) {
-  while (b.next_start < b.start_order.size() && !b.error) {
+  // Under TSan one thread per worker, each on its own stack (StackPool::give).
+  const std::size_t last = race::enabled() ? b.next_start + 1 : b.start_order.size();
+  while (b.next_start < last && !b.error) {
     EmuThread& t = b.threads[static_cast<std::size_t>(b.start_order[b.next_start++])];
     t.scheduler = &scheduler;
     t.state = State::running;
     set_current(b, t);
+    race::switch_to(t.race_fiber);
+    race::acquire(&b.block_start);
     try {
       b.run(b.params);
+      race::release(&b.block_end);
+      race::switch_to(b.host_race_fiber);
       finish_thread(b, t);
     } catch (const bc::detail::forced_unwind&) {
+      race::switch_to(b.host_race_fiber);
       throw;
     } catch (...) {
+      race::switch_to(b.host_race_fiber);
       if (!b.error) b.error = std::current_exception();
     }
   }
@@ -369,6 +469,13 @@ void prepare_threads(Block& b) {
   b.start_order.resize(static_cast<std::size_t>(n));
   std::iota(b.start_order.begin(), b.start_order.end(), 0);
   b.warp_waiting.assign(static_cast<std::size_t>((n + kWarp - 1) / kWarp), 0);
+  if (race::enabled()) {
+    while (b.race_fibers.size() < static_cast<std::size_t>(n)) b.race_fibers.push_back(race::make_fiber());
+    for (int i = 0; i < n; ++i)
+      b.threads[static_cast<std::size_t>(i)].race_fiber = b.race_fibers[static_cast<std::size_t>(i)].get();
+    b.host_race_fiber = __tsan_get_current_fiber();
+    b.warp_sync.resize(b.warp_waiting.size());
+  }
 }
 
 void run_block(Block& b) {
@@ -381,7 +488,9 @@ void run_block(Block& b) {
   b.ready.clear();
   b.live = n;
   b.at_barrier = 0;
+  b.barrier_generation = 0;
   b.error = nullptr;
+  race::release(&b.block_start);
   // Uninitialised, as on a device: poisoned so that a read before any write shows.
   std::fill(b.dynamic_shared.begin(), b.dynamic_shared.end(), static_cast<unsigned char>(0xFF));
 
@@ -401,6 +510,7 @@ void run_block(Block& b) {
         if (t.state != State::ready || b.error) continue;
         t.state = State::running;
         set_current(b, t);
+        race::switch_to(t.race_fiber);
         resume(b, std::move(t.parked));
       }
       batch.clear();
@@ -410,14 +520,20 @@ void run_block(Block& b) {
     b.error = std::make_exception_ptr(KernelFault(deadlock_report(b)));
   }
   current_thread = nullptr;
-  // Parked fibers of a failed block unwind here.
-  for (EmuThread& t : b.threads) t.parked = {};
+  // Parked fibers of a failed block unwind here, each in its own TSan fiber.
+  for (EmuThread& t : b.threads) {
+    if (!t.parked) continue;
+    race::switch_to(t.race_fiber);
+    t.parked = {};
+  }
+  race::acquire(&b.block_end);
   if (b.error) std::rethrow_exception(b.error);
 }
 
 }  // namespace
 
 std::uint64_t warp_collective(Collective kind, unsigned mask, std::uint64_t value, int arg, int width) {
+  const race::IgnoreAccesses ignore;
   Block& b = *running_block;
   EmuThread& me = *b.self;
   const int warp = me.linear / kWarp;
@@ -456,25 +572,38 @@ std::uint64_t warp_collective(Collective kind, unsigned mask, std::uint64_t valu
       throw KernelFault(where() + ": lane " + std::to_string(l) + " waits in " + collective_name(t->op) +
                         "(mask " + hex(t->mask) + ") instead");
   }
+  // One object per warp: a lane may acquire more than its collective published (a missed report), never less.
+  void* sync = race::enabled() ? &b.warp_sync[static_cast<std::size_t>(warp)] : nullptr;
+  race::release(sync);
   if (complete) {
     complete_collective(b, warp, me);
+    race::acquire(sync);
     return me.result;
   }
   me.state = State::at_warp;
   ++waiting;
   suspend(b, me);
+  race::acquire(sync);
   return me.result;
 }
 
 int block_barrier(BlockSync kind, int predicate) {
+  const race::IgnoreAccesses ignore;
   Block& b = *running_block;
   EmuThread& me = *b.self;
   me.sync = kind;
   me.predicate = predicate;
-  if (b.at_barrier + 1 == b.live) return release_barrier(b, me);
+  char* sync = &b.barrier_sync[b.barrier_generation % 2];
+  race::release(sync);
+  if (b.at_barrier + 1 == b.live) {
+    const int result = release_barrier(b, me);
+    race::acquire(sync);
+    return result;
+  }
   ++b.at_barrier;
   me.state = State::at_barrier;
   suspend(b, me);
+  race::acquire(sync);
   return static_cast<int>(me.result);
 }
 

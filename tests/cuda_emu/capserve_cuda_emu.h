@@ -14,8 +14,8 @@
 // race through shared memory shows up as a wrong result.
 //
 // `__shared__` variables are function statics (one per host thread; every block of a launch reuses them, so a
-// block sees what the previous block left, not garbage). Atomics are plain read-modify-writes: threads never
-// run at the same time, and their order is the schedule's.
+// block sees what the previous block left, not garbage). Atomics are std::atomic_ref operations; their order
+// is the schedule's.
 //
 // Accuracy model: the standard single-precision functions (expf, logf, sinf, ...) are the host libm's, which
 // glibc rounds correctly or within 1 ulp; the device's are within 1-2 ulp (CUDA Programming Guide,
@@ -25,6 +25,7 @@
 // y) = x * (1 / y); each then evaluated correctly rounded, where the device's approximations add up to 2 ulp.
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <bit>
 #include <cmath>
 #include <cstddef>
@@ -208,54 +209,49 @@ inline int __any_sync(unsigned mask, int predicate) {
   return static_cast<int>(d::warp_collective(d::Collective::any, mask, predicate != 0 ? 1 : 0, 0, 32));
 }
 
-// Atomics: threads never overlap, so a read-modify-write is atomic; the old value is returned.
+// Atomics: std::atomic_ref with relaxed order, as CUDA's atomics are relaxed. Threads never overlap, so a
+// plain read-modify-write would do; but under ThreadSanitizer (README.md, "The GPU path") only real atomic
+// operations are known not to race with each other. The old value is returned.
 template <class T>
 T atomicAdd(T* address, T value) {
-  const T old = *address;
-  *address = static_cast<T>(old + value);
-  return old;
+  return std::atomic_ref<T>(*address).fetch_add(value, std::memory_order_relaxed);
 }
 template <class T>
 T atomicSub(T* address, T value) {
-  const T old = *address;
-  *address = static_cast<T>(old - value);
-  return old;
+  return std::atomic_ref<T>(*address).fetch_sub(value, std::memory_order_relaxed);
+}
+template <class T>
+T atomicCAS(T* address, T compare, T value) {
+  std::atomic_ref<T>(*address).compare_exchange_strong(compare, value, std::memory_order_relaxed);
+  return compare;  // the value found
 }
 template <class T>
 T atomicMax(T* address, T value) {
-  const T old = *address;
-  *address = old < value ? value : old;
+  std::atomic_ref<T> a(*address);
+  T old = a.load(std::memory_order_relaxed);
+  while (old < value && !a.compare_exchange_weak(old, value, std::memory_order_relaxed)) {
+  }
   return old;
 }
 template <class T>
 T atomicMin(T* address, T value) {
-  const T old = *address;
-  *address = value < old ? value : old;
+  std::atomic_ref<T> a(*address);
+  T old = a.load(std::memory_order_relaxed);
+  while (value < old && !a.compare_exchange_weak(old, value, std::memory_order_relaxed)) {
+  }
   return old;
 }
 template <class T>
 T atomicExch(T* address, T value) {
-  const T old = *address;
-  *address = value;
-  return old;
-}
-template <class T>
-T atomicCAS(T* address, T compare, T value) {
-  const T old = *address;
-  if (old == compare) *address = value;
-  return old;
+  return std::atomic_ref<T>(*address).exchange(value, std::memory_order_relaxed);
 }
 template <class T>
 T atomicOr(T* address, T value) {
-  const T old = *address;
-  *address = old | value;
-  return old;
+  return std::atomic_ref<T>(*address).fetch_or(value, std::memory_order_relaxed);
 }
 template <class T>
 T atomicAnd(T* address, T value) {
-  const T old = *address;
-  *address = old & value;
-  return old;
+  return std::atomic_ref<T>(*address).fetch_and(value, std::memory_order_relaxed);
 }
 
 template <class T>
