@@ -15,7 +15,7 @@ std::int64_t Engine::length(SequenceId seq) const {
 }
 
 void Engine::release(SequenceId seq) {
-  cache_.release(seq);
+  cache_.blocks().release(seq);
   lengths_.erase(seq);
 }
 
@@ -40,12 +40,12 @@ Status Engine::validate(std::span<const Work> work) {
                                       std::to_string(c.max_position_embeddings) + ")");
     }
     const std::int64_t have =
-        lengths_.contains(w.seq) ? static_cast<std::int64_t>(cache_.block_table(w.seq).size()) : 0;
-    blocks_needed += std::max<std::int64_t>(0, cache_.blocks_for(total) - have);
+        lengths_.contains(w.seq) ? static_cast<std::int64_t>(cache_.blocks().block_table(w.seq).size()) : 0;
+    blocks_needed += std::max<std::int64_t>(0, cache_.blocks().blocks_for(total) - have);
   }
-  if (blocks_needed > cache_.free_blocks()) {
+  if (blocks_needed > cache_.blocks().free_blocks()) {
     return Status::resource_exhausted("KV cache: step needs " + std::to_string(blocks_needed) + " blocks, " +
-                                      std::to_string(cache_.free_blocks()) + " free");
+                                      std::to_string(cache_.blocks().free_blocks()) + " free");
   }
   return {};
 }
@@ -69,12 +69,12 @@ Status Engine::step(std::span<const Work> work) {
     const auto n = static_cast<std::int64_t>(w.tokens.size());
     // A single token appended to a sequence already in the cache is a decode step.
     decode_rows_.insert(decode_rows_.end(), static_cast<std::size_t>(n), start > 0 && n == 1 ? 1 : 0);
-    cache_.reserve(w.seq, start + n);  // validated above: always fits
+    cache_.blocks().reserve(w.seq, start + n);  // validated above: always fits
     lengths_[w.seq] = start + n;
     const auto first_row = static_cast<std::int64_t>(tokens_.size());
     tokens_.insert(tokens_.end(), w.tokens.begin(), w.tokens.end());
     for (std::int64_t i = 0; i < n; ++i) positions_.push_back(static_cast<std::int32_t>(start + i));
-    slices_.push_back({first_row, n, start, cache_.block_table(w.seq)});
+    slices_.push_back({first_row, n, start, cache_.blocks().block_table(w.seq)});
     if (w.all_logits) {
       for (std::int64_t i = 0; i < n; ++i) logit_rows_.push_back(first_row + i);
     } else {

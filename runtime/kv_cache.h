@@ -10,11 +10,10 @@
 #include <vector>
 
 #include "kernels/backend.h"
+#include "runtime/kv_block_manager.h"
 #include "runtime/model_config.h"
 
 namespace capserve::runtime {
-
-using SequenceId = std::uint64_t;
 
 struct KvCacheShape {
   std::int64_t num_layers = 0;
@@ -40,18 +39,12 @@ class KvCache {
   // The pools are allocated by `backend`, on its device (uninitialised: attention reads only written slots).
   KvCache(const KvCacheShape& shape, kernels::Backend& backend);
 
-  // Blocks needed for a sequence to hold `tokens` tokens in total.
-  [[nodiscard]] std::int64_t blocks_for(std::int64_t tokens) const;
-  [[nodiscard]] std::int64_t free_blocks() const { return static_cast<std::int64_t>(free_.size()); }
+  // Which blocks each sequence holds (the host side; the pools below are the backend's).
+  [[nodiscard]] KvBlockManager& blocks() { return blocks_; }
+  [[nodiscard]] const KvBlockManager& blocks() const { return blocks_; }
   [[nodiscard]] const KvCacheShape& shape() const { return shape_; }
   // Bytes allocated for all layers' pools.
   [[nodiscard]] std::int64_t bytes() const;
-
-  // Grows the sequence's block table to hold `tokens` tokens; false (and no change) when the pool is too
-  // small.
-  bool reserve(SequenceId seq, std::int64_t tokens);
-  void release(SequenceId seq);
-  [[nodiscard]] std::span<const std::int32_t> block_table(SequenceId seq) const;
 
   // The layer's pools: layer() for standard attention, latent_layer() for multi-head latent attention.
   [[nodiscard]] kernels::PagedKvLayer layer(std::int64_t layer);
@@ -61,8 +54,7 @@ class KvCache {
   KvCacheShape shape_;
   kernels::Buffer k_;  // K, or the latent rows
   kernels::Buffer v_;  // V; empty for a latent cache
-  std::vector<std::int32_t> free_;
-  std::unordered_map<SequenceId, std::vector<std::int32_t>> tables_;
+  KvBlockManager blocks_;
 };
 
 }  // namespace capserve::runtime

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 
+#include "runtime/kv_block_manager.h"
 #include "runtime/tokenizer/utf8.h"
 
 namespace capserve::server {
@@ -41,7 +42,7 @@ Scheduler::Scheduler(SchedulerConfig config, int ranks, const runtime::Tokenizer
 std::int64_t Scheduler::kv_blocks_needed(const Request& request) const {
   const auto prompt = static_cast<std::int64_t>(request.prompt().size());
   const std::int64_t total = std::min(config_.max_context, prompt + request.params().max_new_tokens);
-  return (total + config_.kv_block_size - 1) / config_.kv_block_size;
+  return runtime::KvBlockManager::blocks_for(total, config_.kv_block_size);
 }
 
 std::string Scheduler::why_never_fits(const Request& request) const {

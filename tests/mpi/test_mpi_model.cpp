@@ -946,7 +946,7 @@ TEST_P(MpiModel, StepRefusedOnOneRankOnly) {
       const runtime::Status st = engine.step(std::span(&w, 1));
       if (rank == bad) {
         EXPECT_EQ(st.code(), runtime::StatusCode::resource_exhausted) << where << ": " << st.message();
-        EXPECT_EQ(engine.cache().free_blocks(), 2) << where;
+        EXPECT_EQ(engine.cache().blocks().free_blocks(), 2) << where;
       } else {
         EXPECT_TRUE(st.ok()) << where << ": " << st.message();
       }
