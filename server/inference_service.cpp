@@ -61,24 +61,39 @@ Clock::time_point steady_deadline(const grpc::ServerContext& context) {
   return Clock::now() + std::chrono::duration_cast<Clock::duration>(left);
 }
 
+// What a terminal state means to the API and to the metrics: one table, so the status a client gets and the
+// outcome the metrics count never disagree.
+struct TerminalMeaning {
+  grpc::StatusCode code;
+  Outcome outcome;
+};
+
+TerminalMeaning meaning_of(Terminal t) {
+  switch (t) {
+    case Terminal::ok_stop:
+      return {grpc::StatusCode::OK, Outcome::stop};
+    case Terminal::ok_length:
+      return {grpc::StatusCode::OK, Outcome::length};
+    case Terminal::cancelled:
+      return {grpc::StatusCode::CANCELLED, Outcome::cancelled};
+    case Terminal::deadline_exceeded:
+      return {grpc::StatusCode::DEADLINE_EXCEEDED, Outcome::error};
+    case Terminal::unavailable:
+      return {grpc::StatusCode::UNAVAILABLE, Outcome::error};
+    case Terminal::invalid_argument:
+      return {grpc::StatusCode::INVALID_ARGUMENT, Outcome::error};
+    case Terminal::internal:
+      break;
+  }
+  return {grpc::StatusCode::INTERNAL, Outcome::error};
+}
+
 // The gRPC status of a terminal event (OK for a normal completion).
 grpc::Status status_of(const RequestEvent& e) {
-  switch (*e.terminal) {
-    case Terminal::ok_stop:
-    case Terminal::ok_length:
-      return grpc::Status::OK;
-    case Terminal::cancelled:
-      return {grpc::StatusCode::CANCELLED, e.message.empty() ? "cancelled" : e.message};
-    case Terminal::deadline_exceeded:
-      return {grpc::StatusCode::DEADLINE_EXCEEDED, e.message};
-    case Terminal::unavailable:
-      return {grpc::StatusCode::UNAVAILABLE, e.message};
-    case Terminal::invalid_argument:
-      return {grpc::StatusCode::INVALID_ARGUMENT, e.message};
-    case Terminal::internal:
-      return {grpc::StatusCode::INTERNAL, e.message};
-  }
-  return {grpc::StatusCode::INTERNAL, "unknown terminal state"};
+  const grpc::StatusCode code = meaning_of(*e.terminal).code;
+  if (code == grpc::StatusCode::OK) return grpc::Status::OK;
+  if (code == grpc::StatusCode::CANCELLED && e.message.empty()) return {code, "cancelled"};
+  return {code, e.message};
 }
 
 v1::FinishReason finish_reason(Terminal t) {
@@ -161,21 +176,9 @@ grpc::Status InferenceService::refuse(grpc::StatusCode code, const std::string& 
 grpc::Status InferenceService::conclude(const RequestEvent& terminal) {
   const grpc::Status status = status_of(terminal);
   if (metrics_ != nullptr) {
-    switch (*terminal.terminal) {
-      case Terminal::ok_stop:
-        metrics_->count_outcome(Outcome::stop);
-        break;
-      case Terminal::ok_length:
-        metrics_->count_outcome(Outcome::length);
-        break;
-      case Terminal::cancelled:
-        metrics_->count_outcome(Outcome::cancelled);
-        break;
-      default:
-        metrics_->count_outcome(Outcome::error);
-        metrics_->count_error(code_name(status.error_code()));
-        break;
-    }
+    const Outcome outcome = meaning_of(*terminal.terminal).outcome;
+    metrics_->count_outcome(outcome);
+    if (outcome == Outcome::error) metrics_->count_error(code_name(status.error_code()));
   }
   return status;
 }

@@ -28,6 +28,9 @@ during the run, and takes the best only over undisturbed runs (other load
 
 Run (main venv; llama.cpp side built once by `bash tools/bench/setup_llama_cpp.sh`):
     tools/.venv/bin/python tools/bench/bench_cpu_runtime.py
+A change against the previous commit (built side by side, e.g. in a git worktree), in one run:
+    tools/.venv/bin/python tools/bench/bench_cpu_runtime.py --no-hf --llama-python /nonexistent \
+        --baseline-bin ../prev/build/tools/capserve-bench-runtime --out-stem bench_cpu_runtime_change
 """
 
 import argparse
@@ -116,6 +119,14 @@ def contenders(args):
                       args.decode_steps))
     else:
         log(f"SKIP capserve: {args.capserve_bin} not found (build the C++ tree first)")
+    if args.baseline_bin:
+        # Another build of CapServe (e.g. the previous commit), side by side: the ratio capserve/capserve-baseline
+        # is the change's effect.
+        if args.baseline_bin.is_file():
+            found.append(("capserve-baseline", [str(args.baseline_bin), "--model", str(args.model_dir)] + shape,
+                          args.decode_steps))
+        else:
+            log(f"SKIP capserve-baseline: {args.baseline_bin} not found")
     if not args.llama_python.is_file():
         log(f"SKIP llama.cpp: {args.llama_python} not found (run tools/bench/setup_llama_cpp.sh)")
     else:
@@ -202,6 +213,9 @@ def render(results, ratios, meta):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--capserve-bin", type=Path, default=ROOT / "build" / "tools" / "capserve-bench-runtime")
+    ap.add_argument("--baseline-bin", type=Path,
+                    help="capserve-bench-runtime of another build (e.g. the previous commit) to run side by side")
+    ap.add_argument("--out-stem", default="bench_cpu_runtime", help="file name of the .json and .md results")
     ap.add_argument("--model-dir", type=Path, default=CACHE / "bench_model")
     ap.add_argument("--gguf-dir", type=Path, default=CACHE / "bench_gguf")
     ap.add_argument("--llama-python", type=Path, default=ROOT / "tools" / ".venv-llama" / "bin" / "python")
@@ -256,11 +270,11 @@ def main():
     md = render(results, ratios, meta)
     print(md)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "bench_cpu_runtime.json").write_text(json.dumps(
+    (args.out_dir / f"{args.out_stem}.json").write_text(json.dumps(
         {"meta": meta, "results": results, "ratios": ratios,
          "runs": [r for rs in runs.values() for r in rs]}, indent=2) + "\n")
-    (args.out_dir / "bench_cpu_runtime.md").write_text(md)
-    log(f"wrote {args.out_dir / 'bench_cpu_runtime.json'} and .md")
+    (args.out_dir / f"{args.out_stem}.md").write_text(md)
+    log(f"wrote {args.out_dir / (args.out_stem + '.json')} and .md")
 
 
 if __name__ == "__main__":
