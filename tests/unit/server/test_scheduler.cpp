@@ -124,5 +124,82 @@ TEST_F(SchedulerTest, RequestsThatCanNeverFitAreRefusedAtSubmission) {
   EXPECT_EQ(scheduler.plan(Clock::now()).starts.size(), 1U);
 }
 
+TEST_F(SchedulerTest, AFullQueueAndADrainingServerRefuse) {
+  SchedulerConfig config;
+  config.max_queue = 2;
+  Scheduler scheduler(config, 1, &tokenizer_, nullptr, nullptr);
+  EXPECT_EQ(scheduler.submit(chat_request({})), Scheduler::Refusal::none);
+  EXPECT_EQ(scheduler.submit(chat_request({})), Scheduler::Refusal::none);
+  EXPECT_EQ(scheduler.submit(chat_request({})), Scheduler::Refusal::queue_full);
+  EXPECT_FALSE(scheduler.draining());
+  scheduler.drain();
+  EXPECT_TRUE(scheduler.draining());
+  EXPECT_EQ(scheduler.submit(chat_request({})), Scheduler::Refusal::draining);
+}
+
+// A cancelled waiting request leaves the queue with one CANCELLED event; a cancelled running one is freed on
+// the ranks in the same plan.
+TEST_F(SchedulerTest, CancelledRequestsEndOnceAndAreFreed) {
+  Scheduler scheduler({}, 1, &tokenizer_, nullptr, nullptr);
+  const auto waiting = chat_request({});
+  ASSERT_EQ(scheduler.submit(waiting), Scheduler::Refusal::none);
+  waiting->cancel();
+  EXPECT_TRUE(scheduler.plan(Clock::now()).starts.empty());
+  std::vector<RequestEvent> events = drain_events(*waiting);
+  ASSERT_EQ(events.size(), 1U);
+  EXPECT_EQ(events[0].terminal, Terminal::cancelled);
+  EXPECT_EQ(events[0].prompt_tokens, 3U);
+
+  const auto running = chat_request({});
+  ASSERT_EQ(scheduler.submit(running), Scheduler::Refusal::none);
+  const StepPlan first = scheduler.plan(Clock::now());
+  ASSERT_EQ(first.starts.size(), 1U);
+  running->cancel();
+  const StepPlan second = scheduler.plan(Clock::now());
+  EXPECT_EQ(second.frees, std::vector<std::uint64_t>{first.starts[0].id});
+  EXPECT_TRUE(second.decodes.empty());
+  events = drain_events(*running);
+  ASSERT_EQ(events.size(), 1U);
+  EXPECT_EQ(events[0].terminal, Terminal::cancelled);
+}
+
+// KV blocks are reserved for prompt + max tokens: a request that does not fit waits, and is admitted in the
+// plan that frees the blocks it needs.
+TEST_F(SchedulerTest, ARequestWaitsForKvBlocksAndJoinsWhenTheyAreFreed) {
+  SchedulerConfig config;
+  config.kv_blocks_per_rank = 4;
+  Scheduler scheduler(config, 1, &tokenizer_, nullptr, nullptr);
+  std::vector<std::shared_ptr<Request>> requests;
+  for (int i = 0; i < 3; ++i) {
+    requests.push_back(chat_request({}, 29));  // 3 + 29 tokens: 2 blocks of 16
+    ASSERT_EQ(scheduler.submit(requests.back()), Scheduler::Refusal::none);
+  }
+  const StepPlan first = scheduler.plan(Clock::now());
+  ASSERT_EQ(first.starts.size(), 2U);
+  EXPECT_TRUE(scheduler.plan(Clock::now()).starts.empty());
+  requests[0]->cancel();
+  const StepPlan third = scheduler.plan(Clock::now());
+  EXPECT_EQ(third.frees.size(), 1U);
+  EXPECT_EQ(third.starts.size(), 1U);
+}
+
+// A rank that refuses the whole step ends each of its sequences with INTERNAL and the rank's reason.
+TEST_F(SchedulerTest, ARefusedStepFailsTheRanksSequencesWithItsReason) {
+  Scheduler scheduler({}, 1, &tokenizer_, nullptr, nullptr);
+  const auto request = chat_request({});
+  ASSERT_EQ(scheduler.submit(request), Scheduler::Refusal::none);
+  const StepPlan plan = scheduler.plan(Clock::now());
+  ASSERT_EQ(plan.starts.size(), 1U);
+  StepResult result;
+  result.ok = false;
+  result.error = "boom";
+  scheduler.complete(std::span<const StepResult>(&result, 1), {}, Clock::now());
+  const std::vector<RequestEvent> events = drain_events(*request);
+  ASSERT_EQ(events.size(), 1U);
+  EXPECT_EQ(events[0].terminal, Terminal::internal);
+  EXPECT_EQ(events[0].message, "rank 0 refused the step: boom");
+  EXPECT_EQ(scheduler.plan(Clock::now()).frees, std::vector<std::uint64_t>{plan.starts[0].id});
+}
+
 }  // namespace
 }  // namespace capserve::server

@@ -1,0 +1,78 @@
+// The step messages between rank 0 and the ranks: a plan and a result survive the round trip field by field,
+// and a malformed byte string is refused instead of read past its end.
+#include "server/step_plan.h"
+
+#include <gtest/gtest.h>
+
+#include <stdexcept>
+
+namespace capserve::server {
+namespace {
+
+TEST(StepPlanTest, PlanRoundTripKeepsEveryField) {
+  StepPlan plan;
+  plan.frees = {7, 9};
+  plan.starts.push_back({11, 1, {5, 6, 7}, 0.5F, 40, 0.9F, 1234});
+  plan.starts.push_back({12, 0, {8}, 0.0F, 0, 1.0F, 0});
+  plan.decodes = {3, 4, 5};
+  const StepPlan back = deserialize_plan(serialize(plan));
+  EXPECT_FALSE(back.shutdown);
+  EXPECT_EQ(back.frees, (std::vector<std::uint64_t>{7, 9}));
+  ASSERT_EQ(back.starts.size(), 2U);
+  EXPECT_EQ(back.starts[0].id, 11U);
+  EXPECT_EQ(back.starts[0].rank, 1);
+  EXPECT_EQ(back.starts[0].prompt, (std::vector<std::int32_t>{5, 6, 7}));
+  EXPECT_EQ(back.starts[0].temperature, 0.5F);
+  EXPECT_EQ(back.starts[0].top_k, 40);
+  EXPECT_EQ(back.starts[0].top_p, 0.9F);
+  EXPECT_EQ(back.starts[0].seed, 1234U);
+  EXPECT_EQ(back.starts[1].id, 12U);
+  EXPECT_EQ(back.starts[1].prompt, (std::vector<std::int32_t>{8}));
+  EXPECT_EQ(back.decodes, (std::vector<std::uint64_t>{3, 4, 5}));
+}
+
+TEST(StepPlanTest, ShutdownFlagRoundTrips) {
+  StepPlan plan;
+  plan.shutdown = true;
+  EXPECT_TRUE(deserialize_plan(serialize(plan)).shutdown);
+}
+
+TEST(StepPlanTest, ResultRoundTripKeepsErrorAndSequences) {
+  StepResult result;
+  result.ok = false;
+  result.error = "KV cache: step needs 3 blocks, 1 free";
+  result.sequences.push_back({21, 99, 2, 1, SequenceFailure::non_finite_logits});
+  const StepResult back = deserialize_result(serialize(result));
+  EXPECT_FALSE(back.ok);
+  EXPECT_EQ(back.error, "KV cache: step needs 3 blocks, 1 free");
+  ASSERT_EQ(back.sequences.size(), 1U);
+  EXPECT_EQ(back.sequences[0].id, 21U);
+  EXPECT_EQ(back.sequences[0].token, 99);
+  EXPECT_EQ(back.sequences[0].dropped, 2);
+  EXPECT_EQ(back.sequences[0].rerouted, 1);
+  EXPECT_EQ(back.sequences[0].failure, SequenceFailure::non_finite_logits);
+}
+
+TEST(StepPlanTest, TruncatedOrTrailingBytesAreRefused) {
+  StepPlan plan;
+  plan.starts.push_back({1, 0, {1, 2, 3}, 0.0F, 0, 1.0F, 0});
+  std::vector<std::byte> bytes = serialize(plan);
+  std::vector<std::byte> truncated(bytes.begin(), bytes.end() - 1);
+  EXPECT_THROW(deserialize_plan(truncated), std::runtime_error);
+  bytes.push_back(std::byte{0});
+  EXPECT_THROW(deserialize_plan(bytes), std::runtime_error);
+  EXPECT_THROW(deserialize_result({}), std::runtime_error);
+}
+
+// A length prefix larger than the message is refused before anything is allocated for it.
+TEST(StepPlanTest, OversizedLengthPrefixIsRefused) {
+  StepPlan plan;
+  plan.frees = {1};
+  std::vector<std::byte> bytes = serialize(plan);
+  // Byte 0 is the shutdown flag; bytes 1..8 the frees count.
+  bytes[8] = std::byte{0x7f};
+  EXPECT_THROW(deserialize_plan(bytes), std::runtime_error);
+}
+
+}  // namespace
+}  // namespace capserve::server
