@@ -9,8 +9,14 @@ std::string_view host_sync_name(HostSync why) {
   switch (why) {
     case HostSync::sampled_tokens:
       return "sampled_tokens";
+    case HostSync::moe_dispatch:
+      return "moe_dispatch";
+    case HostSync::moe_groups:
+      return "moe_groups";
     case HostSync::logits:
       return "logits";
+    case HostSync::dry_run:
+      return "dry_run";
     case HostSync::count_:
       break;
   }
@@ -47,6 +53,20 @@ void Backend::to_host(const Tensor& src, std::span<std::byte> dst, HostSync why)
 void Backend::from_host(std::span<const std::byte> src, const Tensor& dst) {
   check_copy("from_host", dst, src.size(), device());
   copy_from_host(src, dst);
+}
+
+DispatchShape dispatch_shape(const Tensor& experts, const Tensor& weights, const DispatchPlan& plan) {
+  DispatchShape d{experts.dims() == 0 ? 0 : experts.dim(0), experts.row_numel(),
+                  plan.row_offsets.numel() - 1};
+  const std::int64_t slots = d.tokens * d.top_k;
+  if (d.ranks < 1 || plan.entry_offsets.numel() != d.ranks + 1 || plan.counts.numel() != 2 * d.ranks)
+    throw std::invalid_argument("plan_dispatch: offsets of ranks + 1 and counts of 2 * ranks, not " +
+                                plan.row_offsets.shape_text() + ", " + plan.entry_offsets.shape_text() +
+                                ", " + plan.counts.shape_text());
+  if (weights.numel() != slots || plan.row_position.numel() != slots || plan.row_token.numel() < slots ||
+      plan.entries.bytes() < static_cast<std::size_t>(slots) * sizeof(moe::DispatchEntry))
+    throw std::invalid_argument("plan_dispatch: plan tensors smaller than experts " + experts.shape_text());
+  return d;
 }
 
 }  // namespace capserve::kernels

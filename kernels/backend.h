@@ -8,12 +8,14 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <initializer_list>
 #include <span>
 #include <string_view>
 
 #include "kernels/buffer.h"
 #include "kernels/dtype.h"
+#include "kernels/moe/dispatch_logic.h"
 #include "kernels/sampling.h"
 #include "kernels/tensor.h"
 
@@ -88,11 +90,64 @@ struct LatentAttentionParams {
   LatentForm form = LatentForm::cheaper;
 };
 
+// One layer's capacity scheduling (kernels/moe/index_logic.h), in place on experts and weights.
+struct CapacityCall {
+  moe::CapacityParams params;
+  Tensor probs;        // f32 [T, E]: router probabilities
+  Tensor exempt;       // u8 [T] or empty: 1 = never dropped
+  Tensor owners;       // int32 [E] (device granularity) or empty
+  Tensor bin_experts;  // int32 [nbins] (device granularity) or empty
+  Tensor local_list;   // int32: this rank's experts, ascending (expanded reroute)
+  Tensor experts;      // int32 [T, k]: in: the router's choice; out: -1 where dropped
+  Tensor weights;      // f32 [T, k]: gate weights; 0 where dropped
+  Tensor status;       // u8 [T, k]: out, moe::SlotState
+  Tensor totals;       // int64 [2]: out, dropped and rerouted slots
+  // Global scope: sums an int64 tensor of the backend over the ranks, in place; empty in local scope.
+  std::function<void(const Tensor&)> allreduce_sum;
+};
+
+// The sender's side of one MoE layer's dispatch (kernels/moe/dispatch_logic.h): each token's row once per
+// destination rank hosting any of its kept experts, and one entry per kept slot, both grouped by destination
+// in (token, slot) order. Tensors of the backend, sized by the caller for T tokens, top_k and the ranks.
+struct DispatchPlan {
+  Tensor row_offsets;    // int64 [ranks + 1]: the send rows of destination d are [row_offsets[d], [d + 1])
+  Tensor row_position;   // int64 [T, k]: send row of each token's first slot per destination, else -1
+  Tensor row_token;      // int32 [T * k]: token of each send row
+  Tensor entry_offsets;  // int64 [ranks + 1]
+  Tensor entries;        // u8 [T * k, sizeof(moe::DispatchEntry)]
+  Tensor counts;         // int64 [2, ranks]: rows, then entries, sent to each destination
+};
+
+// T, k and the ranks of a plan_dispatch call, after checking that the plan's tensors fit them
+// (std::invalid_argument naming the shapes otherwise): the checks every backend makes alike.
+struct DispatchShape {
+  std::int64_t tokens = 0;
+  std::int64_t top_k = 0;
+  std::int64_t ranks = 0;
+};
+DispatchShape dispatch_shape(const Tensor& experts, const Tensor& weights, const DispatchPlan& plan);
+
+// The receiver's side: the entries from every source grouped by local expert.
+struct ReceivedGroups {
+  Tensor entries;      // u8 [n, sizeof(moe::DispatchEntry)]: the sources' blocks in rank order
+  Tensor entry_start;  // int64 [ranks + 1]: first entry of each source
+  Tensor row_start;    // int64 [ranks + 1]: first received row of each source
+  Tensor experts;      // int32 [rows, k]: out, local expert of each row's slots (-1 past its entries)
+  Tensor weights;      // f32 [rows, k]: out, their gate weights
+  Tensor offsets;      // int64 [local experts + 1]: out, grouped rows of each local expert
+  Tensor position;     // int64 [rows, k]: out, grouped row of each slot, -1 for none
+  Tensor row_source;   // int32 [rows * k]: out, received row of each grouped row
+};
+
 // Why a step copies device data to the host: every synchronisation point of a step has a name, and the
 // backend counts them, so tests can assert how many a step makes.
 enum class HostSync : std::uint8_t {
   sampled_tokens,  // per step: the sampled next tokens, which the scheduler needs
+  moe_dispatch,    // per MoE layer: the row and entry counts of each peer (exchange sizes) and the layer's
+                   // statistics, in one copy
+  moe_groups,      // per MoE layer: the rows of each local expert (the grouped expert FFN's host offsets)
   logits,          // the logits themselves: only for scoring and dumps, never on the serving path
+  dry_run,         // the router dry run's expert counts (batch selection on rank 0), outside the step
   count_           // the number of reasons
 };
 
@@ -146,6 +201,8 @@ class Backend {
   virtual void add(const Tensor& dst, const Tensor& src) = 0;
   // dst[r, :] += sigmoid(gate[r]) * src[r, :]; gate is [rows] (a sigmoid-gated shared expert).
   virtual void add_sigmoid_gated(const Tensor& dst, const Tensor& src, const Tensor& gate) = 0;
+  // Every byte of t set to zero (0.0F, 0, and SlotState::kept alike).
+  virtual void zero(const Tensor& t) = 0;
   // x = clamp(x, -limit, limit), element-wise.
   virtual void clamp(const Tensor& x, float limit) = 0;
   // dst[i, :] = src[rows[i], :]; rows are host indices (step metadata).
@@ -184,6 +241,29 @@ class Backend {
   // determined by (seed, step). A row with a NaN or infinite logit gets non_finite_token(its first such id).
   virtual void sample(const Tensor& logits, std::span<const SampleControls> controls,
                       const Tensor& tokens) = 0;
+
+  // ---- The MoE layer's stages. The index work is kernels/moe's one logic, run by each backend's executor.
+
+  // Router: logits f32 [T, E] -> probs f32 [T, E], experts int32 [T, k], weights f32 [T, k].
+  virtual void route(const moe::RouterParams& params, const Tensor& logits, const Tensor& probs,
+                     const Tensor& experts, const Tensor& weights) = 0;
+  virtual void schedule_capacity(const CapacityCall& call) = 0;
+  // counts int64 [E] += the slots of experts int32 [T, k] per expert (dropped slots, -1, skipped).
+  virtual void count_experts(const Tensor& experts, const Tensor& counts) = 0;
+  // Per token, its dropped and rerouted slots (int64 [T] each, overwritten) from status u8 [T, k].
+  virtual void count_slot_states(const Tensor& status, const Tensor& dropped, const Tensor& rerouted) = 0;
+  // The dispatch plan of experts int32 [T, k] (-1 dropped) with gate weights [T, k]; owners and local_index
+  // are int32 [E]: each expert's rank and its index there.
+  virtual void plan_dispatch(const Tensor& experts, const Tensor& weights, const Tensor& owners,
+                             const Tensor& local_index, const DispatchPlan& plan) = 0;
+  // Groups received entries by local expert (groups.offsets has one more element than there are experts).
+  virtual void group_received(const ReceivedGroups& groups) = 0;
+  // dst[i, :] = src[index[i], :]; index is int32 [dst rows], a tensor of the backend.
+  virtual void take_rows(const Tensor& src, const Tensor& index, const Tensor& dst) = 0;
+  // out[t, :] = sum over t's slots s with position[t, s] >= 0, in slot order, of weights[t, s] *
+  // y[position[t, s], :] (weight 1 when weights is empty); position is int64 [T, k]. A token without such
+  // slots gets zeros.
+  virtual void combine(const Tensor& y, const Tensor& position, const Tensor& weights, const Tensor& out) = 0;
 
   // Thread count for the backend's own parallel loops and its BLAS.
   virtual void set_num_threads(int n) = 0;

@@ -5,8 +5,6 @@
 #include <numeric>
 #include <stdexcept>
 
-#include "kernels/moe/host_executor.h"
-
 namespace capserve::parallel {
 namespace {
 
@@ -65,22 +63,27 @@ void CapacityStage::begin_step(std::int64_t local_tokens) {
   total_tokens_ = std::accumulate(gathered_.begin(), gathered_.end(), std::int64_t{0});
 }
 
-LayerCounts CapacityStage::apply(std::int64_t layer, const ExpertPlacement& placement, LayerRouting& r) {
-  const auto slots = static_cast<std::size_t>(r.tokens * r.top_k);
-  std::fill(r.status.begin(), r.status.begin() + static_cast<std::ptrdiff_t>(slots), SlotStatus::kept);
-  if (!config_.active(layer)) return {};
-  if (placement.num_ranks() != comm_.size() || placement.num_experts() != r.num_experts)
+void CapacityStage::apply(kernels::Backend& backend, std::int64_t layer, const LayerTables& tables,
+                          const LayerRouting& r) {
+  if (!config_.active(layer)) {
+    backend.zero(r.status);
+    backend.zero(r.totals);
+    return;
+  }
+  const std::int64_t tokens = r.experts.dims() == 0 ? 0 : r.experts.dim(0);
+  const std::int64_t num_experts = r.probs.row_numel();
+  if (tables.bin_experts.numel() != comm_.size() || tables.owners.numel() != num_experts)
     throw std::invalid_argument("capacity stage: the placement does not match the communicator or the model");
-  if (r.tokens != local_tokens_)
+  if (tokens != local_tokens_)
     throw std::logic_error("capacity stage: begin_step was given another token count");
 
   const bool device = config_.granularity == CapacityGranularity::device;
-  moe::CapacityInputs in;
-  moe::CapacityParams& p = in.params;
-  p.tokens = r.tokens;
-  p.top_k = r.top_k;
-  p.num_experts = r.num_experts;
-  p.nbins = device ? placement.num_ranks() : r.num_experts;
+  kernels::CapacityCall call;
+  moe::CapacityParams& p = call.params;
+  p.tokens = tokens;
+  p.top_k = r.experts.row_numel();
+  p.num_experts = num_experts;
+  p.nbins = device ? comm_.size() : num_experts;
   p.total_tokens = total_tokens_;
   p.token_offset = token_offset_;
   p.gamma = config_.gamma_for(layer);
@@ -94,21 +97,21 @@ LayerCounts CapacityStage::apply(std::int64_t layer, const ExpertPlacement& plac
   p.scaling = r.scaling;
   p.renormalize_after_drop = config_.renormalize_after_drop;
   if (device) {
-    in.owners = placement.owners(layer);
-    bin_experts_.clear();
-    for (int rank = 0; rank < placement.num_ranks(); ++rank)
-      bin_experts_.push_back(static_cast<std::int32_t>(placement.local_experts(layer, rank).size()));
-    in.bin_experts = bin_experts_;
+    call.owners = tables.owners;
+    call.bin_experts = tables.bin_experts;
   }
-  in.local_list = placement.local_experts(layer, comm_.rank());
-  in.probs = r.probs;
-  in.exempt = r.exempt;
-  if (global()) in.allreduce_sum = [this](std::span<std::int64_t> values) { comm_.allreduce_sum(values); };
-  in.workspace = &workspace_;
-  static_assert(sizeof(SlotStatus) == sizeof(std::uint8_t));
-  const moe::CapacityTotals totals = moe::schedule_capacity_on_host(
-      in, r.experts, r.weights, std::span(reinterpret_cast<std::uint8_t*>(r.status.data()), r.status.size()));
-  return {totals.dropped, totals.rerouted};
+  call.local_list = tables.local_list;
+  call.probs = r.probs;
+  call.exempt = r.exempt;
+  call.experts = r.experts;
+  call.weights = r.weights;
+  call.status = r.status;
+  call.totals = r.totals;
+  if (global())
+    call.allreduce_sum = [this](const kernels::Tensor& values) {
+      comm_.allreduce_sum(values.host_span<std::int64_t>());
+    };
+  backend.schedule_capacity(call);
 }
 
 }  // namespace capserve::parallel

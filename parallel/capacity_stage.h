@@ -9,33 +9,26 @@
 #include <span>
 #include <vector>
 
+#include "kernels/backend.h"
 #include "parallel/capacity_config.h"
 #include "parallel/communicator.h"
-#include "parallel/expert_placement.h"
+#include "parallel/placement_tables.h"
 
 namespace capserve::parallel {
 
 // Final state of one (token, slot) assignment.
 enum class SlotStatus : std::uint8_t { kept = 0, dropped = 1, rerouted = 2 };
 
-// One layer's routing of this rank's tokens, modified in place.
+// One layer's routing of this rank's tokens: tensors of the backend, modified in place.
 struct LayerRouting {
-  std::int64_t tokens = 0;
-  std::int64_t top_k = 0;
-  std::int64_t num_experts = 0;
-  std::span<const float> probs;          // [tokens, num_experts]: router probabilities
-  std::span<std::int32_t> experts;       // [tokens, top_k]: in: the model's choice; out: -1 where dropped
-  std::span<float> weights;              // [tokens, top_k]: gate weights; 0 where dropped
-  std::span<SlotStatus> status;          // [tokens, top_k]: out
-  std::span<const std::uint8_t> exempt;  // [tokens] or empty: 1 = never dropped (phase not scheduled)
-  bool normalized = false;               // weights are probs / sum of the top-k probs (norm_topk_prob)
-  float scaling = 1.0F;                  // then multiplied by this (routed_scaling_factor)
-};
-
-// This rank's counts for one layer.
-struct LayerCounts {
-  std::int64_t dropped = 0;   // slots left without an expert
-  std::int64_t rerouted = 0;  // slots moved to another expert
+  kernels::Tensor probs;    // f32 [T, E]: router probabilities
+  kernels::Tensor experts;  // int32 [T, k]: in: the model's choice; out: -1 where dropped
+  kernels::Tensor weights;  // f32 [T, k]: gate weights; 0 where dropped
+  kernels::Tensor status;   // u8 [T, k]: out, SlotStatus
+  kernels::Tensor exempt;   // u8 [T] or empty: 1 = never dropped (phase not scheduled)
+  kernels::Tensor totals;   // int64 [2]: out, slots dropped and rerouted
+  bool normalized = false;  // weights are probs / sum of the top-k probs (norm_topk_prob)
+  float scaling = 1.0F;     // then multiplied by this (routed_scaling_factor)
 };
 
 class CapacityStage {
@@ -48,9 +41,11 @@ class CapacityStage {
   // allgather (token offsets and the global count); it is skipped when no layer is active.
   void begin_step(std::int64_t local_tokens);
 
-  // Applies the layer's capacity in place; a no-op (no collective) when the config is inactive for the layer.
-  // All ranks must call it for the same layers.
-  LayerCounts apply(std::int64_t layer, const ExpertPlacement& placement, LayerRouting& routing);
+  // Applies the layer's capacity in place on the backend; when the config is inactive for the layer every
+  // slot stays kept and no collective runs. All ranks must call it for the same layers. `tables` are the
+  // layer's placement on the backend's device.
+  void apply(kernels::Backend& backend, std::int64_t layer, const LayerTables& tables,
+             const LayerRouting& routing);
 
  private:
   [[nodiscard]] bool global() const { return config_.scope == CapacityScope::global && comm_.size() > 1; }
@@ -62,8 +57,6 @@ class CapacityStage {
   std::int64_t token_offset_ = 0;  // global index of this rank's first token
   std::int64_t total_tokens_ = 0;  // tokens of the step over the scope (all ranks, or this rank)
   std::vector<std::int64_t> gathered_;
-  std::vector<std::int32_t> bin_experts_;  // device granularity: routed experts per rank
-  std::vector<std::uint64_t> workspace_;   // the index logic's, grow-only
 };
 
 }  // namespace capserve::parallel

@@ -1,211 +1,122 @@
 #include "parallel/token_dispatcher.h"
 
-#include <algorithm>
 #include <chrono>
-#include <cstring>
-#include <stdexcept>
+#include <numeric>
 
 namespace capserve::parallel {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using kernels::DType;
+using kernels::Tensor;
 
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-template <typename T>
-void grow(std::vector<T>& v, std::size_t n) {
-  if (v.size() < n) v.resize(n);
+std::int64_t sum(std::span<const std::int64_t> v) {
+  return std::accumulate(v.begin(), v.end(), std::int64_t{0});
 }
 
-std::span<std::byte> bytes_of(void* p, std::size_t n) {
-  return {static_cast<std::byte*>(p), n};
+// The host bytes of a CPU tensor, for the host communicator.
+std::span<std::byte> bytes_of(const Tensor& t) {
+  return {static_cast<std::byte*>(t.empty() ? nullptr : t.host_data()), t.bytes()};
 }
 
 }  // namespace
 
-void TokenDispatcher::run(std::span<const float> h, std::int64_t tokens, std::int64_t hidden,
-                          std::int64_t top_k, std::span<const std::int32_t> experts,
-                          std::span<const float> weights, const LayerExperts& layer,
-                          kernels::Backend& backend, std::span<float> out) {
-  const int ranks = comm_.size();
-  const auto nr = static_cast<std::size_t>(ranks);
-  const auto row_bytes = static_cast<std::size_t>(hidden) * sizeof(float);
-  const std::int64_t sent_before = comm_.bytes_sent();
+void TokenDispatcher::plan(kernels::Backend& backend, const Tensor& experts, const Tensor& weights,
+                           const LayerTables& tables, const Tensor& counts) {
+  const auto start = Clock::now();
+  const std::int64_t ranks = comm_.size();
+  const std::int64_t tokens = experts.dims() == 0 ? 0 : experts.dim(0);
+  const std::int64_t top_k = experts.row_numel();
   counters_ = {};
-  auto start = Clock::now();
-
-  // Pass 1: rows (once per token and destination) and entries per destination.
-  send_rows_.assign(nr, 0);
-  send_entries_.assign(nr, 0);
-  for (std::int64_t t = 0; t < tokens; ++t) {
-    const std::int32_t* ids = experts.data() + t * top_k;
-    for (std::int64_t s = 0; s < top_k; ++s) {
-      if (ids[s] < 0) continue;
-      const std::int32_t d = layer.owners[static_cast<std::size_t>(ids[s])];
-      ++send_entries_[static_cast<std::size_t>(d)];
-      bool first = true;
-      for (std::int64_t p = 0; p < s && first; ++p)
-        first = ids[p] < 0 || layer.owners[static_cast<std::size_t>(ids[p])] != d;
-      if (first) ++send_rows_[static_cast<std::size_t>(d)];
-    }
-  }
-  row_offset_.assign(nr + 1, 0);
-  entry_offset_.assign(nr + 1, 0);
-  for (std::size_t d = 0; d < nr; ++d) {
-    row_offset_[d + 1] = row_offset_[d] + send_rows_[d];
-    entry_offset_[d + 1] = entry_offset_[d] + send_entries_[d];
-  }
-  const std::int64_t total_rows = row_offset_[nr];
-  const std::int64_t total_entries = entry_offset_[nr];
-
-  // Pass 2: pack rows and entries, grouped by destination, tokens ascending, slots in order.
-  grow(send_buf_, static_cast<std::size_t>(total_rows * hidden));
-  grow(row_token_, static_cast<std::size_t>(total_rows));
-  grow(send_entry_buf_, static_cast<std::size_t>(total_entries));
-  std::vector<std::int64_t>& row_cursor = send_rows_;  // reused: counts are rebuilt from the offsets below
-  std::vector<std::int64_t>& entry_cursor = send_entries_;
-  std::copy(row_offset_.begin(), row_offset_.end() - 1, row_cursor.begin());
-  std::copy(entry_offset_.begin(), entry_offset_.end() - 1, entry_cursor.begin());
-  for (std::int64_t t = 0; t < tokens; ++t) {
-    const std::int32_t* ids = experts.data() + t * top_k;
-    for (std::int64_t s = 0; s < top_k; ++s) {
-      if (ids[s] < 0) continue;
-      const auto d = static_cast<std::size_t>(layer.owners[static_cast<std::size_t>(ids[s])]);
-      bool first = true;
-      for (std::int64_t p = 0; p < s && first; ++p)
-        first = ids[p] < 0 || static_cast<std::size_t>(layer.owners[static_cast<std::size_t>(ids[p])]) != d;
-      if (!first) continue;
-      const std::int64_t row = row_cursor[d]++;
-      row_token_[static_cast<std::size_t>(row)] = static_cast<std::int32_t>(t);
-      std::memcpy(send_buf_.data() + row * hidden, h.data() + t * hidden, row_bytes);
-      for (std::int64_t q = s; q < top_k; ++q) {
-        if (ids[q] < 0 || static_cast<std::size_t>(layer.owners[static_cast<std::size_t>(ids[q])]) != d)
-          continue;
-        send_entry_buf_[static_cast<std::size_t>(entry_cursor[d]++)] = {
-            static_cast<std::int32_t>(row - row_offset_[d]),
-            layer.local_index[static_cast<std::size_t>(ids[q])],
-            weights[static_cast<std::size_t>(t * top_k + q)]};
-      }
-    }
-  }
-  for (std::size_t d = 0; d < nr; ++d) {
-    send_rows_[d] = row_offset_[d + 1] - row_offset_[d];
-    send_entries_[d] = entry_offset_[d + 1] - entry_offset_[d];
-  }
-
-  // Count exchange, then entries and rows.
-  recv_rows_.resize(nr);
-  recv_entries_.resize(nr);
-  comm_.alltoall(send_rows_, recv_rows_);
-  comm_.alltoall(send_entries_, recv_entries_);
-  recv_row_offset_.assign(nr + 1, 0);
-  std::int64_t in_entries = 0;
-  for (std::size_t s = 0; s < nr; ++s) {
-    recv_row_offset_[s + 1] = recv_row_offset_[s] + recv_rows_[s];
-    in_entries += recv_entries_[s];
-  }
-  const std::int64_t in_rows = recv_row_offset_[nr];
-  grow(recv_entry_buf_, static_cast<std::size_t>(in_entries));
-  grow(recv_buf_, static_cast<std::size_t>(in_rows * hidden));
-  byte_counts_.resize(nr);
-  recv_byte_counts_.resize(nr);
-  for (std::size_t d = 0; d < nr; ++d) {
-    byte_counts_[d] = send_entries_[d] * static_cast<std::int64_t>(sizeof(Entry));
-    recv_byte_counts_[d] = recv_entries_[d] * static_cast<std::int64_t>(sizeof(Entry));
-  }
-  comm_.alltoallv(bytes_of(send_entry_buf_.data(), static_cast<std::size_t>(total_entries) * sizeof(Entry)),
-                  byte_counts_,
-                  bytes_of(recv_entry_buf_.data(), static_cast<std::size_t>(in_entries) * sizeof(Entry)),
-                  recv_byte_counts_);
-  for (std::size_t d = 0; d < nr; ++d) {
-    byte_counts_[d] = send_rows_[d] * static_cast<std::int64_t>(row_bytes);
-    recv_byte_counts_[d] = recv_rows_[d] * static_cast<std::int64_t>(row_bytes);
-  }
-  comm_.alltoallv(bytes_of(send_buf_.data(), static_cast<std::size_t>(total_rows) * row_bytes), byte_counts_,
-                  bytes_of(recv_buf_.data(), static_cast<std::size_t>(in_rows) * row_bytes),
-                  recv_byte_counts_);
+  sent_before_ = comm_.bytes_sent();
+  plan_.row_offsets = backend.scratch(row_offsets_, DType::i64, {ranks + 1});
+  plan_.row_position = backend.scratch(row_position_, DType::i64, {tokens, top_k});
+  plan_.row_token = backend.scratch(row_token_, DType::i32, {tokens * top_k});
+  plan_.entry_offsets = backend.scratch(entry_offsets_, DType::i64, {ranks + 1});
+  plan_.entries =
+      backend.scratch(entries_, DType::u8, {tokens * top_k, static_cast<std::int64_t>(sizeof(Entry))});
+  plan_.counts = counts.rows(0, 2 * ranks);
+  backend.plan_dispatch(experts, weights, tables.owners, tables.local_index, plan_);
+  const std::span<std::int64_t> c = counts.host_span<std::int64_t>();
+  const auto r = static_cast<std::size_t>(ranks);
+  comm_.alltoall(c.subspan(0, r), c.subspan(2 * r, r));
+  comm_.alltoall(c.subspan(r, r), c.subspan(3 * r, r));
   counters_.dispatch_seconds = seconds_since(start);
-  start = Clock::now();
+}
 
-  // Group the received entries by local expert (stable: source rank, then the source's slot order).
-  const auto num_local = static_cast<std::int64_t>(layer.local.size());
-  expert_offsets_.assign(static_cast<std::size_t>(num_local + 1), 0);
-  for (std::int64_t i = 0; i < in_entries; ++i) {
-    const std::int32_t le = recv_entry_buf_[static_cast<std::size_t>(i)].local_expert;
-    if (le < 0 || le >= num_local)
-      throw std::logic_error("token dispatcher: entry for an expert this rank lacks");
-    ++expert_offsets_[static_cast<std::size_t>(le) + 1];
-  }
-  for (std::int64_t e = 0; e < num_local; ++e)
-    expert_offsets_[static_cast<std::size_t>(e) + 1] += expert_offsets_[static_cast<std::size_t>(e)];
-  grow(entry_position_, static_cast<std::size_t>(in_entries));
-  grow(permuted_in_, static_cast<std::size_t>(in_entries * hidden));
-  grow(permuted_out_, static_cast<std::size_t>(in_entries * hidden));
-  {
-    std::vector<std::int64_t>& cursor = expert_offsets_;  // advanced while filling, restored after
-    std::int64_t i = 0;
-    for (std::size_t s = 0; s < nr; ++s) {
-      for (std::int64_t j = 0; j < recv_entries_[s]; ++j, ++i) {
-        const Entry& en = recv_entry_buf_[static_cast<std::size_t>(i)];
-        const std::int64_t pos = cursor[static_cast<std::size_t>(en.local_expert)]++;
-        entry_position_[static_cast<std::size_t>(i)] = pos;
-        std::memcpy(permuted_in_.data() + pos * hidden,
-                    recv_buf_.data() + (recv_row_offset_[s] + en.row) * hidden, row_bytes);
-      }
-    }
-    for (std::int64_t e = num_local; e > 0; --e)
-      cursor[static_cast<std::size_t>(e)] = cursor[static_cast<std::size_t>(e) - 1];
-    cursor[0] = 0;
-  }
-  backend.grouped_expert_ffn(
-      kernels::Tensor::host(std::span(permuted_in_.data(), static_cast<std::size_t>(in_entries * hidden)),
-                            {in_entries, hidden}),
-      expert_offsets_, layer.local,
-      kernels::Tensor::host(std::span(permuted_out_.data(), static_cast<std::size_t>(in_entries * hidden)),
-                            {in_entries, hidden}));
+TokenDispatcher::Received TokenDispatcher::send(kernels::Backend& backend, const Tensor& h,
+                                                std::span<const std::int64_t> counts) {
+  const auto start = Clock::now();
+  const auto r = static_cast<std::size_t>(comm_.size());
+  counts_.assign(counts.begin(), counts.end());
+  const std::span<const std::int64_t> rows_to(counts_.data(), r);
+  const std::span<const std::int64_t> entries_to(counts_.data() + r, r);
+  const std::span<const std::int64_t> rows_from(counts_.data() + 2 * r, r);
+  const std::span<const std::int64_t> entries_from(counts_.data() + 3 * r, r);
+  const std::int64_t hidden = h.row_numel();
+  const auto row_bytes = hidden * static_cast<std::int64_t>(sizeof(float));
+  const auto entry_bytes = static_cast<std::int64_t>(sizeof(Entry));
+  const std::int64_t out_rows = sum(rows_to);
+  const std::int64_t in_rows = sum(rows_from);
+  const std::int64_t in_entries = sum(entries_from);
 
-  // One result row per received row: its experts' outputs with their gate weights, in the source's slot
-  // order.
-  grow(result_, static_cast<std::size_t>(in_rows * hidden));
-  std::fill(result_.begin(), result_.begin() + in_rows * hidden, 0.0F);
-  {
-    std::int64_t i = 0;
-    for (std::size_t s = 0; s < nr; ++s) {
-      for (std::int64_t j = 0; j < recv_entries_[s]; ++j, ++i) {
-        const Entry& en = recv_entry_buf_[static_cast<std::size_t>(i)];
-        float* dst = result_.data() + (recv_row_offset_[s] + en.row) * hidden;
-        const float* src = permuted_out_.data() + entry_position_[static_cast<std::size_t>(i)] * hidden;
-        for (std::int64_t c = 0; c < hidden; ++c) dst[c] += en.weight * src[c];
-      }
-    }
-  }
-  counters_.expert_seconds = seconds_since(start);
-  start = Clock::now();
+  const Tensor rows_out = backend.scratch(send_rows_, DType::f32, {out_rows, hidden});
+  backend.take_rows(h, plan_.row_token, rows_out);
+  Received in;
+  in.rows = backend.scratch(recv_rows_, DType::f32, {in_rows, hidden});
+  in.entries = backend.scratch(recv_entries_, DType::u8, {in_entries, entry_bytes});
 
-  // Combine: the result rows go back the way their inputs came.
-  grow(returned_, static_cast<std::size_t>(total_rows * hidden));
-  for (std::size_t d = 0; d < nr; ++d) {
-    byte_counts_[d] = recv_rows_[d] * static_cast<std::int64_t>(row_bytes);
-    recv_byte_counts_[d] = send_rows_[d] * static_cast<std::int64_t>(row_bytes);
+  byte_counts_.resize(r);
+  recv_byte_counts_.resize(r);
+  for (std::size_t d = 0; d < r; ++d) {
+    byte_counts_[d] = entries_to[d] * entry_bytes;
+    recv_byte_counts_[d] = entries_from[d] * entry_bytes;
   }
-  comm_.alltoallv(bytes_of(result_.data(), static_cast<std::size_t>(in_rows) * row_bytes), byte_counts_,
-                  bytes_of(returned_.data(), static_cast<std::size_t>(total_rows) * row_bytes),
-                  recv_byte_counts_);
-  std::fill(out.begin(), out.begin() + tokens * hidden, 0.0F);
-  for (std::int64_t row = 0; row < total_rows; ++row) {
-    float* dst = out.data() + static_cast<std::int64_t>(row_token_[static_cast<std::size_t>(row)]) * hidden;
-    const float* src = returned_.data() + row * hidden;
-    for (std::int64_t c = 0; c < hidden; ++c) dst[c] += src[c];
+  comm_.alltoallv(bytes_of(plan_.entries).first(static_cast<std::size_t>(sum(entries_to) * entry_bytes)),
+                  byte_counts_, bytes_of(in.entries), recv_byte_counts_);
+  for (std::size_t d = 0; d < r; ++d) {
+    byte_counts_[d] = rows_to[d] * row_bytes;
+    recv_byte_counts_[d] = rows_from[d] * row_bytes;
   }
-  counters_.combine_seconds = seconds_since(start);
+  comm_.alltoallv(bytes_of(rows_out), byte_counts_, bytes_of(in.rows), recv_byte_counts_);
 
-  counters_.rows_sent = total_rows;
-  counters_.rows_sent_remote = total_rows - send_rows_[static_cast<std::size_t>(comm_.rank())];
-  counters_.assignments_sent = total_entries;
+  // Where each source's entries and rows start: host metadata for the receiver's grouping.
+  starts_host_.assign(2 * (r + 1), 0);
+  for (std::size_t s = 0; s < r; ++s) {
+    starts_host_[s + 1] = starts_host_[s] + entries_from[s];
+    starts_host_[r + 1 + s + 1] = starts_host_[r + 1 + s] + rows_from[s];
+  }
+  const Tensor starts = backend.scratch(starts_, DType::i64, {static_cast<std::int64_t>(2 * (r + 1))});
+  backend.from_host(std::as_bytes(std::span<const std::int64_t>(starts_host_)), starts);
+  in.entry_start = starts.rows(0, static_cast<std::int64_t>(r + 1));
+  in.row_start = starts.rows(static_cast<std::int64_t>(r + 1), static_cast<std::int64_t>(r + 1));
+
+  counters_.rows_sent = out_rows;
+  counters_.rows_sent_remote = out_rows - rows_to[static_cast<std::size_t>(comm_.rank())];
+  counters_.assignments_sent = sum(entries_to);
   counters_.rows_received = in_rows;
-  counters_.wire_bytes = comm_.bytes_sent() - sent_before;
+  counters_.dispatch_seconds += seconds_since(start);
+  return in;
+}
+
+void TokenDispatcher::combine(kernels::Backend& backend, const Tensor& results, const Tensor& out) {
+  const auto start = Clock::now();
+  const auto r = static_cast<std::size_t>(comm_.size());
+  const std::int64_t hidden = out.row_numel();
+  const auto row_bytes = hidden * static_cast<std::int64_t>(sizeof(float));
+  const Tensor returned = backend.scratch(returned_, DType::f32, {counters_.rows_sent, hidden});
+  for (std::size_t d = 0; d < r; ++d) {
+    byte_counts_[d] = counts_[2 * r + d] * row_bytes;
+    recv_byte_counts_[d] = counts_[d] * row_bytes;
+  }
+  comm_.alltoallv(bytes_of(results), byte_counts_, bytes_of(returned), recv_byte_counts_);
+  backend.combine(returned, plan_.row_position, {}, out);
+  counters_.combine_seconds = seconds_since(start);
+  counters_.wire_bytes = comm_.bytes_sent() - sent_before_;
 }
 
 }  // namespace capserve::parallel

@@ -12,6 +12,7 @@ namespace capserve::runtime {
 namespace {
 
 using kernels::DType;
+using kernels::HostSync;
 using kernels::Tensor;
 
 template <typename T>
@@ -72,6 +73,7 @@ Model::Model(ModelConfig config, Checkpoint checkpoint, const TensorNames& names
       placement_(make_placement(config_, options.placement, comm.size())),
       checkpoint_(std::move(checkpoint)),
       weights_(load_model_weights(checkpoint_, config_, names, placement_, comm.rank(), backend)),
+      tables_(backend, placement_, comm.rank()),
       rope_(config_.rotary_dim(), config_.rope_theta, config_.rope_scaling),
       scheduler_(options.capacity, comm),
       dispatcher_(comm),
@@ -93,18 +95,25 @@ void Model::router_dry_run(std::span<const std::int32_t> tokens, std::int64_t la
   const Tensor embedded = backend.scratch(s.embedded, DType::f32, {rows, hidden});
   const Tensor normed = backend.scratch(s.normed, DType::f32, {rows, hidden});
   const Tensor logits = backend.scratch(s.logits, DType::f32, {rows, experts});
+  const Tensor probs = backend.scratch(s.probs, DType::f32, {rows, experts});
+  const Tensor chosen = backend.scratch(s.experts, DType::i32, {rows, config_.top_k});
+  const Tensor weights = backend.scratch(s.weights, DType::f32, {rows, config_.top_k});
+  const std::int64_t n = std::min<std::int64_t>(layers, static_cast<std::int64_t>(moe_layers_.size()));
+  const Tensor found = backend.scratch(s.counts, DType::i64, {n * experts});
+  backend.zero(found);
   backend.from_host(bytes_of(tokens), ids);
   backend.embedding(ids, weights_.embed, embedded);
-  const std::int64_t n = std::min<std::int64_t>(layers, static_cast<std::int64_t>(moe_layers_.size()));
   for (std::int64_t i = 0; i < n; ++i) {
     const LayerWeights& lw =
         weights_.layers[static_cast<std::size_t>(moe_layers_[static_cast<std::size_t>(i)])];
     backend.rms_norm(embedded, lw.post_attention_norm, static_cast<float>(config_.rms_norm_eps), normed);
     backend.linear(normed, lw.moe.router, {}, logits);
-    route_softmax_topk(logits.host_span<const float>(), rows, experts, config_.top_k, config_.norm_topk_prob,
-                       s.routing, config_.router);
-    for (const std::int32_t e : s.routing.experts) ++counts[static_cast<std::size_t>(i * experts + e)];
+    backend.route(router_params(config_, rows), logits, probs, chosen, weights);
+    backend.count_experts(chosen, found.rows(i * experts, experts));
   }
+  dry_run_counts_.resize(static_cast<std::size_t>(n * experts));
+  backend.to_host(found, std::as_writable_bytes(std::span<std::int64_t>(dry_run_counts_)), HostSync::dry_run);
+  for (std::size_t i = 0; i < dry_run_counts_.size(); ++i) counts[i] += dry_run_counts_[i];
 }
 
 void Model::forward(const ForwardBatch& batch, KvCache& cache, const Tensor& logits) {
@@ -129,14 +138,19 @@ void Model::forward(const ForwardBatch& batch, KvCache& cache, const Tensor& log
 
   // Rows of the phase the capacity scheduler leaves alone are exempt from dropping.
   const parallel::CapacityPhase phase = scheduler_.config().apply_to;
-  exempt_.assign(static_cast<std::size_t>(rows), 0);
   if (phase != parallel::CapacityPhase::both) {
+    exempt_.resize(static_cast<std::size_t>(rows));
     const std::uint8_t exempt_decode = phase == parallel::CapacityPhase::prefill ? 1 : 0;
     for (std::int64_t r = 0; r < rows; ++r) {
       const bool decode = !batch.decode_rows.empty() && batch.decode_rows[static_cast<std::size_t>(r)] != 0;
       exempt_[static_cast<std::size_t>(r)] =
           decode ? exempt_decode : static_cast<std::uint8_t>(1 - exempt_decode);
     }
+  }
+  a.exempt = {};
+  if (phase != parallel::CapacityPhase::both) {
+    a.exempt = backend.scratch(s.exempt, DType::u8, {rows});
+    backend.from_host(std::as_bytes(std::span<const std::uint8_t>(exempt_)), a.exempt);
   }
   row_dropped_.assign(static_cast<std::size_t>(rows), 0);
   row_rerouted_.assign(static_cast<std::size_t>(rows), 0);
@@ -256,14 +270,10 @@ void Model::feed_forward(std::int64_t layer, std::int64_t rows) {
   const Activations& a = act_;
   backend.rms_norm(a.residual, lw.post_attention_norm, static_cast<float>(config_.rms_norm_eps), a.normed);
   if (lw.is_moe) {
-    MoeLayerContext context{layer,
-                            placement_,
-                            scheduler_,
-                            dispatcher_,
-                            std::span<const std::uint8_t>(exempt_.data(), static_cast<std::size_t>(rows)),
-                            stats_.layer(moe_index_[static_cast<std::size_t>(layer)]),
-                            row_dropped_,
-                            row_rerouted_};
+    MoeLayerContext context{layer,        tables_.layer(layer),
+                            scheduler_,   dispatcher_,
+                            a.exempt,     stats_.layer(moe_index_[static_cast<std::size_t>(layer)]),
+                            row_dropped_, row_rerouted_};
     moe_block(backend, config_, lw.moe, a.normed, a.proj, scratch_.moe, context);
   } else {
     const std::int64_t whole[2] = {0, rows};

@@ -16,6 +16,7 @@
 #include "parallel/communicator.h"
 #include "parallel/expert_placement.h"
 #include "parallel/moe_stats.h"
+#include "parallel/placement_tables.h"
 #include "parallel/token_dispatcher.h"
 #include "runtime/kv_cache.h"
 #include "runtime/model_config.h"
@@ -106,6 +107,7 @@ class Model {
   parallel::ExpertPlacement placement_;
   Checkpoint checkpoint_;  // owns the mappings the weight views point into
   ModelWeights weights_;
+  parallel::PlacementTables tables_;  // the placement on the backend, for the MoE kernels
   Rope rope_;
   parallel::CapacityStage scheduler_;
   parallel::TokenDispatcher dispatcher_;
@@ -114,23 +116,24 @@ class Model {
   std::vector<std::int64_t> moe_layers_;  // indices of the MoE layers
   std::vector<std::int64_t> moe_index_;   // per layer: its index among the MoE layers, -1 for dense
   std::vector<std::uint8_t> exempt_;      // [rows]: rows the capacity scheduler may not drop this step
+  std::vector<std::int64_t> dry_run_counts_;
   std::vector<std::int32_t> row_dropped_, row_rerouted_;
   kernels::LatentForm latent_form_ = kernels::LatentForm::cheaper;
 
   // Grow-only activation buffers of the backend, reused by every step.
   struct Scratch {
     // MLA: k holds the latents, v the rope keys, q_lora the low-rank queries.
-    kernels::Buffer tokens, residual, normed, q, q_lora, k, v, attn, proj, cos, sin, final_rows;
+    kernels::Buffer tokens, residual, normed, q, q_lora, k, v, attn, proj, cos, sin, final_rows, exempt;
     std::vector<float> cos_host, sin_host;  // the step's rotary tables, made on the host
     MoeScratch moe;
   } scratch_;
   // The current step's tensors over scratch_ that every layer uses.
   struct Activations {
     kernels::Tensor residual, normed, proj, cos, sin;  // [rows, hidden] x3, [rows, rotary_dim / 2] x2
+    kernels::Tensor exempt;                            // u8 [rows] or empty: see exempt_
   } act_;
   struct DryRunScratch {
-    kernels::Buffer tokens, embedded, normed, logits;
-    Routing routing;
+    kernels::Buffer tokens, embedded, normed, logits, probs, experts, weights, counts;
   } dry_run_;
 };
 

@@ -1,100 +1,157 @@
 #include "runtime/moe_block.h"
 
-#include "kernels/moe/host_executor.h"
-
-#include <algorithm>
 #include <chrono>
-#include <cmath>
 
 namespace capserve::runtime {
+namespace {
 
-void route_softmax_topk(std::span<const float> router_logits, std::int64_t rows, std::int64_t num_experts,
-                        std::int64_t top_k, bool normalize, Routing& out, const RouterConfig& router) {
-  out.experts.resize(static_cast<std::size_t>(rows * top_k));
-  out.weights.resize(static_cast<std::size_t>(rows * top_k));
-  out.probs.resize(static_cast<std::size_t>(rows * num_experts));
+using Clock = std::chrono::steady_clock;
+using kernels::DType;
+using kernels::HostSync;
+using kernels::Tensor;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+template <class T>
+std::span<std::byte> bytes_of(std::vector<T>& v) {
+  return std::as_writable_bytes(std::span<T>(v));
+}
+
+}  // namespace
+
+kernels::moe::RouterParams router_params(const ModelConfig& config, std::int64_t rows) {
   kernels::moe::RouterParams p;
   p.tokens = rows;
-  p.num_experts = num_experts;
-  p.top_k = top_k;
+  p.num_experts = config.num_experts;
+  p.top_k = config.top_k;
   p.score = kernels::moe::RouterScore::softmax;
-  p.n_group = router.n_group;
-  p.topk_group = router.topk_group;
-  p.normalize = normalize;
-  p.scaling = static_cast<float>(router.scaling);
-  kernels::moe::route_on_host(p, router_logits.first(static_cast<std::size_t>(rows * num_experts)), out.probs,
-                              out.experts, out.weights);
+  p.n_group = config.router.n_group;
+  p.topk_group = config.router.topk_group;
+  p.normalize = config.norm_topk_prob;
+  p.scaling = static_cast<float>(config.router.scaling);
+  return p;
+}
+
+double expert_parallel_stages(kernels::Backend& backend, parallel::TokenDispatcher& dispatcher,
+                              const parallel::LayerTables& tables,
+                              std::span<const kernels::ExpertWeights> local, const Tensor& h,
+                              const Tensor& experts, const Tensor& gate, const Tensor& report, MoeScratch& s,
+                              const Tensor& out) {
+  const std::int64_t hidden = h.row_numel();
+  const std::int64_t top_k = experts.row_numel();
+  const std::int64_t peers = dispatcher.count_values();
+  // Dispatch: the plan and count exchange, the layer's report to the host, then the rows.
+  dispatcher.plan(backend, experts, gate, tables, report.rows(0, peers));
+  s.report_host.resize(static_cast<std::size_t>(report.numel()));
+  backend.to_host(report, bytes_of(s.report_host), HostSync::moe_dispatch);
+  const parallel::TokenDispatcher::Received in = dispatcher.send(
+      backend, h, std::span<const std::int64_t>(s.report_host).first(static_cast<std::size_t>(peers)));
+
+  // Experts: the received rows grouped by local expert, the grouped FFN, each row's gate-weighted sum.
+  const auto start = Clock::now();
+  const std::int64_t in_rows = in.rows.dim(0);
+  const auto num_local = static_cast<std::int64_t>(local.size());
+  const kernels::ReceivedGroups groups{in.entries,
+                                       in.entry_start,
+                                       in.row_start,
+                                       backend.scratch(s.local_experts, DType::i32, {in_rows, top_k}),
+                                       backend.scratch(s.local_weights, DType::f32, {in_rows, top_k}),
+                                       backend.scratch(s.group_offsets, DType::i64, {num_local + 1}),
+                                       backend.scratch(s.group_position, DType::i64, {in_rows, top_k}),
+                                       backend.scratch(s.group_rows, DType::i32, {in_rows * top_k})};
+  backend.group_received(groups);
+  s.group_offsets_host.resize(static_cast<std::size_t>(num_local + 1));
+  backend.to_host(groups.offsets, bytes_of(s.group_offsets_host), HostSync::moe_groups);
+  const std::int64_t grouped = s.group_offsets_host.back();
+  const Tensor grouped_in = backend.scratch(s.grouped_in, DType::f32, {grouped, hidden});
+  const Tensor grouped_out = backend.scratch(s.grouped_out, DType::f32, {grouped, hidden});
+  const Tensor results = backend.scratch(s.results, DType::f32, {in_rows, hidden});
+  backend.take_rows(in.rows, groups.row_source, grouped_in);
+  backend.grouped_expert_ffn(grouped_in, s.group_offsets_host, local, grouped_out);
+  backend.combine(grouped_out, groups.position, groups.weights, results);
+  const double expert_seconds = seconds_since(start);
+
+  // Combine.
+  dispatcher.combine(backend, results, out);
+  return expert_seconds;
 }
 
 void moe_block(kernels::Backend& backend, const ModelConfig& config, const MoeWeights& weights,
-               const kernels::Tensor& h_t, const kernels::Tensor& out_t, MoeScratch& s,
-               MoeLayerContext& ctx) {
-  using Clock = std::chrono::steady_clock;
-  using kernels::DType;
-  using kernels::Tensor;
-  const std::int64_t rows = h_t.dim(0);
-  const std::span<const float> h = h_t.host_span<const float>();
-  const std::span<float> out = out_t.host_span<float>();
+               const Tensor& h, const Tensor& out, MoeScratch& s, MoeLayerContext& ctx) {
+  const std::int64_t rows = h.dim(0);
   const std::int64_t hidden = config.hidden_size;
   const std::int64_t num_experts = config.num_experts;
   const std::int64_t top_k = config.top_k;
-  const auto slots = static_cast<std::size_t>(rows * top_k);
-
-  const Tensor router_logits = backend.scratch(s.router_logits, DType::f32, {rows, num_experts});
-  backend.linear(h_t, weights.router, {}, router_logits);
-  route_softmax_topk(router_logits.host_span<const float>(), rows, num_experts, top_k, config.norm_topk_prob,
-                     s.routing, config.router);
-
   parallel::MoeLayerStats& stats = ctx.stats;
+
+  // The layer's one report to the host: the dispatcher's per-peer counts, then dropped and rerouted slots,
+  // routed and kept load per expert, dropped and rerouted slots per row.
+  const std::int64_t peers = ctx.dispatcher.count_values();
+  const Tensor report = backend.scratch(s.report, DType::i64, {peers + 2 + 2 * num_experts + 2 * rows});
+  const Tensor totals = report.rows(peers, 2);
+  const Tensor routed_load = report.rows(peers + 2, num_experts);
+  const Tensor kept_load = report.rows(peers + 2 + num_experts, num_experts);
+  const Tensor row_dropped = report.rows(peers + 2 + 2 * num_experts, rows);
+  const Tensor row_rerouted = report.rows(peers + 2 + 2 * num_experts + rows, rows);
+
+  // Router.
+  const Tensor logits = backend.scratch(s.router_logits, DType::f32, {rows, num_experts});
+  const Tensor probs = backend.scratch(s.probs, DType::f32, {rows, num_experts});
+  const Tensor experts = backend.scratch(s.experts, DType::i32, {rows, top_k});
+  const Tensor gate = backend.scratch(s.weights, DType::f32, {rows, top_k});
+  backend.linear(h, weights.router, {}, logits);
+  backend.route(router_params(config, rows), logits, probs, experts, gate);
+  backend.zero(report.rows(peers + 2, 2 * num_experts));
+  backend.count_experts(experts, routed_load);
+
+  // Capacity.
+  auto start = Clock::now();
+  const Tensor status = backend.scratch(s.status, DType::u8, {rows, top_k});
+  ctx.capacity.apply(backend, ctx.layer, ctx.tables,
+                     {probs, experts, gate, status, ctx.exempt, totals, config.norm_topk_prob,
+                      static_cast<float>(config.router.scaling)});
+  backend.count_experts(experts, kept_load);
+  backend.count_slot_states(status, row_dropped, row_rerouted);
+  stats.scheduler_seconds += seconds_since(start);
+
+  ctx.stats.expert_seconds += expert_parallel_stages(backend, ctx.dispatcher, ctx.tables, weights.experts, h,
+                                                     experts, gate, report, s, out);
+  const std::span<const std::int64_t> r = s.report_host;
+
+  // Statistics, from the report.
+  const auto e = static_cast<std::size_t>(num_experts);
+  const auto p = static_cast<std::size_t>(peers);
   stats.tokens += rows;
   stats.assignments += rows * top_k;
-  for (std::size_t a = 0; a < slots; ++a) ++stats.routed_load[static_cast<std::size_t>(s.routing.experts[a])];
-
-  const auto scheduled = Clock::now();
-  s.status.resize(slots);
-  parallel::LayerRouting routing{rows,
-                                 top_k,
-                                 num_experts,
-                                 s.routing.probs,
-                                 std::span<std::int32_t>(s.routing.experts.data(), slots),
-                                 std::span<float>(s.routing.weights.data(), slots),
-                                 s.status,
-                                 ctx.exempt,
-                                 config.norm_topk_prob,
-                                 static_cast<float>(config.router.scaling)};
-  const parallel::LayerCounts counts = ctx.scheduler.apply(ctx.layer, ctx.placement, routing);
-  stats.scheduler_seconds += std::chrono::duration<double>(Clock::now() - scheduled).count();
-  stats.dropped += counts.dropped;
-  stats.rerouted += counts.rerouted;
-  for (std::size_t a = 0; a < slots; ++a) {
-    const std::int32_t e = s.routing.experts[a];
-    if (e >= 0) ++stats.expert_load[static_cast<std::size_t>(e)];
-    const std::size_t row = a / static_cast<std::size_t>(top_k);
-    ctx.row_dropped[row] += s.status[a] == parallel::SlotStatus::dropped ? 1 : 0;
-    ctx.row_rerouted[row] += s.status[a] == parallel::SlotStatus::rerouted ? 1 : 0;
+  stats.dropped += r[p];
+  stats.rerouted += r[p + 1];
+  for (std::size_t x = 0; x < e; ++x) {
+    stats.routed_load[x] += r[p + 2 + x];
+    stats.expert_load[x] += r[p + 2 + e + x];
   }
-
-  const parallel::LayerExperts experts{ctx.placement.owners(ctx.layer), ctx.placement.local_index(ctx.layer),
-                                       weights.experts};
-  ctx.dispatcher.run(h, rows, hidden, top_k, std::span<const std::int32_t>(s.routing.experts.data(), slots),
-                     std::span<const float>(s.routing.weights.data(), slots), experts, backend, out);
+  for (std::size_t row = 0; row < static_cast<std::size_t>(rows); ++row) {
+    ctx.row_dropped[row] += static_cast<std::int32_t>(r[p + 2 + 2 * e + row]);
+    ctx.row_rerouted[row] +=
+        static_cast<std::int32_t>(r[p + 2 + 2 * e + static_cast<std::size_t>(rows) + row]);
+  }
   const parallel::DispatchCounters& moved = ctx.dispatcher.counters();
   stats.rows_dispatched += moved.rows_sent;
   stats.wire_bytes += moved.wire_bytes;
   stats.dispatch_seconds += moved.dispatch_seconds;
-  stats.expert_seconds += moved.expert_seconds;
   stats.combine_seconds += moved.combine_seconds;
 
   if (!weights.shared.empty()) {
     const Tensor shared_out = backend.scratch(s.shared_out, DType::f32, {rows, hidden});
     const std::int64_t whole[2] = {0, rows};
-    backend.grouped_expert_ffn(h_t, whole, weights.shared, shared_out);
+    backend.grouped_expert_ffn(h, whole, weights.shared, shared_out);
     if (weights.shared_gate.empty()) {
-      backend.add(out_t, shared_out);
+      backend.add(out, shared_out);
     } else {
-      const Tensor gate = backend.scratch(s.shared_gate, DType::f32, {rows});
-      backend.linear(h_t, weights.shared_gate, {}, gate.reshaped({rows, 1}));
-      backend.add_sigmoid_gated(out_t, shared_out, gate);
+      const Tensor shared_gate = backend.scratch(s.shared_gate, DType::f32, {rows});
+      backend.linear(h, weights.shared_gate, {}, shared_gate.reshaped({rows, 1}));
+      backend.add_sigmoid_gated(out, shared_out, shared_gate);
     }
   }
 }

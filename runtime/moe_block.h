@@ -1,59 +1,60 @@
 #pragma once
-// The MoE feed-forward block of one layer: router (fp32 softmax, top-k, optionally group-limited, optional
-// renormalization, scaling), the capacity scheduler, dispatch of each token to the ranks hosting its experts,
-// grouped expert SwiGLU there, gate-weighted combine back, plus the optional shared expert (sigmoid-gated, or
-// ungated as DeepSeek's), which is local dense compute: it never enters the all-to-all and is never dropped.
+// The MoE feed-forward block of one layer in five stages (runtime/README.md): Router (fp32 softmax or
+// sigmoid, top-k, optionally group-limited, normalisation, scaling) -> Capacity (drop / reroute) -> Dispatch
+// (each token's row once to every rank hosting its kept experts) -> Experts (grouped SwiGLU of the received
+// rows, gate-weighted per row) -> Combine (the rows back, summed per token); plus the optional shared expert
+// (sigmoid-gated, or ungated as DeepSeek's), local dense compute that never enters the all-to-all and is
+// never dropped. Every stage is backend operations on the backend's tensors; the host sees one copy per layer
+// (HostSync::moe_dispatch: the exchange sizes and the layer's statistics) and the expert group sizes
+// (HostSync::moe_groups).
 #include <cstdint>
 #include <span>
 #include <vector>
 
 #include "kernels/backend.h"
 #include "parallel/capacity_stage.h"
-#include "parallel/expert_placement.h"
 #include "parallel/moe_stats.h"
+#include "parallel/placement_tables.h"
 #include "parallel/token_dispatcher.h"
 #include "runtime/model_config.h"
 #include "runtime/model_weights.h"
 
 namespace capserve::runtime {
 
-// Top-k routing of `rows` tokens: router probabilities [rows, num_experts] (kept for the capacity scheduler's
-// reroutes), and the chosen expert ids and gate weights, [rows, top_k] each, best first.
-struct Routing {
-  std::vector<float> probs;
-  std::vector<std::int32_t> experts;
-  std::vector<float> weights;
-};
+// The router of `config` over `rows` tokens: softmax, top-k among the topk_group best groups, the weights
+// renormalised when norm_topk_prob is set and multiplied by the router's scaling.
+kernels::moe::RouterParams router_params(const ModelConfig& config, std::int64_t rows);
 
-// Softmax over the router logits [rows, num_experts] in fp32, top-k (ties to the lower expert id) among the
-// experts of the router's topk_group best groups (all experts when n_group is 1), then the weights
-// renormalized to sum to 1 when `normalize` is set, and multiplied by the router's scaling: the shared index
-// logic's router (kernels/moe), run by the host executor, so the CPU routes exactly as the CUDA kernel does.
-// `probs` keeps the whole softmax: the capacity scheduler may reroute a slot outside the token's groups,
-// where capacity is.
-void route_softmax_topk(std::span<const float> router_logits, std::int64_t rows, std::int64_t num_experts,
-                        std::int64_t top_k, bool normalize, Routing& out, const RouterConfig& router = {});
-
-// Grow-only buffers reused across layers and steps.
+// Grow-only buffers of the backend reused across layers and steps.
 struct MoeScratch {
-  kernels::Buffer router_logits;
-  Routing routing;
-  std::vector<parallel::SlotStatus> status;
-  kernels::Buffer shared_out;
-  kernels::Buffer shared_gate;
+  kernels::Buffer router_logits, probs, experts, weights, status, report;
+  kernels::Buffer local_experts, local_weights, group_offsets, group_position, group_rows, grouped_in,
+      grouped_out, results;
+  kernels::Buffer shared_out, shared_gate;
+  std::vector<std::int64_t> report_host, group_offsets_host;
 };
 
 // The expert-parallel machinery one MoE layer runs through, and where its statistics go.
 struct MoeLayerContext {
   std::int64_t layer = 0;
-  const parallel::ExpertPlacement& placement;
-  parallel::CapacityStage& scheduler;
+  const parallel::LayerTables& tables;  // the layer's placement on the backend
+  parallel::CapacityStage& capacity;
   parallel::TokenDispatcher& dispatcher;
-  std::span<const std::uint8_t> exempt;  // [rows] or empty: rows the capacity scheduler never drops
+  kernels::Tensor exempt;                // u8 [rows] or empty: rows the capacity scheduler never drops
   parallel::MoeLayerStats& stats;        // this rank's share, added to
   std::span<std::int32_t> row_dropped;   // [rows]: slots dropped per row, added to
   std::span<std::int32_t> row_rerouted;  // [rows]: slots rerouted per row, added to
 };
+
+// The stages after Capacity, for kept experts / gate weights [T, k] of h [T, hidden]: Dispatch (the plan;
+// `report`, whose first dispatcher.count_values() elements the dispatcher fills with its counts, copied to
+// scratch.report_host in the layer's one HostSync::moe_dispatch), Experts over this rank's `local` experts,
+// Combine into out [T, hidden]. Returns the Experts stage's seconds.
+double expert_parallel_stages(kernels::Backend& backend, parallel::TokenDispatcher& dispatcher,
+                              const parallel::LayerTables& tables,
+                              std::span<const kernels::ExpertWeights> local, const kernels::Tensor& h,
+                              const kernels::Tensor& experts, const kernels::Tensor& gate,
+                              const kernels::Tensor& report, MoeScratch& scratch, const kernels::Tensor& out);
 
 // out[rows, hidden] = MoE(h); out is overwritten. Every rank calls it for every MoE layer, rows may be 0.
 void moe_block(kernels::Backend& backend, const ModelConfig& config, const MoeWeights& weights,

@@ -21,6 +21,7 @@ class CpuBackend : public Backend {
   void rope(const Tensor& x, const RotaryLayout& layout, const Tensor& cos, const Tensor& sin) override;
   void add(const Tensor& dst, const Tensor& src) override;
   void add_sigmoid_gated(const Tensor& dst, const Tensor& src, const Tensor& gate) override;
+  void zero(const Tensor& t) override;
   void clamp(const Tensor& x, float limit) override;
   void gather_rows(const Tensor& src, std::span<const std::int64_t> rows, const Tensor& dst) override;
   void kv_store(std::span<const SequenceSlice> seqs, const Tensor& k, const Tensor& v,
@@ -34,6 +35,16 @@ class CpuBackend : public Backend {
   void grouped_expert_ffn(const Tensor& x, std::span<const std::int64_t> offsets,
                           std::span<const ExpertWeights> experts, const Tensor& out) override;
   void sample(const Tensor& logits, std::span<const SampleControls> controls, const Tensor& tokens) override;
+  void route(const moe::RouterParams& params, const Tensor& logits, const Tensor& probs,
+             const Tensor& experts, const Tensor& weights) override;
+  void schedule_capacity(const CapacityCall& call) override;
+  void count_experts(const Tensor& experts, const Tensor& counts) override;
+  void count_slot_states(const Tensor& status, const Tensor& dropped, const Tensor& rerouted) override;
+  void plan_dispatch(const Tensor& experts, const Tensor& weights, const Tensor& owners,
+                     const Tensor& local_index, const DispatchPlan& plan) override;
+  void group_received(const ReceivedGroups& groups) override;
+  void take_rows(const Tensor& src, const Tensor& index, const Tensor& dst) override;
+  void combine(const Tensor& y, const Tensor& position, const Tensor& weights, const Tensor& out) override;
   void set_num_threads(int n) override;
 
  protected:
@@ -56,6 +67,11 @@ class CpuBackend : public Backend {
   std::vector<float> latent_o_;
   std::vector<float> latent_kv_;
   std::vector<float> latent_ctx_;
+  // MoE index work: the capacity scheduler's workspace; the dispatch plan's destinations and entry places;
+  // each permute's per-chunk bases.
+  std::vector<std::uint64_t> capacity_workspace_;
+  std::vector<std::int32_t> dest_, first_dest_, entry_token_;
+  std::vector<std::int64_t> entry_position_, row_chunks_, entry_chunks_, group_chunks_;
   // sample: one row's candidate ids and their weights.
   std::vector<std::int32_t> sample_order_;
   std::vector<float> sample_probs_;

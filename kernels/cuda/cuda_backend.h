@@ -31,6 +31,7 @@ class CudaBackend final : public Backend {
   void rope(const Tensor& x, const RotaryLayout& layout, const Tensor& cos, const Tensor& sin) override;
   void add(const Tensor& dst, const Tensor& src) override;
   void add_sigmoid_gated(const Tensor& dst, const Tensor& src, const Tensor& gate) override;
+  void zero(const Tensor& t) override;
   void clamp(const Tensor& x, float limit) override;
   void gather_rows(const Tensor& src, std::span<const std::int64_t> rows, const Tensor& dst) override;
   void kv_store(std::span<const SequenceSlice> seqs, const Tensor& k, const Tensor& v,
@@ -44,6 +45,16 @@ class CudaBackend final : public Backend {
   void grouped_expert_ffn(const Tensor& x, std::span<const std::int64_t> offsets,
                           std::span<const ExpertWeights> experts, const Tensor& out) override;
   void sample(const Tensor& logits, std::span<const SampleControls> controls, const Tensor& tokens) override;
+  void route(const moe::RouterParams& params, const Tensor& logits, const Tensor& probs,
+             const Tensor& experts, const Tensor& weights) override;
+  void schedule_capacity(const CapacityCall& call) override;
+  void count_experts(const Tensor& experts, const Tensor& counts) override;
+  void count_slot_states(const Tensor& status, const Tensor& dropped, const Tensor& rerouted) override;
+  void plan_dispatch(const Tensor& experts, const Tensor& weights, const Tensor& owners,
+                     const Tensor& local_index, const DispatchPlan& plan) override;
+  void group_received(const ReceivedGroups& groups) override;
+  void take_rows(const Tensor& src, const Tensor& index, const Tensor& dst) override;
+  void combine(const Tensor& y, const Tensor& position, const Tensor& weights, const Tensor& out) override;
   void set_num_threads(int /*n*/) override {}
 
  protected:
@@ -66,6 +77,10 @@ class CudaBackend final : public Backend {
   Linear linear_;
   AttentionBatchArrays arrays_;  // host side of the last attention batch, reused
   Buffer row_pos_, row_seq_, block_tables_, gather_rows_, controls_, linear_workspace_, gate_, up_;
+  // MoE index work (moe_stages.cpp): the capacity scheduler's workspace; the dispatch plan's destinations and
+  // entry places; each permute's per-chunk bases.
+  Buffer capacity_workspace_, dest_, first_dest_, entry_position_, entry_token_, row_chunks_, entry_chunks_,
+      group_chunks_;
 };
 
 }  // namespace capserve::kernels::cuda

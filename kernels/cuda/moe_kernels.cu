@@ -84,10 +84,18 @@ __global__ void combine_kernel(const float* y, std::int64_t hidden, const std::i
     float acc = 0.0F;
     for (std::int64_t s = 0; s < top_k; ++s) {
       const std::int64_t row = position[t * top_k + s];
-      if (row >= 0) acc += weights[t * top_k + s] * y[row * hidden + c];
+      if (row >= 0) acc += (weights != nullptr ? weights[t * top_k + s] : 1.0F) * y[row * hidden + c];
     }
     out[t * hidden + c] = acc;
   }
+}
+
+__global__ void take_rows_kernel(const float* src, std::int64_t width, const std::int32_t* index,
+                                 float* dst) {
+  const std::int64_t row = blockIdx.x;
+  const float* in = src + static_cast<std::int64_t>(index[row]) * width;
+  float* out = dst + row * width;
+  for (std::int64_t c = threadIdx.x; c < width; c += blockDim.x) out[c] = in[c];
 }
 
 }  // namespace
@@ -157,6 +165,34 @@ void combine(const float* y, std::int64_t hidden, const std::int64_t* position, 
   if (tokens <= 0) return;
   launch(combine_kernel, static_cast<unsigned>(tokens), kThreads, 0, stream, y, hidden, position, weights,
          top_k, out);
+  CAPSERVE_CUDA_CHECK_LAUNCH();
+}
+
+void plan_dispatch(const moe::DispatchPlanView& v, cudaStream_t stream) {
+  CudaExec x{stream};
+  moe::run_plan_dispatch(x, v);
+}
+
+void group_received(const moe::ReceivedView& v, cudaStream_t stream) {
+  CudaExec x{stream};
+  moe::run_group_received(x, v);
+}
+
+void count_experts(const std::int32_t* experts, std::int64_t slots, std::int64_t* counts,
+                   cudaStream_t stream) {
+  CudaExec x{stream};
+  x.for_each(slots, moe::CountExperts{experts, counts});
+}
+
+void count_slot_states(const moe::CountSlotStates& body, std::int64_t tokens, cudaStream_t stream) {
+  CudaExec x{stream};
+  x.for_each(tokens, body);
+}
+
+void take_rows(const float* src, std::int64_t width, const std::int32_t* index, std::int64_t n, float* dst,
+               cudaStream_t stream) {
+  if (n <= 0) return;
+  launch(take_rows_kernel, static_cast<unsigned>(n), kThreads, 0, stream, src, width, index, dst);
   CAPSERVE_CUDA_CHECK_LAUNCH();
 }
 

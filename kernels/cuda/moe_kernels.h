@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <functional>
 
-#include "kernels/moe/index_logic.h"
+#include "kernels/moe/pipeline.h"
 
 namespace capserve::kernels::cuda {
 
@@ -47,8 +47,23 @@ void permute(const moe::PermuteParams& p, const std::int32_t* experts, const std
 void gather_rows(const float* h, std::int64_t hidden, const std::int32_t* row_token, const std::int64_t* rows,
                  std::int64_t max_rows, __nv_bfloat16* x, cudaStream_t stream);
 
-// out[t, :] = sum over the token's slots with a row (slot order) of weights[t, s] * y[position[t, s], :].
+// out[t, :] = sum over the token's slots with a row (slot order) of weights[t, s] * y[position[t, s], :];
+// weight 1 when weights is null.
 void combine(const float* y, std::int64_t hidden, const std::int64_t* position, const float* weights,
              std::int64_t tokens, std::int64_t top_k, float* out, cudaStream_t stream);
+
+// The dispatch plan and the receiver's grouping (pipeline.h), every pointer of the views set (device memory).
+void plan_dispatch(const moe::DispatchPlanView& v, cudaStream_t stream);
+void group_received(const moe::ReceivedView& v, cudaStream_t stream);
+
+// counts[e] += slots of experts [slots] per expert.
+void count_experts(const std::int32_t* experts, std::int64_t slots, std::int64_t* counts,
+                   cudaStream_t stream);
+// Per token, its dropped and rerouted slots.
+void count_slot_states(const moe::CountSlotStates& body, std::int64_t tokens, cudaStream_t stream);
+
+// dst[i, :] = src[index[i], :] for i < n, rows of `width` floats.
+void take_rows(const float* src, std::int64_t width, const std::int32_t* index, std::int64_t n, float* dst,
+               cudaStream_t stream);
 
 }  // namespace capserve::kernels::cuda

@@ -4,8 +4,6 @@
 #include <stdexcept>
 #include <string>
 
-#include "kernels/moe/pipeline.h"
-
 namespace capserve::kernels::moe {
 namespace {
 
@@ -15,7 +13,7 @@ struct HostExec {
 
   template <class Body>
   void for_each(std::int64_t n, const Body& body) {
-    for (std::int64_t i = 0; i < n; ++i) body(i);
+    for_each_on_host(n, body);
   }
   template <class T>
   void zero(T* data, std::int64_t n) {
@@ -119,6 +117,16 @@ PermuteResult permute_on_host(const PermuteParams& p, std::span<const std::int32
   run_permute(x, v);
   r.row_token.resize(static_cast<std::size_t>(r.offsets.back()));
   return r;
+}
+
+void plan_dispatch_on_host(const DispatchPlanView& v) {
+  HostExec x;
+  run_plan_dispatch(x, v);
+}
+
+void group_received_on_host(const ReceivedView& v) {
+  HostExec x;
+  run_group_received(x, v);
 }
 
 }  // namespace capserve::kernels::moe

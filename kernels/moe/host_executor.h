@@ -8,9 +8,15 @@
 #include <span>
 #include <vector>
 
-#include "kernels/moe/index_logic.h"
+#include "kernels/moe/pipeline.h"
 
 namespace capserve::kernels::moe {
+
+// One launch on the host: body(i) for i in [0, n), in order.
+template <class Body>
+void for_each_on_host(std::int64_t n, const Body& body) {
+  for (std::int64_t i = 0; i < n; ++i) body(i);
+}
 
 // Router: probs [T, E], experts and weights [T, k].
 void route_on_host(const RouterParams& p, std::span<const float> logits, std::span<float> probs,
@@ -49,5 +55,10 @@ struct PermuteResult {
 PermuteResult permute_on_host(const PermuteParams& p, std::span<const std::int32_t> experts,
                               std::span<const std::int32_t> owners,
                               std::span<const std::int32_t> local_index);
+
+// The dispatch plan and the receiver's grouping (pipeline.h) with their views' pointers all set, each
+// permute's chunk_base holding num_groups * permute_chunks + 1 elements.
+void plan_dispatch_on_host(const DispatchPlanView& v);
+void group_received_on_host(const ReceivedView& v);
 
 }  // namespace capserve::kernels::moe

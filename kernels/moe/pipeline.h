@@ -10,6 +10,7 @@
 //   reduce_sum(data, n)             global scope: data[0..n) summed over the ranks (local scope: nothing)
 #include <cstdint>
 
+#include "kernels/moe/dispatch_logic.h"
 #include "kernels/moe/index_logic.h"
 
 namespace capserve::kernels::moe {
@@ -72,6 +73,51 @@ void run_permute(Exec& x, const PermuteView& v) {
   x.exclusive_scan(v.chunk_base, n);
   x.for_each(v.p.num_groups + 1, PermuteOffsets{v, n});
   x.for_each(chunks, PermuteScatterChunk{v});
+}
+
+// The sender's dispatch plan: destinations, the send rows (a permute of each token's first slot per
+// destination, grouped by rank) and the entries (a permute of every kept slot by rank), then each entry
+// packed at its place.
+struct DispatchPlanView {
+  std::int64_t tokens = 0;
+  std::int64_t top_k = 0;
+  const std::int32_t* experts = nullptr;
+  const float* weights = nullptr;
+  const std::int32_t* owners = nullptr;
+  const std::int32_t* local_index = nullptr;
+  std::int32_t* dest = nullptr;        // [T, k] workspace
+  std::int32_t* first_dest = nullptr;  // [T, k] workspace
+  PermuteView rows;                    // experts = first_dest, groups = ranks
+  PermuteView entry_slots;             // experts = dest, groups = ranks
+  DispatchEntry* entries = nullptr;
+  std::int64_t* counts = nullptr;  // [2, ranks]: rows, then entries, per destination
+};
+
+template <class Exec>
+void run_plan_dispatch(Exec& x, const DispatchPlanView& v) {
+  x.for_each(v.tokens, MapDestinations{v.top_k, v.experts, v.owners, v.dest, v.first_dest});
+  run_permute(x, v.rows);
+  run_permute(x, v.entry_slots);
+  x.for_each(v.tokens * v.top_k,
+             PackEntries{v.top_k, v.experts, v.weights, v.local_index, v.dest, v.rows.offsets,
+                         v.rows.position, v.entry_slots.position, v.entries});
+  x.for_each(v.rows.p.num_groups,
+             CountsFromOffsets{v.rows.p.num_groups, v.rows.offsets, v.entry_slots.offsets, v.counts});
+}
+
+// The receiver's grouping: the entries into a [rows, k] matrix of local experts, then a permute by expert.
+struct ReceivedView {
+  std::int64_t entries = 0;  // received entries
+  std::int64_t ranks = 0;
+  UnpackEntries unpack;  // its experts / weights are group.experts and the weights matrix
+  PermuteView group;     // tokens = received rows, groups = local experts
+};
+
+template <class Exec>
+void run_group_received(Exec& x, const ReceivedView& v) {
+  x.for_each(v.group.p.tokens * v.group.p.top_k, ClearSlots{v.unpack.experts, v.unpack.weights});
+  x.for_each(v.entries, v.unpack);
+  run_permute(x, v.group);
 }
 
 }  // namespace capserve::kernels::moe

@@ -14,7 +14,7 @@ import grpc
 from capserve_e2e import BIN, LAUNCH, MODEL, NP, ServerTestCase, _descendants, chat_request, main, pb_grpc
 
 STREAMS = 3
-TOKENS = 400
+TOKENS = 900  # long enough that the drain outlasts the first health poll on a loaded machine
 SERVICE = "capserve.v1.Inference"
 
 

@@ -41,6 +41,7 @@
 #include <nlohmann/json.hpp>
 
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/moe/host_executor.h"
 #include "parallel/capacity_config.h"
 #include "parallel/capacity_stage.h"
 #include "parallel/expert_placement.h"
@@ -326,8 +327,11 @@ void synth_logits(std::span<const double> pi, std::int64_t tokens, std::int64_t 
   }
 }
 
+// This rank's tokens of one layer: router probabilities, top-k experts and weights (pristine).
 struct SyntheticLayerData {
-  runtime::Routing routing;  // this rank's tokens: probs, top-k experts and weights (pristine)
+  std::vector<float> probs;
+  std::vector<std::int32_t> experts;
+  std::vector<float> weights;
 };
 
 // Top-k of the synthetic routing: the flag, else what the counts file tells; never a guess.
@@ -426,8 +430,14 @@ int run_synthetic(parallel::MpiWorld& world, parallel::MpiCommunicator& comm, co
       std::mt19937_64 rng(mix64(seed ^ mix64(d * 1000 + static_cast<std::uint64_t>(l) * 10 +
                                              static_cast<std::uint64_t>(rank) * 7919 + 1)));
       synth_logits(pi, tokens, k, rng, logits);
-      SyntheticLayerData layer;
-      runtime::route_softmax_topk(logits, tokens, E, k, false, layer.routing);
+      SyntheticLayerData layer{std::vector<float>(static_cast<std::size_t>(tokens * E)),
+                               std::vector<std::int32_t>(static_cast<std::size_t>(tokens * k)),
+                               std::vector<float>(static_cast<std::size_t>(tokens * k))};
+      runtime::ModelConfig router;
+      router.num_experts = E;
+      router.top_k = k;
+      kernels::moe::route_on_host(runtime::router_params(router, tokens), logits, layer.probs, layer.experts,
+                                  layer.weights);
       data[d].push_back(std::move(layer));
     }
   }
@@ -441,6 +451,9 @@ int run_synthetic(parallel::MpiWorld& world, parallel::MpiCommunicator& comm, co
 
   kernels::cpu::CpuBackend backend(threads);
   parallel::TokenDispatcher dispatcher(comm);
+  const parallel::PlacementTables tables(backend, placement, rank);
+  runtime::MoeScratch scratch;
+  std::int64_t totals[2] = {0, 0};
   std::vector<std::unique_ptr<parallel::CapacityStage>> schedulers;
   for (const Contender& c : contenders) {
     if (const std::string why = c.config.validate(L); !why.empty()) throw std::runtime_error(why);
@@ -458,7 +471,7 @@ int run_synthetic(parallel::MpiWorld& world, parallel::MpiCommunicator& comm, co
 
   const auto run_step = [&](std::size_t d, std::size_t c) {
     for (std::int64_t l = 0; l < L; ++l) {
-      const runtime::Routing& r = data[d][static_cast<std::size_t>(l)].routing;
+      const SyntheticLayerData& r = data[d][static_cast<std::size_t>(l)];
       experts[static_cast<std::size_t>(l)] = r.experts;
       weights[static_cast<std::size_t>(l)] = r.weights;
     }
@@ -471,21 +484,32 @@ int run_synthetic(parallel::MpiWorld& world, parallel::MpiCommunicator& comm, co
     t_sched += seconds_since(t0);
     for (std::int64_t l = 0; l < L; ++l) {
       const auto li = static_cast<std::size_t>(l);
-      const runtime::Routing& r = data[d][li].routing;
-      parallel::LayerRouting routing{tokens,      k,      E,  r.probs, experts[li],
-                                     weights[li], status, {}, false,   1.0F};
+      using kernels::Tensor;
+      const Tensor expert_ids = Tensor::host(std::span(experts[li]), {tokens, k});
+      const Tensor gate = Tensor::host(std::span(weights[li]), {tokens, k});
+      const parallel::LayerRouting routing{
+          Tensor::host(std::span<const float>(data[d][li].probs), {tokens, E}),
+          expert_ids,
+          gate,
+          Tensor::host(std::span(reinterpret_cast<std::uint8_t*>(status.data()), status.size()), {tokens, k}),
+          {},
+          Tensor::host(std::span<std::int64_t>(totals), {2}),
+          false,
+          1.0F};
       const auto ts = Clock::now();
-      const parallel::LayerCounts counts = sched.apply(l, placement, routing);
+      sched.apply(backend, l, tables.layer(l), routing);
       t_sched += seconds_since(ts);
-      const parallel::LayerExperts layer{placement.owners(l), placement.local_index(l), local_weights};
-      dispatcher.run(h, tokens, hidden, k, experts[li], weights[li], layer, backend, out);
+      const Tensor report = backend.scratch(scratch.report, kernels::DType::i64, {dispatcher.count_values()});
+      t_exp += runtime::expert_parallel_stages(backend, dispatcher, tables.layer(l), local_weights,
+                                               Tensor::host(std::span<const float>(h), {tokens, hidden}),
+                                               expert_ids, gate, report, scratch,
+                                               Tensor::host(std::span(out), {tokens, hidden}));
       const parallel::DispatchCounters& m = dispatcher.counters();
       t_disp += m.dispatch_seconds;
-      t_exp += m.expert_seconds;
       t_comb += m.combine_seconds;
       wire += m.wire_bytes;
-      dropped += counts.dropped;
-      rerouted += counts.rerouted;
+      dropped += totals[0];
+      rerouted += totals[1];
     }
     const double total = seconds_since(t0);
     // Outside the timed region: slowest rank's times, global loads and counts.

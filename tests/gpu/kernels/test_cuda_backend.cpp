@@ -149,6 +149,120 @@ TEST_F(BackendPair, DenseOperationsAgree) {
   EXPECT_LT(relative_error(finals[1], finals[0]), 1e-6);
 }
 
+// The MoE stages' operations, chained on each backend from the same router logits: route, expert and slot
+// counts, capacity (drop), the dispatch plan over 2 ranks, the grouping of what both ranks would receive,
+// take_rows and combine. Index results must be identical; floats within 1e-6.
+TEST_F(BackendPair, MoeStagesAgree) {
+  Rng rng(303);
+  const std::int64_t T = 37, E = 8, k = 2, ranks = 2, hidden = 16;
+  const std::vector<float> logits = normal(rng, static_cast<std::size_t>(T * E), 2.0F);
+  const std::vector<float> h = normal(rng, static_cast<std::size_t>(T * hidden));
+  const std::vector<std::int32_t> owners = {0, 0, 0, 0, 1, 1, 1, 1};
+  const std::vector<std::int32_t> local_index = {0, 1, 2, 3, 0, 1, 2, 3};
+  const std::vector<std::int32_t> local_list = {0, 1, 2, 3};
+  std::vector<std::vector<std::int64_t>> ints[2];
+  std::vector<std::vector<float>> floats[2];
+  std::vector<std::vector<std::uint8_t>> bytes[2];
+  Backend* backends[2] = {&cpu_, &gpu()};
+  for (int b = 0; b < 2; ++b) {
+    Backend& be = *backends[b];
+    const auto zeros_of = [&](DType dtype, std::initializer_list<std::int64_t> shape) {
+      buffers_.emplace_back();
+      const Tensor t = be.scratch(buffers_.back(), dtype, shape);
+      be.zero(t);
+      return t;
+    };
+    moe::RouterParams p;
+    p.tokens = T;
+    p.num_experts = E;
+    p.top_k = k;
+    p.normalize = true;
+    const Tensor probs = zeros_of(DType::f32, {T, E});
+    const Tensor experts = zeros_of(DType::i32, {T, k});
+    const Tensor weights = zeros_of(DType::f32, {T, k});
+    be.route(p, put(be, logits, {T, E}), probs, experts, weights);
+    const Tensor routed = zeros_of(DType::i64, {E});
+    be.count_experts(experts, routed);
+
+    CapacityCall call;
+    call.params.tokens = T;
+    call.params.top_k = k;
+    call.params.num_experts = E;
+    call.params.nbins = E;
+    call.params.total_tokens = T;
+    call.params.gamma = 0.5;
+    call.params.normalized = true;
+    call.probs = probs;
+    call.local_list = put(be, local_list, {4});
+    call.experts = experts;
+    call.weights = weights;
+    call.status = zeros_of(DType::u8, {T, k});
+    call.totals = zeros_of(DType::i64, {2});
+    be.schedule_capacity(call);
+    const Tensor dropped = zeros_of(DType::i64, {T});
+    const Tensor rerouted = zeros_of(DType::i64, {T});
+    be.count_slot_states(call.status, dropped, rerouted);
+
+    DispatchPlan plan;
+    plan.row_offsets = zeros_of(DType::i64, {ranks + 1});
+    plan.row_position = zeros_of(DType::i64, {T, k});
+    plan.row_token = zeros_of(DType::i32, {T * k});
+    plan.entry_offsets = zeros_of(DType::i64, {ranks + 1});
+    plan.entries = zeros_of(DType::u8, {T * k, static_cast<std::int64_t>(sizeof(moe::DispatchEntry))});
+    plan.counts = zeros_of(DType::i64, {2 * ranks});
+    be.plan_dispatch(experts, weights, put(be, owners, {E}), put(be, local_index, {E}), plan);
+    const std::vector<std::int64_t> row_offsets = get<std::int64_t>(be, plan.row_offsets);
+    const std::vector<std::int64_t> entry_offsets = get<std::int64_t>(be, plan.entry_offsets);
+    const std::int64_t rows = row_offsets.back();
+    const std::int64_t entries = entry_offsets.back();
+
+    // Both destinations' blocks as one receiver's: the sources are the two blocks.
+    const ReceivedGroups groups{plan.entries.rows(0, entries),
+                                plan.entry_offsets,
+                                plan.row_offsets,
+                                zeros_of(DType::i32, {rows, k}),
+                                zeros_of(DType::f32, {rows, k}),
+                                zeros_of(DType::i64, {5}),
+                                zeros_of(DType::i64, {rows, k}),
+                                zeros_of(DType::i32, {rows * k})};
+    be.group_received(groups);
+    const std::int64_t grouped = get<std::int64_t>(be, groups.offsets).back();
+    const Tensor sent = zeros_of(DType::f32, {rows, hidden});
+    be.take_rows(put(be, h, {T, hidden}), plan.row_token, sent);
+    const Tensor grouped_rows = zeros_of(DType::f32, {grouped, hidden});
+    be.take_rows(sent, groups.row_source, grouped_rows);
+    const Tensor results = zeros_of(DType::f32, {rows, hidden});
+    be.combine(grouped_rows, groups.position, groups.weights, results);
+    const Tensor out = zeros_of(DType::f32, {T, hidden});
+    be.combine(results, plan.row_position, {}, out);
+
+    ints[b] = {get<std::int64_t>(be, routed),
+               get<std::int64_t>(be, call.totals),
+               get<std::int64_t>(be, dropped),
+               get<std::int64_t>(be, rerouted),
+               row_offsets,
+               entry_offsets,
+               get<std::int64_t>(be, plan.row_position),
+               get<std::int64_t>(be, plan.counts),
+               get<std::int64_t>(be, groups.offsets),
+               get<std::int64_t>(be, groups.position)};
+    const std::vector<std::int32_t> e = get<std::int32_t>(be, experts);
+    const std::vector<std::int32_t> t = get<std::int32_t>(be, plan.row_token);
+    const std::vector<std::int32_t> g = get<std::int32_t>(be, groups.experts);
+    ints[b].emplace_back(e.begin(), e.end());
+    ints[b].emplace_back(t.begin(), t.begin() + rows);
+    ints[b].emplace_back(g.begin(), g.end());
+    floats[b] = {get<float>(be, probs), get<float>(be, weights), get<float>(be, out)};
+    bytes[b] = {get<std::uint8_t>(be, call.status), get<std::uint8_t>(be, plan.entries.rows(0, entries))};
+  }
+  ASSERT_GT(ints[0][1][0], 0) << "gamma 0.5 dropped nothing: the capacity check is weaker than meant";
+  for (std::size_t i = 0; i < ints[0].size(); ++i) EXPECT_EQ(ints[1][i], ints[0][i]) << "index result " << i;
+  for (std::size_t i = 0; i < bytes[0].size(); ++i)
+    EXPECT_EQ(bytes[1][i], bytes[0][i]) << "byte result " << i;
+  for (std::size_t i = 0; i < floats[0].size(); ++i)
+    EXPECT_LT(relative_error(floats[1][i], floats[0][i]), 1e-6) << "float result " << i;
+}
+
 TEST_F(BackendPair, AttentionOverPagedCachesAgrees) {
   Rng rng(103);
   const std::int64_t heads = 4, kv_heads = 2, d = 16, block = 4, blocks = 10;

@@ -28,9 +28,9 @@
 #include "parallel/capacity_stage.h"
 #include "parallel/expert_placement.h"
 #include "parallel/self_communicator.h"
-#include "runtime/moe_block.h"
 #include "runtime/sampler.h"
 #include "tests/gpu/gpu_test_support.h"
+#include "tests/support/capacity_layer.h"
 
 namespace capserve {
 namespace {
@@ -97,8 +97,7 @@ TEST(CudaKernels, RouterMatchesTheCpuRouter) {
     const std::int64_t T = uniform(rng, 1, 500);
     const bool normalize = uniform(rng, 0, 1) == 1;
     const std::vector<float> logits = normal_vector(rng, static_cast<std::size_t>(T * E), 3.0F);
-    runtime::Routing cpu;
-    runtime::route_softmax_topk(logits, T, E, k, normalize, cpu);
+    const testing::HostRouting cpu = testing::route_softmax(logits, T, E, k, normalize);
 
     moe::RouterParams p;
     p.tokens = T;
@@ -226,8 +225,7 @@ TEST(CudaKernels, CapacityStageDecisionsAreBitIdentical) {
     // Logits on a grid: many exact ties.
     std::vector<float> logits(static_cast<std::size_t>(T * E));
     for (float& l : logits) l = static_cast<float>(uniform(rng, 0, 3)) * 0.5F;
-    runtime::Routing routing;
-    runtime::route_softmax_topk(logits, T, E, k, normalized, routing);
+    const testing::HostRouting routing = testing::route_softmax(logits, T, E, k, normalized);
     const parallel::ExpertPlacement placement = parallel::ExpertPlacement::contiguous(1, E, ranks);
     SCOPED_TRACE("trial " + std::to_string(trial) + ": T=" + std::to_string(T) + " E=" + std::to_string(E) +
                  " k=" + std::to_string(k) + " " + parallel::describe(config));
@@ -241,9 +239,8 @@ TEST(CudaKernels, CapacityStageDecisionsAreBitIdentical) {
       parallel::SelfCommunicator self;
       parallel::CapacityStage scheduler(config, self);
       scheduler.begin_step(T);
-      parallel::LayerRouting r{T,           k,          E,  routing.probs, cpu_experts,
-                               cpu_weights, cpu_status, {}, normalized,    1.0F};
-      scheduler.apply(0, placement, r);
+      testing::apply_layer(scheduler, 0, placement, 0, T, k, routing.probs, cpu_experts, cpu_weights,
+                           cpu_status, {}, normalized, 1.0F);
     }
 
     // Device.

@@ -29,6 +29,7 @@
 #include "parallel/self_communicator.h"
 #include "parallel/token_dispatcher.h"
 #include "runtime/moe_block.h"
+#include "tests/support/expert_parallel.h"
 #include "tests/support/thread_communicator.h"
 
 namespace capserve {
@@ -200,8 +201,9 @@ TEST(MoeIndexLogic, PermuteEqualsTheDispatchersGroupingOnOneRank) {
     parallel::TokenDispatcher dispatcher(self);
     RecordingBackend backend;
     std::vector<float> out(static_cast<std::size_t>(T * hidden));
-    dispatcher.run(h, T, hidden, k, experts, weights, {placement.owners(0), placement.local_index(0), local},
-                   backend, out);
+    const parallel::PlacementTables tables(backend, placement, 0);
+    testing::ExpertParallelLayer layer{backend, dispatcher, tables.layer(0), local};
+    layer.run(h, T, hidden, k, experts, weights, out);
 
     moe::PermuteParams p;
     p.tokens = T;
@@ -270,8 +272,9 @@ TEST(MoeIndexLogic, PermuteEqualsTheDispatchersGroupingOnEveryRank) {
       parallel::TokenDispatcher dispatcher(comm);
       RecordingBackend backend;
       std::vector<float> out(static_cast<std::size_t>(T));
-      dispatcher.run(h, T, hidden, k, mine, weights,
-                     {placement.owners(0), placement.local_index(0), weights_of}, backend, out);
+      const parallel::PlacementTables tables(backend, placement, comm.rank());
+      testing::ExpertParallelLayer layer{backend, dispatcher, tables.layer(0), weights_of};
+      layer.run(h, T, hidden, k, mine, weights, out);
       offsets[r] = backend.offsets;
       rows[r] = backend.x;
     });

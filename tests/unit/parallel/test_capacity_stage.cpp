@@ -26,6 +26,7 @@
 #include "parallel/capacity_stage.h"
 #include "parallel/expert_placement.h"
 #include "parallel/self_communicator.h"
+#include "tests/support/capacity_layer.h"
 #include "tests/support/thread_communicator.h"
 
 namespace capserve::parallel {
@@ -216,18 +217,11 @@ std::vector<Outcome> run_impl(const Case& c, Transport transport = Transport::au
       if (!c.exempt.empty())
         exempt = std::span<const std::uint8_t>(c.exempt).subspan(static_cast<std::size_t>(first),
                                                                  static_cast<std::size_t>(n));
-      LayerRouting routing{n,
-                           k,
-                           E,
-                           std::span<const float>(c.layers[l].probs)
-                               .subspan(static_cast<std::size_t>(first * E), static_cast<std::size_t>(n * E)),
-                           experts,
-                           weights,
-                           status,
-                           exempt,
-                           c.normalized,
-                           c.scaling};
-      const LayerCounts counts = scheduler.apply(static_cast<std::int64_t>(l), *c.placement, routing);
+      const testing::LayerCounts counts = testing::apply_layer(
+          scheduler, static_cast<std::int64_t>(l), *c.placement, comm.rank(), n, k,
+          std::span<const float>(c.layers[l].probs)
+              .subspan(static_cast<std::size_t>(first * E), static_cast<std::size_t>(n * E)),
+          experts, weights, status, exempt, c.normalized, c.scaling);
       const std::lock_guard lock(mutex);
       std::copy(experts.begin(), experts.end(), out[l].experts.begin() + a);
       std::copy(weights.begin(), weights.end(), out[l].weights.begin() + a);
@@ -1321,18 +1315,11 @@ TEST(CapacityStage, ReusedAcrossStepsAndLayers) {
         o.experts.assign(in.experts.begin() + first * k, in.experts.begin() + (first + n) * k);
         o.weights.assign(in.weights.begin() + first * k, in.weights.begin() + (first + n) * k);
         o.status.assign(static_cast<std::size_t>(n * k), SlotStatus::dropped);
-        LayerRouting routing{n,
-                             k,
-                             E,
-                             std::span<const float>(in.probs).subspan(static_cast<std::size_t>(first * E),
-                                                                      static_cast<std::size_t>(n * E)),
-                             o.experts,
-                             o.weights,
-                             o.status,
-                             {},
-                             true,
-                             1.0F};
-        const LayerCounts counts = scheduler.apply(l, *placement, routing);
+        const testing::LayerCounts counts =
+            testing::apply_layer(scheduler, l, *placement, comm.rank(), n, k,
+                                 std::span<const float>(in.probs).subspan(static_cast<std::size_t>(first * E),
+                                                                          static_cast<std::size_t>(n * E)),
+                                 o.experts, o.weights, o.status, {}, true, 1.0F);
         o.dropped = counts.dropped;
         o.rerouted = counts.rerouted;
       }
@@ -1373,11 +1360,13 @@ TEST(CapacityStage, RejectsAMismatchedPlacementOrTokenCount) {
   std::vector<std::int32_t> experts = {0, 1};
   std::vector<float> weights = {0.25F, 0.25F};
   std::vector<SlotStatus> status(2);
-  LayerRouting routing{2, 1, 4, probs, experts, weights, status, {}, false, 1.0F};
+  const auto apply = [&](const ExpertPlacement& placement) {
+    testing::apply_layer(scheduler, 0, placement, 0, 2, 1, probs, experts, weights, status, {}, false, 1.0F);
+  };
   scheduler.begin_step(2);
-  EXPECT_THROW(scheduler.apply(0, two_ranks, routing), std::invalid_argument);
+  EXPECT_THROW(apply(two_ranks), std::invalid_argument);
   scheduler.begin_step(3);
-  EXPECT_THROW(scheduler.apply(0, ExpertPlacement::contiguous(1, 4, 1), routing), std::logic_error);
+  EXPECT_THROW(apply(ExpertPlacement::contiguous(1, 4, 1)), std::logic_error);
 }
 
 // ---------------------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@
 #include "parallel/expert_placement.h"
 #include "parallel/self_communicator.h"
 #include "parallel/token_dispatcher.h"
+#include "tests/support/expert_parallel.h"
 #include "tests/support/thread_communicator.h"
 
 namespace capserve::parallel {
@@ -114,7 +115,8 @@ std::vector<std::vector<RankResult>> run(const std::vector<Step>& steps, const E
     kernels::cpu::CpuBackend backend(1);
     TokenDispatcher dispatcher(comm);
     const std::vector<kernels::ExpertWeights> local = experts.local(placement, r);
-    const LayerExperts layer{placement.owners(0), placement.local_index(0), local};
+    const PlacementTables tables(backend, placement, r);
+    testing::ExpertParallelLayer layer{backend, dispatcher, tables.layer(0), local};
     for (std::size_t i = 0; i < steps.size(); ++i) {
       const Step& s = steps[i];
       const std::int64_t first = offsets_of(s.split)[static_cast<std::size_t>(r)];
@@ -122,14 +124,14 @@ std::vector<std::vector<RankResult>> run(const std::vector<Step>& steps, const E
       RankResult& res = results[i][static_cast<std::size_t>(r)];
       res.out.assign(static_cast<std::size_t>(n * kHidden), 12345.0F);  // must be overwritten
       const std::int64_t before = comm.bytes_sent();
-      dispatcher.run(std::span<const float>(s.h).subspan(static_cast<std::size_t>(first * kHidden),
-                                                         static_cast<std::size_t>(n * kHidden)),
-                     n, kHidden, s.k,
-                     std::span<const std::int32_t>(s.experts).subspan(static_cast<std::size_t>(first * s.k),
-                                                                      static_cast<std::size_t>(n * s.k)),
-                     std::span<const float>(s.weights).subspan(static_cast<std::size_t>(first * s.k),
-                                                               static_cast<std::size_t>(n * s.k)),
-                     layer, backend, res.out);
+      layer.run(std::span<const float>(s.h).subspan(static_cast<std::size_t>(first * kHidden),
+                                                    static_cast<std::size_t>(n * kHidden)),
+                n, kHidden, s.k,
+                std::span<const std::int32_t>(s.experts).subspan(static_cast<std::size_t>(first * s.k),
+                                                                 static_cast<std::size_t>(n * s.k)),
+                std::span<const float>(s.weights).subspan(static_cast<std::size_t>(first * s.k),
+                                                          static_cast<std::size_t>(n * s.k)),
+                res.out);
       res.bytes = comm.bytes_sent() - before;
       res.counters = dispatcher.counters();
     }

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/moe/host_executor.h"
 #include "parallel/capacity_config.h"
 #include "parallel/capacity_stage.h"
 #include "parallel/expert_placement.h"
@@ -137,13 +138,17 @@ TEST_P(DeepSeek, SharedExpertsSurviveCapacityDropForEveryToken) {
   stats.expert_load.assign(static_cast<std::size_t>(c.num_experts), 0);
   std::vector<std::int32_t> dropped(static_cast<std::size_t>(rows), 0);
   std::vector<std::int32_t> rerouted(static_cast<std::size_t>(rows), 0);
-  MoeLayerContext context{layer, placement, scheduler, dispatcher, {}, stats, dropped, rerouted};
+  const parallel::PlacementTables tables(backend_, placement, 0);
+  MoeLayerContext context{layer, tables.layer(layer), scheduler, dispatcher, {}, stats, dropped, rerouted};
   MoeScratch scratch;
   std::vector<float> out(h.size());
   using kernels::Tensor;
   moe_block(backend_, c, moe, Tensor::host(std::span(h), {rows, hidden}),
             Tensor::host(std::span(out), {rows, hidden}), scratch, context);
   EXPECT_GT(stats.dropped, rows * c.top_k / 2);
+  const auto chosen =
+      scratch.experts.view(kernels::DType::i32, {rows, c.top_k}).host_span<const std::int32_t>();
+  const auto gates = scratch.weights.view(kernels::DType::f32, {rows, c.top_k}).host_span<const float>();
 
   // Shared experts of every row, and each kept routed expert of each row, computed on their own.
   std::vector<float> shared(h.size());
@@ -157,14 +162,14 @@ TEST_P(DeepSeek, SharedExpertsSurviveCapacityDropForEveryToken) {
     std::vector<double> want(shared.begin() + t * hidden, shared.begin() + (t + 1) * hidden);
     std::int64_t kept = 0;
     for (std::int64_t s = 0; s < c.top_k; ++s) {
-      const std::int32_t e = scratch.routing.experts[static_cast<std::size_t>(t * c.top_k + s)];
+      const std::int32_t e = chosen[static_cast<std::size_t>(t * c.top_k + s)];
       if (e < 0) continue;
       ++kept;
       const std::int64_t single[2] = {0, 1};
       backend_.grouped_expert_ffn(Tensor::host(row, {1, hidden}), single,
                                   std::span(&moe.experts[static_cast<std::size_t>(e)], 1),
                                   Tensor::host(std::span(one), {1, hidden}));
-      const float w = scratch.routing.weights[static_cast<std::size_t>(t * c.top_k + s)];
+      const float w = gates[static_cast<std::size_t>(t * c.top_k + s)];
       for (std::int64_t i = 0; i < hidden; ++i)
         want[static_cast<std::size_t>(i)] += w * one[static_cast<std::size_t>(i)];
     }
@@ -193,8 +198,16 @@ TEST(DeepSeekRouting, GroupLimitedTopKStaysInTheBestGroups) {
   router.n_group = 4;
   router.topk_group = 2;
   router.scaling = 2.5;
-  Routing out;
-  route_softmax_topk(logits, 1, 8, 3, false, out, router);
+  struct Routing {
+    std::vector<float> probs = std::vector<float>(8);
+    std::vector<std::int32_t> experts = std::vector<std::int32_t>(3);
+    std::vector<float> weights = std::vector<float>(3);
+  } out;
+  ModelConfig config;
+  config.num_experts = 8;
+  config.top_k = 3;
+  config.router = router;
+  kernels::moe::route_on_host(router_params(config, 1), logits, out.probs, out.experts, out.weights);
   EXPECT_EQ(out.experts, (std::vector<std::int32_t>{0, 2, 1}));
   double sum = 0;
   for (const float p : out.probs) sum += p;
@@ -202,7 +215,8 @@ TEST(DeepSeekRouting, GroupLimitedTopKStaysInTheBestGroups) {
   for (std::size_t s = 0; s < 3; ++s)
     EXPECT_FLOAT_EQ(out.weights[s], 2.5F * out.probs[static_cast<std::size_t>(out.experts[s])]);
 
-  route_softmax_topk(logits, 1, 8, 3, false, out);
+  config.router = {};
+  kernels::moe::route_on_host(router_params(config, 1), logits, out.probs, out.experts, out.weights);
   EXPECT_EQ(out.experts, (std::vector<std::int32_t>{0, 2, 6})) << "without group limiting";
 }
 

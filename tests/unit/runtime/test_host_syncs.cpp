@@ -1,6 +1,6 @@
 // The host synchronisations of a step, as runtime/README.md lists them: a serving step (forward, then sample)
-// makes exactly one, the sampled tokens; the logits reach the host only when someone asks for them, once per
-// step however often they are read.
+// makes two per MoE layer (the dispatch report, the expert group sizes) and one per step (the sampled tokens);
+// the logits reach the host only when someone asks for them, once per step however often they are read.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -18,7 +18,7 @@ namespace {
 
 using kernels::HostSync;
 
-TEST(HostSyncs, AServingStepSynchronisesOnlyForTheSampledTokens) {
+TEST(HostSyncs, AServingStepSynchronisesTwicePerMoeLayerAndOnceForTheSampledTokens) {
   kernels::cpu::CpuBackend backend(2);
   const auto model = runtime::Model::load(testing::fixture_models_dir() / "olmoe_bf16", backend);
   runtime::Engine engine(*model, {});
@@ -37,6 +37,14 @@ TEST(HostSyncs, AServingStepSynchronisesOnlyForTheSampledTokens) {
     engine.sample(controls, next);
     EXPECT_EQ(backend.host_syncs(HostSync::sampled_tokens), static_cast<std::int64_t>(step + 1));
     EXPECT_EQ(backend.host_syncs(HostSync::logits), 0);
+    const auto moe_layers = static_cast<std::int64_t>(model->moe_layers().size());
+    ASSERT_GT(moe_layers, 0);
+    EXPECT_EQ(backend.host_syncs(HostSync::moe_dispatch), moe_layers * static_cast<std::int64_t>(step + 1));
+    EXPECT_EQ(backend.host_syncs(HostSync::moe_groups), moe_layers * static_cast<std::int64_t>(step + 1));
+    std::int64_t all = 0;
+    for (int why = 0; why < static_cast<int>(HostSync::count_); ++why)
+      all += backend.host_syncs(static_cast<HostSync>(why));
+    EXPECT_EQ(all, (2 * moe_layers + 1) * static_cast<std::int64_t>(step + 1)) << "a synchronisation not listed";
     work = {{1, std::span(&next[0], 1), false}, {2, std::span(&next[1], 1), false}};
   }
 

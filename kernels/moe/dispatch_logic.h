@@ -1,0 +1,135 @@
+#pragma once
+// The index logic of expert-parallel dispatch, as thread bodies like index_logic.h's: the sender's plan (each
+// token's hidden row once per destination rank hosting any of its kept experts, plus one entry per kept
+// slot saying which row, which of the destination's experts and with what gate weight), and the receiver's
+// unpacking of those entries into a [rows, top_k] matrix that permute then groups by local expert. Rows and
+// entries are grouped by destination in (token, slot) order, so what a rank receives is ordered by source
+// rank, then the source's token order: the same on every device and every run.
+#include <cstdint>
+
+#include "kernels/moe/index_logic.h"
+
+namespace capserve::kernels::moe {
+
+// One dispatched (row, expert) pair on the wire.
+struct DispatchEntry {
+  std::int32_t row;           // row within the block sent to this destination
+  std::int32_t local_expert;  // index among the destination's experts
+  float weight;
+};
+static_assert(sizeof(DispatchEntry) == 12, "the wire format of one dispatched assignment");
+
+// Thread per token: each slot's destination rank (-1 when dropped), and the same again only where the slot is
+// the token's first one going to that rank (where its row is sent from).
+struct MapDestinations {
+  std::int64_t top_k;
+  const std::int32_t* experts;  // [T, k]
+  const std::int32_t* owners;   // [E]
+  std::int32_t* dest;           // [T, k]
+  std::int32_t* first_dest;     // [T, k]
+  CAPSERVE_HD void operator()(std::int64_t t) const {
+    std::int32_t* d = dest + t * top_k;
+    for (std::int64_t s = 0; s < top_k; ++s) {
+      const std::int32_t e = experts[t * top_k + s];
+      d[s] = e < 0 ? -1 : owners[e];
+      first_dest[t * top_k + s] = d[s] >= 0 && !contains(d, s, d[s]) ? d[s] : -1;
+    }
+  }
+};
+
+// Thread per slot: the kept slot's entry, at its place among its destination's entries. Its row is the
+// position of its token's row in that destination's block.
+struct PackEntries {
+  std::int64_t top_k;
+  const std::int32_t* experts;         // [T, k]
+  const float* weights;                // [T, k]
+  const std::int32_t* local_index;     // [E]
+  const std::int32_t* dest;            // [T, k]
+  const std::int64_t* row_offsets;     // [ranks + 1]: first row of each destination's block
+  const std::int64_t* row_position;    // [T, k]: row of each token's first slot per destination
+  const std::int64_t* entry_position;  // [T, k]: place of each kept slot's entry
+  DispatchEntry* entries;
+  CAPSERVE_HD void operator()(std::int64_t slot) const {
+    const std::int32_t d = dest[slot];
+    if (d < 0) return;
+    std::int64_t first = slot - slot % top_k;
+    while (dest[first] != d) ++first;
+    entries[entry_position[slot]] = {static_cast<std::int32_t>(row_position[first] - row_offsets[d]),
+                                     local_index[experts[slot]], weights[slot]};
+  }
+};
+
+// Thread per destination rank: its rows and entries, from the two permutes' offsets.
+struct CountsFromOffsets {
+  std::int64_t ranks;
+  const std::int64_t* row_offsets;    // [ranks + 1]
+  const std::int64_t* entry_offsets;  // [ranks + 1]
+  std::int64_t* counts;               // [2, ranks]
+  CAPSERVE_HD void operator()(std::int64_t d) const {
+    counts[d] = row_offsets[d + 1] - row_offsets[d];
+    counts[ranks + d] = entry_offsets[d + 1] - entry_offsets[d];
+  }
+};
+
+// Thread per received row slot: empty (-1, weight 0) before the entries are unpacked.
+struct ClearSlots {
+  std::int32_t* experts;
+  float* weights;
+  CAPSERVE_HD void operator()(std::int64_t i) const {
+    experts[i] = -1;
+    weights[i] = 0.0F;
+  }
+};
+
+// Thread per received entry: into the [rows, top_k] matrix of local experts and weights, at its row (among
+// all received rows: the source's block start plus the entry's row) and its rank among that row's entries
+// (a row's entries arrive together, in the source's slot order).
+struct UnpackEntries {
+  std::int64_t top_k;
+  std::int64_t ranks;
+  const DispatchEntry* entries;     // [n]: the sources' blocks in rank order
+  const std::int64_t* entry_start;  // [ranks + 1]: first entry of each source
+  const std::int64_t* row_start;    // [ranks + 1]: first row of each source
+  std::int32_t* experts;            // [rows, k]
+  float* weights;                   // [rows, k]
+  CAPSERVE_HD void operator()(std::int64_t i) const {
+    std::int64_t source = 0;
+    while (source + 1 < ranks && entry_start[source + 1] <= i) ++source;
+    const DispatchEntry en = entries[i];
+    std::int64_t slot = 0;
+    for (std::int64_t j = i; j > entry_start[source] && entries[j - 1].row == en.row; --j) ++slot;
+    const std::int64_t at = (row_start[source] + en.row) * top_k + slot;
+    experts[at] = en.local_expert;
+    weights[at] = en.weight;
+  }
+};
+
+// Thread per token: how many of its slots the capacity scheduler dropped and rerouted.
+struct CountSlotStates {
+  std::int64_t top_k;
+  const std::uint8_t* status;  // [T, k]: SlotState
+  std::int64_t* dropped;       // [T]
+  std::int64_t* rerouted;      // [T]
+  CAPSERVE_HD void operator()(std::int64_t t) const {
+    std::int64_t d = 0;
+    std::int64_t r = 0;
+    for (std::int64_t s = 0; s < top_k; ++s) {
+      const auto st = static_cast<SlotState>(status[t * top_k + s]);
+      d += st == SlotState::dropped ? 1 : 0;
+      r += st == SlotState::rerouted ? 1 : 0;
+    }
+    dropped[t] = d;
+    rerouted[t] = r;
+  }
+};
+
+// Thread per slot: counts[e] += 1 for the slot's expert e (none when dropped).
+struct CountExperts {
+  const std::int32_t* experts;
+  std::int64_t* counts;
+  CAPSERVE_HD void operator()(std::int64_t slot) const {
+    if (experts[slot] >= 0) add_count(counts + experts[slot], 1);
+  }
+};
+
+}  // namespace capserve::kernels::moe

@@ -1,0 +1,40 @@
+#include "parallel/placement_tables.h"
+
+#include <span>
+
+namespace capserve::parallel {
+
+PlacementTables::PlacementTables(kernels::Backend& backend, const ExpertPlacement& placement, int rank) {
+  const std::int64_t layers = placement.num_layers();
+  struct Range {
+    std::size_t owners, local_index, local_list, bin_experts, end;
+  };
+  std::vector<Range> ranges;
+  for (std::int64_t l = 0; l < layers; ++l) {
+    Range r{};
+    r.owners = host_.size();
+    host_.insert(host_.end(), placement.owners(l).begin(), placement.owners(l).end());
+    r.local_index = host_.size();
+    host_.insert(host_.end(), placement.local_index(l).begin(), placement.local_index(l).end());
+    r.local_list = host_.size();
+    host_.insert(host_.end(), placement.local_experts(l, rank).begin(),
+                 placement.local_experts(l, rank).end());
+    r.bin_experts = host_.size();
+    for (int q = 0; q < placement.num_ranks(); ++q)
+      host_.push_back(static_cast<std::int32_t>(placement.local_experts(l, q).size()));
+    r.end = host_.size();
+    ranges.push_back(r);
+  }
+  storage_ = backend.allocate(host_.size() * sizeof(std::int32_t));
+  const kernels::Tensor all = storage_.view(kernels::DType::i32, {static_cast<std::int64_t>(host_.size())});
+  if (!host_.empty()) backend.from_host(std::as_bytes(std::span<const std::int32_t>(host_)), all);
+  const auto part = [&all](std::size_t begin, std::size_t end) {
+    return all.rows(static_cast<std::int64_t>(begin), static_cast<std::int64_t>(end - begin));
+  };
+  for (const Range& r : ranges) {
+    layers_.push_back({part(r.owners, r.local_index), part(r.local_index, r.local_list),
+                       part(r.local_list, r.bin_experts), part(r.bin_experts, r.end)});
+  }
+}
+
+}  // namespace capserve::parallel
