@@ -5,7 +5,6 @@
 #include <limits>
 
 #include "runtime/kv_block_manager.h"
-#include "runtime/tokenizer/utf8.h"
 
 namespace capserve::server {
 namespace {
@@ -205,11 +204,11 @@ void Scheduler::admit(Clock::time_point now, StepPlan& plan) {
     const runtime::SamplingParams& p = w.request->params();
     plan.starts.push_back({id, rank, w.request->prompt(), p.temperature, p.top_k, p.top_p, p.seed});
     in_step_.emplace_back(id, rank);
-    Running run;
-    run.request = w.request;
-    run.rank = rank;
-    run.blocks = c.kv_blocks;
-    if (w.request->text_output() && tokenizer_ != nullptr) run.decoder.emplace(*tokenizer_, true);
+    Running run{
+        .request = w.request,
+        .rank = rank,
+        .blocks = c.kv_blocks,
+        .stream = OutputStream(w.request->text_output() ? tokenizer_ : nullptr, w.request->stop_strings())};
     if (metrics_ != nullptr) {
       metrics_->observe_queue_time(seconds(now - w.request->arrival()));
       metrics_->add_prompt_tokens(c.tokens);
@@ -244,34 +243,14 @@ void Scheduler::emit_token(std::uint64_t id, Running& run, std::int32_t token, C
     finish(id, run, Terminal::ok_stop, "", now);
     return;
   }
-  RequestEvent e;
-  if (!run.decoder) {
-    e.tokens.push_back(token);
-  } else {
-    run.text += run.decoder->feed(token);
-    // A stop string ends the text before it; text that could still become one is held back.
-    std::size_t longest = 0;
-    for (const std::string& stop : req.stop_strings()) {
-      longest = std::max(longest, stop.size());
-      const std::size_t from = run.sent >= stop.size() ? run.sent - stop.size() + 1 : 0;
-      const std::size_t at = run.text.find(stop, from);
-      if (at != std::string::npos) {
-        run.text.resize(at);
-        run.decoder.reset();  // what it still holds comes after the stop string
-        finish(id, run, Terminal::ok_stop, "", now);
-        return;
-      }
-    }
-    std::size_t safe = run.text.size() >= longest ? run.text.size() - (longest > 0 ? longest - 1 : 0) : 0;
-    // The hold-back is counted in bytes; a chunk must still end on a character boundary (protobuf refuses to
-    // send a string field that is not UTF-8).
-    while (safe > run.sent && safe < run.text.size() && runtime::utf8::is_continuation(run.text[safe]))
-      --safe;
-    if (safe > run.sent) {
-      e.text = run.text.substr(run.sent, safe - run.sent);
-      run.sent = safe;
-    }
+  OutputStream::Chunk chunk = run.stream.feed(token);
+  if (chunk.stop) {
+    finish(id, run, Terminal::ok_stop, "", now);
+    return;
   }
+  RequestEvent e;
+  e.text = std::move(chunk.text);
+  if (chunk.token) e.tokens.push_back(*chunk.token);
   const auto length = static_cast<std::int64_t>(req.prompt().size()) + run.completion;
   if (!e.text.empty() || !e.tokens.empty()) run.request->push(std::move(e));
   if (run.completion >= p.max_new_tokens || length >= config_.max_context)
@@ -281,11 +260,8 @@ void Scheduler::emit_token(std::uint64_t id, Running& run, std::int32_t token, C
 void Scheduler::finish(std::uint64_t id, Running& run, Terminal terminal, const std::string& message,
                        Clock::time_point now) {
   RequestEvent e;
-  if (terminal == Terminal::ok_length || terminal == Terminal::ok_stop) {
-    if (run.decoder) run.text += run.decoder->finish();
-    // Text held back for a stop string that never came is sent now.
-    if (run.text.size() > run.sent) e.text = run.text.substr(run.sent);
-  }
+  // Text held back for a stop string that never came is sent at a normal end.
+  if (terminal == Terminal::ok_length || terminal == Terminal::ok_stop) e.text = run.stream.finish();
   e.terminal = terminal;
   e.message = message;
   e.prompt_tokens = static_cast<std::uint32_t>(run.request->prompt().size());

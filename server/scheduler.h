@@ -10,7 +10,6 @@
 #include <functional>
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <span>
 #include <string>
 #include <unordered_map>
@@ -19,6 +18,7 @@
 #include "parallel/moe_stats.h"
 #include "runtime/tokenizer/tokenizer.h"
 #include "server/batch_selector.h"
+#include "server/output_stream.h"
 #include "server/request.h"
 #include "server/server_metrics.h"
 #include "server/step_plan.h"
@@ -81,10 +81,8 @@ class Scheduler {
     std::int64_t blocks = 0;  // reserved for prompt + max tokens
     std::int64_t completion = 0;
     std::int64_t dropped = 0, rerouted = 0;
-    std::optional<runtime::IncrementalDecoder> decoder;
-    std::string text;      // generated so far (chat)
-    std::size_t sent = 0;  // bytes of text already sent
-    Clock::time_point last_token;
+    OutputStream stream;
+    Clock::time_point last_token{};
   };
 
   // KV blocks reserved for the request: prompt + max tokens, within the context length.

@@ -4,15 +4,11 @@
 
 #include <gtest/gtest.h>
 
-#include <filesystem>
-
 #include "runtime/tokenizer/utf8.h"
+#include "tests/unit/server/tiny_tokenizer.h"
 
 namespace capserve::server {
 namespace {
-
-const std::filesystem::path kModel =
-    std::filesystem::path(CAPSERVE_SOURCE_DIR) / "deploy/models/capserve-moe-tiny";
 
 std::shared_ptr<Request> chat_request(std::vector<std::string> stops, std::int64_t max_new_tokens = 16,
                                       std::size_t prompt_tokens = 3) {
@@ -31,7 +27,7 @@ std::vector<RequestEvent> drain_events(Request& request) {
 
 class SchedulerTest : public testing::Test {
  protected:
-  SchedulerTest() : tokenizer_(runtime::Tokenizer::load(kModel)) {}
+  SchedulerTest() : tokenizer_(load_tiny_tokenizer()) {}
 
   // Runs one step in which every sequence of the plan samples `token`.
   void step(Scheduler& scheduler, std::int32_t token) {
@@ -42,13 +38,6 @@ class SchedulerTest : public testing::Test {
     scheduler.complete(std::span<const StepResult>(&result, 1), {}, Clock::now());
   }
 
-  std::int32_t token_of(std::string_view text) {
-    std::vector<std::int32_t> ids;
-    EXPECT_TRUE(tokenizer_.encode(text, false, ids).ok());
-    EXPECT_EQ(ids.size(), 1U) << text;
-    return ids.at(0);
-  }
-
   runtime::Tokenizer tokenizer_;
 };
 
@@ -57,8 +46,8 @@ TEST_F(SchedulerTest, StopStringHoldBackCutsOnCharacterBoundaries) {
   const auto request = chat_request({"QQ"}, 4);
   ASSERT_EQ(scheduler.submit(request), Scheduler::Refusal::none);
   // "a" then the 3-byte "に": holding back one byte for "QQ" must not split the character.
-  const std::int32_t a = token_of("a");
-  const std::int32_t ni = token_of("\xE3\x81\xAB");
+  const std::int32_t a = single_token(tokenizer_, "a");
+  const std::int32_t ni = single_token(tokenizer_, "\xE3\x81\xAB");
   for (const std::int32_t token : {a, ni, a, ni}) step(scheduler, token);
   std::string text;
   const std::vector<RequestEvent> events = drain_events(*request);
@@ -82,7 +71,7 @@ TEST_F(SchedulerTest, ASequenceWithoutATokenFailsAloneWithAnError) {
   const auto good = chat_request({}, 3);
   ASSERT_EQ(scheduler.submit(bad), Scheduler::Refusal::none);
   ASSERT_EQ(scheduler.submit(good), Scheduler::Refusal::none);
-  const std::int32_t a = token_of("a");
+  const std::int32_t a = single_token(tokenizer_, "a");
   StepPlan plan = scheduler.plan(Clock::now());
   ASSERT_EQ(plan.starts.size(), 2U);
   StepResult result;

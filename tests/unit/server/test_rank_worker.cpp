@@ -1,0 +1,175 @@
+// One rank's step loop over a real engine (the qwen2_moe fixture on the CPU backend): plans in, sampled
+// tokens out.
+#include "server/rank_worker.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+
+#include "kernels/cpu/cpu_backend.h"
+#include "runtime/model.h"
+#include "tests/unit/runtime/fixture_models.h"
+
+namespace capserve::server {
+namespace {
+
+constexpr int kDecodeSteps = 5;
+
+class RankWorkerTest : public ::testing::Test {
+ protected:
+  RankWorkerTest()
+      : backend_(2),
+        model_(runtime::Model::load(capserve::testing::fixture_models_dir() / "qwen2_moe", backend_)),
+        engine_(*model_, {}) {
+    const nlohmann::json ref = capserve::testing::fixture_reference("qwen2_moe");
+    for (const auto& p : ref["prompts"]) prompts_.push_back(p["input_ids"].get<std::vector<std::int32_t>>());
+  }
+
+  static SequenceStart start(std::uint64_t id, std::int32_t rank, std::vector<std::int32_t> prompt,
+                             float temperature = 0.0F, std::uint64_t seed = 0) {
+    return {id, rank, std::move(prompt), temperature, 0, 1.0F, seed};
+  }
+
+  // The tokens `worker` samples for `s`: its prefill, then kDecodeSteps decodes.
+  static std::vector<std::int32_t> generate(RankWorker& worker, const SequenceStart& s) {
+    std::vector<std::int32_t> tokens;
+    StepPlan plan;
+    plan.starts.push_back(s);
+    for (int step = 0; step <= kDecodeSteps; ++step) {
+      const StepResult result = worker.run(plan);
+      EXPECT_TRUE(result.ok) << result.error;
+      EXPECT_EQ(result.sequences.size(), 1U);
+      if (result.sequences.size() != 1) break;
+      tokens.push_back(result.sequences[0].token);
+      plan = {};
+      plan.decodes.push_back(s.id);
+    }
+    return tokens;
+  }
+
+  kernels::cpu::CpuBackend backend_;
+  std::unique_ptr<runtime::Model> model_;
+  runtime::Engine engine_;
+  std::vector<std::vector<std::int32_t>> prompts_;
+};
+
+TEST_F(RankWorkerTest, PrefillsPlacedOnThisRankYieldOneTokenEachAndOtherRanksAreIgnored) {
+  RankWorker worker(engine_, 1);
+  StepPlan plan;
+  plan.starts.push_back(start(10, 1, prompts_[1]));
+  plan.starts.push_back(start(11, 0, prompts_[2]));  // another rank's
+  plan.starts.push_back(start(12, 1, prompts_[3]));
+  plan.decodes.push_back(13);  // another rank's running sequence
+  const StepResult result = worker.run(plan);
+  ASSERT_TRUE(result.ok) << result.error;
+  ASSERT_EQ(result.sequences.size(), 2U);
+  EXPECT_EQ(result.sequences[0].id, 10U);
+  EXPECT_EQ(result.sequences[1].id, 12U);
+  for (const SequenceResult& s : result.sequences) {
+    EXPECT_EQ(s.failure, SequenceFailure::none);
+    EXPECT_GE(s.token, 0);
+    EXPECT_LT(s.token, model_->config().vocab_size);
+  }
+  EXPECT_EQ(worker.sequences(), 2U);
+  EXPECT_EQ(engine_.length(10), static_cast<std::int64_t>(prompts_[1].size()));
+  EXPECT_EQ(engine_.length(11), 0);
+  EXPECT_EQ(engine_.length(12), static_cast<std::int64_t>(prompts_[3].size()));
+}
+
+// Greedy decoding through plans gives the tokens of the engine driven directly, each the argmax of the
+// logits.
+TEST_F(RankWorkerTest, DecodesContinueSequencesAsTheEngineDoes) {
+  const std::vector<std::int32_t>& prompt = prompts_[2];
+  std::vector<std::int32_t> expected;
+  const auto vocab = static_cast<std::size_t>(model_->config().vocab_size);
+  std::vector<std::int32_t> next = prompt;
+  for (int step = 0; step <= kDecodeSteps; ++step) {
+    const runtime::Engine::Work w{99, next, false};
+    ASSERT_TRUE(engine_.step(std::span(&w, 1)).ok());
+    const auto row = engine_.logits().subspan(0, vocab);
+    next = {static_cast<std::int32_t>(std::max_element(row.begin(), row.end()) - row.begin())};
+    expected.push_back(next[0]);
+  }
+  engine_.release(99);
+
+  RankWorker worker(engine_, 0);
+  EXPECT_EQ(generate(worker, start(1, 0, prompt)), expected);
+  EXPECT_EQ(engine_.length(1), static_cast<std::int64_t>(prompt.size()) + kDecodeSteps);
+}
+
+TEST_F(RankWorkerTest, FreesReleaseSequences) {
+  RankWorker worker(engine_, 0);
+  StepPlan plan;
+  plan.starts.push_back(start(1, 0, prompts_[1]));
+  plan.starts.push_back(start(2, 0, prompts_[2]));
+  ASSERT_TRUE(worker.run(plan).ok);
+  ASSERT_EQ(worker.sequences(), 2U);
+
+  plan = {};
+  plan.frees = {1, 77};   // 77: never on this rank
+  plan.decodes = {1, 2};  // the freed sequence's decode is no longer this rank's
+  const StepResult result = worker.run(plan);
+  ASSERT_TRUE(result.ok) << result.error;
+  ASSERT_EQ(result.sequences.size(), 1U);
+  EXPECT_EQ(result.sequences[0].id, 2U);
+  EXPECT_EQ(worker.sequences(), 1U);
+  EXPECT_EQ(engine_.length(1), 0);
+  EXPECT_EQ(engine_.length(2), static_cast<std::int64_t>(prompts_[2].size()) + 1);
+
+  plan = {};
+  plan.frees = {2};
+  ASSERT_TRUE(worker.run(plan).ok);
+  EXPECT_EQ(worker.sequences(), 0U);
+  EXPECT_EQ(engine_.length(2), 0);
+}
+
+// Sampling draws from the request's seed and the sequence's own step count, so a seeded request repeats.
+TEST_F(RankWorkerTest, SeededSamplingIsReproducible) {
+  RankWorker first(engine_, 0);
+  const std::vector<std::int32_t> a = generate(first, start(1, 0, prompts_[1], 1.0F, 1234));
+  RankWorker second(engine_, 0);
+  const std::vector<std::int32_t> b = generate(second, start(2, 0, prompts_[1], 1.0F, 1234));
+  EXPECT_EQ(a, b);
+  EXPECT_EQ(a.size(), static_cast<std::size_t>(kDecodeSteps) + 1);
+}
+
+// A plan the engine refuses (here a prompt token outside the vocabulary, or a sequence twice in one step)
+// fails the rank's whole step with the engine's reason; every sequence of the step is dropped and released,
+// and the next plan runs normally.
+TEST_F(RankWorkerTest, ARefusedStepDropsItsSequencesAndReportsWhy) {
+  RankWorker worker(engine_, 0);
+  StepPlan plan;
+  plan.starts.push_back(start(1, 0, prompts_[1]));
+  ASSERT_TRUE(worker.run(plan).ok);
+
+  plan = {};
+  plan.starts.push_back(start(2, 0, {5, static_cast<std::int32_t>(model_->config().vocab_size)}));
+  plan.decodes.push_back(1);
+  StepResult result = worker.run(plan);
+  EXPECT_FALSE(result.ok);
+  EXPECT_NE(result.error.find("outside the vocabulary"), std::string::npos) << result.error;
+  EXPECT_TRUE(result.sequences.empty());
+  EXPECT_EQ(worker.sequences(), 0U);
+  EXPECT_EQ(engine_.length(1), 0);
+  EXPECT_EQ(engine_.length(2), 0);
+
+  plan = {};
+  plan.starts.push_back(start(3, 0, prompts_[1]));
+  ASSERT_TRUE(worker.run(plan).ok);
+  plan = {};
+  plan.decodes = {3, 3};
+  result = worker.run(plan);
+  EXPECT_FALSE(result.ok);
+  EXPECT_NE(result.error.find("appears twice"), std::string::npos) << result.error;
+  EXPECT_EQ(worker.sequences(), 0U);
+  EXPECT_EQ(engine_.length(3), 0);
+
+  plan = {};
+  plan.starts.push_back(start(4, 0, prompts_[1]));
+  result = worker.run(plan);
+  ASSERT_TRUE(result.ok) << result.error;
+  EXPECT_EQ(result.sequences.size(), 1U);
+}
+
+}  // namespace
+}  // namespace capserve::server
