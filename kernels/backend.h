@@ -161,6 +161,8 @@ class Backend {
   Backend& operator=(const Backend&) = delete;
 
   [[nodiscard]] virtual Device device() const = 0;
+  // The stream the backend's work is ordered on (null on the CPU), for collectives between its operations.
+  [[nodiscard]] virtual Stream stream() const = 0;
 
   // A checkpoint weight (host memory) as a tensor on this backend's device [rows, cols]. The CPU backend
   // returns a view of the host memory itself (zero copy: it must outlive the tensor) and leaves `storage`

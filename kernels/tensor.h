@@ -18,6 +18,10 @@
 
 #include "kernels/dtype.h"
 
+// The CUDA runtime's stream type (cudaStream_t is CUstream_st*), named without CUDA headers: device work is
+// ordered on a stream; host code passes null.
+struct CUstream_st;
+
 namespace capserve::kernels {
 
 enum class DeviceKind : std::uint8_t { cpu, cuda };
@@ -30,6 +34,8 @@ struct Device {
 };
 
 inline constexpr Device kCpu{};
+
+using Stream = CUstream_st*;
 
 std::string to_string(const Device& device);
 

@@ -1,6 +1,6 @@
 #pragma once
 // The layout of an alltoallv buffer (one block per rank, consecutive, in rank order) and the argument checks
-// every DeviceCommunicator backend makes before it moves a byte, so that all of them reject the same calls
+// every Communicator backend makes before it moves a byte, so that all of them reject the same calls
 // with the same messages.
 #include <cstddef>
 #include <cstdint>

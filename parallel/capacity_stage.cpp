@@ -107,10 +107,11 @@ void CapacityStage::apply(kernels::Backend& backend, std::int64_t layer, const L
   call.weights = r.weights;
   call.status = r.status;
   call.totals = r.totals;
-  if (global())
-    call.allreduce_sum = [this](const kernels::Tensor& values) {
-      comm_.allreduce_sum(values.host_span<std::int64_t>());
+  if (global()) {
+    call.allreduce_sum = [this, &backend](const kernels::Tensor& values) {
+      comm_.allreduce_sum(values, backend.stream());
     };
+  }
   backend.schedule_capacity(call);
 }
 

@@ -16,6 +16,7 @@ void free_pinned(std::byte* p) {
 }  // namespace
 
 CudaMemoryMover::CudaMemoryMover() {
+  CAPSERVE_CUDA_CHECK(cudaGetDevice(&device_));
   CAPSERVE_CUDA_CHECK(cudaEventCreateWithFlags(&marked_, cudaEventDisableTiming));
 }
 
@@ -32,27 +33,27 @@ MemoryMover::HostBuffer CudaMemoryMover::allocate_host(std::size_t bytes) {
 }
 
 void CudaMemoryMover::copy_to_host(std::span<std::byte> host, std::span<const std::byte> device,
-                                   DeviceStream stream) {
+                                   Stream stream) {
   CAPSERVE_CUDA_CHECK(
       cudaMemcpyAsync(host.data(), device.data(), device.size(), cudaMemcpyDeviceToHost, stream));
 }
 
 void CudaMemoryMover::copy_to_device(std::span<std::byte> device, std::span<const std::byte> host,
-                                     DeviceStream stream) {
+                                     Stream stream) {
   CAPSERVE_CUDA_CHECK(
       cudaMemcpyAsync(device.data(), host.data(), host.size(), cudaMemcpyHostToDevice, stream));
 }
 
 void CudaMemoryMover::copy_on_device(std::span<std::byte> dst, std::span<const std::byte> src,
-                                     DeviceStream stream) {
+                                     Stream stream) {
   CAPSERVE_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), src.size(), cudaMemcpyDeviceToDevice, stream));
 }
 
-void CudaMemoryMover::synchronize(DeviceStream stream) {
+void CudaMemoryMover::synchronize(Stream stream) {
   CAPSERVE_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
 
-void CudaMemoryMover::mark(DeviceStream stream) {
+void CudaMemoryMover::mark(Stream stream) {
   CAPSERVE_CUDA_CHECK(cudaEventRecord(marked_, stream));
 }
 

@@ -17,17 +17,17 @@ class CudaMemoryMover final : public MemoryMover {
   CudaMemoryMover();
   ~CudaMemoryMover() override;
 
+  [[nodiscard]] kernels::Device device() const override { return {kernels::DeviceKind::cuda, device_}; }
   [[nodiscard]] HostBuffer allocate_host(std::size_t bytes) override;
-  void copy_to_host(std::span<std::byte> host, std::span<const std::byte> device,
-                    DeviceStream stream) override;
-  void copy_to_device(std::span<std::byte> device, std::span<const std::byte> host,
-                      DeviceStream stream) override;
-  void copy_on_device(std::span<std::byte> dst, std::span<const std::byte> src, DeviceStream stream) override;
-  void synchronize(DeviceStream stream) override;
-  void mark(DeviceStream stream) override;
+  void copy_to_host(std::span<std::byte> host, std::span<const std::byte> device, Stream stream) override;
+  void copy_to_device(std::span<std::byte> device, std::span<const std::byte> host, Stream stream) override;
+  void copy_on_device(std::span<std::byte> dst, std::span<const std::byte> src, Stream stream) override;
+  void synchronize(Stream stream) override;
+  void mark(Stream stream) override;
   void wait_marked() override;
 
  private:
+  int device_ = 0;
   CUevent_st* marked_ = nullptr;  // owned: cudaEventDestroy
 };
 

@@ -34,11 +34,11 @@ std::span<std::byte> HostStagedCommunicator::stage(Staging& staging, std::size_t
   return {staging.buffer.get(), bytes};
 }
 
-void HostStagedCommunicator::alltoall_counts(std::span<const std::int64_t> send, std::span<std::int64_t> recv,
-                                             DeviceStream stream) {
+void HostStagedCommunicator::do_alltoall(std::span<const std::int64_t> send, std::span<std::int64_t> recv,
+                                         Stream stream) {
   const auto n = static_cast<std::size_t>(size());
-  check_entries(send.size(), n, "HostStagedCommunicator::alltoall_counts", "send");
-  check_entries(recv.size(), n, "HostStagedCommunicator::alltoall_counts", "recv");
+  check_entries(send.size(), n, "HostStagedCommunicator::alltoall", "send");
+  check_entries(recv.size(), n, "HostStagedCommunicator::alltoall", "recv");
   mover_->wait_marked();
   const std::span<std::byte> out = stage(send_staging_, send.size_bytes());
   const std::span<std::byte> in = stage(recv_staging_, recv.size_bytes());
@@ -49,9 +49,10 @@ void HostStagedCommunicator::alltoall_counts(std::span<const std::int64_t> send,
   mover_->mark(stream);
 }
 
-void HostStagedCommunicator::alltoallv(std::span<const std::byte> send,
-                                       std::span<const std::int64_t> send_counts, std::span<std::byte> recv,
-                                       std::span<const std::int64_t> recv_counts, DeviceStream stream) {
+void HostStagedCommunicator::do_alltoallv(std::span<const std::byte> send,
+                                          std::span<const std::int64_t> send_counts,
+                                          std::span<std::byte> recv,
+                                          std::span<const std::int64_t> recv_counts, Stream stream) {
   static constexpr const char* kWho = "HostStagedCommunicator::alltoallv";
   const int me = rank();
   send_layout_.assign(send_counts, size(), kWho, "send_counts");
@@ -90,7 +91,7 @@ void HostStagedCommunicator::alltoallv(std::span<const std::byte> send,
 }
 
 template <typename T, typename Op>
-void HostStagedCommunicator::staged_in_place(std::span<T> values, DeviceStream stream, Op op) {
+void HostStagedCommunicator::staged_in_place(std::span<T> values, Stream stream, Op op) {
   mover_->wait_marked();
   const std::span<std::byte> staged = stage(send_staging_, values.size_bytes());
   if (!values.empty()) {
@@ -102,16 +103,16 @@ void HostStagedCommunicator::staged_in_place(std::span<T> values, DeviceStream s
   mover_->mark(stream);
 }
 
-void HostStagedCommunicator::allreduce_sum(std::span<std::int64_t> values, DeviceStream stream) {
+void HostStagedCommunicator::do_allreduce_sum(std::span<std::int64_t> values, Stream stream) {
   staged_in_place(values, stream, [this](std::span<std::int64_t> v) { host_.allreduce_sum(v); });
 }
 
-void HostStagedCommunicator::allreduce_max(std::span<double> values, DeviceStream stream) {
+void HostStagedCommunicator::do_allreduce_max(std::span<double> values, Stream stream) {
   staged_in_place(values, stream, [this](std::span<double> v) { host_.allreduce_max(v); });
 }
 
-void HostStagedCommunicator::allgather(std::span<const std::int64_t> mine, std::span<std::int64_t> all,
-                                       DeviceStream stream) {
+void HostStagedCommunicator::do_allgather(std::span<const std::int64_t> mine, std::span<std::int64_t> all,
+                                          Stream stream) {
   check_entries(all.size(), mine.size() * static_cast<std::size_t>(size()),
                 "HostStagedCommunicator::allgather", "all");
   mover_->wait_marked();

@@ -1,5 +1,5 @@
 #pragma once
-// DeviceCommunicator through host memory: device-to-host copies into grow-only staging buffers, one wait for
+// Communicator through host memory: device-to-host copies into grow-only staging buffers, one wait for
 // them, the collective of a host Communicator (MpiCommunicator) on the staged bytes, copies back to the
 // device (not waited for). Made for several ranks sharing one GPU, which NCCL (<= 2.29) refuses, so that
 // multi-rank GPU runs work on a one-GPU machine; slower than NCCL by the host round trip and the extra
@@ -18,12 +18,11 @@
 
 #include "parallel/block_layout.h"
 #include "parallel/communicator.h"
-#include "parallel/device_communicator.h"
 #include "parallel/memory_mover.h"
 
 namespace capserve::parallel {
 
-class HostStagedCommunicator final : public DeviceCommunicator {
+class HostStagedCommunicator final : public Communicator {
  public:
   // host must outlive this communicator; its rank and size are this communicator's.
   HostStagedCommunicator(Communicator& host, std::unique_ptr<MemoryMover> mover);
@@ -33,21 +32,21 @@ class HostStagedCommunicator final : public DeviceCommunicator {
 
   [[nodiscard]] int rank() const override { return host_.rank(); }
   [[nodiscard]] int size() const override { return host_.size(); }
-
-  // Argument errors throw std::invalid_argument or std::length_error before anything is copied or sent.
-  void alltoall_counts(std::span<const std::int64_t> send, std::span<std::int64_t> recv,
-                       DeviceStream stream) override;
-  void alltoallv(std::span<const std::byte> send, std::span<const std::int64_t> send_counts,
-                 std::span<std::byte> recv, std::span<const std::int64_t> recv_counts,
-                 DeviceStream stream) override;
-  void allreduce_sum(std::span<std::int64_t> values, DeviceStream stream) override;
-  void allreduce_max(std::span<double> values, DeviceStream stream) override;
-  void allgather(std::span<const std::int64_t> mine, std::span<std::int64_t> all,
-                 DeviceStream stream) override;
+  [[nodiscard]] kernels::Device device() const override { return mover_->device(); }
 
   // Bytes of host staging held (outgoing, incoming): the largest staged amounts so far, never shrinking.
   [[nodiscard]] std::size_t send_staging_bytes() const { return send_staging_.bytes; }
   [[nodiscard]] std::size_t recv_staging_bytes() const { return recv_staging_.bytes; }
+
+ protected:
+  // Argument errors throw std::invalid_argument or std::length_error before anything is copied or sent.
+  void do_alltoall(std::span<const std::int64_t> send, std::span<std::int64_t> recv, Stream stream) override;
+  void do_alltoallv(std::span<const std::byte> send, std::span<const std::int64_t> send_counts,
+                    std::span<std::byte> recv, std::span<const std::int64_t> recv_counts,
+                    Stream stream) override;
+  void do_allreduce_sum(std::span<std::int64_t> values, Stream stream) override;
+  void do_allreduce_max(std::span<double> values, Stream stream) override;
+  void do_allgather(std::span<const std::int64_t> mine, std::span<std::int64_t> all, Stream stream) override;
 
  private:
   struct Staging {
@@ -59,7 +58,7 @@ class HostStagedCommunicator final : public DeviceCommunicator {
   std::span<std::byte> stage(Staging& staging, std::size_t bytes);
   // values (device) -> send staging -> host collective `op` in place -> back into values.
   template <typename T, typename Op>
-  void staged_in_place(std::span<T> values, DeviceStream stream, Op op);
+  void staged_in_place(std::span<T> values, Stream stream, Op op);
 
   Communicator& host_;
   std::unique_ptr<MemoryMover> mover_;

@@ -10,7 +10,7 @@
 #include <memory>
 #include <span>
 
-#include "parallel/device_communicator.h"
+#include "parallel/communicator.h"
 
 namespace capserve::parallel {
 
@@ -24,23 +24,24 @@ class MemoryMover {
   MemoryMover(const MemoryMover&) = delete;
   MemoryMover& operator=(const MemoryMover&) = delete;
 
+  // The device whose memory the copies move ("device" memory is host memory in the tests' mover).
+  [[nodiscard]] virtual kernels::Device device() const = 0;
+
   // A host buffer of `bytes` bytes (bytes > 0).
   [[nodiscard]] virtual HostBuffer allocate_host(std::size_t bytes) = 0;
 
   // Enqueue a copy of src.size() bytes (dst has the same size) on stream.
-  virtual void copy_to_host(std::span<std::byte> host, std::span<const std::byte> device,
-                            DeviceStream stream) = 0;
+  virtual void copy_to_host(std::span<std::byte> host, std::span<const std::byte> device, Stream stream) = 0;
   virtual void copy_to_device(std::span<std::byte> device, std::span<const std::byte> host,
-                              DeviceStream stream) = 0;
-  virtual void copy_on_device(std::span<std::byte> dst, std::span<const std::byte> src,
-                              DeviceStream stream) = 0;
+                              Stream stream) = 0;
+  virtual void copy_on_device(std::span<std::byte> dst, std::span<const std::byte> src, Stream stream) = 0;
 
   // Block the host until everything enqueued on stream so far has finished.
-  virtual void synchronize(DeviceStream stream) = 0;
+  virtual void synchronize(Stream stream) = 0;
 
   // Remember the point after everything enqueued on stream so far (replacing any earlier mark); wait_marked()
   // blocks the host until that point has been passed (at once when nothing was marked).
-  virtual void mark(DeviceStream stream) = 0;
+  virtual void mark(Stream stream) = 0;
   virtual void wait_marked() = 0;
 };
 

@@ -67,15 +67,17 @@ MpiCommunicator::~MpiCommunicator() {
   if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
 }
 
-void MpiCommunicator::alltoall(std::span<const std::int64_t> send, std::span<std::int64_t> recv) {
+void MpiCommunicator::do_alltoall(std::span<const std::int64_t> send, std::span<std::int64_t> recv,
+                                  Stream /*stream*/) {
   const auto n = static_cast<std::size_t>(size_);
   check_size(send.size(), n, "alltoall", "send");
   check_size(recv.size(), n, "alltoall", "recv");
   check(MPI_Alltoall(send.data(), 1, MPI_INT64_T, recv.data(), 1, MPI_INT64_T, comm_), "MPI_Alltoall");
 }
 
-void MpiCommunicator::alltoallv(std::span<const std::byte> send, std::span<const std::int64_t> send_counts,
-                                std::span<std::byte> recv, std::span<const std::int64_t> recv_counts) {
+void MpiCommunicator::do_alltoallv(std::span<const std::byte> send, std::span<const std::int64_t> send_counts,
+                                   std::span<std::byte> recv, std::span<const std::int64_t> recv_counts,
+                                   Stream /*stream*/) {
   const auto n = static_cast<std::size_t>(size_);
   check_size(send_counts.size(), n, "alltoallv", "send_counts");
   check_size(recv_counts.size(), n, "alltoallv", "recv_counts");
@@ -94,17 +96,18 @@ void MpiCommunicator::alltoallv(std::span<const std::byte> send, std::span<const
   count_sent(send_counts);
 }
 
-void MpiCommunicator::allreduce_sum(std::span<std::int64_t> values) {
+void MpiCommunicator::do_allreduce_sum(std::span<std::int64_t> values, Stream /*stream*/) {
   const int n = int_count(values.size(), "allreduce_sum");
   check(MPI_Allreduce(MPI_IN_PLACE, address(values.data()), n, MPI_INT64_T, MPI_SUM, comm_), "MPI_Allreduce");
 }
 
-void MpiCommunicator::allreduce_max(std::span<double> values) {
+void MpiCommunicator::do_allreduce_max(std::span<double> values, Stream /*stream*/) {
   const int n = int_count(values.size(), "allreduce_max");
   check(MPI_Allreduce(MPI_IN_PLACE, address(values.data()), n, MPI_DOUBLE, MPI_MAX, comm_), "MPI_Allreduce");
 }
 
-void MpiCommunicator::allgather(std::span<const std::int64_t> mine, std::span<std::int64_t> all) {
+void MpiCommunicator::do_allgather(std::span<const std::int64_t> mine, std::span<std::int64_t> all,
+                                   Stream /*stream*/) {
   const int n = int_count(mine.size(), "allgather");
   check_size(all.size(), mine.size() * static_cast<std::size_t>(size_), "allgather", "all");
   check(MPI_Allgather(address(mine.data()), n, MPI_INT64_T, address(all.data()), n, MPI_INT64_T, comm_),

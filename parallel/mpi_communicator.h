@@ -23,18 +23,22 @@ class MpiCommunicator final : public Communicator {
 
   [[nodiscard]] int rank() const override { return rank_; }
   [[nodiscard]] int size() const override { return size_; }
+  [[nodiscard]] kernels::Device device() const override { return kernels::kCpu; }
 
+  [[nodiscard]] MPI_Comm comm() const { return comm_; }
+
+ protected:
   // The argument checks throw std::invalid_argument (wrong span sizes, negative or too few bytes) or
   // std::length_error (a count, displacement or length beyond INT_MAX) before any MPI call; the other ranks
   // then still wait in the collective, so the caller should treat these as fatal for the job.
-  void alltoall(std::span<const std::int64_t> send, std::span<std::int64_t> recv) override;
-  void alltoallv(std::span<const std::byte> send, std::span<const std::int64_t> send_counts,
-                 std::span<std::byte> recv, std::span<const std::int64_t> recv_counts) override;
-  void allreduce_sum(std::span<std::int64_t> values) override;
-  void allreduce_max(std::span<double> values) override;
-  void allgather(std::span<const std::int64_t> mine, std::span<std::int64_t> all) override;
-
-  [[nodiscard]] MPI_Comm comm() const { return comm_; }
+  // Host memory: the stream is ignored, every call completes before it returns.
+  void do_alltoall(std::span<const std::int64_t> send, std::span<std::int64_t> recv, Stream stream) override;
+  void do_alltoallv(std::span<const std::byte> send, std::span<const std::int64_t> send_counts,
+                    std::span<std::byte> recv, std::span<const std::int64_t> recv_counts,
+                    Stream stream) override;
+  void do_allreduce_sum(std::span<std::int64_t> values, Stream stream) override;
+  void do_allreduce_max(std::span<double> values, Stream stream) override;
+  void do_allgather(std::span<const std::int64_t> mine, std::span<std::int64_t> all, Stream stream) override;
 
  private:
   MPI_Comm comm_ = MPI_COMM_NULL;

@@ -210,8 +210,7 @@ void NcclCommunicator::complete(int result, const char* what) {
 }
 
 void NcclCommunicator::exchange(std::span<const std::byte> send, const BlockLayout& send_layout,
-                                std::span<std::byte> recv, const BlockLayout& recv_layout,
-                                DeviceStream stream) {
+                                std::span<std::byte> recv, const BlockLayout& recv_layout, Stream stream) {
   begin_call();
   if (send_layout.count(rank_) > 0) {
     const std::span<const std::byte> from = send_layout.block(send, rank_);
@@ -239,17 +238,17 @@ void NcclCommunicator::exchange(std::span<const std::byte> send, const BlockLayo
   complete(ncclGroupEnd(), "ncclGroupEnd");
 }
 
-void NcclCommunicator::alltoall_counts(std::span<const std::int64_t> send, std::span<std::int64_t> recv,
-                                       DeviceStream stream) {
+void NcclCommunicator::do_alltoall(std::span<const std::int64_t> send, std::span<std::int64_t> recv,
+                                   Stream stream) {
   const auto n = static_cast<std::size_t>(size_);
-  check_entries(send.size(), n, "NcclCommunicator::alltoall_counts", "send");
-  check_entries(recv.size(), n, "NcclCommunicator::alltoall_counts", "recv");
+  check_entries(send.size(), n, "NcclCommunicator::alltoall", "send");
+  check_entries(recv.size(), n, "NcclCommunicator::alltoall", "recv");
   exchange(std::as_bytes(send), counts_layout_, std::as_writable_bytes(recv), counts_layout_, stream);
 }
 
-void NcclCommunicator::alltoallv(std::span<const std::byte> send, std::span<const std::int64_t> send_counts,
-                                 std::span<std::byte> recv, std::span<const std::int64_t> recv_counts,
-                                 DeviceStream stream) {
+void NcclCommunicator::do_alltoallv(std::span<const std::byte> send,
+                                    std::span<const std::int64_t> send_counts, std::span<std::byte> recv,
+                                    std::span<const std::int64_t> recv_counts, Stream stream) {
   static constexpr const char* kOp = "NcclCommunicator::alltoallv";
   send_layout_.assign(send_counts, size_, kOp, "send_counts");
   recv_layout_.assign(recv_counts, size_, kOp, "recv_counts");
@@ -260,22 +259,22 @@ void NcclCommunicator::alltoallv(std::span<const std::byte> send, std::span<cons
 
 // Zero-length reductions and gathers enqueue nothing: every rank passes the same length, so all skip
 // together.
-void NcclCommunicator::allreduce_sum(std::span<std::int64_t> values, DeviceStream stream) {
+void NcclCommunicator::do_allreduce_sum(std::span<std::int64_t> values, Stream stream) {
   if (values.empty()) return;
   begin_call();
   complete(ncclAllReduce(values.data(), values.data(), values.size(), ncclInt64, ncclSum, comm_, stream),
            "ncclAllReduce (sum)");
 }
 
-void NcclCommunicator::allreduce_max(std::span<double> values, DeviceStream stream) {
+void NcclCommunicator::do_allreduce_max(std::span<double> values, Stream stream) {
   if (values.empty()) return;
   begin_call();
   complete(ncclAllReduce(values.data(), values.data(), values.size(), ncclFloat64, ncclMax, comm_, stream),
            "ncclAllReduce (max)");
 }
 
-void NcclCommunicator::allgather(std::span<const std::int64_t> mine, std::span<std::int64_t> all,
-                                 DeviceStream stream) {
+void NcclCommunicator::do_allgather(std::span<const std::int64_t> mine, std::span<std::int64_t> all,
+                                    Stream stream) {
   check_entries(all.size(), mine.size() * static_cast<std::size_t>(size_), "NcclCommunicator::allgather",
                 "all");
   if (mine.empty()) return;

@@ -1,5 +1,5 @@
 #pragma once
-// DeviceCommunicator over NCCL, one GPU per rank. Bootstrapped over MPI: rank 0 makes the ncclUniqueId and
+// Communicator over NCCL, one GPU per rank. Bootstrapped over MPI: rank 0 makes the ncclUniqueId and
 // MpiWorld broadcasts it; each rank takes GPU (local rank % GPUs on its node) as its current device.
 // alltoallv is one NCCL group of ncclSend/ncclRecv, one pair per peer with a non-zero count (the own block is
 // a device-to-device copy); nothing in any call waits on the host.
@@ -18,14 +18,14 @@
 #include <span>
 
 #include "parallel/block_layout.h"
-#include "parallel/device_communicator.h"
+#include "parallel/communicator.h"
 #include "parallel/mpi_world.h"
 
 struct ncclComm;  // ncclComm_t is ncclComm*
 
 namespace capserve::parallel {
 
-class NcclCommunicator final : public DeviceCommunicator {
+class NcclCommunicator final : public Communicator {
  public:
   static constexpr std::chrono::milliseconds kDefaultInitDeadline{120'000};
 
@@ -41,25 +41,24 @@ class NcclCommunicator final : public DeviceCommunicator {
   [[nodiscard]] int rank() const override { return rank_; }
   [[nodiscard]] int size() const override { return size_; }
   // The CUDA device this rank uses (made current by the constructor).
-  [[nodiscard]] int device() const { return device_; }
+  [[nodiscard]] kernels::Device device() const override { return {kernels::DeviceKind::cuda, device_}; }
 
+ protected:
   // Argument errors throw std::invalid_argument or std::length_error before anything is enqueued; NCCL and
   // CUDA errors throw std::runtime_error naming the call, with NCCL's last error message, as does an
   // asynchronous error of earlier work (polled at the start of every call).
-  void alltoall_counts(std::span<const std::int64_t> send, std::span<std::int64_t> recv,
-                       DeviceStream stream) override;
-  void alltoallv(std::span<const std::byte> send, std::span<const std::int64_t> send_counts,
-                 std::span<std::byte> recv, std::span<const std::int64_t> recv_counts,
-                 DeviceStream stream) override;
-  void allreduce_sum(std::span<std::int64_t> values, DeviceStream stream) override;
-  void allreduce_max(std::span<double> values, DeviceStream stream) override;
-  void allgather(std::span<const std::int64_t> mine, std::span<std::int64_t> all,
-                 DeviceStream stream) override;
+  void do_alltoall(std::span<const std::int64_t> send, std::span<std::int64_t> recv, Stream stream) override;
+  void do_alltoallv(std::span<const std::byte> send, std::span<const std::int64_t> send_counts,
+                    std::span<std::byte> recv, std::span<const std::int64_t> recv_counts,
+                    Stream stream) override;
+  void do_allreduce_sum(std::span<std::int64_t> values, Stream stream) override;
+  void do_allreduce_max(std::span<double> values, Stream stream) override;
+  void do_allgather(std::span<const std::int64_t> mine, std::span<std::int64_t> all, Stream stream) override;
 
  private:
   // One grouped exchange of the blocks of two checked layouts.
   void exchange(std::span<const std::byte> send, const BlockLayout& send_layout, std::span<std::byte> recv,
-                const BlockLayout& recv_layout, DeviceStream stream);
+                const BlockLayout& recv_layout, Stream stream);
   // First in every call, from whatever thread: makes this communicator's device current, and throws on an
   // asynchronous error of earlier work (ncclCommGetAsyncError: e.g. a peer failed).
   void begin_call();
@@ -77,7 +76,7 @@ class NcclCommunicator final : public DeviceCommunicator {
   bool failed_ = false;
   ncclComm* comm_ = nullptr;  // owned
   BlockLayout send_layout_, recv_layout_;
-  BlockLayout counts_layout_;  // alltoall_counts: one int64 per rank
+  BlockLayout counts_layout_;  // alltoall: one int64 per rank
 };
 
 }  // namespace capserve::parallel

@@ -17,15 +17,19 @@ class SelfCommunicator final : public Communicator {
  public:
   [[nodiscard]] int rank() const override { return 0; }
   [[nodiscard]] int size() const override { return 1; }
+  [[nodiscard]] kernels::Device device() const override { return kernels::kCpu; }
 
-  void alltoall(std::span<const std::int64_t> send, std::span<std::int64_t> recv) override {
+ protected:
+  void do_alltoall(std::span<const std::int64_t> send, std::span<std::int64_t> recv,
+                   Stream /*stream*/) override {
     check_size(send.size(), 1, "alltoall", "send");
     check_size(recv.size(), 1, "alltoall", "recv");
     recv[0] = send[0];
   }
 
-  void alltoallv(std::span<const std::byte> send, std::span<const std::int64_t> send_counts,
-                 std::span<std::byte> recv, std::span<const std::int64_t> recv_counts) override {
+  void do_alltoallv(std::span<const std::byte> send, std::span<const std::int64_t> send_counts,
+                    std::span<std::byte> recv, std::span<const std::int64_t> recv_counts,
+                    Stream /*stream*/) override {
     check_size(send_counts.size(), 1, "alltoallv", "send_counts");
     check_size(recv_counts.size(), 1, "alltoallv", "recv_counts");
     const std::int64_t n = send_counts[0];
@@ -43,10 +47,11 @@ class SelfCommunicator final : public Communicator {
     count_sent(send_counts);  // nothing leaves this rank: stays 0
   }
 
-  void allreduce_sum(std::span<std::int64_t> /*values*/) override {}
-  void allreduce_max(std::span<double> /*values*/) override {}
+  void do_allreduce_sum(std::span<std::int64_t> /*values*/, Stream /*stream*/) override {}
+  void do_allreduce_max(std::span<double> /*values*/, Stream /*stream*/) override {}
 
-  void allgather(std::span<const std::int64_t> mine, std::span<std::int64_t> all) override {
+  void do_allgather(std::span<const std::int64_t> mine, std::span<std::int64_t> all,
+                    Stream /*stream*/) override {
     check_size(all.size(), mine.size(), "allgather", "all");
     std::copy(mine.begin(), mine.end(), all.begin());
   }

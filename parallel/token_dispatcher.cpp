@@ -18,11 +18,6 @@ std::int64_t sum(std::span<const std::int64_t> v) {
   return std::accumulate(v.begin(), v.end(), std::int64_t{0});
 }
 
-// The host bytes of a CPU tensor, for the host communicator.
-std::span<std::byte> bytes_of(const Tensor& t) {
-  return {static_cast<std::byte*>(t.empty() ? nullptr : t.host_data()), t.bytes()};
-}
-
 }  // namespace
 
 void TokenDispatcher::plan(kernels::Backend& backend, const Tensor& experts, const Tensor& weights,
@@ -41,10 +36,8 @@ void TokenDispatcher::plan(kernels::Backend& backend, const Tensor& experts, con
       backend.scratch(entries_, DType::u8, {tokens * top_k, static_cast<std::int64_t>(sizeof(Entry))});
   plan_.counts = counts.rows(0, 2 * ranks);
   backend.plan_dispatch(experts, weights, tables.owners, tables.local_index, plan_);
-  const std::span<std::int64_t> c = counts.host_span<std::int64_t>();
-  const auto r = static_cast<std::size_t>(ranks);
-  comm_.alltoall(c.subspan(0, r), c.subspan(2 * r, r));
-  comm_.alltoall(c.subspan(r, r), c.subspan(3 * r, r));
+  comm_.alltoall(counts.rows(0, ranks), counts.rows(2 * ranks, ranks), backend.stream());
+  comm_.alltoall(counts.rows(ranks, ranks), counts.rows(3 * ranks, ranks), backend.stream());
   counters_.dispatch_seconds = seconds_since(start);
 }
 
@@ -76,13 +69,13 @@ TokenDispatcher::Received TokenDispatcher::send(kernels::Backend& backend, const
     byte_counts_[d] = entries_to[d] * entry_bytes;
     recv_byte_counts_[d] = entries_from[d] * entry_bytes;
   }
-  comm_.alltoallv(bytes_of(plan_.entries).first(static_cast<std::size_t>(sum(entries_to) * entry_bytes)),
-                  byte_counts_, bytes_of(in.entries), recv_byte_counts_);
+  comm_.alltoallv(plan_.entries.rows(0, sum(entries_to)), byte_counts_, in.entries, recv_byte_counts_,
+                  backend.stream());
   for (std::size_t d = 0; d < r; ++d) {
     byte_counts_[d] = rows_to[d] * row_bytes;
     recv_byte_counts_[d] = rows_from[d] * row_bytes;
   }
-  comm_.alltoallv(bytes_of(rows_out), byte_counts_, bytes_of(in.rows), recv_byte_counts_);
+  comm_.alltoallv(rows_out, byte_counts_, in.rows, recv_byte_counts_, backend.stream());
 
   // Where each source's entries and rows start: host metadata for the receiver's grouping.
   starts_host_.assign(2 * (r + 1), 0);
@@ -113,7 +106,7 @@ void TokenDispatcher::combine(kernels::Backend& backend, const Tensor& results, 
     byte_counts_[d] = counts_[2 * r + d] * row_bytes;
     recv_byte_counts_[d] = counts_[d] * row_bytes;
   }
-  comm_.alltoallv(bytes_of(results), byte_counts_, bytes_of(returned), recv_byte_counts_);
+  comm_.alltoallv(results, byte_counts_, returned, recv_byte_counts_, backend.stream());
   backend.combine(returned, plan_.row_position, {}, out);
   counters_.combine_seconds = seconds_since(start);
   counters_.wire_bytes = comm_.bytes_sent() - sent_before_;

@@ -12,6 +12,7 @@ class CpuBackend : public Backend {
   explicit CpuBackend(int num_threads);
 
   [[nodiscard]] Device device() const override { return kCpu; }
+  [[nodiscard]] Stream stream() const override { return nullptr; }
   [[nodiscard]] Tensor upload(const WeightView& host, Buffer& storage) override;
   [[nodiscard]] Buffer allocate(std::size_t bytes) override;
 

@@ -22,6 +22,7 @@ class CudaBackend final : public Backend {
   ~CudaBackend() override;
 
   [[nodiscard]] Device device() const override { return {DeviceKind::cuda, device_}; }
+  [[nodiscard]] Stream stream() const override { return stream_; }
   [[nodiscard]] Tensor upload(const WeightView& host, Buffer& storage) override;
   [[nodiscard]] Buffer allocate(std::size_t bytes) override;
 

@@ -1,5 +1,5 @@
 #pragma once
-// Checks of a DeviceCommunicator against MpiCommunicator on the same random inputs, byte for byte: shared by
+// Checks of a Communicator against MpiCommunicator on the same random inputs, byte for byte: shared by
 // the MPI tests (HostStagedCommunicator with a host "device", tests/mpi) and the GPU tests (NCCL and
 // host-staged on real device memory, tests/gpu/communicators). Each function is collective: call it on every
 // rank. They use EXPECT_* and never return early, so a failure on one rank cannot leave the others waiting.
@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "parallel/device_communicator.h"
+#include "parallel/communicator.h"
 #include "parallel/mpi_communicator.h"
 
 namespace capserve::test {
@@ -26,7 +26,7 @@ template <typename D>
 concept TestDevice = requires(D d, std::span<const std::byte> bytes) {
   { d.upload(bytes) } -> std::same_as<std::span<std::byte>>;
   { d.download(bytes) } -> std::same_as<std::vector<std::byte>>;
-  { d.stream() } -> std::same_as<parallel::DeviceStream>;
+  { d.stream() } -> std::same_as<parallel::Stream>;
 };
 
 template <typename T, TestDevice D>
@@ -96,8 +96,8 @@ constexpr std::byte kPoison{0xEE};
 // The device communicator's alltoallv equals MpiCommunicator's on every case: received bytes, the untouched
 // slack after them, and the growth of bytes_sent.
 template <TestDevice D>
-void check_alltoallv_against_mpi(parallel::DeviceCommunicator& comm, parallel::MpiCommunicator& ref,
-                                 D& device, std::uint64_t seed) {
+void check_alltoallv_against_mpi(parallel::Communicator& comm, parallel::MpiCommunicator& ref, D& device,
+                                 std::uint64_t seed) {
   const int n = comm.size();
   const int me = comm.rank();
   for (const AlltoallvCase& c : alltoallv_cases(n, seed)) {
@@ -138,8 +138,8 @@ void check_alltoallv_against_mpi(parallel::DeviceCommunicator& comm, parallel::M
 
 // alltoall_fixed equals MpiCommunicator's alltoallv with every block the same size.
 template <TestDevice D>
-void check_alltoall_fixed_against_mpi(parallel::DeviceCommunicator& comm, parallel::MpiCommunicator& ref,
-                                      D& device, std::uint64_t seed) {
+void check_alltoall_fixed_against_mpi(parallel::Communicator& comm, parallel::MpiCommunicator& ref, D& device,
+                                      std::uint64_t seed) {
   const int n = comm.size();
   const int me = comm.rank();
   for (const std::int64_t block : {std::int64_t{0}, std::int64_t{1}, std::int64_t{4099}}) {
@@ -157,10 +157,10 @@ void check_alltoall_fixed_against_mpi(parallel::DeviceCommunicator& comm, parall
   }
 }
 
-// alltoall_counts, both allreduces and allgather on random values (lengths 0, 1 and more) equal
+// alltoall, both allreduces and allgather on random values (lengths 0, 1 and more) equal
 // MpiCommunicator's results exactly.
 template <TestDevice D>
-void check_small_collectives_against_mpi(parallel::DeviceCommunicator& comm, parallel::MpiCommunicator& ref,
+void check_small_collectives_against_mpi(parallel::Communicator& comm, parallel::MpiCommunicator& ref,
                                          D& device, std::uint64_t seed) {
   const int n = comm.size();
   const int me = comm.rank();
@@ -177,9 +177,8 @@ void check_small_collectives_against_mpi(parallel::DeviceCommunicator& comm, par
   const std::span<std::int64_t> d_counts = upload_values(device, counts);
   const std::span<std::int64_t> d_counts_in =
       upload_values(device, std::vector<std::int64_t>(counts.size(), -1));
-  comm.alltoall_counts(d_counts, d_counts_in, device.stream());
-  EXPECT_EQ(download_values<std::int64_t>(device, d_counts_in), want_counts)
-      << "alltoall_counts, rank " << me;
+  comm.alltoall(d_counts, d_counts_in, device.stream());
+  EXPECT_EQ(download_values<std::int64_t>(device, d_counts_in), want_counts) << "alltoall, rank " << me;
 
   for (const std::size_t len : {std::size_t{0}, std::size_t{1}, std::size_t{1000}}) {
     std::vector<std::int64_t> sums = random_int64(len);
@@ -214,11 +213,11 @@ void check_small_collectives_against_mpi(parallel::DeviceCommunicator& comm, par
 // Every rank passes the same wrong arguments: every rank throws before anything moves (bytes_sent unchanged),
 // and the group is still in step afterwards.
 template <TestDevice D>
-void check_argument_errors(parallel::DeviceCommunicator& comm, D& device) {
+void check_argument_errors(parallel::Communicator& comm, D& device) {
   const int n = comm.size();
   const int me = comm.rank();
   const auto un = static_cast<std::size_t>(n);
-  const parallel::DeviceStream stream = device.stream();
+  const parallel::Stream stream = device.stream();
   const std::span<std::byte> buf = device.upload(std::vector<std::byte>(64 * un, std::byte{1}));
   const std::int64_t before = comm.bytes_sent();
   const std::vector<std::int64_t> ones(un, 1);
@@ -239,8 +238,8 @@ void check_argument_errors(parallel::DeviceCommunicator& comm, D& device) {
   EXPECT_THROW(comm.alltoall_fixed(buf, buf, 65, stream), std::invalid_argument);
 
   const std::span<std::int64_t> values{reinterpret_cast<std::int64_t*>(buf.data()), un};
-  EXPECT_THROW(comm.alltoall_counts(values.first(un - 1), values, stream), std::invalid_argument);
-  EXPECT_THROW(comm.alltoall_counts(values, values.subspan(1), stream), std::invalid_argument);
+  EXPECT_THROW(comm.alltoall(values.first(un - 1), values, stream), std::invalid_argument);
+  EXPECT_THROW(comm.alltoall(values, values.subspan(1), stream), std::invalid_argument);
   EXPECT_THROW(comm.allgather(values.first(1), values.first(un - 1), stream), std::invalid_argument);
   EXPECT_EQ(comm.bytes_sent(), before) << "rank " << me;
 

@@ -23,9 +23,9 @@ namespace capserve::parallel {
 namespace {
 
 // A stream handle the tests pass around; never dereferenced.
-DeviceStream test_stream() {
+Stream test_stream() {
   static int tag = 0;
-  return reinterpret_cast<DeviceStream>(&tag);
+  return reinterpret_cast<Stream>(&tag);
 }
 
 // One in-order "stream" of deferred host copies, with counters of what went which way.
@@ -34,30 +34,28 @@ class DeferredHostMover final : public MemoryMover {
   std::int64_t to_host = 0, to_device = 0, on_device = 0;  // bytes enqueued
   int allocations = 0, synchronizations = 0;
 
+  [[nodiscard]] kernels::Device device() const override { return kernels::kCpu; }
   HostBuffer allocate_host(std::size_t bytes) override {
     // Staging is replaced only when no copy still uses it.
     EXPECT_TRUE(pending_.empty()) << pending_.size() << " copies pending while staging is reallocated";
     ++allocations;
     return {new std::byte[bytes], [](std::byte* p) { delete[] p; }};
   }
-  void copy_to_host(std::span<std::byte> host, std::span<const std::byte> device,
-                    DeviceStream stream) override {
+  void copy_to_host(std::span<std::byte> host, std::span<const std::byte> device, Stream stream) override {
     to_host += enqueue(host, device, stream);
   }
-  void copy_to_device(std::span<std::byte> device, std::span<const std::byte> host,
-                      DeviceStream stream) override {
+  void copy_to_device(std::span<std::byte> device, std::span<const std::byte> host, Stream stream) override {
     to_device += enqueue(device, host, stream);
   }
-  void copy_on_device(std::span<std::byte> dst, std::span<const std::byte> src,
-                      DeviceStream stream) override {
+  void copy_on_device(std::span<std::byte> dst, std::span<const std::byte> src, Stream stream) override {
     on_device += enqueue(dst, src, stream);
   }
-  void synchronize(DeviceStream stream) override {
+  void synchronize(Stream stream) override {
     EXPECT_EQ(stream, test_stream());
     ++synchronizations;
     run_until(done_ + pending_.size());
   }
-  void mark(DeviceStream stream) override {
+  void mark(Stream stream) override {
     EXPECT_EQ(stream, test_stream());
     marked_ = done_ + pending_.size();
   }
@@ -66,7 +64,7 @@ class DeferredHostMover final : public MemoryMover {
   [[nodiscard]] std::size_t pending() const { return pending_.size(); }
 
  private:
-  std::int64_t enqueue(std::span<std::byte> dst, std::span<const std::byte> src, DeviceStream stream) {
+  std::int64_t enqueue(std::span<std::byte> dst, std::span<const std::byte> src, Stream stream) {
     EXPECT_EQ(stream, test_stream());
     EXPECT_EQ(dst.size(), src.size());
     EXPECT_FALSE(src.empty()) << "empty copies are skipped";
@@ -98,7 +96,7 @@ class HostDevice {
     mover_.synchronize(test_stream());
     return {device.begin(), device.end()};
   }
-  DeviceStream stream() { return test_stream(); }
+  Stream stream() { return test_stream(); }
 
  private:
   DeferredHostMover& mover_;
@@ -127,25 +125,31 @@ class AsHostCommunicator final : public Communicator {
   explicit AsHostCommunicator(Staged& s) : s_(s) {}
   [[nodiscard]] int rank() const override { return s_.comm.rank(); }
   [[nodiscard]] int size() const override { return s_.comm.size(); }
-  void alltoall(std::span<const std::int64_t> send, std::span<std::int64_t> recv) override {
-    s_.comm.alltoall_counts(send, recv, test_stream());
+  [[nodiscard]] kernels::Device device() const override { return kernels::kCpu; }
+
+ protected:
+  void do_alltoall(std::span<const std::int64_t> send, std::span<std::int64_t> recv,
+                   parallel::Stream /*stream*/) override {
+    s_.comm.alltoall(send, recv, test_stream());
     s_.mover->synchronize(test_stream());
   }
-  void alltoallv(std::span<const std::byte> send, std::span<const std::int64_t> send_counts,
-                 std::span<std::byte> recv, std::span<const std::int64_t> recv_counts) override {
+  void do_alltoallv(std::span<const std::byte> send, std::span<const std::int64_t> send_counts,
+                    std::span<std::byte> recv, std::span<const std::int64_t> recv_counts,
+                    parallel::Stream /*stream*/) override {
     s_.comm.alltoallv(send, send_counts, recv, recv_counts, test_stream());
     s_.mover->synchronize(test_stream());
     count_sent(send_counts);
   }
-  void allreduce_sum(std::span<std::int64_t> values) override {
+  void do_allreduce_sum(std::span<std::int64_t> values, parallel::Stream /*stream*/) override {
     s_.comm.allreduce_sum(values, test_stream());
     s_.mover->synchronize(test_stream());
   }
-  void allreduce_max(std::span<double> values) override {
+  void do_allreduce_max(std::span<double> values, parallel::Stream /*stream*/) override {
     s_.comm.allreduce_max(values, test_stream());
     s_.mover->synchronize(test_stream());
   }
-  void allgather(std::span<const std::int64_t> mine, std::span<std::int64_t> all) override {
+  void do_allgather(std::span<const std::int64_t> mine, std::span<std::int64_t> all,
+                    parallel::Stream /*stream*/) override {
     s_.comm.allgather(mine, all, test_stream());
     s_.mover->synchronize(test_stream());
   }

@@ -97,8 +97,11 @@ class ThreadGroup {
     Member(ThreadGroup& group, int rank) : group_(group), rank_(rank) {}
     [[nodiscard]] int rank() const override { return rank_; }
     [[nodiscard]] int size() const override { return group_.size(); }
+    [[nodiscard]] kernels::Device device() const override { return kernels::kCpu; }
 
-    void alltoall(std::span<const std::int64_t> send, std::span<std::int64_t> recv) override {
+   protected:
+    void do_alltoall(std::span<const std::int64_t> send, std::span<std::int64_t> recv,
+                     parallel::Stream /*stream*/) override {
       const auto n = static_cast<std::size_t>(size());
       check_size(send.size(), n, "alltoall", "send");
       check_size(recv.size(), n, "alltoall", "recv");
@@ -109,8 +112,9 @@ class ThreadGroup {
       std::copy(ints_.begin(), ints_.end(), recv.begin());
     }
 
-    void alltoallv(std::span<const std::byte> send, std::span<const std::int64_t> send_counts,
-                   std::span<std::byte> recv, std::span<const std::int64_t> recv_counts) override {
+    void do_alltoallv(std::span<const std::byte> send, std::span<const std::int64_t> send_counts,
+                      std::span<std::byte> recv, std::span<const std::int64_t> recv_counts,
+                      parallel::Stream /*stream*/) override {
       const auto n = static_cast<std::size_t>(size());
       check_size(send_counts.size(), n, "alltoallv", "send_counts");
       check_size(recv_counts.size(), n, "alltoallv", "recv_counts");
@@ -156,7 +160,7 @@ class ThreadGroup {
       count_sent(send_counts);
     }
 
-    void allreduce_sum(std::span<std::int64_t> values) override {
+    void do_allreduce_sum(std::span<std::int64_t> values, parallel::Stream /*stream*/) override {
       const auto& slots = enter(slot(Op::kAllreduceSum, [&](Slot& x) { x.ints = values; }));
       check_same_length(slots, values.size(), Op::kAllreduceSum);
       ints_.assign(values.size(), 0);
@@ -171,7 +175,7 @@ class ThreadGroup {
       std::copy(ints_.begin(), ints_.end(), values.begin());
     }
 
-    void allreduce_max(std::span<double> values) override {
+    void do_allreduce_max(std::span<double> values, parallel::Stream /*stream*/) override {
       const auto& slots = enter(slot(Op::kAllreduceMax, [&](Slot& x) { x.doubles = values; }));
       check_same_length(slots, values.size(), Op::kAllreduceMax);
       doubles_.assign(slots[0].doubles.begin(), slots[0].doubles.end());
@@ -185,7 +189,8 @@ class ThreadGroup {
       std::copy(doubles_.begin(), doubles_.end(), values.begin());
     }
 
-    void allgather(std::span<const std::int64_t> mine, std::span<std::int64_t> all) override {
+    void do_allgather(std::span<const std::int64_t> mine, std::span<std::int64_t> all,
+                      parallel::Stream /*stream*/) override {
       check_size(all.size(), mine.size() * static_cast<std::size_t>(size()), "allgather", "all");
       const auto& slots = enter(slot(Op::kAllgather, [&](Slot& x) { x.ints = mine; }));
       check_same_length(slots, mine.size(), Op::kAllgather);

@@ -644,40 +644,47 @@ class TimingCommunicator final : public parallel::Communicator {
   explicit TimingCommunicator(parallel::Communicator& inner) : inner_(inner) {}
   [[nodiscard]] int rank() const override { return inner_.rank(); }
   [[nodiscard]] int size() const override { return inner_.size(); }
-  void alltoall(std::span<const std::int64_t> send, std::span<std::int64_t> recv) override {
-    const auto t0 = Clock::now();
-    inner_.alltoall(send, recv);
-    events_.push_back({'a', seconds_since(t0)});
-  }
-  void alltoallv(std::span<const std::byte> send, std::span<const std::int64_t> send_counts,
-                 std::span<std::byte> recv, std::span<const std::int64_t> recv_counts) override {
-    const auto t0 = Clock::now();
-    inner_.alltoallv(send, send_counts, recv, recv_counts);
-    count_sent(send_counts);
-    events_.push_back({'v', seconds_since(t0)});
-  }
-  void allreduce_sum(std::span<std::int64_t> values) override {
-    const auto t0 = Clock::now();
-    inner_.allreduce_sum(values);
-    events_.push_back({'s', seconds_since(t0)});
-  }
-  void allreduce_max(std::span<double> values) override {
-    last_max_input_.assign(values.begin(), values.end());
-    const auto t0 = Clock::now();
-    inner_.allreduce_max(values);
-    events_.push_back({'m', seconds_since(t0)});
-  }
-  void allgather(std::span<const std::int64_t> mine, std::span<std::int64_t> all) override {
-    const auto t0 = Clock::now();
-    inner_.allgather(mine, all);
-    events_.push_back({'g', seconds_since(t0)});
-  }
+  [[nodiscard]] kernels::Device device() const override { return inner_.device(); }
 
   void clear() {
     events_.clear();
     last_max_input_.clear();
   }
 
+ protected:
+  void do_alltoall(std::span<const std::int64_t> send, std::span<std::int64_t> recv,
+                   parallel::Stream stream) override {
+    const auto t0 = Clock::now();
+    inner_.alltoall(send, recv, stream);
+    events_.push_back({'a', seconds_since(t0)});
+  }
+  void do_alltoallv(std::span<const std::byte> send, std::span<const std::int64_t> send_counts,
+                    std::span<std::byte> recv, std::span<const std::int64_t> recv_counts,
+                    parallel::Stream stream) override {
+    const auto t0 = Clock::now();
+    inner_.alltoallv(send, send_counts, recv, recv_counts, stream);
+    count_sent(send_counts);
+    events_.push_back({'v', seconds_since(t0)});
+  }
+  void do_allreduce_sum(std::span<std::int64_t> values, parallel::Stream stream) override {
+    const auto t0 = Clock::now();
+    inner_.allreduce_sum(values, stream);
+    events_.push_back({'s', seconds_since(t0)});
+  }
+  void do_allreduce_max(std::span<double> values, parallel::Stream stream) override {
+    last_max_input_.assign(values.begin(), values.end());
+    const auto t0 = Clock::now();
+    inner_.allreduce_max(values, stream);
+    events_.push_back({'m', seconds_since(t0)});
+  }
+  void do_allgather(std::span<const std::int64_t> mine, std::span<std::int64_t> all,
+                    parallel::Stream stream) override {
+    const auto t0 = Clock::now();
+    inner_.allgather(mine, all, stream);
+    events_.push_back({'g', seconds_since(t0)});
+  }
+
+ public:
   // One forward's collectives on this rank: begin_step's allgather (capacity on), per MoE layer the
   // scheduler's allreduces then the dispatcher's alltoall, alltoall, alltoallv x 3, and at the end the
   // statistics' allreduce_sum + allreduce_max.

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "kernels/cuda/cuda_check.h"
-#include "parallel/device_communicator.h"
+#include "parallel/communicator.h"
 #include "tests/mpi/mpi_gtest_main.h"
 
 namespace capserve::test {
@@ -52,7 +52,7 @@ class CudaTestDevice {
     return host;
   }
 
-  parallel::DeviceStream stream() { return stream_; }
+  parallel::Stream stream() { return stream_; }
 
  private:
   struct Free {

@@ -38,8 +38,8 @@ TEST(NcclCommunicator, SelectsTheGpuOfItsLocalRank) {
   int current = -1;
   ASSERT_EQ(cudaGetDeviceCount(&count), cudaSuccess);
   ASSERT_EQ(cudaGetDevice(&current), cudaSuccess);
-  EXPECT_EQ(comm.device(), test::mpi_world().local_rank() % count);
-  EXPECT_EQ(current, comm.device());
+  EXPECT_EQ(comm.device().index, test::mpi_world().local_rank() % count);
+  EXPECT_EQ(current, comm.device().index);
   EXPECT_EQ(comm.rank(), test::mpi_world().rank());
   EXPECT_EQ(comm.size(), test::mpi_world().size());
   EXPECT_EQ(comm.bytes_sent(), 0);

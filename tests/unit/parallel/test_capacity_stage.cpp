@@ -40,16 +40,26 @@ class SilentCommunicator final : public Communicator {
   SilentCommunicator(int rank, int size) : rank_(rank), size_(size) {}
   [[nodiscard]] int rank() const override { return rank_; }
   [[nodiscard]] int size() const override { return size_; }
-  void alltoall(std::span<const std::int64_t> /*send*/, std::span<std::int64_t> /*recv*/) override {
+  [[nodiscard]] kernels::Device device() const override { return kernels::kCpu; }
+
+ protected:
+  void do_alltoall(std::span<const std::int64_t> /*send*/, std::span<std::int64_t> /*recv*/,
+                   parallel::Stream /*stream*/) override {
     fail("alltoall");
   }
-  void alltoallv(std::span<const std::byte> /*send*/, std::span<const std::int64_t> /*send_counts*/,
-                 std::span<std::byte> /*recv*/, std::span<const std::int64_t> /*recv_counts*/) override {
+  void do_alltoallv(std::span<const std::byte> /*send*/, std::span<const std::int64_t> /*send_counts*/,
+                    std::span<std::byte> /*recv*/, std::span<const std::int64_t> /*recv_counts*/,
+                    parallel::Stream /*stream*/) override {
     fail("alltoallv");
   }
-  void allreduce_sum(std::span<std::int64_t> /*values*/) override { fail("allreduce_sum"); }
-  void allreduce_max(std::span<double> /*values*/) override { fail("allreduce_max"); }
-  void allgather(std::span<const std::int64_t> /*mine*/, std::span<std::int64_t> /*all*/) override {
+  void do_allreduce_sum(std::span<std::int64_t> /*values*/, parallel::Stream /*stream*/) override {
+    fail("allreduce_sum");
+  }
+  void do_allreduce_max(std::span<double> /*values*/, parallel::Stream /*stream*/) override {
+    fail("allreduce_max");
+  }
+  void do_allgather(std::span<const std::int64_t> /*mine*/, std::span<std::int64_t> /*all*/,
+                    parallel::Stream /*stream*/) override {
     fail("allgather");
   }
 

@@ -89,6 +89,38 @@ TEST_P(ThreadGroupTest, AlltoallvUnevenAndZeroBlocksCountBytesSentToOthers) {
   });
 }
 
+// The tensor forms: the same collectives on tensors of the communicator's device; a tensor of another device
+// is refused before anything is exchanged.
+TEST_P(ThreadGroupTest, TensorFormsAndTheirDeviceCheck) {
+  const int n = GetParam();
+  run_ranks(n, [n](Communicator& comm) {
+    const auto r = static_cast<std::int64_t>(comm.rank());
+    std::vector<std::int64_t> send(static_cast<std::size_t>(n)), recv(static_cast<std::size_t>(n), -1);
+    for (int d = 0; d < n; ++d) send[static_cast<std::size_t>(d)] = 100 * r + d;
+    comm.alltoall(kernels::Tensor::host(std::span<const std::int64_t>(send), {n}),
+                  kernels::Tensor::host(std::span(recv), {n}), nullptr);
+    for (int s = 0; s < n; ++s) EXPECT_EQ(recv[static_cast<std::size_t>(s)], 100 * s + r);
+
+    std::vector<float> rows(static_cast<std::size_t>(2 * n), static_cast<float>(r));
+    std::vector<float> got(rows.size(), -1.0F);
+    const std::vector<std::int64_t> counts(static_cast<std::size_t>(n), 2 * sizeof(float));
+    comm.alltoallv(kernels::Tensor::host(std::span<const float>(rows), {n, 2}), counts,
+                   kernels::Tensor::host(std::span(got), {n, 2}), counts, nullptr);
+    for (int s = 0; s < n; ++s) EXPECT_EQ(got[static_cast<std::size_t>(2 * s + 1)], static_cast<float>(s));
+
+    std::int64_t value = r + 1;
+    comm.allreduce_sum(kernels::Tensor::host(std::span<std::int64_t>(&value, 1), {1}), nullptr);
+    EXPECT_EQ(value, n * (n + 1) / 2);
+    std::vector<std::int64_t> all(static_cast<std::size_t>(n));
+    comm.allgather(kernels::Tensor::host(std::span<const std::int64_t>(&r, 1), {1}),
+                   kernels::Tensor::host(std::span(all), {n}), nullptr);
+    for (int s = 0; s < n; ++s) EXPECT_EQ(all[static_cast<std::size_t>(s)], s);
+
+    const kernels::Tensor on_gpu(send.data(), kernels::DType::i64, {kernels::DeviceKind::cuda, 0}, {n});
+    EXPECT_THROW(comm.allreduce_sum(on_gpu, nullptr), std::invalid_argument);
+  });
+}
+
 TEST_P(ThreadGroupTest, ZeroLengthEverywhere) {
   run_ranks(GetParam(), [](Communicator& comm) {
     test::check_empty_collectives(comm);
