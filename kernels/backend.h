@@ -203,6 +203,8 @@ class Backend {
   virtual void add(const Tensor& dst, const Tensor& src) = 0;
   // dst[r, :] += sigmoid(gate[r]) * src[r, :]; gate is [rows] (a sigmoid-gated shared expert).
   virtual void add_sigmoid_gated(const Tensor& dst, const Tensor& src, const Tensor& gate) = 0;
+  // dst = src, byte for byte (the same number of bytes; any element types).
+  virtual void copy(const Tensor& src, const Tensor& dst) = 0;
   // Every byte of t set to zero (0.0F, 0, and SlotState::kept alike).
   virtual void zero(const Tensor& t) = 0;
   // x = clamp(x, -limit, limit), element-wise.

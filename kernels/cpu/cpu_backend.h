@@ -22,6 +22,7 @@ class CpuBackend : public Backend {
   void rope(const Tensor& x, const RotaryLayout& layout, const Tensor& cos, const Tensor& sin) override;
   void add(const Tensor& dst, const Tensor& src) override;
   void add_sigmoid_gated(const Tensor& dst, const Tensor& src, const Tensor& gate) override;
+  void copy(const Tensor& src, const Tensor& dst) override;
   void zero(const Tensor& t) override;
   void clamp(const Tensor& x, float limit) override;
   void gather_rows(const Tensor& src, std::span<const std::int64_t> rows, const Tensor& dst) override;

@@ -40,6 +40,11 @@ moe::PermuteView permute_view(std::int64_t tokens, std::int64_t top_k, std::int6
 
 }  // namespace
 
+void CpuBackend::copy(const Tensor& src, const Tensor& dst) {
+  require(src.bytes() == dst.bytes(), "copy", src.shape_text() + " into " + dst.shape_text());
+  if (!src.empty()) std::memcpy(dst.host_data(), src.host_data(), src.bytes());
+}
+
 void CpuBackend::zero(const Tensor& t) {
   if (!t.empty()) std::memset(t.host_data(), 0, t.bytes());
 }
