@@ -5,8 +5,9 @@
 
 namespace capserve::runtime {
 
-Engine::Engine(Model& model, const EngineOptions& options)
+Engine::Engine(const Model& model, const EngineOptions& options)
     : model_(model),
+      pass_(model),
       cache_(kv_cache_shape(model.config(), options.kv_block_size, options.kv_blocks), model.backend()) {}
 
 std::int64_t Engine::length(SequenceId seq) const {
@@ -61,7 +62,7 @@ Status Engine::step(std::span<const Work> work) {
   host_logits_current_ = false;
   if (Status s = validate(work); !s.ok()) {
     logits_ = backend.scratch(logits_buffer_, kernels::DType::f32, {0, vocab});
-    model_.forward({tokens_, positions_, slices_, logit_rows_, decode_rows_}, cache_, logits_);
+    pass_.forward({tokens_, positions_, slices_, logit_rows_, decode_rows_}, cache_, logits_);
     return s;
   }
   for (const Work& w : work) {
@@ -83,9 +84,9 @@ Status Engine::step(std::span<const Work> work) {
   }
   logits_ = backend.scratch(logits_buffer_, kernels::DType::f32,
                             {static_cast<std::int64_t>(logit_rows_.size()), vocab});
-  model_.forward({tokens_, positions_, slices_, logit_rows_, decode_rows_}, cache_, logits_);
-  const std::span<const std::int32_t> dropped = model_.last_row_dropped();
-  const std::span<const std::int32_t> rerouted = model_.last_row_rerouted();
+  pass_.forward({tokens_, positions_, slices_, logit_rows_, decode_rows_}, cache_, logits_);
+  const std::span<const std::int32_t> dropped = pass_.last_row_dropped();
+  const std::span<const std::int32_t> rerouted = pass_.last_row_rerouted();
   moe_counts_.assign(work.size(), {});
   for (std::size_t i = 0; i < work.size(); ++i) {
     const kernels::SequenceSlice& slice = slices_[i];

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "kernels/backend.h"
+#include "runtime/forward_pass.h"
 #include "runtime/kv_cache.h"
 #include "runtime/model.h"
 #include "runtime/status.h"
@@ -21,8 +22,9 @@ struct EngineOptions {
 
 class Engine {
  public:
-  // Runs on the model's backend, which also holds the KV cache.
-  Engine(Model& model, const EngineOptions& options);
+  // Runs its own ForwardPass on the model's backend, which also holds the KV cache. `model` must outlive the
+  // engine.
+  Engine(const Model& model, const EngineOptions& options);
 
   struct Work {
     SequenceId seq = 0;  // an unknown id starts a new sequence
@@ -54,6 +56,15 @@ class Engine {
   };
   [[nodiscard]] std::span<const MoeCounts> moe_counts() const { return moe_counts_; }
 
+  // The forward pass's statistics and controls (ForwardPass has their contracts).
+  [[nodiscard]] const parallel::MoeStepStats& last_moe_stats() const { return pass_.last_moe_stats(); }
+  [[nodiscard]] const parallel::RunStats& run_stats() const { return pass_.run_stats(); }
+  void router_dry_run(std::span<const std::int32_t> tokens, std::int64_t layers,
+                      std::span<std::int64_t> counts) {
+    pass_.router_dry_run(tokens, layers, counts);
+  }
+  void set_latent_form(kernels::LatentForm form) { pass_.set_latent_form(form); }
+
   void release(SequenceId seq);
   [[nodiscard]] std::int64_t length(SequenceId seq) const;
   [[nodiscard]] const Model& model() const { return model_; }
@@ -62,7 +73,8 @@ class Engine {
  private:
   Status validate(std::span<const Work> work);
 
-  Model& model_;
+  const Model& model_;
+  ForwardPass pass_;
   KvCache cache_;
   std::unordered_map<SequenceId, std::int64_t> lengths_;
   // Grow-only step buffers.

@@ -1,24 +1,11 @@
 #include "runtime/model.h"
 
-#include <algorithm>
-#include <cmath>
-#include <cstring>
-
 #include "parallel/self_communicator.h"
 #include "runtime/architectures/architecture.h"
 #include "runtime/load_error.h"
 
 namespace capserve::runtime {
 namespace {
-
-using kernels::DType;
-using kernels::HostSync;
-using kernels::Tensor;
-
-template <typename T>
-std::span<const std::byte> bytes_of(std::span<T> values) {
-  return std::as_bytes(values);
-}
 
 std::vector<std::int64_t> moe_layer_indices(const ModelConfig& config) {
   std::vector<std::int64_t> layers;
@@ -75,211 +62,11 @@ Model::Model(ModelConfig config, Checkpoint checkpoint, const TensorNames& names
       weights_(load_model_weights(checkpoint_, config_, names, placement_, comm.rank(), backend)),
       tables_(backend, placement_, comm.rank()),
       rope_(config_.rotary_dim(), config_.rope_theta, config_.rope_scaling),
-      scheduler_(options.capacity, comm),
-      dispatcher_(comm),
-      stats_(moe_layer_indices(config_), config_.num_experts, comm.size()),
+      capacity_(options.capacity),
       moe_layers_(moe_layer_indices(config_)),
       moe_index_(static_cast<std::size_t>(config_.num_layers), -1) {
   std::int64_t i = 0;
   for (const std::int64_t l : moe_layers_) moe_index_[static_cast<std::size_t>(l)] = i++;
-}
-
-void Model::router_dry_run(std::span<const std::int32_t> tokens, std::int64_t layers,
-                           std::span<std::int64_t> counts) {
-  kernels::Backend& backend = *backend_;
-  const auto rows = static_cast<std::int64_t>(tokens.size());
-  const std::int64_t hidden = config_.hidden_size;
-  const std::int64_t experts = config_.num_experts;
-  DryRunScratch& s = dry_run_;
-  const Tensor ids = backend.scratch(s.tokens, DType::i32, {rows});
-  const Tensor embedded = backend.scratch(s.embedded, DType::f32, {rows, hidden});
-  const Tensor normed = backend.scratch(s.normed, DType::f32, {rows, hidden});
-  const Tensor logits = backend.scratch(s.logits, DType::f32, {rows, experts});
-  const Tensor probs = backend.scratch(s.probs, DType::f32, {rows, experts});
-  const Tensor chosen = backend.scratch(s.experts, DType::i32, {rows, config_.top_k});
-  const Tensor weights = backend.scratch(s.weights, DType::f32, {rows, config_.top_k});
-  const std::int64_t n = std::min<std::int64_t>(layers, static_cast<std::int64_t>(moe_layers_.size()));
-  const Tensor found = backend.scratch(s.counts, DType::i64, {n * experts});
-  backend.zero(found);
-  backend.from_host(bytes_of(tokens), ids);
-  backend.embedding(ids, weights_.embed, embedded);
-  for (std::int64_t i = 0; i < n; ++i) {
-    const LayerWeights& lw =
-        weights_.layers[static_cast<std::size_t>(moe_layers_[static_cast<std::size_t>(i)])];
-    backend.rms_norm(embedded, lw.post_attention_norm, static_cast<float>(config_.rms_norm_eps), normed);
-    backend.linear(normed, lw.moe.router, {}, logits);
-    backend.route(router_params(config_, rows), logits, probs, chosen, weights);
-    backend.count_experts(chosen, found.rows(i * experts, experts));
-  }
-  dry_run_counts_.resize(static_cast<std::size_t>(n * experts));
-  backend.to_host(found, std::as_writable_bytes(std::span<std::int64_t>(dry_run_counts_)), HostSync::dry_run);
-  for (std::size_t i = 0; i < dry_run_counts_.size(); ++i) counts[i] += dry_run_counts_[i];
-}
-
-void Model::forward(const ForwardBatch& batch, KvCache& cache, const Tensor& logits) {
-  kernels::Backend& backend = *backend_;
-  const auto rows = static_cast<std::int64_t>(batch.tokens.size());
-  const std::int64_t hidden = config_.hidden_size;
-  const std::int64_t half = config_.rotary_dim() / 2;
-  Scratch& s = scratch_;
-  Activations& a = act_;
-  a.residual = backend.scratch(s.residual, DType::f32, {rows, hidden});
-  a.normed = backend.scratch(s.normed, DType::f32, {rows, hidden});
-  a.proj = backend.scratch(s.proj, DType::f32, {rows, hidden});
-  a.cos = backend.scratch(s.cos, DType::f32, {rows, half});
-  a.sin = backend.scratch(s.sin, DType::f32, {rows, half});
-  const Tensor ids = backend.scratch(s.tokens, DType::i32, {rows});
-
-  backend.from_host(bytes_of(batch.tokens), ids);
-  backend.embedding(ids, weights_.embed, a.residual);
-  rope_.tables(batch.positions, s.cos_host, s.sin_host);
-  backend.from_host(bytes_of(std::span<const float>(s.cos_host)), a.cos);
-  backend.from_host(bytes_of(std::span<const float>(s.sin_host)), a.sin);
-
-  // Rows of the phase the capacity scheduler leaves alone are exempt from dropping.
-  const parallel::CapacityPhase phase = scheduler_.config().apply_to;
-  if (phase != parallel::CapacityPhase::both) {
-    exempt_.resize(static_cast<std::size_t>(rows));
-    const std::uint8_t exempt_decode = phase == parallel::CapacityPhase::prefill ? 1 : 0;
-    for (std::int64_t r = 0; r < rows; ++r) {
-      const bool decode = !batch.decode_rows.empty() && batch.decode_rows[static_cast<std::size_t>(r)] != 0;
-      exempt_[static_cast<std::size_t>(r)] =
-          decode ? exempt_decode : static_cast<std::uint8_t>(1 - exempt_decode);
-    }
-  }
-  a.exempt = {};
-  if (phase != parallel::CapacityPhase::both) {
-    a.exempt = backend.scratch(s.exempt, DType::u8, {rows});
-    backend.from_host(std::as_bytes(std::span<const std::uint8_t>(exempt_)), a.exempt);
-  }
-  row_dropped_.assign(static_cast<std::size_t>(rows), 0);
-  row_rerouted_.assign(static_cast<std::size_t>(rows), 0);
-  stats_.begin_step();
-  scheduler_.begin_step(rows);
-
-  for (std::int64_t layer = 0; layer < config_.num_layers; ++layer) {
-    attention(layer, batch, cache);
-    feed_forward(layer, rows);
-  }
-
-  const auto wanted = static_cast<std::int64_t>(batch.logit_rows.size());
-  const Tensor final_rows = backend.scratch(s.final_rows, DType::f32, {wanted, hidden});
-  backend.gather_rows(a.residual, batch.logit_rows, final_rows);
-  backend.rms_norm(final_rows, weights_.final_norm, static_cast<float>(config_.rms_norm_eps), final_rows);
-  backend.linear(final_rows, weights_.lm_head, {}, logits);
-  stats_.reduce(*comm_, placement_);
-  run_stats_.add(stats_.step());
-}
-
-void Model::attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache) {
-  kernels::Backend& backend = *backend_;
-  const LayerWeights& lw = weights_.layers[static_cast<std::size_t>(layer)];
-  const Activations& a = act_;
-  backend.rms_norm(a.residual, lw.input_norm, static_cast<float>(config_.rms_norm_eps), a.normed);
-  const Tensor attn =
-      config_.mla ? latent_attention(layer, batch, cache) : grouped_query_attention(layer, batch, cache);
-  backend.linear(attn, lw.attention.o, lw.attention.o_bias, a.proj);
-  backend.add(a.residual, a.proj);
-}
-
-float Model::softmax_scale() const {
-  return static_cast<float>(
-      config_.softmax_scale.value_or(1.0 / std::sqrt(static_cast<double>(config_.head_dim))));
-}
-
-Tensor Model::grouped_query_attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache) {
-  kernels::Backend& backend = *backend_;
-  const AttentionWeights& a = weights_.layers[static_cast<std::size_t>(layer)].attention;
-  const auto rows = static_cast<std::int64_t>(batch.tokens.size());
-  const std::int64_t d = config_.head_dim;
-  const std::int64_t q_width = config_.num_heads * d;
-  const std::int64_t kv_width = config_.num_kv_heads * d;
-  const auto eps = static_cast<float>(config_.rms_norm_eps);
-  Scratch& s = scratch_;
-  const Tensor& normed = act_.normed;
-  const Tensor q = backend.scratch(s.q, DType::f32, {rows, q_width});
-  const Tensor k = backend.scratch(s.k, DType::f32, {rows, kv_width});
-  const Tensor v = backend.scratch(s.v, DType::f32, {rows, kv_width});
-  const Tensor attn = backend.scratch(s.attn, DType::f32, {rows, q_width});
-
-  backend.linear(normed, a.q, a.q_bias, q);
-  backend.linear(normed, a.k, a.k_bias, k);
-  backend.linear(normed, a.v, a.v_bias, v);
-  if (config_.qk_norm) {
-    backend.rms_norm(q, a.q_norm, eps, q);
-    backend.rms_norm(k, a.k_norm, eps, k);
-  }
-  if (config_.clip_qkv) {
-    const auto c = static_cast<float>(*config_.clip_qkv);
-    backend.clamp(q, c);
-    backend.clamp(k, c);
-    backend.clamp(v, c);
-  }
-  backend.rope(q, {config_.num_heads, d, 0, d, config_.interleaved_rope}, act_.cos, act_.sin);
-  backend.rope(k, {config_.num_kv_heads, d, 0, d, config_.interleaved_rope}, act_.cos, act_.sin);
-
-  const kernels::PagedKvLayer kv = cache.layer(layer);
-  backend.kv_store(batch.seqs, k, v, kv);
-  backend.paged_attention(batch.seqs, q, kv, {config_.num_heads, softmax_scale(), config_.sliding_window},
-                          attn);
-  return attn;
-}
-
-Tensor Model::latent_attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache) {
-  kernels::Backend& backend = *backend_;
-  const AttentionWeights& a = weights_.layers[static_cast<std::size_t>(layer)].attention;
-  const MlaConfig& m = *config_.mla;
-  const auto rows = static_cast<std::int64_t>(batch.tokens.size());
-  const std::int64_t heads = config_.num_heads;
-  const std::int64_t qk = m.qk_nope_head_dim + m.qk_rope_head_dim;
-  const std::int64_t r = m.kv_lora_rank;
-  const std::int64_t dr = m.qk_rope_head_dim;
-  const auto eps = static_cast<float>(m.norm_eps);
-  Scratch& s = scratch_;
-  const Tensor& normed = act_.normed;
-  const Tensor q = backend.scratch(s.q, DType::f32, {rows, heads * qk});
-  const Tensor latent = backend.scratch(s.k, DType::f32, {rows, r});
-  const Tensor rope_key = backend.scratch(s.v, DType::f32, {rows, dr});
-  const Tensor attn = backend.scratch(s.attn, DType::f32, {rows, heads * m.v_head_dim});
-
-  if (m.q_lora_rank > 0) {
-    const Tensor q_lora = backend.scratch(s.q_lora, DType::f32, {rows, m.q_lora_rank});
-    backend.linear(normed, a.q_a, a.q_a_bias, q_lora);
-    backend.rms_norm(q_lora, a.q_a_norm, eps, q_lora);
-    backend.linear(q_lora, a.q_b, {}, q);
-  } else {
-    backend.linear(normed, a.q, {}, q);
-  }
-  backend.linear(normed, a.kv_a_latent, a.kv_a_latent_bias, latent);
-  backend.rms_norm(latent, a.kv_a_norm, eps, latent);
-  backend.linear(normed, a.kv_a_rope, a.kv_a_rope_bias, rope_key);
-  backend.rope(q, {heads, qk, m.qk_nope_head_dim, dr, config_.interleaved_rope}, act_.cos, act_.sin);
-  backend.rope(rope_key, {1, dr, 0, dr, config_.interleaved_rope}, act_.cos, act_.sin);
-
-  const kernels::PagedLatentLayer kv = cache.latent_layer(layer);
-  backend.latent_store(batch.seqs, latent, rope_key, kv);
-  const kernels::LatentAttentionParams params{heads,        m.qk_nope_head_dim, dr,
-                                              m.v_head_dim, softmax_scale(),    latent_form_};
-  backend.latent_attention(batch.seqs, q, kv, a.kv_b, params, attn);
-  return attn;
-}
-
-void Model::feed_forward(std::int64_t layer, std::int64_t rows) {
-  kernels::Backend& backend = *backend_;
-  const LayerWeights& lw = weights_.layers[static_cast<std::size_t>(layer)];
-  const Activations& a = act_;
-  backend.rms_norm(a.residual, lw.post_attention_norm, static_cast<float>(config_.rms_norm_eps), a.normed);
-  if (lw.is_moe) {
-    MoeLayerContext context{layer,        tables_.layer(layer),
-                            scheduler_,   dispatcher_,
-                            a.exempt,     stats_.layer(moe_index_[static_cast<std::size_t>(layer)]),
-                            row_dropped_, row_rerouted_};
-    moe_block(backend, config_, lw.moe, a.normed, a.proj, scratch_.moe, context);
-  } else {
-    const std::int64_t whole[2] = {0, rows};
-    backend.grouped_expert_ffn(a.normed, whole, lw.dense_mlp, a.proj);
-  }
-  backend.add(a.residual, a.proj);
 }
 
 }  // namespace capserve::runtime

@@ -1,8 +1,7 @@
 #pragma once
-// A loaded model and its shared forward pass: one ragged batch of new tokens from many sequences (prefill
-// chunks and single decode tokens mixed), attention over the paged KV cache, MoE or dense feed-forward per
-// layer. Under expert parallelism every rank holds a Model with the replicated weights and only its own
-// routed experts, runs its own sequences (data-parallel attention) and joins every MoE layer's collectives.
+// A loaded model: what is fixed once loading ends (config, weights on the backend, expert placement, capacity
+// options), shared read-only by every ForwardPass (forward_pass.h) that runs it. Under expert parallelism
+// every rank holds a Model with the replicated weights and only its own routed experts.
 #include <cstdint>
 #include <filesystem>
 #include <memory>
@@ -12,28 +11,15 @@
 
 #include "kernels/backend.h"
 #include "parallel/capacity_config.h"
-#include "parallel/capacity_stage.h"
 #include "parallel/communicator.h"
 #include "parallel/expert_placement.h"
-#include "parallel/moe_stats.h"
 #include "parallel/placement_tables.h"
-#include "parallel/token_dispatcher.h"
-#include "runtime/kv_cache.h"
 #include "runtime/model_config.h"
 #include "runtime/model_weights.h"
-#include "runtime/moe_block.h"
 #include "runtime/rope.h"
 #include "runtime/weights/checkpoint.h"
 
 namespace capserve::runtime {
-
-struct ForwardBatch {
-  std::span<const std::int32_t> tokens;          // [rows]: every sequence's new tokens, back to back
-  std::span<const std::int32_t> positions;       // [rows]
-  std::span<const kernels::SequenceSlice> seqs;  // which rows belong to which sequence, and its cache blocks
-  std::span<const std::int64_t> logit_rows;      // rows whose next-token logits are wanted
-  std::span<const std::uint8_t> decode_rows;     // [rows] or empty (all prefill): 1 = a decode token
-};
 
 // How a model is spread over ranks and how its MoE layers treat capacity.
 struct ParallelOptions {
@@ -51,37 +37,23 @@ class Model {
   static std::unique_ptr<Model> load(const std::filesystem::path& dir, kernels::Backend& backend,
                                      parallel::Communicator& comm, const ParallelOptions& options);
 
+  // Backend and communicator stay mutable through a const Model: a forward pass runs on them.
   [[nodiscard]] kernels::Backend& backend() const { return *backend_; }
+  [[nodiscard]] parallel::Communicator& communicator() const { return *comm_; }
 
   [[nodiscard]] const ModelConfig& config() const { return config_; }
-
-  // Writes the new tokens' K/V into `cache` and fills logits [logit_rows.size(), vocab_size] (a tensor of the
-  // model's backend). A collective:
-  // every rank calls it once per step, with zero rows if it has nothing to run.
-  void forward(const ForwardBatch& batch, KvCache& cache, const kernels::Tensor& logits);
-
-  // The last forward's MoE statistics over all ranks, one entry per MoE layer.
-  [[nodiscard]] const parallel::MoeStepStats& last_moe_stats() const { return stats_.step(); }
-  // Router dry run for batch selection: each token's embedding through the first `layers` MoE layers'
-  // post-attention RMSNorm and router to its top-k, no attention, no experts, no collective; adds the chosen
-  // experts' counts into counts [layers, num_experts]. Not thread-safe with forward (one engine thread).
-  void router_dry_run(std::span<const std::int32_t> tokens, std::int64_t layers,
-                      std::span<std::int64_t> counts);
-  [[nodiscard]] std::span<const std::int64_t> moe_layers() const { return moe_layers_; }
-
-  // Every forward's statistics so far, summed (for --moe-stats and reports).
-  [[nodiscard]] const parallel::RunStats& run_stats() const { return run_stats_; }
-  // Per row of the last forward's batch: assignment slots dropped / rerouted, summed over layers.
-  [[nodiscard]] std::span<const std::int32_t> last_row_dropped() const { return row_dropped_; }
-  [[nodiscard]] std::span<const std::int32_t> last_row_rerouted() const { return row_rerouted_; }
-
-  // Which form multi-head latent attention takes (default: per sequence, the cheaper one); for tests and
-  // benchmarks that compare the forms.
-  void set_latent_form(kernels::LatentForm form) { latent_form_ = form; }
-
-  [[nodiscard]] parallel::Communicator& communicator() const { return *comm_; }
+  [[nodiscard]] const ModelWeights& weights() const { return weights_; }
   [[nodiscard]] const parallel::ExpertPlacement& placement() const { return placement_; }
-  [[nodiscard]] const parallel::CapacityConfig& capacity() const { return scheduler_.config(); }
+  // The placement on the backend, for the MoE kernels.
+  [[nodiscard]] const parallel::PlacementTables& tables() const { return tables_; }
+  [[nodiscard]] const Rope& rope() const { return rope_; }
+  [[nodiscard]] const parallel::CapacityConfig& capacity() const { return capacity_; }
+  // Indices of the MoE layers.
+  [[nodiscard]] std::span<const std::int64_t> moe_layers() const { return moe_layers_; }
+  // A layer's index among the MoE layers, -1 for a dense layer.
+  [[nodiscard]] std::int64_t moe_index(std::int64_t layer) const {
+    return moe_index_[static_cast<std::size_t>(layer)];
+  }
 
  private:
   static std::unique_ptr<Model> load_with(const std::filesystem::path& dir, kernels::Backend& backend,
@@ -91,15 +63,6 @@ class Model {
         std::unique_ptr<parallel::Communicator> own_comm, parallel::Communicator& comm,
         const ParallelOptions& options);
 
-  // Input norm, the layer's attention (grouped-query or multi-head latent) into scratch_.attn, o_proj,
-  // residual.
-  void attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache);
-  // Each returns the attention output [rows, heads * value head dim], before o_proj.
-  kernels::Tensor grouped_query_attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache);
-  kernels::Tensor latent_attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache);
-  [[nodiscard]] float softmax_scale() const;
-  void feed_forward(std::int64_t layer, std::int64_t rows);
-
   ModelConfig config_;
   kernels::Backend* backend_;
   std::unique_ptr<parallel::Communicator> own_comm_;  // set only for single-process models
@@ -107,34 +70,11 @@ class Model {
   parallel::ExpertPlacement placement_;
   Checkpoint checkpoint_;  // owns the mappings the weight views point into
   ModelWeights weights_;
-  parallel::PlacementTables tables_;  // the placement on the backend, for the MoE kernels
+  parallel::PlacementTables tables_;
   Rope rope_;
-  parallel::CapacityStage scheduler_;
-  parallel::TokenDispatcher dispatcher_;
-  parallel::StepStatsRecorder stats_;
-  parallel::RunStats run_stats_;
-  std::vector<std::int64_t> moe_layers_;  // indices of the MoE layers
-  std::vector<std::int64_t> moe_index_;   // per layer: its index among the MoE layers, -1 for dense
-  std::vector<std::uint8_t> exempt_;      // [rows]: rows the capacity scheduler may not drop this step
-  std::vector<std::int64_t> dry_run_counts_;
-  std::vector<std::int32_t> row_dropped_, row_rerouted_;
-  kernels::LatentForm latent_form_ = kernels::LatentForm::cheaper;
-
-  // Grow-only activation buffers of the backend, reused by every step.
-  struct Scratch {
-    // MLA: k holds the latents, v the rope keys, q_lora the low-rank queries.
-    kernels::Buffer tokens, residual, normed, q, q_lora, k, v, attn, proj, cos, sin, final_rows, exempt;
-    std::vector<float> cos_host, sin_host;  // the step's rotary tables, made on the host
-    MoeScratch moe;
-  } scratch_;
-  // The current step's tensors over scratch_ that every layer uses.
-  struct Activations {
-    kernels::Tensor residual, normed, proj, cos, sin;  // [rows, hidden] x3, [rows, rotary_dim / 2] x2
-    kernels::Tensor exempt;                            // u8 [rows] or empty: see exempt_
-  } act_;
-  struct DryRunScratch {
-    kernels::Buffer tokens, embedded, normed, logits, probs, experts, weights, counts;
-  } dry_run_;
+  parallel::CapacityConfig capacity_;
+  std::vector<std::int64_t> moe_layers_;
+  std::vector<std::int64_t> moe_index_;
 };
 
 }  // namespace capserve::runtime

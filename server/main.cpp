@@ -203,8 +203,9 @@ server::StepWatchdog::Clock::duration step_bound(const Options& o) {
 // Rank 0: the front end, the scheduler and the step loop's driving side. Every rank learns whether the front
 // end started (the one collective before the step loop): on failure all of them exit 1 cleanly, rank 0 with
 // the reason as its last line.
-int serve(parallel::MpiWorld& world, Options& o, runtime::Model& model, server::RankWorker& worker,
+int serve(parallel::MpiWorld& world, Options& o, runtime::Engine& engine, server::RankWorker& worker,
           parallel::RankHeartbeat* heartbeat) {
+  const runtime::Model& model = engine.model();
   const runtime::ModelConfig& config = model.config();
   std::optional<runtime::Tokenizer> tokenizer;
   std::optional<runtime::ChatTemplate> chat;
@@ -222,7 +223,7 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Model& model, server::
   server::LoadPredictor predictor = [&, dry_layers](std::span<const std::int32_t> prompt,
                                                     std::span<float> rank_load) {
     counts.assign(static_cast<std::size_t>(dry_layers * config.num_experts), 0);
-    model.router_dry_run(prompt, dry_layers, counts);
+    engine.router_dry_run(prompt, dry_layers, counts);
     for (std::int64_t l = 0; l < dry_layers; ++l) {
       const auto owners = placement.owners(model.moe_layers()[static_cast<std::size_t>(l)]);
       for (std::int64_t e = 0; e < config.num_experts; ++e)
@@ -346,8 +347,8 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Model& model, server::
       std::vector<server::StepResult> results;
       results.reserve(gathered.size());
       for (const auto& g : gathered) results.push_back(server::deserialize_result(g));
-      scheduler->complete(results, model.last_moe_stats(), server::Clock::now());
-      if (!plan.starts.empty() || !plan.decodes.empty()) metrics->record_step(model.last_moe_stats());
+      scheduler->complete(results, engine.last_moe_stats(), server::Clock::now());
+      if (!plan.starts.empty() || !plan.decodes.empty()) metrics->record_step(engine.last_moe_stats());
     }
   } catch (const std::exception& e) {
     if (!watchdog.end_step()) wait_for_stall_handler();
@@ -461,7 +462,7 @@ int main(int argc, char** argv) {
   }
   if (rank != 0) return follow(*world, worker);
   try {
-    return serve(*world, o, *model, worker, heartbeat ? &*heartbeat : nullptr);
+    return serve(*world, o, engine, worker, heartbeat ? &*heartbeat : nullptr);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "capserve: %s\n", e.what());
     world->abort(1);

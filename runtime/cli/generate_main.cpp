@@ -208,7 +208,7 @@ int main(int argc, char** argv) {
   const std::int64_t resident[2] = {status_kib("VmRSS:"), status_kib("RssFile:")};
   std::vector<std::int64_t> all_resident(2 * static_cast<std::size_t>(world->size()));
   comm->allgather(resident, all_resident);
-  nlohmann::json stats = nlohmann::json::parse(model->run_stats().to_json(
+  nlohmann::json stats = nlohmann::json::parse(engine.run_stats().to_json(
       parallel::describe(model->capacity()) + " placement=" + model->placement().kind() +
       " ranks=" + std::to_string(world->size())));
   for (int r = 0; r < world->size(); ++r) {

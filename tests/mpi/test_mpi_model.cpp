@@ -161,7 +161,7 @@ RunResult run(Engine& engine, const std::vector<std::vector<std::int32_t>>& all,
   for (std::size_t j = 0; j < mine.size(); ++j) work.push_back({1000 + j, all[mine[j]], true});
   const runtime::Status s = engine.step(work);
   EXPECT_TRUE(s.ok()) << where << ": " << s.message();
-  out.prefill_stats = engine.model().last_moe_stats();
+  out.prefill_stats = engine.last_moe_stats();
   std::size_t row = 0;
   for (std::size_t j = 0; j < mine.size() && s.ok(); ++j) {
     PromptResult& p = out.prompts[mine[j]];
@@ -548,7 +548,7 @@ TEST_P(MpiModel, StepStatisticsAreGlobalAndMatchSingleProcess) {
     tokens += static_cast<std::int64_t>(prompts_[order[j]].size());
   }
   ASSERT_TRUE(single_engine.step(all_work).ok());  // no collective: same outcome on every rank
-  const MoeStepStats ref = single_->last_moe_stats();
+  const MoeStepStats ref = single_engine.last_moe_stats();
   ASSERT_EQ(static_cast<std::int64_t>(ref.layers.size()), moe_layers());
 
   for (const std::string placement : {"contiguous", "round-robin"}) {
@@ -560,7 +560,7 @@ TEST_P(MpiModel, StepStatisticsAreGlobalAndMatchSingleProcess) {
       work.push_back({i, prompts_[i], false});
     const runtime::Status st = engine.step(work);
     EXPECT_TRUE(st.ok()) << where << ": " << st.message();
-    const MoeStepStats& stats = model->last_moe_stats();
+    const MoeStepStats& stats = engine.last_moe_stats();
     expect_same_on_every_rank(comm_, pack(stats), where + ": last_moe_stats");
     EXPECT_EQ(stats.layers.size(), ref.layers.size()) << where;
     for (std::size_t l = 0; l < std::min(stats.layers.size(), ref.layers.size()); ++l) {
@@ -716,7 +716,7 @@ TEST_P(MpiModel, DroppedTokensKeepSharedExpertAndResidual) {
   for (const std::size_t i : mine) work.push_back({i, one_token[i], false});
   const runtime::Status st = engine.step(work);
   EXPECT_TRUE(st.ok()) << st.message();
-  expect_capacity_invariants(model->last_moe_stats(), opts.capacity, model->placement(), c.num_experts,
+  expect_capacity_invariants(engine.last_moe_stats(), opts.capacity, model->placement(), c.num_experts,
                              c.top_k, GetParam() + ", gamma 0.25");
   std::int64_t all_dropped = 0;
   for (std::size_t j = 0; j < mine.size() && st.ok(); ++j) {
@@ -764,7 +764,7 @@ TEST_P(MpiModel, DispatchMovesOnlyKeptRoutedAssignments) {
       if (rank == src) work.push_back({7, token, false});
       const runtime::Status st = engine.step(work);
       EXPECT_TRUE(st.ok()) << st.message();
-      for (const parallel::MoeLayerStats& s : model->last_moe_stats().layers) {
+      for (const parallel::MoeLayerStats& s : engine.last_moe_stats().layers) {
         const std::string what = GetParam() + ", " + placement + ", step " + std::to_string(step) +
                                  ", layer " + std::to_string(s.layer);
         EXPECT_EQ(s.tokens, 1) << what;
@@ -926,7 +926,7 @@ TEST_P(MpiModel, StepRefusedOnOneRankOnly) {
       }
       std::int64_t good_tokens = 0;
       for (const auto& p : ref_prompts) good_tokens += static_cast<std::int64_t>(p.size());
-      for (const auto& s : model->last_moe_stats().layers)
+      for (const auto& s : engine.last_moe_stats().layers)
         EXPECT_EQ(s.tokens, good_tokens) << where << ", layer " << s.layer << ": not the good ranks' tokens";
       // The next step runs everywhere: the refused rank starts its sequence, the others decode one token.
       const std::vector<std::int32_t> next = rank == bad ? prompt_of(rank) : std::vector<std::int32_t>{17};
@@ -956,7 +956,7 @@ TEST_P(MpiModel, StepRefusedOnOneRankOnly) {
       Engine engine(*model, {});
       const runtime::Status st = engine.step({});
       EXPECT_TRUE(st.ok()) << where << ": " << st.message();
-      for (const auto& s : model->last_moe_stats().layers) {
+      for (const auto& s : engine.last_moe_stats().layers) {
         EXPECT_EQ(s.tokens, 0) << where << ", layer " << s.layer;
         EXPECT_EQ(s.dropped, 0) << where << ", layer " << s.layer;
         EXPECT_EQ(s.rows_dispatched, 0) << where << ", layer " << s.layer;

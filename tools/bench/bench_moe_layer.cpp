@@ -16,7 +16,7 @@
 //                     per-row cost); it is a prefill-sized burst; and a layer call takes ~0.7 s on one
 //                     core, so 19 configurations x 6 domains x 5 repetitions fit in ~20 minutes.
 //   --mode model      the default model on bursts of one domain's held-out corpus text (windows of
-//                     <|endoftext|> + 255 tokens); the MoE time is Model::last_moe_stats() (scheduler +
+//                     <|endoftext|> + 255 tokens); the MoE time is Engine::last_moe_stats() (scheduler +
 //                     dispatch + expert + combine, each the slowest rank's) summed over the MoE layers.
 //
 // Ideal ratio of a configuration = sum over layers of the largest rank load under gamma = inf / the same
@@ -825,7 +825,7 @@ int run_model(parallel::MpiWorld& world, parallel::MpiCommunicator& comm, const 
     res.moe_rank = wall[5];
     res.moe_net = wall[6];
     res.scheduler_net = wall[7];
-    for (const parallel::MoeLayerStats& s : models[c]->last_moe_stats().layers) {
+    for (const parallel::MoeLayerStats& s : engines[c]->last_moe_stats().layers) {
       res.scheduler += s.scheduler_seconds;
       res.dispatch += s.dispatch_seconds;
       res.expert += s.expert_seconds;
@@ -856,7 +856,7 @@ int run_model(parallel::MpiWorld& world, parallel::MpiCommunicator& comm, const 
 
   if (rank != 0) return 0;
   const runtime::ModelConfig& mc = models.front()->config();
-  const auto moe_layers = static_cast<double>(models.front()->last_moe_stats().layers.size());
+  const auto moe_layers = static_cast<double>(engines.front()->last_moe_stats().layers.size());
   json meta = {{"mode", "model"},
                {"model", model_dir},
                {"ranks", ranks},

@@ -24,6 +24,7 @@
 #include <nlohmann/json.hpp>
 
 #include "kernels/cpu/cpu_backend.h"
+#include "parallel/moe_stats.h"
 #include "parallel/mpi_communicator.h"
 #include "parallel/mpi_world.h"
 #include "runtime/cli/parallel_flags.h"
@@ -166,7 +167,7 @@ void evaluate_domain(Engine& engine, const runtime::Model& model, const Options&
       r.total_nll += window_nll(logits.subspan(j * rows_per_window, rows_per_window), inputs[j], vocab);
       engine.release(work[j].seq);
     }
-    r.moe.add(model.last_moe_stats());
+    r.moe.add(engine.last_moe_stats());
   }
 }
 
@@ -178,7 +179,7 @@ std::vector<std::int64_t> bos_load(Engine& engine, const runtime::Model& model, 
   if (auto s = engine.step(std::span(&lone_work, rank == 0 ? 1 : 0)); !s.ok())
     throw std::runtime_error(s.message());
   if (rank == 0) engine.release(0);
-  return routed_load(model.last_moe_stats(), model.config());
+  return routed_load(engine.last_moe_stats(), model.config());
 }
 
 void set_text_load(const runtime::ModelConfig& c, std::span<const std::int64_t> bos, DomainResult& r) {
@@ -354,7 +355,7 @@ int main(int argc, char** argv) {
     options.kv_blocks = o.batch_windows * ((o.window + 1) / options.kv_block_size + 1);
     Engine engine(*model, options);
     for (DomainResult& r : results) evaluate_domain(engine, *model, o, rank, ranks, r);
-    const parallel::RunStats run = model->run_stats();  // before the probe step
+    const parallel::RunStats run = engine.run_stats();  // before the probe step
     const std::vector<std::int64_t> bos = bos_load(engine, *model, rank);
     for (DomainResult& r : results) set_text_load(model->config(), bos, r);
     gather_nll(*world, results);

@@ -80,10 +80,10 @@ TEST(LatentCache, DeepSeekV2LiteBytesPerToken) {
 TEST_P(DeepSeek, AbsorbedDecodeEqualsExpanded) {
   const auto absorbed = Model::load(dir(), backend_);
   const auto expanded = Model::load(dir(), backend_);
-  absorbed->set_latent_form(kernels::LatentForm::absorbed);
-  expanded->set_latent_form(kernels::LatentForm::expanded);
   Engine a(*absorbed, {});
   Engine e(*expanded, {});
+  a.set_latent_form(kernels::LatentForm::absorbed);
+  e.set_latent_form(kernels::LatentForm::expanded);
   const nlohmann::json prompt = testing::fixture_reference(GetParam())["prompts"][3];
   const auto ids = prompt["input_ids"].get<std::vector<std::int32_t>>();
   const auto expected = prompt["greedy_ids"].get<std::vector<std::int32_t>>();

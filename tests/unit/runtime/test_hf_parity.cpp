@@ -91,7 +91,7 @@ TEST_P(HfParity, ExpertLoadCountsEveryAssignmentOfTheStep) {
   const runtime::Engine::Work work{1, ids, false};
   ASSERT_TRUE(engine_->step(std::span(&work, 1)).ok());
   const runtime::ModelConfig& c = model_->config();
-  const auto& layers = model_->last_moe_stats().layers;
+  const auto& layers = engine_->last_moe_stats().layers;
   std::int64_t moe_layers = 0;
   for (std::int64_t layer = 0; layer < c.num_layers; ++layer)
     moe_layers += c.layer_is_moe[static_cast<std::size_t>(layer)] ? 1 : 0;
