@@ -44,8 +44,8 @@ static_assert(static_cast<int>(SlotStatus::kept) == static_cast<int>(moe::SlotSt
 
 }  // namespace
 
-CapacityStage::CapacityStage(CapacityConfig config, Communicator& comm)
-    : config_(std::move(config)), comm_(comm) {
+CapacityStage::CapacityStage(CapacityConfig config, Communicator& data, Communicator& control)
+    : config_(std::move(config)), comm_(data), control_(control) {
   if (config_.policy != CapacityPolicy::none) {
     any_active_ =
         std::any_of(config_.gamma.begin(), config_.gamma.end(), [](double g) { return std::isfinite(g); });
@@ -58,7 +58,7 @@ void CapacityStage::begin_step(std::int64_t local_tokens) {
   total_tokens_ = local_tokens;
   if (!any_active_ || !global()) return;
   gathered_.resize(static_cast<std::size_t>(comm_.size()));
-  comm_.allgather(std::span<const std::int64_t>(&local_tokens, 1), gathered_);
+  control_.allgather(std::span<const std::int64_t>(&local_tokens, 1), gathered_);
   token_offset_ = std::accumulate(gathered_.begin(), gathered_.begin() + comm_.rank(), std::int64_t{0});
   total_tokens_ = std::accumulate(gathered_.begin(), gathered_.end(), std::int64_t{0});
 }

@@ -7,6 +7,7 @@
 // reaches the same per-bin decisions and the kept set is the exact global top-C whatever the number of ranks.
 #include <cstdint>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "kernels/backend.h"
@@ -33,7 +34,10 @@ struct LayerRouting {
 
 class CapacityStage {
  public:
-  CapacityStage(CapacityConfig config, Communicator& comm);
+  // `data` (the backend's device) reduces the selection counts of global scope; `control` (host memory)
+  // gathers the step's token counts. The same group; one host communicator may be both.
+  CapacityStage(CapacityConfig config, Communicator& data, Communicator& control);
+  CapacityStage(CapacityConfig config, Communicator& comm) : CapacityStage(std::move(config), comm, comm) {}
 
   [[nodiscard]] const CapacityConfig& config() const { return config_; }
 
@@ -52,6 +56,7 @@ class CapacityStage {
 
   CapacityConfig config_;
   Communicator& comm_;
+  Communicator& control_;
   bool any_active_ = false;
   std::int64_t local_tokens_ = 0;
   std::int64_t token_offset_ = 0;  // global index of this rank's first token

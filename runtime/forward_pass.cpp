@@ -21,7 +21,7 @@ ForwardPass::ForwardPass(const Model& model)
     : model_(model),
       config_(model.config()),
       weights_(model.weights()),
-      scheduler_(model.capacity(), model.communicator()),
+      scheduler_(model.capacity(), model.communicator(), model.control()),
       dispatcher_(model.communicator()),
       stats_({model.moe_layers().begin(), model.moe_layers().end()}, model.config().num_experts,
              model.communicator().size()) {}
@@ -110,7 +110,7 @@ void ForwardPass::forward(const ForwardBatch& batch, KvCache& cache, const Tenso
   backend.gather_rows(a.residual, batch.logit_rows, final_rows);
   backend.rms_norm(final_rows, weights_.final_norm, static_cast<float>(config_.rms_norm_eps), final_rows);
   backend.linear(final_rows, weights_.lm_head, {}, logits);
-  stats_.reduce(model_.communicator(), model_.placement());
+  stats_.reduce(model_.control(), model_.placement());
   run_stats_.add(stats_.step());
 }
 

@@ -26,19 +26,49 @@ parallel::ExpertPlacement make_placement(const ModelConfig& config, const std::s
 }  // namespace
 
 std::unique_ptr<Model> Model::load(const std::filesystem::path& dir, kernels::Backend& backend) {
-  auto self = std::make_unique<parallel::SelfCommunicator>();
-  parallel::Communicator& comm = *self;
-  return load_with(dir, backend, std::move(self), comm, ParallelOptions{});
+  Communicators comms;
+  // The data plane in the backend's memory: its copies are the backend's.
+  comms.owned.push_back(std::make_unique<parallel::SelfCommunicator>(
+      backend.device(),
+      [&backend](std::span<std::byte> dst, std::span<const std::byte> src, kernels::Stream) {
+        const auto n = static_cast<std::int64_t>(src.size());
+        backend.copy(
+            kernels::Tensor(const_cast<std::byte*>(src.data()), kernels::DType::u8, backend.device(), {n}),
+            kernels::Tensor(dst.data(), kernels::DType::u8, backend.device(), {n}));
+      }));
+  comms.owned.push_back(std::make_unique<parallel::SelfCommunicator>());
+  comms.data = comms.owned[0].get();
+  comms.control = comms.owned[1].get();
+  return load_with(dir, backend, std::move(comms), ParallelOptions{});
 }
 
 std::unique_ptr<Model> Model::load(const std::filesystem::path& dir, kernels::Backend& backend,
                                    parallel::Communicator& comm, const ParallelOptions& options) {
-  return load_with(dir, backend, nullptr, comm, options);
+  return load(dir, backend, comm, comm, options);
+}
+
+std::unique_ptr<Model> Model::load(const std::filesystem::path& dir, kernels::Backend& backend,
+                                   parallel::Communicator& data, parallel::Communicator& control,
+                                   const ParallelOptions& options) {
+  Communicators comms;
+  comms.data = &data;
+  comms.control = &control;
+  return load_with(dir, backend, std::move(comms), options);
 }
 
 std::unique_ptr<Model> Model::load_with(const std::filesystem::path& dir, kernels::Backend& backend,
-                                        std::unique_ptr<parallel::Communicator> own_comm,
-                                        parallel::Communicator& comm, const ParallelOptions& options) {
+                                        Communicators comms, const ParallelOptions& options) {
+  const parallel::Communicator& data = *comms.data;
+  const parallel::Communicator& control = *comms.control;
+  if (data.device() != backend.device())
+    throw LoadError("the data-plane communicator is on " + to_string(data.device()) + ", the backend on " +
+                    to_string(backend.device()) + ": on a GPU it must be NCCL or host-staged");
+  if (control.device() != kernels::kCpu)
+    throw LoadError("the control-plane communicator must be on the host, not " + to_string(control.device()));
+  if (data.size() != control.size() || data.rank() != control.rank())
+    throw LoadError("the data and control communicators are different groups (rank " +
+                    std::to_string(data.rank()) + " of " + std::to_string(data.size()) + " and " +
+                    std::to_string(control.rank()) + " of " + std::to_string(control.size()) + ")");
   const nlohmann::json json = read_json_file(dir / "config.json");
   if (!json.is_object()) throw LoadError((dir / "config.json").string() + ": must be a JSON object");
   const Architecture& arch = find_architecture(json);
@@ -47,20 +77,20 @@ std::unique_ptr<Model> Model::load_with(const std::filesystem::path& dir, kernel
   if (const std::string why = options.capacity.validate(config.num_layers); !why.empty())
     throw LoadError(why);
   return std::unique_ptr<Model>(new Model(std::move(config), Checkpoint::open(dir), arch.tensor_names(),
-                                          backend, std::move(own_comm), comm, options));
+                                          backend, std::move(comms), options));
 }
 
 Model::Model(ModelConfig config, Checkpoint checkpoint, const TensorNames& names, kernels::Backend& backend,
-             std::unique_ptr<parallel::Communicator> own_comm, parallel::Communicator& comm,
-             const ParallelOptions& options)
+             Communicators comms, const ParallelOptions& options)
     : config_(std::move(config)),
       backend_(&backend),
-      own_comm_(std::move(own_comm)),
-      comm_(&comm),
-      placement_(make_placement(config_, options.placement, comm.size())),
+      own_comms_(std::move(comms.owned)),
+      data_(comms.data),
+      control_(comms.control),
+      placement_(make_placement(config_, options.placement, data_->size())),
       checkpoint_(std::move(checkpoint)),
-      weights_(load_model_weights(checkpoint_, config_, names, placement_, comm.rank(), backend)),
-      tables_(backend, placement_, comm.rank()),
+      weights_(load_model_weights(checkpoint_, config_, names, placement_, data_->rank(), backend)),
+      tables_(backend, placement_, data_->rank()),
       rope_(config_.rotary_dim(), config_.rope_theta, config_.rope_scaling),
       capacity_(options.capacity),
       moe_layers_(moe_layer_indices(config_)),

@@ -31,15 +31,24 @@ class Model {
  public:
   // Reads config.json and the safetensors checkpoint in `dir` and uploads the weights through `backend`,
   // which then runs every forward pass; LoadError naming the key, file or tensor at fault (or a bad placement
-  // or capacity option). The single-process form owns a size-1 communicator; the other keeps a reference to
-  // `comm`. Backend and communicator must outlive the model.
+  // or capacity option, or communicators that do not fit the backend). Two communicators over the same ranks:
+  // `data` moves the MoE layers' rows and counts in the backend's memory (MPI on the CPU; NCCL or host-staged
+  // on a GPU), `control` reduces the step's statistics and token counts in host memory. The single-process
+  // form owns a group of one of each; the others keep references (one host communicator may serve as both on
+  // the CPU). Backend and communicators must outlive the model.
   static std::unique_ptr<Model> load(const std::filesystem::path& dir, kernels::Backend& backend);
   static std::unique_ptr<Model> load(const std::filesystem::path& dir, kernels::Backend& backend,
                                      parallel::Communicator& comm, const ParallelOptions& options);
+  static std::unique_ptr<Model> load(const std::filesystem::path& dir, kernels::Backend& backend,
+                                     parallel::Communicator& data, parallel::Communicator& control,
+                                     const ParallelOptions& options);
 
-  // Backend and communicator stay mutable through a const Model: a forward pass runs on them.
+  // Backend and communicators stay mutable through a const Model: a forward pass runs on them.
   [[nodiscard]] kernels::Backend& backend() const { return *backend_; }
-  [[nodiscard]] parallel::Communicator& communicator() const { return *comm_; }
+  // The data plane, on the backend's device.
+  [[nodiscard]] parallel::Communicator& communicator() const { return *data_; }
+  // The control plane, on host memory.
+  [[nodiscard]] parallel::Communicator& control() const { return *control_; }
 
   [[nodiscard]] const ModelConfig& config() const { return config_; }
   [[nodiscard]] const ModelWeights& weights() const { return weights_; }
@@ -56,17 +65,22 @@ class Model {
   }
 
  private:
+  // The communicators a model runs over; `owned` holds those it owns (single-process).
+  struct Communicators {
+    parallel::Communicator* data = nullptr;
+    parallel::Communicator* control = nullptr;
+    std::vector<std::unique_ptr<parallel::Communicator>> owned;
+  };
   static std::unique_ptr<Model> load_with(const std::filesystem::path& dir, kernels::Backend& backend,
-                                          std::unique_ptr<parallel::Communicator> own_comm,
-                                          parallel::Communicator& comm, const ParallelOptions& options);
+                                          Communicators comms, const ParallelOptions& options);
   Model(ModelConfig config, Checkpoint checkpoint, const TensorNames& names, kernels::Backend& backend,
-        std::unique_ptr<parallel::Communicator> own_comm, parallel::Communicator& comm,
-        const ParallelOptions& options);
+        Communicators comms, const ParallelOptions& options);
 
   ModelConfig config_;
   kernels::Backend* backend_;
-  std::unique_ptr<parallel::Communicator> own_comm_;  // set only for single-process models
-  parallel::Communicator* comm_;
+  std::vector<std::unique_ptr<parallel::Communicator>> own_comms_;  // single-process models only
+  parallel::Communicator* data_;
+  parallel::Communicator* control_;
   parallel::ExpertPlacement placement_;
   Checkpoint checkpoint_;  // owns the mappings the weight views point into
   ModelWeights weights_;

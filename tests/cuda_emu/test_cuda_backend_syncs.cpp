@@ -1,5 +1,7 @@
 // CudaBackend's promises about the host, counted by the emulation: within a step the host waits only in
 // to_host (each call one synchronisation), and a warm step allocates no device memory (grow-only scratch).
+// For a whole model's decode step that is runtime/README.md's list: two per MoE layer, one for the sampled
+// tokens.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -7,6 +9,9 @@
 
 #include "cuda_emu.h"
 #include "kernels/cuda/cuda_backend.h"
+#include "runtime/engine.h"
+#include "runtime/model.h"
+#include "tests/unit/runtime/fixture_models.h"
 
 namespace capserve::kernels {
 namespace {
@@ -61,6 +66,29 @@ TEST(CudaBackendSyncs, AWarmStepWaitsOnlyInToHostAndAllocatesNothing) {
   EXPECT_EQ(c.device_frees, 0);
   EXPECT_GT(c.kernel_launches, 7);
   EXPECT_EQ(backend.host_syncs(HostSync::sampled_tokens), 2);
+}
+
+TEST(CudaBackendSyncs, AWholeModelDecodeStepWaitsTwicePerMoeLayerAndOnceToSample) {
+  cuda::CudaBackend backend(0);
+  const auto model = runtime::Model::load(testing::fixture_models_dir() / "qwen2_moe", backend);
+  runtime::Engine engine(*model, {});
+  const std::vector<std::int32_t> prompt = {3, 14, 15, 92, 65};
+  std::vector<std::int32_t> next(1);
+  const std::vector<SampleControls> greedy(1);
+  std::vector<runtime::Engine::Work> work = {{1, prompt, false}};
+  for (int step = 0; step < 3; ++step) {  // the prefill and two decodes warm every scratch slot
+    ASSERT_TRUE(engine.step(work).ok());
+    engine.sample(greedy, next);
+    work = {{1, std::span(next), false}};
+  }
+  cuda_emu::reset_counters();
+  ASSERT_TRUE(engine.step(work).ok());
+  engine.sample(greedy, next);
+  const cuda_emu::Counters c = cuda_emu::counters();
+  const auto moe_layers = static_cast<std::int64_t>(model->moe_layers().size());
+  ASSERT_GT(moe_layers, 0);
+  EXPECT_EQ(c.host_syncs, 2 * moe_layers + 1);
+  EXPECT_EQ(c.device_allocations, 0);
 }
 
 }  // namespace
