@@ -26,13 +26,12 @@
 #include <optional>
 #include <thread>
 
-#include "kernels/cpu/cpu_backend.h"
-#include "parallel/mpi_communicator.h"
 #include "parallel/mpi_world.h"
 #include "parallel/rank_heartbeat.h"
 #include "runtime/chat/chat_family.h"
 #include "runtime/cli/flag_checks.h"
 #include "runtime/cli/parallel_flags.h"
+#include "runtime/cli/rank_devices.h"
 #include "runtime/engine.h"
 #include "runtime/model.h"
 #include "runtime/tokenizer/tokenizer.h"
@@ -61,6 +60,7 @@ struct Options {
   int port = 50051;
   int metrics_port = 9400;
   int threads = 0;
+  std::string device = "cpu";
   std::string model_id;
   runtime::EngineOptions engine;
   server::SchedulerConfig scheduler;
@@ -86,6 +86,7 @@ void add_flags(CLI::App& app, Options& o) {
       ->capture_default_str();
   app.add_option("--threads", o.threads, "CPU threads per rank (default: cores / ranks on the node)")
       ->check(runtime::at_least(0));
+  runtime::add_device_flag(app, o.device);
   app.add_option("--kv-blocks", o.engine.kv_blocks, "KV cache blocks of 16 tokens per rank")
       ->check(runtime::at_least(1))
       ->capture_default_str();
@@ -320,8 +321,9 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Engine& engine, server
   });
 
   // Machine-readable start line: tests and scripts wait for it.
-  std::printf("capserve: serving %s on %s, metrics on port %d, %d ranks\n", o.limits.model_id.c_str(),
-              host_port(o.host, bound_port).c_str(), metrics_http->port(), world.size());
+  std::printf("capserve: serving %s on %s, metrics on port %d, %d ranks on %s\n", o.limits.model_id.c_str(),
+              host_port(o.host, bound_port).c_str(), metrics_http->port(), world.size(),
+              kernels::to_string(model.backend().device()).c_str());
   std::fflush(stdout);
 
   try {
@@ -427,13 +429,12 @@ int main(int argc, char** argv) {
                           ? o.threads
                           : static_cast<int>(std::max(1U, std::thread::hardware_concurrency() /
                                                               static_cast<unsigned>(world->local_size())));
-  kernels::cpu::CpuBackend backend(threads);
-  std::unique_ptr<parallel::MpiCommunicator> comm;
+  runtime::RankDevices devices;
   std::unique_ptr<runtime::Model> model;
   std::string failure;
   try {
-    comm = std::make_unique<parallel::MpiCommunicator>();
-    model = runtime::Model::load(o.model_dir, backend, *comm, runtime::finish_parallel_flags(o.parallel));
+    devices = runtime::make_rank_devices(o.device, threads, *world);
+    model = devices.load(o.model_dir, runtime::finish_parallel_flags(o.parallel));
   } catch (const std::exception& e) {
     failure = e.what();
   }

@@ -13,13 +13,12 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
-#include "kernels/cpu/cpu_backend.h"
-#include "parallel/mpi_communicator.h"
 #include "parallel/mpi_world.h"
 #include "runtime/chat/chat_family.h"
 #include "runtime/chat/chat_template.h"
 #include "runtime/cli/flag_checks.h"
 #include "runtime/cli/parallel_flags.h"
+#include "runtime/cli/rank_devices.h"
 #include "runtime/engine.h"
 #include "runtime/generator.h"
 #include "runtime/load_error.h"
@@ -69,6 +68,7 @@ int main(int argc, char** argv) {
   bool ignore_eos = false;
   int threads = static_cast<int>(
       std::max(1U, std::thread::hardware_concurrency() / static_cast<unsigned>(world->local_size())));
+  std::string device = "cpu";
   runtime::EngineOptions engine_options;
   runtime::ParallelFlags parallel_flags;
   app.add_option("--model", model_dir, "checkpoint directory (config.json + safetensors)")
@@ -100,6 +100,7 @@ int main(int argc, char** argv) {
                  "PATH with _<i> before the extension for prompt i when there are several)");
   app.add_option("--moe-stats", moe_stats, "write per-layer MoE statistics of the run as JSON (rank 0)");
   app.add_option("--threads", threads, "CPU threads per rank")->check(runtime::at_least(1));
+  runtime::add_device_flag(app, device);
   app.add_option("--kv-blocks", engine_options.kv_blocks, "KV cache blocks of 16 tokens per rank")
       ->check(runtime::at_least(1));
   runtime::add_parallel_flags(app, parallel_flags);
@@ -122,15 +123,14 @@ int main(int argc, char** argv) {
   }
 
   // Everything that can fail before the first collective is agreed on, so that no rank is left waiting.
-  kernels::cpu::CpuBackend backend(threads);
-  std::unique_ptr<parallel::MpiCommunicator> comm;
+  runtime::RankDevices devices;
   std::unique_ptr<runtime::Model> model;
   std::optional<runtime::Tokenizer> tokenizer;
   std::vector<std::vector<std::int32_t>> prompts;
   std::string failure;
   try {
-    comm = std::make_unique<parallel::MpiCommunicator>();
-    model = runtime::Model::load(model_dir, backend, *comm, runtime::finish_parallel_flags(parallel_flags));
+    devices = runtime::make_rank_devices(device, threads, *world);
+    model = devices.load(model_dir, runtime::finish_parallel_flags(parallel_flags));
     for (const std::string& ids : input_ids) prompts.push_back(parse_ids(ids));
     if (!prompts_text.empty()) {
       tokenizer = runtime::Tokenizer::load(model_dir);
@@ -207,7 +207,7 @@ int main(int argc, char** argv) {
   // parallelism a rank touches only its own experts' pages.
   const std::int64_t resident[2] = {status_kib("VmRSS:"), status_kib("RssFile:")};
   std::vector<std::int64_t> all_resident(2 * static_cast<std::size_t>(world->size()));
-  comm->allgather(resident, all_resident);
+  devices.control->allgather(resident, all_resident);
   nlohmann::json stats = nlohmann::json::parse(engine.run_stats().to_json(
       parallel::describe(model->capacity()) + " placement=" + model->placement().kind() +
       " ranks=" + std::to_string(world->size())));
