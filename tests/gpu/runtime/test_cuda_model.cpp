@@ -1,6 +1,6 @@
 // The whole model on CudaBackend (one process; the cuda-emu label runs it on the emulation): for every
-// committed fixture, the prompt logits against transformers' and against the CPU backend's, and a 16-token
-// greedy continuation equal to the CPU backend's.
+// committed fixture, the prompt logits against transformers' and against the CPU backend's, a 16-token greedy
+// continuation equal to the CPU backend's, and a ragged batch equal to each sequence alone.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -95,6 +95,34 @@ TEST_P(CudaModel, GreedyContinuationEqualsTheCpuBackends) {
         << "token " << i << ": CUDA " << cuda[0].tokens[i] << ", CPU " << cpu[0].tokens[i]
         << " is no near-tie";
     break;  // the continuations diverge from here
+  }
+}
+
+// The fixture's batch of different lengths as one ragged batch on the CUDA backend: each sequence's logits
+// at every generated position equal its own run alone, and its first step's transformers' (left-padded
+// batch).
+TEST_P(CudaModel, RaggedBatchEqualsEachSequenceAlone) {
+  const auto& batch = ref_["batch"];
+  const auto prompts = batch["input_ids"].get<std::vector<std::vector<std::int32_t>>>();
+  const runtime::NpyArray last = runtime::read_npy(dir_ / batch["last_logits"].get<std::string>());
+  const auto vocab = static_cast<std::size_t>(cuda_model_->config().vocab_size);
+  std::vector<runtime::SamplingParams> params(prompts.size());
+  for (runtime::SamplingParams& p : params) p.max_new_tokens = 4;
+  std::vector<runtime::Generation> together;
+  ASSERT_TRUE(runtime::generate(*cuda_engine_, prompts, params, true, together).ok());
+  for (std::size_t i = 0; i < prompts.size(); ++i) {
+    std::vector<runtime::Generation> alone;
+    ASSERT_TRUE(
+        runtime::generate(*cuda_engine_, std::span(&prompts[i], 1), std::span(&params[i], 1), true, alone)
+            .ok());
+    EXPECT_EQ(together[i].tokens, alone[0].tokens) << "sequence " << i;
+    EXPECT_LE(testing::relative_max_diff(together[i].logits, alone[0].logits), tolerance(*cuda_model_))
+        << "sequence " << i;
+    const std::span<const float> first_step(together[i].logits.data(), vocab);
+    EXPECT_LE(
+        testing::relative_max_diff(first_step, std::span<const float>(last.data).subspan(i * vocab, vocab)),
+        tolerance(*cuda_model_))
+        << "sequence " << i << " against transformers";
   }
 }
 
