@@ -170,7 +170,14 @@ class Backend {
   [[nodiscard]] virtual Tensor upload(const WeightView& host, Buffer& storage) = 0;
 
   // At least `bytes` of device memory, aligned for every element type.
-  [[nodiscard]] virtual Buffer allocate(std::size_t bytes) = 0;
+  Buffer allocate(std::size_t bytes) {
+    Buffer b = allocate_memory(bytes);
+    allocated_bytes_ += b.bytes();
+    return b;
+  }
+  // Bytes allocate() has handed out since construction (weights on a device, KV pools, scratch), freed or
+  // not: what the start-up report calls a rank's device memory.
+  [[nodiscard]] std::size_t allocated_bytes() const { return allocated_bytes_; }
   // A tensor of `shape` over `slot`, which is reallocated when too small: grow-only, so a warm step
   // allocates nothing. The contents are undefined.
   Tensor scratch(Buffer& slot, DType dtype, std::initializer_list<std::int64_t> shape);
@@ -273,12 +280,15 @@ class Backend {
   virtual void set_num_threads(int n) = 0;
 
  protected:
+  // The memory of allocate().
+  [[nodiscard]] virtual Buffer allocate_memory(std::size_t bytes) = 0;
   // The copies of to_host and from_host, after their checks.
   virtual void copy_to_host(const Tensor& src, std::span<std::byte> dst) = 0;
   virtual void copy_from_host(std::span<const std::byte> src, const Tensor& dst) = 0;
 
  private:
   std::array<std::int64_t, static_cast<std::size_t>(HostSync::count_)> host_syncs_{};
+  std::size_t allocated_bytes_ = 0;
 };
 
 }  // namespace capserve::kernels

@@ -431,10 +431,18 @@ int main(int argc, char** argv) {
                                                               static_cast<unsigned>(world->local_size())));
   runtime::RankDevices devices;
   std::unique_ptr<runtime::Model> model;
+  std::unique_ptr<runtime::Engine> engine_storage;
+  // Memory each rank allocated through its backend: weights (device backends; the CPU maps them from the
+  // checkpoint) and the KV cache.
+  std::int64_t memory[3] = {0, 0, 0};  // weights, KV cache, device index
   std::string failure;
   try {
     devices = runtime::make_rank_devices(o.device, threads, *world);
     model = devices.load(o.model_dir, runtime::finish_parallel_flags(o.parallel));
+    memory[0] = static_cast<std::int64_t>(devices.backend->allocated_bytes());
+    engine_storage = std::make_unique<runtime::Engine>(*model, o.engine);
+    memory[1] = static_cast<std::int64_t>(devices.backend->allocated_bytes()) - memory[0];
+    memory[2] = devices.backend->device().index;
   } catch (const std::exception& e) {
     failure = e.what();
   }
@@ -443,6 +451,17 @@ int main(int argc, char** argv) {
   const bool loaded = world->all_agree(failure.empty());
   if (rank == 0 && !failure.empty()) std::fprintf(stderr, "capserve: %s\n", failure.c_str());
   if (!loaded) return 1;
+  const auto gathered = world->gather(std::as_bytes(std::span(memory)), 0);
+  if (rank == 0) {
+    for (std::size_t r = 0; r < gathered.size(); ++r) {
+      std::int64_t m[3] = {0, 0, 0};
+      std::memcpy(m, gathered[r].data(), sizeof m);
+      const kernels::Device device{model->backend().device().kind, static_cast<int>(m[2])};
+      std::printf("capserve: rank %zu on %s: %lld MiB of weights, %lld MiB of KV cache allocated\n", r,
+                  kernels::to_string(device).c_str(), static_cast<long long>(m[0] >> 20),
+                  static_cast<long long>(m[1] >> 20));
+    }
+  }
 
   const runtime::ModelConfig& config = model->config();
   o.scheduler.max_context = std::min<std::int64_t>(o.scheduler.max_context, config.max_position_embeddings);
@@ -454,7 +473,7 @@ int main(int argc, char** argv) {
   o.limits.eos_token_ids = config.eos_token_ids;
   o.limits.model_id =
       o.model_id.empty() ? std::filesystem::path(o.model_dir).filename().string() : o.model_id;
-  runtime::Engine engine(*model, o.engine);
+  runtime::Engine& engine = *engine_storage;
   server::RankWorker worker(engine, rank);
   // Lets rank 0's step watchdog name a stalled rank. Every rank decides alike (same flags, same MPI).
   std::optional<parallel::RankHeartbeat> heartbeat;

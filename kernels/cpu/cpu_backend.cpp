@@ -681,7 +681,7 @@ void release_host(void* data, Device /*device*/) noexcept {
 
 }  // namespace
 
-Buffer CpuBackend::allocate(std::size_t bytes) {
+Buffer CpuBackend::allocate_memory(std::size_t bytes) {
   return {::operator new (std::max<std::size_t>(bytes, 1), std::align_val_t{kHostAlignment}), bytes, kCpu,
           release_host};
 }

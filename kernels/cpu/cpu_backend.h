@@ -14,7 +14,6 @@ class CpuBackend : public Backend {
   [[nodiscard]] Device device() const override { return kCpu; }
   [[nodiscard]] Stream stream() const override { return nullptr; }
   [[nodiscard]] Tensor upload(const WeightView& host, Buffer& storage) override;
-  [[nodiscard]] Buffer allocate(std::size_t bytes) override;
 
   void linear(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& y) override;
   void embedding(const Tensor& ids, const Tensor& table, const Tensor& out) override;
@@ -50,6 +49,7 @@ class CpuBackend : public Backend {
   void set_num_threads(int n) override;
 
  protected:
+  [[nodiscard]] Buffer allocate_memory(std::size_t bytes) override;
   void copy_to_host(const Tensor& src, std::span<std::byte> dst) override;
   void copy_from_host(std::span<const std::byte> src, const Tensor& dst) override;
 

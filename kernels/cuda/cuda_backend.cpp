@@ -61,10 +61,22 @@ void CudaBackend::enter(std::initializer_list<const Tensor*> tensors) const {
   }
 }
 
-Buffer CudaBackend::allocate(std::size_t bytes) {
+Buffer CudaBackend::allocate_memory(std::size_t bytes) {
   CAPSERVE_CUDA_CHECK(cudaSetDevice(device_));
   void* p = nullptr;
-  CAPSERVE_CUDA_CHECK(cudaMalloc(&p, std::max<std::size_t>(bytes, 1)));
+  const cudaError_t e = cudaMalloc(&p, std::max<std::size_t>(bytes, 1));
+  if (e == cudaErrorMemoryAllocation) {
+    cudaGetLastError();  // not sticky: the device stays usable
+    std::size_t free = 0;
+    std::size_t total = 0;
+    cudaMemGetInfo(&free, &total);
+    const auto mib = [](std::size_t b) { return std::to_string((b + (1U << 20) - 1) >> 20) + " MiB"; };
+    throw std::runtime_error("out of device memory on " + to_string(device()) + ": " + mib(bytes) +
+                             " more needed with " + mib(allocated_bytes()) + " already held, " + mib(free) +
+                             " free of " + mib(total) +
+                             " (weights, KV cache and workspace do not fit: fewer --kv-blocks, more ranks)");
+  }
+  CAPSERVE_CUDA_CHECK(e);
   return {p, bytes, device(), release_device};
 }
 

@@ -24,7 +24,6 @@ class CudaBackend final : public Backend {
   [[nodiscard]] Device device() const override { return {DeviceKind::cuda, device_}; }
   [[nodiscard]] Stream stream() const override { return stream_; }
   [[nodiscard]] Tensor upload(const WeightView& host, Buffer& storage) override;
-  [[nodiscard]] Buffer allocate(std::size_t bytes) override;
 
   void linear(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& y) override;
   void embedding(const Tensor& ids, const Tensor& table, const Tensor& out) override;
@@ -60,6 +59,7 @@ class CudaBackend final : public Backend {
   void set_num_threads(int /*n*/) override {}
 
  protected:
+  [[nodiscard]] Buffer allocate_memory(std::size_t bytes) override;
   void copy_to_host(const Tensor& src, std::span<std::byte> dst) override;
   void copy_from_host(std::span<const std::byte> src, const Tensor& dst) override;
 

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <iterator>
@@ -44,6 +45,7 @@ struct Registry {
   std::map<std::uintptr_t, Allocation> freed;  // by map_base
   std::deque<std::uintptr_t> freed_order;
   std::size_t freed_bytes = 0;
+  std::map<int, std::size_t> in_use;  // device -> bytes of live cudaMalloc allocations
 };
 
 Registry& registry() {
@@ -133,8 +135,34 @@ void* map_allocation(std::size_t bytes, MemoryKind kind, int device) {
 
 }  // namespace
 
+std::size_t device_memory_total() {
+  static const std::size_t total = [] {
+    const char* env = std::getenv("CAPSERVE_CUDA_EMU_DEVICE_MEMORY_MIB");
+    return env != nullptr ? static_cast<std::size_t>(std::atoll(env)) << 20 : std::size_t{80} << 30;
+  }();
+  return total;
+}
+
+std::size_t device_memory_in_use(int device) {
+  Registry& r = registry();
+  const std::lock_guard lock(r.mutex);
+  return r.in_use[device];
+}
+
 void* allocate_device(std::size_t bytes, int device) {
-  return map_allocation(bytes, MemoryKind::device, device);
+  {
+    Registry& r = registry();
+    const std::lock_guard lock(r.mutex);
+    if (r.in_use[device] + bytes > device_memory_total()) return nullptr;
+    r.in_use[device] += bytes;
+  }
+  void* p = map_allocation(bytes, MemoryKind::device, device);
+  if (p == nullptr) {
+    Registry& r = registry();
+    const std::lock_guard lock(r.mutex);
+    r.in_use[device] -= bytes;
+  }
+  return p;
 }
 
 void* allocate_pinned(std::size_t bytes) {
@@ -148,6 +176,7 @@ bool release(void* p, MemoryKind kind) {
   if (it == r.live.end() || it->second.kind != kind) return false;
   const Allocation a = it->second;
   r.live.erase(it);
+  if (kind == MemoryKind::device) r.in_use[a.device] -= a.bytes;
   if (kind == MemoryKind::pinned_host) {
     munmap(reinterpret_cast<void*>(a.map_base), a.map_bytes);
     return true;

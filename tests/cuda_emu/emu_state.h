@@ -34,7 +34,10 @@ std::string check_range(const void* p, std::size_t bytes, MemoryKind kind, const
 // Empty when p is null or points into live device or page-locked host memory; else why a device would fault.
 std::string check_device_pointer(const void* p);
 
+// Null when the device's memory (CAPSERVE_CUDA_EMU_DEVICE_MEMORY_MIB, default 80 GiB) would be exceeded.
 void* allocate_device(std::size_t bytes, int device);
+std::size_t device_memory_total();
+std::size_t device_memory_in_use(int device);
 void* allocate_pinned(std::size_t bytes);
 // False when p is not the start of a live allocation of `kind`.
 bool release(void* p, MemoryKind kind);

@@ -295,7 +295,7 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
   // The same device index is the same GPU in every process of the node, as with real UUIDs.
   std::memcpy(prop->uuid.bytes, "capserve-emu-", 13);
   prop->uuid.bytes[15] = static_cast<char>(device);
-  prop->totalGlobalMem = std::size_t{80} << 30;
+  prop->totalGlobalMem = d::device_memory_total();
   prop->sharedMemPerBlock = 48 * 1024;
   prop->sharedMemPerBlockOptin = 227 * 1024;
   prop->regsPerBlock = 65536;
@@ -337,8 +337,18 @@ cudaError_t cudaMalloc(void** ptr, std::size_t size) {
   d::count(&Counters::device_allocations);
   *ptr = d::allocate_device(size, d::device);
   if (*ptr == nullptr)
-    return d::fail(cudaErrorMemoryAllocation,
-                   "cudaMalloc(" + std::to_string(size) + "): no host memory left");
+    return d::fail(cudaErrorMemoryAllocation, "cudaMalloc(" + std::to_string(size) +
+                                                  "): " + std::to_string(d::device_memory_in_use(d::device)) +
+                                                  " of " + std::to_string(d::device_memory_total()) +
+                                                  " bytes in use");
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemGetInfo(std::size_t* free, std::size_t* total) {
+  if (free == nullptr || total == nullptr)
+    return d::fail(cudaErrorInvalidValue, "cudaMemGetInfo: null pointer");
+  *total = d::device_memory_total();
+  *free = *total - d::device_memory_in_use(d::device);
   return cudaSuccess;
 }
 

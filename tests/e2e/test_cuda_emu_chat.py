@@ -1,8 +1,15 @@
 """capserve --device cuda on 2 ranks, built against the CUDA emulation (tests/cuda_emu: the very sources of
 capserve over the emulated CUDA runtime, cuBLAS and the NCCL stand-in, a GPU per rank): a streamed chat is
-served with its MoE statistics, which with a capacity factor below 1 show dropped assignments."""
+served with its MoE statistics, which with a capacity factor below 1 show dropped assignments; start-up
+reports each rank's device memory, and a model that does not fit the GPU ends the job with one clear line
+per rank."""
 
-from capserve_e2e import NP, ServerTestCase, chat_request, main, pb
+import os
+import subprocess
+import sys
+import unittest
+
+from capserve_e2e import BIN, LAUNCH, MODEL, NP, ServerTestCase, chat_request, main, pb
 
 PROMPT = "Tell me about the mixture of experts."
 
@@ -29,6 +36,30 @@ class CudaEmuChatTest(ServerTestCase):
         self.assertEqual(sum(info.experts_per_rank), info.model.num_experts)
         start = [line for line in self.server.log if "capserve: serving" in line]
         self.assertTrue(start and start[0].rstrip().endswith(f"{NP} ranks on cuda:0"), start)
+
+    def test_start_up_reports_each_ranks_device_memory(self):
+        for r in range(NP):
+            line = [x for x in self.server.log if x.startswith(f"capserve: rank {r} on cuda:{r}: ")]
+            self.assertEqual(len(line), 1, self.server.log[:20])
+            self.assertRegex(line[0], r"(\d+) MiB of weights, ([1-9]\d*) MiB of KV cache allocated")
+
+
+class CudaEmuOutOfMemoryTest(unittest.TestCase):
+    def test_a_model_that_does_not_fit_fails_with_a_clear_line_per_rank(self):
+        cmd = ["bash", LAUNCH, str(NP), BIN, "--model", MODEL, "--port", "0", "--metrics-port", "0",
+               "--threads", "1", "--device", "cuda"]
+        env = dict(os.environ, CAPSERVE_CUDA_EMU_DEVICE_MEMORY_MIB="1")  # 1 MiB per emulated GPU
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120,
+                              env=env)
+        lines = [line for line in done.stdout.splitlines() if line.strip()]
+        print(f"e2e: out of memory -> exit {done.returncode}:\n{done.stdout}", file=sys.stderr)
+        self.assertEqual(done.returncode, 1, lines)
+        # One line per rank (mpirun forwards the ranks' output in no fixed order), naming its GPU and the sizes.
+        for r in range(NP):
+            prefix = "capserve: " if r == 0 else f"capserve: rank {r}: "
+            self.assertTrue(any(line.startswith(f"{prefix}out of device memory on cuda:{r}: ") and
+                                "MiB more needed" in line for line in lines), lines)
+        self.assertFalse(any("serving" in line or "MPI_ABORT" in line for line in lines))
 
 
 if __name__ == "__main__":
