@@ -23,11 +23,10 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
-#include "kernels/cpu/cpu_backend.h"
 #include "parallel/moe_stats.h"
-#include "parallel/mpi_communicator.h"
 #include "parallel/mpi_world.h"
 #include "runtime/cli/parallel_flags.h"
+#include "runtime/cli/rank_devices.h"
 #include "runtime/engine.h"
 #include "runtime/load_error.h"
 #include "runtime/model.h"
@@ -50,6 +49,7 @@ struct Options {
   int batch_windows = 8;
   std::int64_t max_windows = 0;  // per domain; 0 = all
   int threads = 1;
+  std::string device = "cpu";
   double fraction = 0.05;
   runtime::ParallelFlags parallel;
 };
@@ -72,6 +72,7 @@ void add_options(CLI::App& app, Options& o) {
   app.add_option("--max-windows", o.max_windows, "windows per domain, the first ones (0 = all)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--threads", o.threads, "CPU threads per rank")->check(CLI::PositiveNumber);
+  runtime::add_device_flag(app, o.device);
   runtime::add_parallel_flags(app, o.parallel);
 }
 
@@ -335,14 +336,13 @@ int main(int argc, char** argv) {
   }
 
   // Everything that can fail before the first collective is agreed on, so that no rank is left waiting.
-  capserve::kernels::cpu::CpuBackend backend(o.threads);
-  std::unique_ptr<parallel::MpiCommunicator> comm;
+  runtime::RankDevices devices;
   std::unique_ptr<runtime::Model> model;
   std::vector<DomainResult> results;
   std::string failure;
   try {
-    comm = std::make_unique<parallel::MpiCommunicator>();
-    model = runtime::Model::load(o.model_dir, backend, *comm, runtime::finish_parallel_flags(o.parallel));
+    devices = runtime::make_rank_devices(o.device, o.threads, *world);
+    model = devices.load(o.model_dir, runtime::finish_parallel_flags(o.parallel));
     results = load_domains(o, runtime::Tokenizer::load(o.model_dir));
   } catch (const std::exception& e) {
     failure = e.what();
