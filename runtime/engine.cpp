@@ -8,7 +8,8 @@ namespace capserve::runtime {
 Engine::Engine(const Model& model, const EngineOptions& options)
     : model_(model),
       pass_(model),
-      cache_(kv_cache_shape(model.config(), options.kv_block_size, options.kv_blocks), model.backend()) {}
+      cache_(kv_cache_shape(model.config(), options.kv_block_size, options.kv_blocks, options.kv_dtype),
+             model.backend()) {}
 
 std::int64_t Engine::length(SequenceId seq) const {
   const auto it = lengths_.find(seq);

@@ -18,6 +18,7 @@ namespace capserve::runtime {
 struct EngineOptions {
   std::int64_t kv_block_size = 16;
   std::int64_t kv_blocks = 1024;
+  kernels::DType kv_dtype = kernels::DType::f32;  // K/V cache elements: f32, or bf16 on the CUDA backend
 };
 
 class Engine {

@@ -6,18 +6,24 @@ namespace capserve::runtime {
 
 namespace {
 
-// Floats of one token in one layer's first pool (K, or the latent row); the V pool, if any, has as many.
+// Values of one token in one layer's first pool (K, or the latent row); the V pool, if any, has as many.
 std::int64_t row_floats(const KvCacheShape& s) {
   return s.latent() ? s.kv_lora_rank + s.rope_dim : s.num_kv_heads * s.head_dim;
+}
+
+// Bytes of one cached value.
+std::size_t element_bytes(const KvCacheShape& s) {
+  return s.latent() ? sizeof(float) : kernels::dtype_size(s.dtype);
 }
 
 }  // namespace
 
 std::int64_t KvCacheShape::bytes_per_token_per_layer() const {
-  return row_floats(*this) * (latent() ? 1 : 2) * static_cast<std::int64_t>(sizeof(float));
+  return row_floats(*this) * (latent() ? 1 : 2) * static_cast<std::int64_t>(element_bytes(*this));
 }
 
-KvCacheShape kv_cache_shape(const ModelConfig& config, std::int64_t block_size, std::int64_t num_blocks) {
+KvCacheShape kv_cache_shape(const ModelConfig& config, std::int64_t block_size, std::int64_t num_blocks,
+                            kernels::DType dtype) {
   KvCacheShape s;
   s.num_layers = config.num_layers;
   if (config.mla) {
@@ -29,6 +35,7 @@ KvCacheShape kv_cache_shape(const ModelConfig& config, std::int64_t block_size, 
   }
   s.block_size = block_size;
   s.num_blocks = num_blocks;
+  s.dtype = dtype;
   return s;
 }
 
@@ -36,7 +43,7 @@ KvCache::KvCache(const KvCacheShape& shape, kernels::Backend& backend)
     : shape_(shape), blocks_(shape.num_blocks, shape.block_size) {
   const auto bytes =
       static_cast<std::size_t>(shape.num_layers * shape.num_blocks * shape.block_size * row_floats(shape)) *
-      sizeof(float);
+      element_bytes(shape);
   k_ = backend.allocate(bytes);
   if (!shape.latent()) v_ = backend.allocate(bytes);
 }
@@ -49,7 +56,7 @@ kernels::PagedKvLayer KvCache::layer(std::int64_t layer) {
   if (shape_.latent()) throw std::logic_error("KvCache: a latent cache has no K/V layers");
   const std::int64_t blocks = shape_.num_layers * shape_.num_blocks;
   const auto pool = [&](const kernels::Buffer& b) {
-    return b.view(kernels::DType::f32, {blocks, shape_.block_size, shape_.num_kv_heads, shape_.head_dim})
+    return b.view(shape_.dtype, {blocks, shape_.block_size, shape_.num_kv_heads, shape_.head_dim})
         .rows(layer * shape_.num_blocks, shape_.num_blocks);
   };
   return {pool(k_), pool(v_), shape_.block_size, shape_.num_kv_heads, shape_.head_dim};

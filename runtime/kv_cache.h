@@ -25,6 +25,8 @@ struct KvCacheShape {
   std::int64_t rope_dim = 0;
   std::int64_t block_size = 16;
   std::int64_t num_blocks = 0;
+  // K/V elements: f32, or bf16 (half the memory; the CUDA backend only). Latent rows stay f32.
+  kernels::DType dtype = kernels::DType::f32;
 
   [[nodiscard]] bool latent() const { return kv_lora_rank > 0; }
   // What one token costs in one layer.
@@ -32,7 +34,8 @@ struct KvCacheShape {
 };
 
 // The cache a model needs: latent rows for MLA models, K and V otherwise.
-KvCacheShape kv_cache_shape(const ModelConfig& config, std::int64_t block_size, std::int64_t num_blocks);
+KvCacheShape kv_cache_shape(const ModelConfig& config, std::int64_t block_size, std::int64_t num_blocks,
+                            kernels::DType dtype = kernels::DType::f32);
 
 class KvCache {
  public:

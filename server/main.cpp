@@ -61,6 +61,7 @@ struct Options {
   int metrics_port = 9400;
   int threads = 0;
   std::string device = "cpu";
+  std::string kv_dtype = "auto";
   std::string model_id;
   runtime::EngineOptions engine;
   server::SchedulerConfig scheduler;
@@ -87,6 +88,7 @@ void add_flags(CLI::App& app, Options& o) {
   app.add_option("--threads", o.threads, "CPU threads per rank (default: cores / ranks on the node)")
       ->check(runtime::at_least(0));
   runtime::add_device_flag(app, o.device);
+  runtime::add_kv_dtype_flag(app, o.kv_dtype);
   app.add_option("--kv-blocks", o.engine.kv_blocks, "KV cache blocks of 16 tokens per rank")
       ->check(runtime::at_least(1))
       ->capture_default_str();
@@ -440,6 +442,7 @@ int main(int argc, char** argv) {
     devices = runtime::make_rank_devices(o.device, threads, *world);
     model = devices.load(o.model_dir, runtime::finish_parallel_flags(o.parallel));
     memory[0] = static_cast<std::int64_t>(devices.backend->allocated_bytes());
+    o.engine.kv_dtype = runtime::kv_dtype_for(o.kv_dtype, devices.backend->device());
     engine_storage = std::make_unique<runtime::Engine>(*model, o.engine);
     memory[1] = static_cast<std::int64_t>(devices.backend->allocated_bytes()) - memory[0];
     memory[2] = devices.backend->device().index;

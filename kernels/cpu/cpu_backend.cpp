@@ -398,6 +398,9 @@ void CpuBackend::kv_store(std::span<const SequenceSlice> seqs, const Tensor& kt,
   const std::int64_t width = cache.num_kv_heads * cache.head_dim;
   const std::span<const float> k = kt.host_span<const float>();
   const std::span<const float> v = vt.host_span<const float>();
+  if (cache.k.dtype() != DType::f32)
+    throw std::invalid_argument("CpuBackend: the CPU keeps its KV cache in f32, not " +
+                                std::string(dtype_name(cache.k.dtype())) + " (--kv-cache-dtype f32)");
   float* const cache_k = cache.k.host_span<float>().data();
   float* const cache_v = cache.v.host_span<float>().data();
   for (const SequenceSlice& s : seqs) {

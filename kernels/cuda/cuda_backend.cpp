@@ -31,7 +31,12 @@ void check_float_weight(const Tensor& w, const char* what) {
 }
 
 DeviceKvLayer device_layer(const PagedKvLayer& cache) {
-  return {f32(cache.k), f32(cache.v), cache.block_size, cache.num_kv_heads, cache.head_dim};
+  if (cache.v.dtype() != cache.k.dtype())
+    throw std::invalid_argument("CudaBackend: a KV cache with K in " +
+                                std::string(dtype_name(cache.k.dtype())) + " and V in " +
+                                std::string(dtype_name(cache.v.dtype())));
+  return {cache.k.data(),   cache.v.data(),     cache.k.dtype(),
+          cache.block_size, cache.num_kv_heads, cache.head_dim};
 }
 
 DeviceLatentLayer device_layer(const PagedLatentLayer& cache) {

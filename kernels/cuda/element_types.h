@@ -20,6 +20,9 @@ __device__ inline float widen(const __half* p, std::int64_t i) {
   return __half2float(p[i]);
 }
 
+__device__ inline void narrow(float v, float* out) {
+  *out = v;
+}
 __device__ inline void narrow(float v, __nv_bfloat16* out) {
   *out = __float2bfloat16(v);
 }

@@ -43,20 +43,24 @@ __global__ void rope_kernel(float* x, RotaryLayout layout, const float* cos, con
   }
 }
 
+template <typename T>
 __global__ void kv_store_kernel(DeviceAttentionBatch batch, const float* k, const float* v,
                                 DeviceKvLayer cache) {
   const std::int64_t row = blockIdx.x;
   const std::int64_t width = cache.num_kv_heads * cache.head_dim;
   const std::int64_t dst = cache_slot(batch, cache.block_size, row, batch.row_pos[row]) * width;
+  T* ck = static_cast<T*>(cache.k);
+  T* cv = static_cast<T*>(cache.v);
   for (std::int64_t i = threadIdx.x; i < width; i += blockDim.x) {
-    cache.k[dst + i] = k[row * width + i];
-    cache.v[dst + i] = v[row * width + i];
+    narrow(k[row * width + i], ck + dst + i);
+    narrow(v[row * width + i], cv + dst + i);
   }
 }
 
 constexpr int kAttnThreads = 128;
 constexpr int kAttnDims = 4;  // head dims per thread: head_dim <= 512
 
+template <typename T>
 __global__ void __launch_bounds__(kAttnThreads)
     paged_attention_kernel(DeviceAttentionBatch batch, const float* q, DeviceKvLayer cache,
                            AttentionParams params, float* out) {
@@ -83,13 +87,13 @@ __global__ void __launch_bounds__(kAttnThreads)
   float l = 0.0F;
   for (std::int64_t p = lo; p <= pos; ++p) {
     const std::int64_t slot = cache_slot(batch, cache.block_size, row, p);
-    const float* kr = cache.k + slot * kv_width + kv_off;
-    const float* vr = cache.v + slot * kv_width + kv_off;
+    const T* kr = static_cast<const T*>(cache.k) + slot * kv_width + kv_off;
+    const T* vr = static_cast<const T*>(cache.v) + slot * kv_width + kv_off;
     float partial = 0.0F;
 #pragma unroll
     for (int i = 0; i < kAttnDims; ++i) {
       const std::int64_t e = threadIdx.x + i * kAttnThreads;
-      if (e < d) partial += qv[i] * kr[e];
+      if (e < d) partial += qv[i] * widen(kr, e);
     }
     const float s = block_sum(partial, scratch) * params.scale;
     const float m_new = fmaxf(m, s);
@@ -99,7 +103,7 @@ __global__ void __launch_bounds__(kAttnThreads)
 #pragma unroll
     for (int i = 0; i < kAttnDims; ++i) {
       const std::int64_t e = threadIdx.x + i * kAttnThreads;
-      if (e < d) acc[i] = acc[i] * correction + weight * vr[e];
+      if (e < d) acc[i] = acc[i] * correction + weight * widen(vr, e);
     }
     m = m_new;
   }
@@ -268,6 +272,12 @@ __global__ void __launch_bounds__(kSampleThreads)
   if (threadIdx.x == 0) tokens[blockIdx.x] = static_cast<std::int32_t>(chosen);
 }
 
+void check_cache_dtype(DType dtype, const char* op) {
+  if (dtype != DType::f32 && dtype != DType::bf16)
+    throw std::invalid_argument(std::string(op) + ": a KV cache of " + std::string(dtype_name(dtype)) +
+                                " (f32 or bf16)");
+}
+
 }  // namespace
 
 void rms_norm(const float* x, std::int64_t rows, std::int64_t cols, const void* weight, DType weight_dtype,
@@ -327,8 +337,14 @@ AttentionBatchArrays attention_batch_arrays(std::span<const SequenceSlice> seqs)
 
 void kv_store(const DeviceAttentionBatch& batch, const float* k, const float* v, const DeviceKvLayer& cache,
               cudaStream_t stream) {
+  check_cache_dtype(cache.dtype, "kv_store");
   if (batch.rows <= 0) return;
-  launch(kv_store_kernel, static_cast<unsigned>(batch.rows), 256, 0, stream, batch, k, v, cache);
+  if (cache.dtype == DType::bf16) {
+    launch(kv_store_kernel<__nv_bfloat16>, static_cast<unsigned>(batch.rows), 256, 0, stream, batch, k, v,
+           cache);
+  } else {
+    launch(kv_store_kernel<float>, static_cast<unsigned>(batch.rows), 256, 0, stream, batch, k, v, cache);
+  }
   CAPSERVE_CUDA_CHECK_LAUNCH();
 }
 
@@ -338,9 +354,15 @@ void paged_attention(const DeviceAttentionBatch& batch, const float* q, const De
     throw std::invalid_argument("paged_attention: head_dim above 512");
   if (cache.num_kv_heads <= 0 || params.num_heads % cache.num_kv_heads != 0)
     throw std::invalid_argument("paged_attention: heads must be a multiple of the kv heads");
+  check_cache_dtype(cache.dtype, "paged_attention");
   if (batch.rows <= 0) return;
   const dim3 grid(static_cast<unsigned>(batch.rows), static_cast<unsigned>(params.num_heads));
-  launch(paged_attention_kernel, grid, kAttnThreads, 0, stream, batch, q, cache, params, out);
+  if (cache.dtype == DType::bf16) {
+    launch(paged_attention_kernel<__nv_bfloat16>, grid, kAttnThreads, 0, stream, batch, q, cache, params,
+           out);
+  } else {
+    launch(paged_attention_kernel<float>, grid, kAttnThreads, 0, stream, batch, q, cache, params, out);
+  }
   CAPSERVE_CUDA_CHECK_LAUNCH();
 }
 

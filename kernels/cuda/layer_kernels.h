@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "kernels/backend.h"
+#include "kernels/dtype.h"
 #include "kernels/sampling.h"
 
 namespace capserve::kernels::cuda {
@@ -41,10 +42,12 @@ struct AttentionBatchArrays {
 };
 AttentionBatchArrays attention_batch_arrays(std::span<const SequenceSlice> seqs);
 
-// Cache layout as PagedKvLayer: [num_blocks, block_size, num_kv_heads, head_dim] fp32.
+// Cache layout as PagedKvLayer: [num_blocks, block_size, num_kv_heads, head_dim] of `dtype` (f32, or bf16:
+// half the memory, each value rounded once when stored; attention reads it back as fp32).
 struct DeviceKvLayer {
-  float* k = nullptr;
-  float* v = nullptr;
+  void* k = nullptr;
+  void* v = nullptr;
+  DType dtype = DType::f32;
   std::int64_t block_size = 0;
   std::int64_t num_kv_heads = 0;
   std::int64_t head_dim = 0;

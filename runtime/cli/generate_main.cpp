@@ -69,6 +69,7 @@ int main(int argc, char** argv) {
   int threads = static_cast<int>(
       std::max(1U, std::thread::hardware_concurrency() / static_cast<unsigned>(world->local_size())));
   std::string device = "cpu";
+  std::string kv_dtype = "auto";
   runtime::EngineOptions engine_options;
   runtime::ParallelFlags parallel_flags;
   app.add_option("--model", model_dir, "checkpoint directory (config.json + safetensors)")
@@ -101,6 +102,7 @@ int main(int argc, char** argv) {
   app.add_option("--moe-stats", moe_stats, "write per-layer MoE statistics of the run as JSON (rank 0)");
   app.add_option("--threads", threads, "CPU threads per rank")->check(runtime::at_least(1));
   runtime::add_device_flag(app, device);
+  runtime::add_kv_dtype_flag(app, kv_dtype);
   app.add_option("--kv-blocks", engine_options.kv_blocks, "KV cache blocks of 16 tokens per rank")
       ->check(runtime::at_least(1));
   runtime::add_parallel_flags(app, parallel_flags);
@@ -175,6 +177,7 @@ int main(int argc, char** argv) {
     mine.push_back(prompts[i]);
     mine_index.push_back(i);
   }
+  engine_options.kv_dtype = runtime::kv_dtype_for(kv_dtype, model->backend().device());
   runtime::Engine engine(*model, engine_options);
   std::vector<runtime::Generation> out;
   const std::vector<runtime::SamplingParams> all_params(mine.size(), params);

@@ -36,4 +36,16 @@ inline void add_device_flag(CLI::App& app, std::string& device) {
       ->check(CLI::IsMember({"cpu", "cuda"}));
 }
 
+// --kv-cache-dtype: auto (bf16 on a GPU, f32 on the CPU), f32 or bf16.
+inline void add_kv_dtype_flag(CLI::App& app, std::string& kv_dtype) {
+  app.add_option("--kv-cache-dtype", kv_dtype,
+                 "K/V cache elements: auto (bf16 on cuda, f32 on cpu), f32, bf16")
+      ->check(CLI::IsMember({"auto", "f32", "bf16"}));
+}
+inline kernels::DType kv_dtype_for(const std::string& flag, const kernels::Device& device) {
+  if (flag == "f32") return kernels::DType::f32;
+  if (flag == "bf16") return kernels::DType::bf16;
+  return device.kind == kernels::DeviceKind::cuda ? kernels::DType::bf16 : kernels::DType::f32;
+}
+
 }  // namespace capserve::runtime

@@ -546,7 +546,8 @@ TEST(CudaKernels, PagedAttentionMatchesTheCpuBackend) {
     auto d_out = poisoned<float>(q.size());
     const kernels::cuda::DeviceAttentionBatch batch{rows, d_pos.data(), d_seq.data(), d_tables.data(),
                                                     arrays.max_blocks};
-    const kernels::cuda::DeviceKvLayer layer{d_cache_k.data(), d_cache_v.data(), block_size, kv_heads, d};
+    const kernels::cuda::DeviceKvLayer layer{d_cache_k.data(), d_cache_v.data(), kernels::DType::f32,
+                                             block_size,       kv_heads,         d};
     kernels::cuda::kv_store(batch, d_k.data(), d_v.data(), layer, nullptr);
     kernels::cuda::paged_attention(batch, d_q.data(), layer, params, d_out.data(), nullptr);
 

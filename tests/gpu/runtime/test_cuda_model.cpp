@@ -98,6 +98,26 @@ TEST_P(CudaModel, GreedyContinuationEqualsTheCpuBackends) {
   }
 }
 
+// With a bf16 K/V cache (the GPU default), every value rounded once when stored: the prompt logits stay
+// within bf16 rounding of transformers'. Multi-head latent attention keeps its latent rows in f32 (nothing
+// changes).
+TEST_P(CudaModel, Bf16KvCacheStaysWithinBf16RoundingOfTransformers) {
+  runtime::EngineOptions options;
+  options.kv_dtype = kernels::DType::bf16;
+  runtime::Engine engine(*cuda_model_, options);
+  for (const auto& prompt : ref_["prompts"]) {
+    const auto ids = prompt["input_ids"].get<std::vector<std::int32_t>>();
+    const runtime::NpyArray expected = runtime::read_npy(dir_ / prompt["prompt_logits"].get<std::string>());
+    const runtime::Engine::Work work{42, ids, true};
+    ASSERT_TRUE(engine.step(std::span(&work, 1)).ok());
+    const double vs_hf = testing::relative_max_diff(engine.logits(), expected.data);
+    std::printf("[ cuda ] %s bf16 KV cache, prompt %zu: vs transformers %.3g\n", GetParam().c_str(),
+                ids.size(), vs_hf);
+    EXPECT_LE(vs_hf, 0.1) << "prompt length " << ids.size();
+    engine.release(42);
+  }
+}
+
 // The fixture's batch of different lengths as one ragged batch on the CUDA backend: each sequence's logits
 // at every generated position equal its own run alone, and its first step's transformers' (left-padded
 // batch).
