@@ -43,9 +43,23 @@ DeviceLatentLayer device_layer(const PagedLatentLayer& cache) {
   return {f32(cache.rows), cache.block_size, cache.kv_lora_rank, cache.rope_dim};
 }
 
+// `device` when it exists; else std::runtime_error with the runtime's reason (before cuBLAS, whose own error
+// would not say why).
+int usable_device(int device) {
+  int count = 0;
+  const cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess || device < 0 || device >= count) {
+    throw std::runtime_error("CudaBackend: no CUDA device " + std::to_string(device) + " (" +
+                             (e != cudaSuccess ? std::string(cudaGetErrorString(e))
+                                               : std::to_string(count) + " device(s) visible") +
+                             ")");
+  }
+  return device;
+}
+
 }  // namespace
 
-CudaBackend::CudaBackend(int device) : device_(device) {
+CudaBackend::CudaBackend(int device) : device_(usable_device(device)) {
   CAPSERVE_CUDA_CHECK(cudaSetDevice(device_));
   CAPSERVE_CUDA_CHECK(cudaStreamCreate(&stream_));
 }
