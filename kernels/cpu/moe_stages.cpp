@@ -3,6 +3,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/moe/host_executor.h"
@@ -10,8 +11,19 @@
 namespace capserve::kernels::cpu {
 namespace {
 
-void require(bool ok, const char* op, const std::string& what) {
-  if (!ok) throw std::invalid_argument(std::string("CpuBackend::") + op + ": " + what);
+[[noreturn]] void fail(const char* op, const std::string& what) {
+  throw std::invalid_argument(std::string("CpuBackend::") + op + ": " + what);
+}
+
+// A check on the hot path: the message is built only when it fails.
+template <class Message>
+void require(bool ok, const char* op, const Message& what) {
+  if (ok) return;
+  if constexpr (std::is_invocable_v<Message>) {
+    fail(op, what());
+  } else {
+    fail(op, what);
+  }
 }
 
 // An optional tensor's elements: empty when the tensor is.
@@ -41,7 +53,7 @@ moe::PermuteView permute_view(std::int64_t tokens, std::int64_t top_k, std::int6
 }  // namespace
 
 void CpuBackend::copy(const Tensor& src, const Tensor& dst) {
-  require(src.bytes() == dst.bytes(), "copy", src.shape_text() + " into " + dst.shape_text());
+  require(src.bytes() == dst.bytes(), "copy", [&] { return src.shape_text() + " into " + dst.shape_text(); });
   if (!src.empty()) std::memcpy(dst.host_data(), src.host_data(), src.bytes());
 }
 
@@ -89,7 +101,7 @@ void CpuBackend::count_experts(const Tensor& experts, const Tensor& counts) {
 void CpuBackend::count_slot_states(const Tensor& status, const Tensor& dropped, const Tensor& rerouted) {
   const std::int64_t tokens = status.dims() == 0 ? 0 : status.dim(0);
   require(dropped.numel() == tokens && rerouted.numel() == tokens, "count_slot_states",
-          "one count per token of " + status.shape_text());
+          [&] { return "one count per token of " + status.shape_text(); });
   if (tokens == 0) return;
   moe::for_each_on_host(
       tokens, moe::CountSlotStates{status.row_numel(), status.host_span<const std::uint8_t>().data(),
@@ -143,15 +155,16 @@ void CpuBackend::group_received(const ReceivedGroups& g) {
           "group_received", "the starts do not end at the entries and rows received");
   require(g.weights.numel() == rows * top_k && g.position.numel() == rows * top_k &&
               g.row_source.numel() >= rows * top_k,
-          "group_received", "output tensors smaller than experts " + g.experts.shape_text());
+          "group_received", [&] { return "output tensors smaller than experts " + g.experts.shape_text(); });
   const auto* in = entries > 0 ? static_cast<const moe::DispatchEntry*>(g.entries.host_data()) : nullptr;
   for (std::int64_t s = 0; s < ranks; ++s) {
     for (std::int64_t i = entry_start[static_cast<std::size_t>(s)];
          i < entry_start[static_cast<std::size_t>(s) + 1]; ++i) {
       const moe::DispatchEntry& en = in[i];
-      require(en.local_expert >= 0 && en.local_expert < groups, "group_received",
-              "an entry for expert " + std::to_string(en.local_expert) + " of " + std::to_string(groups) +
-                  " local experts");
+      require(en.local_expert >= 0 && en.local_expert < groups, "group_received", [&] {
+        return "an entry for expert " + std::to_string(en.local_expert) + " of " + std::to_string(groups) +
+               " local experts";
+      });
       require(en.row >= 0 && en.row < row_start[static_cast<std::size_t>(s) + 1] -
                                           row_start[static_cast<std::size_t>(s)],
               "group_received", "an entry for a row its source did not send");
@@ -178,7 +191,7 @@ void CpuBackend::take_rows(const Tensor& src, const Tensor& index, const Tensor&
   const std::int64_t n = dst.dims() == 0 ? 0 : dst.dim(0);
   const std::int64_t width = src.row_numel();
   require(dst.row_numel() == width && index.numel() >= n, "take_rows",
-          std::to_string(n) + " rows of " + src.shape_text() + " into " + dst.shape_text());
+          [&] { return std::to_string(n) + " rows of " + src.shape_text() + " into " + dst.shape_text(); });
   if (n == 0) return;
   const std::span<const std::int32_t> rows = index.host_span<const std::int32_t>();
   const std::span<const float> s = src.host_span<const float>();

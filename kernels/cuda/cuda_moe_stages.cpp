@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/cuda_check.h"
@@ -11,8 +12,19 @@
 namespace capserve::kernels::cuda {
 namespace {
 
-void require(bool ok, const char* op, const std::string& what) {
-  if (!ok) throw std::invalid_argument(std::string("CudaBackend::") + op + ": " + what);
+[[noreturn]] void fail(const char* op, const std::string& what) {
+  throw std::invalid_argument(std::string("CudaBackend::") + op + ": " + what);
+}
+
+// A check on the hot path: the message is built only when it fails.
+template <class Message>
+void require(bool ok, const char* op, const Message& what) {
+  if (ok) return;
+  if constexpr (std::is_invocable_v<Message>) {
+    fail(op, what());
+  } else {
+    fail(op, what);
+  }
 }
 
 template <class T>
@@ -28,7 +40,7 @@ std::int64_t rows_of(const Tensor& t) {
 
 void CudaBackend::copy(const Tensor& src, const Tensor& dst) {
   enter({&src, &dst});
-  require(src.bytes() == dst.bytes(), "copy", src.shape_text() + " into " + dst.shape_text());
+  require(src.bytes() == dst.bytes(), "copy", [&] { return src.shape_text() + " into " + dst.shape_text(); });
   if (!src.empty())
     CAPSERVE_CUDA_CHECK(
         cudaMemcpyAsync(dst.data(), src.data(), src.bytes(), cudaMemcpyDeviceToDevice, stream_));
@@ -91,7 +103,7 @@ void CudaBackend::count_slot_states(const Tensor& status, const Tensor& dropped,
   enter({&status, &dropped, &rerouted});
   const std::int64_t tokens = rows_of(status);
   require(dropped.numel() == tokens && rerouted.numel() == tokens, "count_slot_states",
-          "one count per token of " + status.shape_text());
+          [&] { return "one count per token of " + status.shape_text(); });
   if (tokens == 0) return;
   cuda::count_slot_states(moe::CountSlotStates{status.row_numel(), status.ptr<const std::uint8_t>(),
                                                dropped.ptr<std::int64_t>(), rerouted.ptr<std::int64_t>()},
@@ -149,7 +161,7 @@ void CudaBackend::group_received(const ReceivedGroups& g) {
           "entry_start and row_start of ranks + 1, offsets of groups + 1");
   require(g.weights.numel() == rows * top_k && g.position.numel() == rows * top_k &&
               g.row_source.numel() >= rows * top_k,
-          "group_received", "output tensors smaller than experts " + g.experts.shape_text());
+          "group_received", [&] { return "output tensors smaller than experts " + g.experts.shape_text(); });
   moe::ReceivedView v;
   v.entries = static_cast<std::int64_t>(g.entries.bytes() / sizeof(moe::DispatchEntry));
   v.ranks = ranks;
@@ -176,7 +188,7 @@ void CudaBackend::take_rows(const Tensor& src, const Tensor& index, const Tensor
   enter({&src, &index, &dst});
   const std::int64_t n = rows_of(dst);
   require(dst.row_numel() == src.row_numel() && index.numel() >= n, "take_rows",
-          std::to_string(n) + " rows of " + src.shape_text() + " into " + dst.shape_text());
+          [&] { return std::to_string(n) + " rows of " + src.shape_text() + " into " + dst.shape_text(); });
   if (n == 0) return;
   cuda::take_rows(src.ptr<const float>(), src.row_numel(), index.ptr<const std::int32_t>(), n,
                   dst.ptr<float>(), stream_);
