@@ -12,25 +12,6 @@
 
 namespace capserve::runtime {
 
-namespace {
-
-[[noreturn]] void no_cuda() {
-  throw std::runtime_error("--device cuda: this build has no CUDA backend (nvcc and NCCL were not found)");
-}
-
-}  // namespace
-
-std::unique_ptr<kernels::Backend> make_backend(const std::string& device, int threads, int gpu) {
-  if (device == "cpu") return std::make_unique<kernels::cpu::CpuBackend>(threads);
-  if (device != "cuda") throw std::runtime_error("unknown --device '" + device + "' (cpu or cuda)");
-#if CAPSERVE_WITH_CUDA
-  return std::make_unique<kernels::cuda::CudaBackend>(gpu);
-#else
-  (void)gpu;
-  no_cuda();
-#endif
-}
-
 RankDevices make_rank_devices(const std::string& device, int threads, parallel::MpiWorld& world) {
   RankDevices d;
   d.control = std::make_unique<parallel::MpiCommunicator>();
@@ -46,7 +27,7 @@ RankDevices make_rank_devices(const std::string& device, int threads, parallel::
   return d;
 #else
   (void)world;
-  no_cuda();
+  throw std::runtime_error("--device cuda: this build has no CUDA backend (nvcc and NCCL were not found)");
 #endif
 }
 

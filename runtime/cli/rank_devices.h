@@ -31,9 +31,6 @@ struct RankDevices {
 // Every rank calls it (NCCL's set-up is a collective); std::runtime_error naming the device on failure.
 RankDevices make_rank_devices(const std::string& device, int threads, parallel::MpiWorld& world);
 
-// The backend alone, for a single process without MPI: CpuBackend(threads), or CudaBackend on GPU `gpu`.
-std::unique_ptr<kernels::Backend> make_backend(const std::string& device, int threads, int gpu);
-
 inline void add_device_flag(CLI::App& app, std::string& device) {
   app.add_option("--device", device, "what each rank computes on: cpu, or cuda (one GPU per rank, NCCL)")
       ->check(CLI::IsMember({"cpu", "cuda"}));

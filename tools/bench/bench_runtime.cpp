@@ -10,7 +10,7 @@
 
 #include <CLI/CLI.hpp>
 
-#include "runtime/cli/rank_devices.h"
+#include "kernels/cpu/cpu_backend.h"
 #include "runtime/engine.h"
 #include "runtime/model.h"
 
@@ -60,19 +60,17 @@ int main(int argc, char** argv) {
   int decode_steps = 32;
   int threads = 2;
   int seed = 0;
-  std::string device = "cpu";
   app.add_option("--model", model_dir)->required()->check(CLI::ExistingDirectory);
   app.add_option("--batch", batch)->check(CLI::PositiveNumber);
   app.add_option("--prompt-len", prompt_len)->check(CLI::PositiveNumber);
   app.add_option("--decode-steps", decode_steps)->check(CLI::PositiveNumber);
   app.add_option("--threads", threads)->check(CLI::PositiveNumber);
   app.add_option("--seed", seed);
-  capserve::runtime::add_device_flag(app, device);
   CLI11_PARSE(app, argc, argv);
 
   try {
-    const auto backend = capserve::runtime::make_backend(device, threads, 0);
-    const auto model = capserve::runtime::Model::load(model_dir, *backend);
+    capserve::kernels::cpu::CpuBackend backend(threads);
+    const auto model = capserve::runtime::Model::load(model_dir, backend);
     capserve::runtime::EngineOptions options;
     options.kv_blocks = batch * ((prompt_len + decode_steps) / options.kv_block_size + 2);
     Engine engine(*model, options);
