@@ -212,30 +212,30 @@ void CpuBackend::combine(const Tensor& y, const Tensor& position, const Tensor& 
   require(position.dims() == 2 && position.dim(0) == tokens &&
               (weights.empty() || weights.numel() == tokens * top_k) &&
               (y.dims() == 0 || y.row_numel() == hidden),
-          "combine",
-          "position " + position.shape_text() + ", weights " + weights.shape_text() + ", y " +
-              y.shape_text() + " for out " + out.shape_text());
+          "combine", [&] {
+            return "position " + position.shape_text() + ", weights " + weights.shape_text() + ", y " +
+                   y.shape_text() + " for out " + out.shape_text();
+          });
   if (tokens == 0) return;
-  const std::span<const std::int64_t> pos = position.host_span<const std::int64_t>();
-  const std::span<const float> w = optional_span<const float>(weights);
-  const std::span<const float> src = optional_span<const float>(y);
+  const std::int64_t* pos = position.host_span<const std::int64_t>().data();
+  const float* w = weights.empty() ? nullptr : weights.host_span<const float>().data();
+  const float* src = y.empty() ? nullptr : y.host_span<const float>().data();
   const std::int64_t y_rows = y.dims() == 0 ? 0 : y.dim(0);
-  for (const std::int64_t p : pos) {
-    if (p >= y_rows)
-      throw std::out_of_range("CpuBackend::combine: row " + std::to_string(p) + " of " + y.shape_text());
-  }
   float* o = out.host_span<float>().data();
-  std::fill(o, o + tokens * hidden, 0.0F);
+  // One pass: each token's row is zeroed and summed while it is in cache, its slots in order.
   for (std::int64_t t = 0; t < tokens; ++t) {
     float* dst = o + t * hidden;
+    std::fill(dst, dst + hidden, 0.0F);
     for (std::int64_t s = 0; s < top_k; ++s) {
-      const std::int64_t row = pos[static_cast<std::size_t>(t * top_k + s)];
+      const std::int64_t row = pos[t * top_k + s];
       if (row < 0) continue;
-      const float* in = src.data() + row * hidden;
-      if (w.empty()) {
+      if (row >= y_rows)
+        throw std::out_of_range("CpuBackend::combine: row " + std::to_string(row) + " of " + y.shape_text());
+      const float* in = src + row * hidden;
+      if (w == nullptr) {
         for (std::int64_t c = 0; c < hidden; ++c) dst[c] += in[c];
       } else {
-        const float g = w[static_cast<std::size_t>(t * top_k + s)];
+        const float g = w[t * top_k + s];
         for (std::int64_t c = 0; c < hidden; ++c) dst[c] += g * in[c];
       }
     }

@@ -201,9 +201,10 @@ void CudaBackend::combine(const Tensor& y, const Tensor& position, const Tensor&
   require(position.dims() == 2 && position.dim(0) == tokens &&
               (weights.empty() || weights.numel() == tokens * top_k) &&
               (y.dims() == 0 || y.row_numel() == out.row_numel()),
-          "combine",
-          "position " + position.shape_text() + ", weights " + weights.shape_text() + ", y " +
-              y.shape_text() + " for out " + out.shape_text());
+          "combine", [&] {
+            return "position " + position.shape_text() + ", weights " + weights.shape_text() + ", y " +
+                   y.shape_text() + " for out " + out.shape_text();
+          });
   cuda::combine(optional_ptr<const float>(y), out.row_numel(), position.ptr<const std::int64_t>(),
                 optional_ptr<const float>(weights), tokens, top_k, out.ptr<float>(), stream_);
 }
