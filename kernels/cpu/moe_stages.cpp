@@ -3,27 +3,17 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
-#include <type_traits>
 
+#include "kernels/argument_check.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/moe/host_executor.h"
 
 namespace capserve::kernels::cpu {
 namespace {
 
-[[noreturn]] void fail(const char* op, const std::string& what) {
-  throw std::invalid_argument(std::string("CpuBackend::") + op + ": " + what);
-}
-
-// A check on the hot path: the message is built only when it fails.
 template <class Message>
 void require(bool ok, const char* op, const Message& what) {
-  if (ok) return;
-  if constexpr (std::is_invocable_v<Message>) {
-    fail(op, what());
-  } else {
-    fail(op, what);
-  }
+  require_argument(ok, "CpuBackend", op, what);
 }
 
 // An optional tensor's elements: empty when the tensor is.

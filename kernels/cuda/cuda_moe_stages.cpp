@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
-#include <type_traits>
 
+#include "kernels/argument_check.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/moe_kernels.h"
@@ -12,19 +12,9 @@
 namespace capserve::kernels::cuda {
 namespace {
 
-[[noreturn]] void fail(const char* op, const std::string& what) {
-  throw std::invalid_argument(std::string("CudaBackend::") + op + ": " + what);
-}
-
-// A check on the hot path: the message is built only when it fails.
 template <class Message>
 void require(bool ok, const char* op, const Message& what) {
-  if (ok) return;
-  if constexpr (std::is_invocable_v<Message>) {
-    fail(op, what());
-  } else {
-    fail(op, what);
-  }
+  require_argument(ok, "CudaBackend", op, what);
 }
 
 template <class T>

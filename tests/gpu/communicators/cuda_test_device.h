@@ -13,6 +13,7 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "parallel/communicator.h"
+#include "tests/gpu/gpu_test_support.h"
 #include "tests/mpi/mpi_gtest_main.h"
 
 namespace capserve::test {
@@ -73,3 +74,11 @@ inline std::optional<std::string> fewer_gpus_than_ranks() {
 }
 
 }  // namespace capserve::test
+
+// Skips a test (all ranks alike) unless every rank of the node has a GPU of its own.
+#define CAPSERVE_REQUIRE_GPU_PER_RANK()                                          \
+  do {                                                                           \
+    CAPSERVE_REQUIRE_CUDA_DEVICE();                                              \
+    if (const auto capserve_too_few = ::capserve::test::fewer_gpus_than_ranks()) \
+      GTEST_SKIP() << *capserve_too_few;                                         \
+  } while (false)

@@ -24,15 +24,8 @@ namespace {
 
 // GTEST_SKIP returns from the test body, so this must be a macro used there; every rank of the node skips
 // alike.
-#define REQUIRE_GPU_PER_RANK()                                                   \
-  do {                                                                           \
-    CAPSERVE_REQUIRE_CUDA_DEVICE();                                              \
-    if (const auto capserve_too_few = ::capserve::test::fewer_gpus_than_ranks()) \
-      GTEST_SKIP() << *capserve_too_few;                                         \
-  } while (false)
-
 TEST(NcclCommunicator, SelectsTheGpuOfItsLocalRank) {
-  REQUIRE_GPU_PER_RANK();
+  CAPSERVE_REQUIRE_GPU_PER_RANK();
   NcclCommunicator comm(test::mpi_world());
   int count = 0;
   int current = -1;
@@ -46,7 +39,7 @@ TEST(NcclCommunicator, SelectsTheGpuOfItsLocalRank) {
 }
 
 TEST(NcclCommunicator, AlltoallvEqualsMpiOnRandomCases) {
-  REQUIRE_GPU_PER_RANK();
+  CAPSERVE_REQUIRE_GPU_PER_RANK();
   NcclCommunicator comm(test::mpi_world());
   test::CudaTestDevice device;
   MpiCommunicator ref;
@@ -55,7 +48,7 @@ TEST(NcclCommunicator, AlltoallvEqualsMpiOnRandomCases) {
 }
 
 TEST(NcclCommunicator, AlltoallFixedAndSmallCollectivesEqualMpi) {
-  REQUIRE_GPU_PER_RANK();
+  CAPSERVE_REQUIRE_GPU_PER_RANK();
   NcclCommunicator comm(test::mpi_world());
   test::CudaTestDevice device;
   MpiCommunicator ref;
@@ -65,7 +58,7 @@ TEST(NcclCommunicator, AlltoallFixedAndSmallCollectivesEqualMpi) {
 }
 
 TEST(NcclCommunicator, ArgumentErrorsThrowOnEveryRank) {
-  REQUIRE_GPU_PER_RANK();
+  CAPSERVE_REQUIRE_GPU_PER_RANK();
   NcclCommunicator comm(test::mpi_world());
   test::CudaTestDevice device;
   test::check_argument_errors(comm, device);
@@ -74,7 +67,7 @@ TEST(NcclCommunicator, ArgumentErrorsThrowOnEveryRank) {
 // A thread other than the constructor's starts on device 0, whatever GPU this rank uses: every call must make
 // the communicator's device current itself.
 TEST(NcclCommunicator, WorksFromAnotherThread) {
-  REQUIRE_GPU_PER_RANK();
+  CAPSERVE_REQUIRE_GPU_PER_RANK();
   NcclCommunicator comm(test::mpi_world());
   test::CudaTestDevice device;
   const int n = comm.size();
@@ -107,7 +100,7 @@ TEST(NcclCommunicator, WorksFromAnotherThread) {
 // rank 1's failure to rank 0 only asynchronously, so rank 0's next call must poll for it and throw rather
 // than wait forever in a collective rank 1 never joins.
 TEST(NcclCommunicator, APeersFailureStopsTheNextCall) {
-  REQUIRE_GPU_PER_RANK();
+  CAPSERVE_REQUIRE_GPU_PER_RANK();
   const int n = test::mpi_world().size();
   if (n < 2) GTEST_SKIP() << "needs two ranks";
   NcclCommunicator comm(test::mpi_world());

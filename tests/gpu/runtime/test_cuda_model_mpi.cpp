@@ -34,13 +34,6 @@ using parallel::CapacityGranularity;
 using parallel::CapacityPolicy;
 using parallel::CapacityScope;
 
-#define REQUIRE_GPU_PER_RANK()                                                   \
-  do {                                                                           \
-    CAPSERVE_REQUIRE_CUDA_DEVICE();                                              \
-    if (const auto capserve_too_few = ::capserve::test::fewer_gpus_than_ranks()) \
-      GTEST_SKIP() << *capserve_too_few;                                         \
-  } while (false)
-
 // As test_cuda_model.cpp: f32 weights are held to 1e-4, bf16 weights to bf16 rounding.
 double tolerance(const runtime::Model& model) {
   return model.weights().lm_head.dtype() == kernels::DType::f32 ? 1e-4 : 1e-2;
@@ -84,7 +77,7 @@ std::vector<CapacityConfig> capacity_options() {
 class CudaModelMpi : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
-    REQUIRE_GPU_PER_RANK();
+    CAPSERVE_REQUIRE_GPU_PER_RANK();
     dir_ = testing::fixture_models_dir() / GetParam();
     const nlohmann::json ref = testing::fixture_reference(GetParam());
     const auto& prompts = ref["prompts"];
@@ -140,7 +133,7 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, CudaModelMpi, ::testing::ValuesIn(testing::fi
 // slot states must be equal bit for bit. Logits on a grid make many exact ties, which the selection keys must
 // break alike everywhere.
 TEST(CudaCapacityMpi, EveryOptionDecidesAsTheCpuBackendOnTheSameProbabilities) {
-  REQUIRE_GPU_PER_RANK();
+  CAPSERVE_REQUIRE_GPU_PER_RANK();
   parallel::NcclCommunicator nccl(test::mpi_world());
   kernels::cuda::CudaBackend gpu(nccl.device().index);
   parallel::MpiCommunicator control;
