@@ -722,6 +722,16 @@ void CpuBackend::add_sigmoid_gated(const Tensor& dst, const Tensor& src, const T
   }
 }
 
+void CpuBackend::copy(const Tensor& src, const Tensor& dst) {
+  if (src.bytes() != dst.bytes())
+    throw std::invalid_argument("CpuBackend::copy: " + src.shape_text() + " into " + dst.shape_text());
+  if (!src.empty()) std::memcpy(dst.host_data(), src.host_data(), src.bytes());
+}
+
+void CpuBackend::zero(const Tensor& t) {
+  if (!t.empty()) std::memset(t.host_data(), 0, t.bytes());
+}
+
 void CpuBackend::clamp(const Tensor& x, float limit) {
   for (float& v : x.host_span<float>()) v = std::clamp(v, -limit, limit);
 }

@@ -42,15 +42,6 @@ moe::PermuteView permute_view(std::int64_t tokens, std::int64_t top_k, std::int6
 
 }  // namespace
 
-void CpuBackend::copy(const Tensor& src, const Tensor& dst) {
-  require(src.bytes() == dst.bytes(), "copy", [&] { return src.shape_text() + " into " + dst.shape_text(); });
-  if (!src.empty()) std::memcpy(dst.host_data(), src.host_data(), src.bytes());
-}
-
-void CpuBackend::zero(const Tensor& t) {
-  if (!t.empty()) std::memset(t.host_data(), 0, t.bytes());
-}
-
 void CpuBackend::route(const moe::RouterParams& params, const Tensor& logits, const Tensor& probs,
                        const Tensor& experts, const Tensor& weights) {
   moe::route_on_host(params, logits.host_span<const float>(), probs.host_span<float>(),

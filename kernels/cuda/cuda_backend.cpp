@@ -204,6 +204,20 @@ void CudaBackend::add_sigmoid_gated(const Tensor& dst, const Tensor& src, const 
   cuda::add_sigmoid_gated(f32(dst), f32(src), f32(gate), rows, dst.row_numel(), stream_);
 }
 
+void CudaBackend::copy(const Tensor& src, const Tensor& dst) {
+  enter({&src, &dst});
+  if (src.bytes() != dst.bytes())
+    throw std::invalid_argument("CudaBackend::copy: " + src.shape_text() + " into " + dst.shape_text());
+  if (!src.empty())
+    CAPSERVE_CUDA_CHECK(
+        cudaMemcpyAsync(dst.data(), src.data(), src.bytes(), cudaMemcpyDeviceToDevice, stream_));
+}
+
+void CudaBackend::zero(const Tensor& t) {
+  enter({&t});
+  if (!t.empty()) CAPSERVE_CUDA_CHECK(cudaMemsetAsync(t.data(), 0, t.bytes(), stream_));
+}
+
 void CudaBackend::clamp(const Tensor& x, float limit) {
   enter({&x});
   cuda::clamp(f32(x), x.numel(), limit, stream_);

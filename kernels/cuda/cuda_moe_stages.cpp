@@ -28,19 +28,6 @@ std::int64_t rows_of(const Tensor& t) {
 
 }  // namespace
 
-void CudaBackend::copy(const Tensor& src, const Tensor& dst) {
-  enter({&src, &dst});
-  require(src.bytes() == dst.bytes(), "copy", [&] { return src.shape_text() + " into " + dst.shape_text(); });
-  if (!src.empty())
-    CAPSERVE_CUDA_CHECK(
-        cudaMemcpyAsync(dst.data(), src.data(), src.bytes(), cudaMemcpyDeviceToDevice, stream_));
-}
-
-void CudaBackend::zero(const Tensor& t) {
-  enter({&t});
-  if (!t.empty()) CAPSERVE_CUDA_CHECK(cudaMemsetAsync(t.data(), 0, t.bytes(), stream_));
-}
-
 void CudaBackend::route(const moe::RouterParams& params, const Tensor& logits, const Tensor& probs,
                         const Tensor& experts, const Tensor& weights) {
   enter({&logits, &probs, &experts, &weights});

@@ -1,6 +1,7 @@
 // The host synchronisations of a step, as runtime/README.md lists them: a serving step (forward, then sample)
-// makes two per MoE layer (the dispatch report, the expert group sizes) and one per step (the sampled tokens);
-// the logits reach the host only when someone asks for them, once per step however often they are read.
+// makes two per MoE layer (the dispatch report, the expert group sizes) and one per step (the sampled
+// tokens); the logits reach the host only when someone asks for them, once per step however often they are
+// read.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -44,7 +45,8 @@ TEST(HostSyncs, AServingStepSynchronisesTwicePerMoeLayerAndOnceForTheSampledToke
     std::int64_t all = 0;
     for (int why = 0; why < static_cast<int>(HostSync::count_); ++why)
       all += backend.host_syncs(static_cast<HostSync>(why));
-    EXPECT_EQ(all, (2 * moe_layers + 1) * static_cast<std::int64_t>(step + 1)) << "a synchronisation not listed";
+    EXPECT_EQ(all, (2 * moe_layers + 1) * static_cast<std::int64_t>(step + 1))
+        << "a synchronisation not listed";
     work = {{1, std::span(&next[0], 1), false}, {2, std::span(&next[1], 1), false}};
   }
 
