@@ -11,15 +11,10 @@ std::int64_t row_floats(const KvCacheShape& s) {
   return s.latent() ? s.kv_lora_rank + s.rope_dim : s.num_kv_heads * s.head_dim;
 }
 
-// Bytes of one cached value.
-std::size_t element_bytes(const KvCacheShape& s) {
-  return s.latent() ? sizeof(float) : kernels::dtype_size(s.dtype);
-}
-
 }  // namespace
 
 std::int64_t KvCacheShape::bytes_per_token_per_layer() const {
-  return row_floats(*this) * (latent() ? 1 : 2) * static_cast<std::int64_t>(element_bytes(*this));
+  return row_floats(*this) * (latent() ? 1 : 2) * static_cast<std::int64_t>(kernels::dtype_size(dtype));
 }
 
 KvCacheShape kv_cache_shape(const ModelConfig& config, std::int64_t block_size, std::int64_t num_blocks,
@@ -43,7 +38,7 @@ KvCache::KvCache(const KvCacheShape& shape, kernels::Backend& backend)
     : shape_(shape), blocks_(shape.num_blocks, shape.block_size) {
   const auto bytes =
       static_cast<std::size_t>(shape.num_layers * shape.num_blocks * shape.block_size * row_floats(shape)) *
-      element_bytes(shape);
+      kernels::dtype_size(shape.dtype);
   k_ = backend.allocate(bytes);
   if (!shape.latent()) v_ = backend.allocate(bytes);
 }
@@ -65,7 +60,7 @@ kernels::PagedKvLayer KvCache::layer(std::int64_t layer) {
 kernels::PagedLatentLayer KvCache::latent_layer(std::int64_t layer) {
   if (!shape_.latent()) throw std::logic_error("KvCache: a K/V cache has no latent layers");
   const std::int64_t blocks = shape_.num_layers * shape_.num_blocks;
-  return {k_.view(kernels::DType::f32, {blocks, shape_.block_size, row_floats(shape_)})
+  return {k_.view(shape_.dtype, {blocks, shape_.block_size, row_floats(shape_)})
               .rows(layer * shape_.num_blocks, shape_.num_blocks),
           shape_.block_size, shape_.kv_lora_rank, shape_.rope_dim};
 }

@@ -25,7 +25,7 @@ struct KvCacheShape {
   std::int64_t rope_dim = 0;
   std::int64_t block_size = 16;
   std::int64_t num_blocks = 0;
-  // K/V elements: f32, or bf16 (half the memory; the CUDA backend only). Latent rows stay f32.
+  // K/V (or latent) elements: f32, or bf16 (half the memory; the CUDA backend only).
   kernels::DType dtype = kernels::DType::f32;
 
   [[nodiscard]] bool latent() const { return kv_lora_rank > 0; }

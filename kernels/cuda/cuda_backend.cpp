@@ -40,7 +40,7 @@ DeviceKvLayer device_layer(const PagedKvLayer& cache) {
 }
 
 DeviceLatentLayer device_layer(const PagedLatentLayer& cache) {
-  return {f32(cache.rows), cache.block_size, cache.kv_lora_rank, cache.rope_dim};
+  return {cache.rows.data(), cache.rows.dtype(), cache.block_size, cache.kv_lora_rank, cache.rope_dim};
 }
 
 // `device` when it exists; else std::runtime_error with the runtime's reason (before cuBLAS, whose own error

@@ -16,17 +16,20 @@ constexpr int kThreads = 128;
 constexpr int kRankPerThread = 4;  // latent dims per thread: kv_lora_rank <= 512
 constexpr std::int64_t kMaxRank = static_cast<std::int64_t>(kThreads) * kRankPerThread;
 
+template <typename C>
 __global__ void latent_store_kernel(DeviceAttentionBatch batch, const float* latent, const float* rope_key,
                                     DeviceLatentLayer cache) {
   const std::int64_t row = blockIdx.x;
   const std::int64_t r = cache.kv_lora_rank;
   const std::int64_t dr = cache.rope_dim;
-  float* dst = cache.rows + cache_slot(batch, cache.block_size, row, batch.row_pos[row]) * (r + dr);
-  for (std::int64_t i = threadIdx.x; i < r; i += blockDim.x) dst[i] = latent[row * r + i];
-  for (std::int64_t i = threadIdx.x; i < dr; i += blockDim.x) dst[r + i] = rope_key[row * dr + i];
+  C* dst =
+      static_cast<C*>(cache.rows) + cache_slot(batch, cache.block_size, row, batch.row_pos[row]) * (r + dr);
+  for (std::int64_t i = threadIdx.x; i < r; i += blockDim.x) narrow(latent[row * r + i], dst + i);
+  for (std::int64_t i = threadIdx.x; i < dr; i += blockDim.x) narrow(rope_key[row * dr + i], dst + r + i);
 }
 
-template <typename W>
+// W: kv_b's element type; C: the cache's.
+template <typename W, typename C>
 __global__ void __launch_bounds__(kThreads)
     latent_attention_kernel(DeviceAttentionBatch batch, const float* q, DeviceLatentLayer cache,
                             const W* kv_b, LatentAttentionParams p, float* out) {
@@ -62,12 +65,14 @@ __global__ void __launch_bounds__(kThreads)
   float m = -INFINITY;
   float l = 0.0F;
   for (std::int64_t t = 0; t <= pos; ++t) {
-    const float* c = cache.rows + cache_slot(batch, cache.block_size, row, t) * (r + dr);
-    float partial = threadIdx.x < dr ? q_rope * c[r + threadIdx.x] : 0.0F;
+    const C* c = static_cast<const C*>(cache.rows) + cache_slot(batch, cache.block_size, row, t) * (r + dr);
+    float partial = threadIdx.x < dr ? q_rope * widen(c, r + threadIdx.x) : 0.0F;
+    float c_lat[kRankPerThread];
 #pragma unroll
     for (int i = 0; i < kRankPerThread; ++i) {
       const std::int64_t e = threadIdx.x + i * kThreads;
-      if (e < r) partial += q_lat[i] * c[e];
+      c_lat[i] = e < r ? widen(c, e) : 0.0F;
+      partial += q_lat[i] * c_lat[i];
     }
     const float s = block_sum(partial, scratch) * p.scale;
     const float m_new = fmaxf(m, s);
@@ -77,7 +82,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int i = 0; i < kRankPerThread; ++i) {
       const std::int64_t e = threadIdx.x + i * kThreads;
-      if (e < r) acc[i] = acc[i] * correction + weight * c[e];
+      if (e < r) acc[i] = acc[i] * correction + weight * c_lat[i];
     }
     m = m_new;
   }
@@ -96,13 +101,46 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The kernel for kv_b's stored type, over a cache of C.
+template <typename C>
+void launch_latent_attention(const DeviceAttentionBatch& batch, const float* q,
+                             const DeviceLatentLayer& cache, const void* kv_b, DType kv_b_dtype,
+                             const LatentAttentionParams& params, float* out, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(batch.rows), static_cast<unsigned>(params.num_heads));
+  switch (kv_b_dtype) {
+    case DType::f32:
+      launch(latent_attention_kernel<float, C>, grid, kThreads, 0, stream, batch, q, cache,
+             static_cast<const float*>(kv_b), params, out);
+      return;
+    case DType::bf16:
+      launch(latent_attention_kernel<__nv_bfloat16, C>, grid, kThreads, 0, stream, batch, q, cache,
+             static_cast<const __nv_bfloat16*>(kv_b), params, out);
+      return;
+    case DType::f16:
+      launch(latent_attention_kernel<__half, C>, grid, kThreads, 0, stream, batch, q, cache,
+             static_cast<const __half*>(kv_b), params, out);
+      return;
+    case DType::i32:
+    case DType::i64:
+    case DType::u8:
+      break;
+  }
+  throw std::invalid_argument("cuda::latent_attention: kv_b of type " + std::string(dtype_name(kv_b_dtype)));
+}
+
 }  // namespace
 
 void latent_store(const DeviceAttentionBatch& batch, const float* latent, const float* rope_key,
                   const DeviceLatentLayer& cache, cudaStream_t stream) {
+  check_cache_dtype(cache.dtype, "latent_store");
   if (batch.rows <= 0) return;
-  launch(latent_store_kernel, static_cast<unsigned>(batch.rows), 256, 0, stream, batch, latent, rope_key,
-         cache);
+  if (cache.dtype == DType::bf16) {
+    launch(latent_store_kernel<__nv_bfloat16>, static_cast<unsigned>(batch.rows), 256, 0, stream, batch,
+           latent, rope_key, cache);
+  } else {
+    launch(latent_store_kernel<float>, static_cast<unsigned>(batch.rows), 256, 0, stream, batch, latent,
+           rope_key, cache);
+  }
   CAPSERVE_CUDA_CHECK_LAUNCH();
 }
 
@@ -115,26 +153,12 @@ void latent_attention(const DeviceAttentionBatch& batch, const float* q, const D
                                 " (at most 512) and rope dims " + std::to_string(params.qk_rope_head_dim) +
                                 "/" + std::to_string(cache.rope_dim) + " (equal, at most 128)");
   }
+  check_cache_dtype(cache.dtype, "latent_attention");
   if (batch.rows <= 0) return;
-  const dim3 grid(static_cast<unsigned>(batch.rows), static_cast<unsigned>(params.num_heads));
-  switch (kv_b_dtype) {
-    case DType::f32:
-      launch(latent_attention_kernel<float>, grid, kThreads, 0, stream, batch, q, cache,
-             static_cast<const float*>(kv_b), params, out);
-      break;
-    case DType::bf16:
-      launch(latent_attention_kernel<__nv_bfloat16>, grid, kThreads, 0, stream, batch, q, cache,
-             static_cast<const __nv_bfloat16*>(kv_b), params, out);
-      break;
-    case DType::f16:
-      launch(latent_attention_kernel<__half>, grid, kThreads, 0, stream, batch, q, cache,
-             static_cast<const __half*>(kv_b), params, out);
-      break;
-    case DType::i32:
-    case DType::i64:
-    case DType::u8:
-      throw std::invalid_argument("cuda::latent_attention: kv_b of type " +
-                                  std::string(dtype_name(kv_b_dtype)));
+  if (cache.dtype == DType::bf16) {
+    launch_latent_attention<__nv_bfloat16>(batch, q, cache, kv_b, kv_b_dtype, params, out, stream);
+  } else {
+    launch_latent_attention<float>(batch, q, cache, kv_b, kv_b_dtype, params, out, stream);
   }
   CAPSERVE_CUDA_CHECK_LAUNCH();
 }

@@ -3,7 +3,8 @@
 // token's latent row and rope key, and attention in the absorbed form — kv_b_proj's key half folded into the
 // queries and its value half applied after the softmax, so attention runs on the cached latents themselves
 // and the context is never expanded. The CPU backend's expanded form gives the same result; the device always
-// absorbs. fp32 activations and cache, kv_b in its stored dtype; work is queued on `stream`.
+// absorbs. fp32 activations, the cache in f32 or bf16 (each value rounded once when stored), kv_b in its
+// stored dtype; work is queued on `stream`.
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -13,9 +14,10 @@
 
 namespace capserve::kernels::cuda {
 
-// Cache layout as PagedLatentLayer: rows [num_blocks, block_size, kv_lora_rank + rope_dim].
+// Cache layout as PagedLatentLayer: rows [num_blocks, block_size, kv_lora_rank + rope_dim] of `dtype`.
 struct DeviceLatentLayer {
-  float* rows = nullptr;
+  void* rows = nullptr;
+  DType dtype = DType::f32;
   std::int64_t block_size = 0;
   std::int64_t kv_lora_rank = 0;
   std::int64_t rope_dim = 0;

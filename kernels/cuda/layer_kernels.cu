@@ -272,13 +272,13 @@ __global__ void __launch_bounds__(kSampleThreads)
   if (threadIdx.x == 0) tokens[blockIdx.x] = static_cast<std::int32_t>(chosen);
 }
 
+}  // namespace
+
 void check_cache_dtype(DType dtype, const char* op) {
   if (dtype != DType::f32 && dtype != DType::bf16)
     throw std::invalid_argument(std::string(op) + ": a KV cache of " + std::string(dtype_name(dtype)) +
                                 " (f32 or bf16)");
 }
-
-}  // namespace
 
 void rms_norm(const float* x, std::int64_t rows, std::int64_t cols, const void* weight, DType weight_dtype,
               float eps, float* out, cudaStream_t stream) {

@@ -53,6 +53,9 @@ struct DeviceKvLayer {
   std::int64_t head_dim = 0;
 };
 
+// std::invalid_argument naming `op` unless a cache of `dtype` is one the kernels read and write (f32, bf16).
+void check_cache_dtype(DType dtype, const char* op);
+
 // The batch rows' k/v [rows, num_kv_heads * head_dim] into their cache slots.
 void kv_store(const DeviceAttentionBatch& batch, const float* k, const float* v, const DeviceKvLayer& cache,
               cudaStream_t stream);

@@ -9,7 +9,7 @@ kept, with the largest peak RSS (ru_maxrss of the subprocess, from wait4).
 
 Contenders (each prints one JSON line with prefill_tok_s / decode_tok_s):
   capserve     --capserve-bin (default build/tools/capserve-bench-runtime)
-               --model DIR --batch B --prompt-len P --decode-steps D --threads T
+               --model DIR --batch B --prompt-len P --decode-steps D --threads T [--device cuda]
   llama.cpp    llama_cpp_runner.py in tools/.venv-llama on the BF16 GGUF
                (--llama-f32 adds a row on the F32 GGUF)
   transformers hf_runner.py in this interpreter (f32 compute, eager); may be
@@ -115,7 +115,9 @@ def contenders(args):
     shape = ["--prompt-len", str(args.prompt_len), "--threads", str(args.threads)]
     found = []
     if args.capserve_bin.is_file():
-        found.append(("capserve", [str(args.capserve_bin), "--model", str(args.model_dir)] + shape,
+        # --device only when asked: a baseline build may predate the flag.
+        device = [] if args.device == "cpu" else ["--device", args.device]
+        found.append(("capserve", [str(args.capserve_bin), "--model", str(args.model_dir)] + shape + device,
                       args.decode_steps))
     else:
         log(f"SKIP capserve: {args.capserve_bin} not found (build the C++ tree first)")
@@ -227,6 +229,8 @@ def main():
     ap.add_argument("--hf-decode-steps", type=int,
                     help="decode steps for transformers (default: --decode-steps)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="where CapServe computes (capserve-bench-runtime --device); the others stay on the CPU")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-idle-wait", type=float, default=120,
                     help="seconds to wait before each run for other load on the cores to stop")

@@ -49,6 +49,7 @@
 #include "parallel/mpi_world.h"
 #include "parallel/token_dispatcher.h"
 #include "runtime/cli/flag_checks.h"
+#include "runtime/cli/rank_devices.h"
 #include "runtime/engine.h"
 #include "runtime/load_error.h"
 #include "runtime/model.h"
@@ -758,16 +759,18 @@ std::string heldout_text(const std::string& data, double fraction) {
 int run_model(parallel::MpiWorld& world, parallel::MpiCommunicator& comm, const std::string& model_dir,
               const std::string& corpus_dir, const std::vector<std::string>& domains, int windows_per_rank,
               int window, int reps, int warmup, const std::vector<Contender>& contenders, int threads,
-              const std::string& out_path) {
+              const std::string& device, const std::string& out_path) {
   const int rank = world.rank();
   const int ranks = world.size();
-  TimingCommunicator timed(comm);
-  kernels::cpu::CpuBackend backend(threads);
+  // The data plane timed; on the CPU it is the control plane too (one MPI communicator for both).
+  const runtime::RankDevices devices = runtime::make_rank_devices(device, threads, world);
+  TimingCommunicator timed(devices.data_plane());
+  parallel::Communicator& control = devices.data ? *devices.control : timed;
   std::vector<std::unique_ptr<runtime::Model>> models;
   for (const Contender& c : contenders) {
     runtime::ParallelOptions options;
     options.capacity = c.config;
-    models.push_back(runtime::Model::load(model_dir, backend, timed, options));
+    models.push_back(runtime::Model::load(model_dir, *devices.backend, timed, control, options));
   }
   runtime::EngineOptions engine_options;
   engine_options.kv_blocks = windows_per_rank * ((window + 1) / engine_options.kv_block_size + 2);
@@ -920,6 +923,7 @@ int main(int argc, char** argv) {
                                                 96, 128, 160, 192, 256, 320, 384, 512, 768, 1024};
   // model
   std::string model_dir = CAPSERVE_SOURCE_DIR "/deploy/models/capserve-moe-tiny";
+  std::string device = "cpu";
   std::string corpus_dir = CAPSERVE_SOURCE_DIR "/../shared/data/corpus";
   int windows_per_rank = 4;
   int window = 255;
@@ -960,6 +964,7 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_flag("--no-expert-cost", no_expert_cost, "synthetic: skip timing one expert's FFN alone");
   app.add_option("--model", model_dir)->check(CLI::ExistingDirectory)->capture_default_str();
+  runtime::add_device_flag(app, device);
   app.add_option("--corpus", corpus_dir)->check(CLI::ExistingDirectory)->capture_default_str();
   app.add_option("--windows-per-rank", windows_per_rank)->check(CLI::PositiveNumber);
   app.add_option("--window", window, "text tokens per window (after one <|endoftext|>)")
@@ -981,13 +986,16 @@ int main(int argc, char** argv) {
     const std::vector<Contender> contenders =
         make_contenders(gammas, reroute_gammas, granularities, rounds, local_experts);
     if (mode == "synthetic") {
+      if (device != "cpu")
+        throw std::invalid_argument("--device " + device +
+                                    ": the synthetic mode runs on the CPU (--mode model)");
       if (no_expert_cost) expert_cost_rows.clear();
       return run_synthetic(*world, comm, counts_path, counts_model, top_k, domains, count_layers, tokens,
                            hidden, ffn, reps, warmup, seed, contenders, threads, expert_cost_rows, out_path);
     }
     if (domains.empty()) domains = {"arxiv", "books", "code", "web", "wikipedia"};
     return run_model(*world, comm, model_dir, corpus_dir, domains, windows_per_rank, window, reps, warmup,
-                     contenders, threads, out_path);
+                     contenders, threads, device, out_path);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "capserve-bench-moe-layer: rank %d: %s\n", world->rank(), e.what());
     world->abort(1);

@@ -482,7 +482,7 @@ def render(synth, model, notes, png="bench_moe_layer.png"):
                   f"{int(m['moe_layers'])} MoE layers), {m['ranks']} ranks x {m['threads_per_rank']} thread; one "
                   f"step = one prefill of {m['windows_per_rank']} windows x {m['window_tokens']} tokens per rank "
                   f"({m['ranks'] * m['tokens_per_rank']} tokens) of one domain's held-out text. MoE time from "
-                  "`Model::last_moe_stats()` (each phase the slowest rank's), per MoE layer; *step ms* is the "
+                  "`Engine::last_moe_stats()` (each phase the slowest rank's), per MoE layer; *step ms* is the "
                   f"whole forward step (slowest rank). The model's communicator is wrapped to time every "
                   "collective and to read each rank's own phase times: *arrival wait* is the time (slowest "
                   "rank) spent in the first collective of each MoE layer, i.e. waiting for the other rank to "

@@ -1,5 +1,6 @@
-// capserve-bench-runtime: prefill and decode throughput of the CPU runtime for a batch of equal-length random
-// prompts; prints one JSON line (the format tools/bench/bench_cpu_runtime.py reads for every contender).
+// capserve-bench-runtime: prefill and decode throughput of the runtime (--device cpu or cuda) for a batch of
+// equal-length random prompts; prints one JSON line (the format tools/bench/bench_cpu_runtime.py reads for
+// every contender).
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -10,7 +11,11 @@
 
 #include <CLI/CLI.hpp>
 
+#include <optional>
+
 #include "kernels/cpu/cpu_backend.h"
+#include "parallel/mpi_world.h"
+#include "runtime/cli/rank_devices.h"
 #include "runtime/engine.h"
 #include "runtime/model.h"
 
@@ -28,21 +33,18 @@ double seconds_since(Clock::time_point t0) {
 // s}.
 std::pair<double, double> run(Engine& engine, const std::vector<std::vector<std::int32_t>>& prompts,
                               int steps, SequenceId first_id) {
-  const std::size_t vocab = static_cast<std::size_t>(engine.model().config().vocab_size);
   std::vector<Engine::Work> work;
   for (std::size_t i = 0; i < prompts.size(); ++i) work.push_back({first_id + i, prompts[i], false});
   const auto t0 = Clock::now();
   if (auto s = engine.step(work); !s.ok()) throw std::runtime_error(s.message());
   const double prefill = seconds_since(t0);
   std::vector<std::int32_t> next(prompts.size());
+  const std::vector<capserve::kernels::SampleControls> greedy(prompts.size());  // temperature 0: argmax
   const auto t1 = Clock::now();
   for (int step = 0; step < steps; ++step) {
-    const auto logits = engine.logits();
-    for (std::size_t i = 0; i < prompts.size(); ++i) {
-      const auto row = logits.subspan(i * vocab, vocab);
-      next[i] = static_cast<std::int32_t>(std::max_element(row.begin(), row.end()) - row.begin());
+    engine.sample(greedy, next);
+    for (std::size_t i = 0; i < prompts.size(); ++i)
       work[i].tokens = std::span<const std::int32_t>(&next[i], 1);
-    }
     if (auto s = engine.step(work); !s.ok()) throw std::runtime_error(s.message());
   }
   const double decode = seconds_since(t1);
@@ -53,8 +55,10 @@ std::pair<double, double> run(Engine& engine, const std::vector<std::vector<std:
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"CapServe CPU runtime throughput benchmark"};
+  CLI::App app{"CapServe runtime throughput benchmark"};
   std::string model_dir;
+  std::string device = "cpu";
+  std::string kv_dtype = "auto";
   int batch = 1;
   int prompt_len = 128;
   int decode_steps = 32;
@@ -66,12 +70,23 @@ int main(int argc, char** argv) {
   app.add_option("--decode-steps", decode_steps)->check(CLI::PositiveNumber);
   app.add_option("--threads", threads)->check(CLI::PositiveNumber);
   app.add_option("--seed", seed);
+  capserve::runtime::add_device_flag(app, device);
+  capserve::runtime::add_kv_dtype_flag(app, kv_dtype);
   CLI11_PARSE(app, argc, argv);
 
   try {
-    capserve::kernels::cpu::CpuBackend backend(threads);
-    const auto model = capserve::runtime::Model::load(model_dir, backend);
+    // One rank. MPI only where the device needs it (NCCL's set-up), so a CPU run measures the runtime alone.
+    std::optional<capserve::parallel::MpiWorld> world;
+    if (device != "cpu") world.emplace(argc, argv);
+    capserve::runtime::RankDevices devices;
+    if (world) {
+      devices = capserve::runtime::make_rank_devices(device, threads, *world);
+    } else {
+      devices.backend = std::make_unique<capserve::kernels::cpu::CpuBackend>(threads);
+    }
+    const auto model = capserve::runtime::Model::load(model_dir, *devices.backend);
     capserve::runtime::EngineOptions options;
+    options.kv_dtype = capserve::runtime::kv_dtype_for(kv_dtype, devices.backend->device());
     options.kv_blocks = batch * ((prompt_len + decode_steps) / options.kv_block_size + 2);
     Engine engine(*model, options);
 
@@ -90,10 +105,11 @@ int main(int argc, char** argv) {
     rusage usage{};
     getrusage(RUSAGE_SELF, &usage);
     std::printf(
-        "{\"engine\":\"capserve\",\"batch\":%d,\"prompt_len\":%d,\"decode_steps\":%d,\"threads\":%d,"
+        "{\"engine\":\"capserve\",\"device\":\"%s\",\"batch\":%d,\"prompt_len\":%d,\"decode_steps\":%d,"
+        "\"threads\":%d,"
         "\"prefill_tok_s\":%.3f,\"decode_tok_s\":%.3f,\"peak_rss_mb\":%.1f}\n",
-        batch, prompt_len, decode_steps, threads, batch * prompt_len / prefill, batch * decode_steps / decode,
-        static_cast<double>(usage.ru_maxrss) / 1024.0);
+        device.c_str(), batch, prompt_len, decode_steps, threads, batch * prompt_len / prefill,
+        batch * decode_steps / decode, static_cast<double>(usage.ru_maxrss) / 1024.0);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "capserve-bench-runtime: %s\n", e.what());
     return 1;

@@ -799,8 +799,9 @@ TEST(CudaKernels, LinearEqualsTheCpuBackendForEveryWeightType) {
 
 // Multi-head latent attention on the device (always the absorbed form) against the CPU backend's (its
 // cheaper form per sequence: expanded for the prefill chunk, absorbed for the decode token), for every kv_b
-// dtype; the latent stores equal bit for bit. Two sequences over scattered blocks, one a prefill chunk behind
-// cached context.
+// dtype and both cache dtypes; the latent stores equal bit for bit. A bf16 cache rounds each value once when
+// stored, so the CPU reference is given the rounded values. Two sequences over scattered blocks, one a
+// prefill chunk behind cached context.
 TEST(CudaKernels, LatentAttentionEqualsTheCpuBackend) {
   CAPSERVE_REQUIRE_CUDA_DEVICE();
   using kernels::DType;
@@ -825,33 +826,6 @@ TEST(CudaKernels, LatentAttentionEqualsTheCpuBackend) {
   const std::vector<float> rope_key = normal_vector(rng, static_cast<std::size_t>(rows * dr));
   const std::vector<float> q = normal_vector(rng, static_cast<std::size_t>(rows * heads * qk));
   const std::vector<float> kv_b = normal_vector(rng, static_cast<std::size_t>(heads * (dn + dv) * r), 0.2F);
-
-  // Both caches filled the same way: the cached context, then this step's rows.
-  std::vector<float> pool(static_cast<std::size_t>(num_blocks * block * (r + dr)), 0.0F);
-  const kernels::PagedLatentLayer cpu_cache{Tensor::host(std::span(pool), {num_blocks, block, r + dr}), block,
-                                            r, dr};
-  auto d_pool = upload(pool);
-  const kernels::cuda::DeviceLatentLayer d_cache{d_pool.data(), block, r, dr};
-  const auto store_both = [&](std::span<const kernels::SequenceSlice> slices, const std::vector<float>& lat,
-                              const std::vector<float>& rk, std::int64_t n) {
-    std::vector<float> lat_copy = lat;
-    std::vector<float> rk_copy = rk;
-    cpu.latent_store(slices, Tensor::host(std::span(lat_copy), {n, r}),
-                     Tensor::host(std::span(rk_copy), {n, dr}), cpu_cache);
-    const kernels::cuda::AttentionBatchArrays arrays = kernels::cuda::attention_batch_arrays(slices);
-    const auto d_pos = upload(arrays.row_pos);
-    const auto d_seq = upload(arrays.row_seq);
-    const auto d_tables = upload(arrays.block_tables);
-    const auto d_lat = upload(lat);
-    const auto d_rk = upload(rk);
-    kernels::cuda::latent_store({n, d_pos.data(), d_seq.data(), d_tables.data(), arrays.max_blocks},
-                                d_lat.data(), d_rk.data(), d_cache, nullptr);
-    CAPSERVE_CUDA_CHECK(cudaDeviceSynchronize());
-  };
-  store_both(cached, old_latent, old_rope, cached_rows);
-  store_both(seqs, latent, rope_key, rows);
-  EXPECT_EQ(download(d_pool, pool.size()), pool);
-
   const kernels::cuda::AttentionBatchArrays arrays = kernels::cuda::attention_batch_arrays(seqs);
   const auto d_pos = upload(arrays.row_pos);
   const auto d_seq = upload(arrays.row_seq);
@@ -860,27 +834,77 @@ TEST(CudaKernels, LatentAttentionEqualsTheCpuBackend) {
                                                   arrays.max_blocks};
   const auto d_q = upload(q);
   const kernels::LatentAttentionParams params{heads, dn, dr, dv, 0.3F, kernels::LatentForm::cheaper};
-  for (const DType dtype : {DType::f32, DType::bf16, DType::f16}) {
-    std::vector<std::byte> w(kv_b.size() * kernels::dtype_size(dtype));
-    for (std::size_t i = 0; i < kv_b.size(); ++i) {
-      if (dtype == DType::f32) {
-        std::memcpy(w.data() + 4 * i, &kv_b[i], 4);
+
+  for (const DType cache_dtype : {DType::f32, DType::bf16}) {
+    SCOPED_TRACE("cache " + std::string(kernels::dtype_name(cache_dtype)));
+    const bool bf16 = cache_dtype == DType::bf16;
+    const auto stored = [&](std::vector<float> v) {
+      if (bf16)
+        for (float& x : v) x = from_bf16(to_bf16(x));
+      return v;
+    };
+    // Both caches filled the same way: the cached context, then this step's rows.
+    const std::size_t pool_size = static_cast<std::size_t>(num_blocks * block * (r + dr));
+    std::vector<float> pool(pool_size, 0.0F);
+    const kernels::PagedLatentLayer cpu_cache{Tensor::host(std::span(pool), {num_blocks, block, r + dr}),
+                                              block, r, dr};
+    DeviceBuffer<std::byte> d_pool(pool_size * kernels::dtype_size(cache_dtype));
+    CAPSERVE_CUDA_CHECK(cudaMemset(d_pool.data(), 0, d_pool.bytes()));
+    const kernels::cuda::DeviceLatentLayer d_cache{d_pool.data(), cache_dtype, block, r, dr};
+    const auto store_both = [&](std::span<const kernels::SequenceSlice> slices, const std::vector<float>& lat,
+                                const std::vector<float>& rk, std::int64_t n) {
+      std::vector<float> lat_copy = stored(lat);
+      std::vector<float> rk_copy = stored(rk);
+      cpu.latent_store(slices, Tensor::host(std::span(lat_copy), {n, r}),
+                       Tensor::host(std::span(rk_copy), {n, dr}), cpu_cache);
+      const kernels::cuda::AttentionBatchArrays a = kernels::cuda::attention_batch_arrays(slices);
+      const auto pos = upload(a.row_pos);
+      const auto seq = upload(a.row_seq);
+      const auto tables = upload(a.block_tables);
+      const auto d_lat = upload(lat);
+      const auto d_rk = upload(rk);
+      kernels::cuda::latent_store({n, pos.data(), seq.data(), tables.data(), a.max_blocks}, d_lat.data(),
+                                  d_rk.data(), d_cache, nullptr);
+      CAPSERVE_CUDA_CHECK(cudaDeviceSynchronize());
+    };
+    store_both(cached, old_latent, old_rope, cached_rows);
+    store_both(seqs, latent, rope_key, rows);
+    const std::vector<std::byte> device_pool = download(d_pool, d_pool.bytes());
+    std::vector<float> widened(pool_size);
+    for (std::size_t i = 0; i < pool_size; ++i) {
+      if (bf16) {
+        std::uint16_t h = 0;
+        std::memcpy(&h, device_pool.data() + 2 * i, 2);
+        widened[i] = from_bf16(h);
       } else {
-        const std::uint16_t h =
-            dtype == DType::bf16 ? to_bf16(kv_b[i]) : std::bit_cast<std::uint16_t>(__float2half_rn(kv_b[i]));
-        std::memcpy(w.data() + 2 * i, &h, 2);
+        std::memcpy(&widened[i], device_pool.data() + 4 * i, 4);
       }
     }
-    const auto d_w = upload(w);
-    auto d_out = poisoned<float>(static_cast<std::size_t>(rows * heads * dv));
-    kernels::cuda::latent_attention(batch, d_q.data(), d_cache, d_w.data(), dtype, params, d_out.data(),
-                                    nullptr);
-    std::vector<float> q_copy = q;
-    std::vector<float> ref(static_cast<std::size_t>(rows * heads * dv));
-    cpu.latent_attention(seqs, Tensor::host(std::span(q_copy), {rows, heads * qk}), cpu_cache,
-                         kernels::weight_tensor({dtype, w.data(), heads * (dn + dv), r}), params,
-                         Tensor::host(std::span(ref), {rows, heads * dv}));
-    EXPECT_LT(relative_error(download(d_out, ref.size()), ref), 1e-5) << kernels::dtype_name(dtype);
+    EXPECT_EQ(widened, pool);
+
+    for (const DType dtype : {DType::f32, DType::bf16, DType::f16}) {
+      std::vector<std::byte> w(kv_b.size() * kernels::dtype_size(dtype));
+      for (std::size_t i = 0; i < kv_b.size(); ++i) {
+        if (dtype == DType::f32) {
+          std::memcpy(w.data() + 4 * i, &kv_b[i], 4);
+        } else {
+          const std::uint16_t h = dtype == DType::bf16
+                                      ? to_bf16(kv_b[i])
+                                      : std::bit_cast<std::uint16_t>(__float2half_rn(kv_b[i]));
+          std::memcpy(w.data() + 2 * i, &h, 2);
+        }
+      }
+      const auto d_w = upload(w);
+      auto d_out = poisoned<float>(static_cast<std::size_t>(rows * heads * dv));
+      kernels::cuda::latent_attention(batch, d_q.data(), d_cache, d_w.data(), dtype, params, d_out.data(),
+                                      nullptr);
+      std::vector<float> q_copy = q;
+      std::vector<float> ref(static_cast<std::size_t>(rows * heads * dv));
+      cpu.latent_attention(seqs, Tensor::host(std::span(q_copy), {rows, heads * qk}), cpu_cache,
+                           kernels::weight_tensor({dtype, w.data(), heads * (dn + dv), r}), params,
+                           Tensor::host(std::span(ref), {rows, heads * dv}));
+      EXPECT_LT(relative_error(download(d_out, ref.size()), ref), 1e-5) << kernels::dtype_name(dtype);
+    }
   }
 }
 

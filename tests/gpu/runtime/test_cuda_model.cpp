@@ -98,9 +98,8 @@ TEST_P(CudaModel, GreedyContinuationEqualsTheCpuBackends) {
   }
 }
 
-// With a bf16 K/V cache (the GPU default), every value rounded once when stored: the prompt logits stay
-// within bf16 rounding of transformers'. Multi-head latent attention keeps its latent rows in f32 (nothing
-// changes).
+// With a bf16 K/V cache (the GPU default; for multi-head latent attention its latent rows), every value
+// rounded once when stored: the prompt logits stay within bf16 rounding of transformers'.
 TEST_P(CudaModel, Bf16KvCacheStaysWithinBf16RoundingOfTransformers) {
   runtime::EngineOptions options;
   options.kv_dtype = kernels::DType::bf16;
