@@ -178,6 +178,9 @@ class Backend {
   // Bytes allocate() has handed out since construction (weights on a device, KV pools, scratch), freed or
   // not: what the start-up report calls a rank's device memory.
   [[nodiscard]] std::size_t allocated_bytes() const { return allocated_bytes_; }
+  // std::invalid_argument naming --kv-cache-dtype unless this backend keeps KV (and latent) caches of `dtype`
+  // (the CPU: f32; a GPU: f32 or bf16). KvCache asks when it is built, so a bad choice fails at start.
+  virtual void check_kv_dtype(DType dtype) const = 0;
   // A tensor of `shape` over `slot`, which is reallocated when too small: grow-only, so a warm step
   // allocates nothing. The contents are undefined.
   Tensor scratch(Buffer& slot, DType dtype, std::initializer_list<std::int64_t> shape);

@@ -36,6 +36,7 @@ KvCacheShape kv_cache_shape(const ModelConfig& config, std::int64_t block_size, 
 
 KvCache::KvCache(const KvCacheShape& shape, kernels::Backend& backend)
     : shape_(shape), blocks_(shape.num_blocks, shape.block_size) {
+  backend.check_kv_dtype(shape.dtype);
   const auto bytes =
       static_cast<std::size_t>(shape.num_layers * shape.num_blocks * shape.block_size * row_floats(shape)) *
       kernels::dtype_size(shape.dtype);

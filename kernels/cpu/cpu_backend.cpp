@@ -232,6 +232,12 @@ CpuBackend::CpuBackend(int num_threads) : num_threads_(num_threads) {
   set_num_threads(num_threads);
 }
 
+void CpuBackend::check_kv_dtype(DType dtype) const {
+  if (dtype != DType::f32)
+    throw std::invalid_argument("CpuBackend: the CPU keeps its KV cache in f32, not " +
+                                std::string(dtype_name(dtype)) + " (--kv-cache-dtype f32)");
+}
+
 void CpuBackend::set_num_threads(int n) {
   num_threads_ = std::max(1, n);
   omp_set_num_threads(num_threads_);
@@ -364,13 +370,6 @@ void CpuBackend::rope(const Tensor& xt, const RotaryLayout& layout, const Tensor
 
 namespace {
 
-// The CPU keeps its KV (and latent) cache in f32; bf16 is the GPU's.
-void require_f32_cache(const Tensor& pool) {
-  if (pool.dtype() != DType::f32)
-    throw std::invalid_argument("CpuBackend: the CPU keeps its KV cache in f32, not " +
-                                std::string(dtype_name(pool.dtype())) + " (--kv-cache-dtype f32)");
-}
-
 // The cache slot of position `pos`, given the sequence's block table.
 std::int64_t cache_row(std::int64_t block_size, std::span<const std::int32_t> block_table, std::int64_t pos) {
   const std::int64_t block = block_table[static_cast<std::size_t>(pos / block_size)];
@@ -405,7 +404,7 @@ void CpuBackend::kv_store(std::span<const SequenceSlice> seqs, const Tensor& kt,
   const std::int64_t width = cache.num_kv_heads * cache.head_dim;
   const std::span<const float> k = kt.host_span<const float>();
   const std::span<const float> v = vt.host_span<const float>();
-  require_f32_cache(cache.k);
+  check_kv_dtype(cache.k.dtype());
   float* const cache_k = cache.k.host_span<float>().data();
   float* const cache_v = cache.v.host_span<float>().data();
   for (const SequenceSlice& s : seqs) {
@@ -469,7 +468,7 @@ void CpuBackend::paged_attention(std::span<const SequenceSlice> seqs, const Tens
 
 void CpuBackend::latent_store(std::span<const SequenceSlice> seqs, const Tensor& latentt,
                               const Tensor& rope_keyt, const PagedLatentLayer& cache) {
-  require_f32_cache(cache.rows);
+  check_kv_dtype(cache.rows.dtype());
   const std::span<const float> latent = latentt.host_span<const float>();
   const std::span<const float> rope_key = rope_keyt.host_span<const float>();
   float* const cache_rows = cache.rows.host_span<float>().data();

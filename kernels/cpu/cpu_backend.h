@@ -13,6 +13,7 @@ class CpuBackend : public Backend {
 
   [[nodiscard]] Device device() const override { return kCpu; }
   [[nodiscard]] Stream stream() const override { return nullptr; }
+  void check_kv_dtype(DType dtype) const override;
   [[nodiscard]] Tensor upload(const WeightView& host, Buffer& storage) override;
 
   void linear(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& y) override;

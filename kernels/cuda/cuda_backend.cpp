@@ -99,6 +99,10 @@ Buffer CudaBackend::allocate_memory(std::size_t bytes) {
   return {p, bytes, device(), release_device};
 }
 
+void CudaBackend::check_kv_dtype(DType dtype) const {
+  cuda::check_cache_dtype(dtype, "CudaBackend: --kv-cache-dtype");
+}
+
 Tensor CudaBackend::upload(const WeightView& host, Buffer& storage) {
   const std::size_t bytes = static_cast<std::size_t>(host.numel()) * dtype_size(host.dtype);
   storage = allocate(bytes);

@@ -23,6 +23,7 @@ class CudaBackend final : public Backend {
 
   [[nodiscard]] Device device() const override { return {DeviceKind::cuda, device_}; }
   [[nodiscard]] Stream stream() const override { return stream_; }
+  void check_kv_dtype(DType dtype) const override;
   [[nodiscard]] Tensor upload(const WeightView& host, Buffer& storage) override;
 
   void linear(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& y) override;
