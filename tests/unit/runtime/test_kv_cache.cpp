@@ -11,26 +11,24 @@
 namespace capserve::runtime {
 namespace {
 
-KvCacheShape standard(kernels::DType dtype) {
+// Two layers of three 16-token blocks: K/V of 4 heads x 8 dims, or latent rows of rank 32 plus 8 rope dims.
+KvCacheShape shape(bool latent, kernels::DType dtype) {
   KvCacheShape s;
   s.num_layers = 2;
-  s.num_kv_heads = 4;
-  s.head_dim = 8;
+  s.num_kv_heads = latent ? 0 : 4;
+  s.head_dim = latent ? 0 : 8;
+  s.kv_lora_rank = latent ? 32 : 0;
+  s.rope_dim = latent ? 8 : 0;
   s.block_size = 16;
   s.num_blocks = 3;
   s.dtype = dtype;
   return s;
 }
-
+KvCacheShape standard(kernels::DType dtype) {
+  return shape(false, dtype);
+}
 KvCacheShape latent(kernels::DType dtype) {
-  KvCacheShape s;
-  s.num_layers = 2;
-  s.kv_lora_rank = 32;
-  s.rope_dim = 8;
-  s.block_size = 16;
-  s.num_blocks = 3;
-  s.dtype = dtype;
-  return s;
+  return shape(true, dtype);
 }
 
 TEST(KvCache, PoolsHoldEveryLayersBlocksInTheirElementType) {
