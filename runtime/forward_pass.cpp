@@ -148,9 +148,14 @@ Tensor ForwardPass::grouped_query_attention(std::int64_t layer, const ForwardBat
   backend.linear(normed, a.q, a.q_bias, q);
   backend.linear(normed, a.k, a.k_bias, k);
   backend.linear(normed, a.v, a.v_bias, v);
-  if (config_.qk_norm) {
+  if (config_.qk_norm == QkNorm::whole) {
     backend.rms_norm(q, a.q_norm, eps, q);
     backend.rms_norm(k, a.k_norm, eps, k);
+  } else if (config_.qk_norm == QkNorm::per_head) {
+    const Tensor q_heads = q.reshaped({rows * config_.num_heads, d});
+    const Tensor k_heads = k.reshaped({rows * config_.num_kv_heads, d});
+    backend.rms_norm(q_heads, a.q_norm, eps, q_heads);
+    backend.rms_norm(k_heads, a.k_norm, eps, k_heads);
   }
   if (config_.clip_qkv) {
     const auto c = static_cast<float>(*config_.clip_qkv);

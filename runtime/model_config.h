@@ -59,6 +59,13 @@ struct RouterConfig {
   double scaling = 1.0;
 };
 
+// Where the query and key projections are normalized before RoPE.
+enum class QkNorm {
+  none,
+  whole,     // over the whole q and k projections (OLMoE)
+  per_head,  // over each head's head_dim (Qwen3)
+};
+
 struct ModelConfig {
   std::string architecture;  // the Hugging Face class name, e.g. "MixtralForCausalLM"
   std::int64_t vocab_size = 0;
@@ -73,7 +80,7 @@ struct ModelConfig {
   RopeScaling rope_scaling;
   bool qkv_bias = false;
   bool o_bias = false;
-  bool qk_norm = false;             // RMSNorm over the whole q and k projections (OLMoE)
+  QkNorm qk_norm = QkNorm::none;    // RMSNorm of q and k before RoPE
   std::optional<double> clip_qkv;   // clamp q/k/v projections to [-c, c] (OLMoE)
   std::int64_t sliding_window = 0;  // 0: full attention
   bool tie_word_embeddings = false;

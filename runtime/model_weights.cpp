@@ -93,9 +93,10 @@ AttentionWeights load_attention(Uploader& up, const ModelConfig& c, const Tensor
     a.v_bias = up.get(p + n.v_proj + ".bias", {kv_width});
   }
   if (c.o_bias) a.o_bias = up.get(p + n.o_proj + ".bias", {c.hidden_size});
-  if (c.qk_norm) {
-    a.q_norm = up.get(p + n.q_norm, {q_width});
-    a.k_norm = up.get(p + n.k_norm, {kv_width});
+  if (c.qk_norm != QkNorm::none) {
+    const bool per_head = c.qk_norm == QkNorm::per_head;
+    a.q_norm = up.get(p + n.q_norm, {per_head ? c.head_dim : q_width});
+    a.k_norm = up.get(p + n.k_norm, {per_head ? c.head_dim : kv_width});
   }
   return a;
 }

@@ -44,6 +44,8 @@ from transformers import (
     OlmoeForCausalLM,
     Qwen2MoeConfig,
     Qwen2MoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -176,6 +178,35 @@ FIXTURES = [
         description=(
             "Qwen2MoeForCausalLM, f32; 4 layers, decoder_sparse_step 2 -> layers 1 and 3 MoE, 0 and 2 dense "
             "(intermediate 96); 8 experts top-2, norm_topk_prob true; shared expert; q/k/v bias; untied lm_head."
+        ),
+    ),
+    dict(
+        name="qwen3_moe",
+        cls=Qwen3MoeForCausalLM,
+        config_cls=Qwen3MoeConfig,
+        config=dict(
+            COMMON,
+            head_dim=24,
+            num_hidden_layers=3,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            norm_topk_prob=True,
+            attention_bias=False,
+            use_sliding_window=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+            tie_word_embeddings=False,
+        ),
+        disk_dtype=torch.float32,
+        max_shard_size=None,
+        seed=37,
+        description=(
+            "Qwen3MoeForCausalLM, f32; 3 layers: 0 and 2 MoE (8 experts top-2, moe_intermediate 32, no shared "
+            "expert, norm_topk_prob true), layer 1 dense MLP (mlp_only_layers [1], intermediate 96); head_dim 24 "
+            "(not hidden / heads) with q_norm / k_norm over each head; no q/k/v bias; untied lm_head."
         ),
     ),
 ]
@@ -404,6 +435,14 @@ def expected_hub_names(cfg):
                     names |= {p + f"mlp.experts.{e}.{w}_proj.weight" for w in ("gate", "up", "down")}
             else:
                 names |= {p + f"mlp.{w}_proj.weight" for w in ("gate", "up", "down")}
+        elif mt == "qwen3_moe":
+            names |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
+            if is_qwen_moe_layer(cfg, i):
+                names.add(p + "mlp.gate.weight")
+                for e in range(cfg.num_experts):
+                    names |= {p + f"mlp.experts.{e}.{w}_proj.weight" for w in ("gate", "up", "down")}
+            else:
+                names |= {p + f"mlp.{w}_proj.weight" for w in ("gate", "up", "down")}
         elif mt == "qwen2_moe":
             names |= {p + f"self_attn.{x}_proj.bias" for x in "qkv"}
             if is_qwen_moe_layer(cfg, i):
@@ -419,7 +458,7 @@ def expected_hub_names(cfg):
 
 
 def is_qwen_moe_layer(cfg, i):
-    # HF Qwen2MoeDecoderLayer rule
+    # HF Qwen2MoeDecoderLayer / Qwen3MoeDecoderLayer rule
     return i not in cfg.mlp_only_layers and cfg.num_experts > 0 and (i + 1) % cfg.decoder_sparse_step == 0
 
 

@@ -51,6 +51,11 @@ const Architecture& mixtral_architecture();
 const Architecture& olmoe_architecture();
 const Architecture& qwen2_moe_architecture();
 const Architecture& deepseek_v2_architecture();
+const Architecture& qwen3_moe_architecture();
+
+// Qwen MoE models' layer rule (qwen2_moe.cpp): MoE where (layer + 1) % decoder_sparse_step == 0 and the layer
+// is not in mlp_only_layers, a dense MLP elsewhere; LoadError for per-layer sliding windows.
+std::vector<bool> qwen_moe_layers(const ConfigReader& r, const ModelConfig& c);
 
 // The architecture named by config.json's "architectures" list; LoadError listing the supported ones
 // otherwise.

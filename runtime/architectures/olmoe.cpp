@@ -15,7 +15,7 @@ ModelConfig parse(const ConfigReader& r) {
   c.norm_topk_prob = r.boolean_or("norm_topk_prob", false);
   c.qkv_bias = r.boolean_or("attention_bias", false);
   c.o_bias = c.qkv_bias;
-  c.qk_norm = true;
+  c.qk_norm = QkNorm::whole;
   c.clip_qkv = r.optional_number("clip_qkv");
   c.layer_is_moe.assign(static_cast<std::size_t>(c.num_layers), true);
   return c;

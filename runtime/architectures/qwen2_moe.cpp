@@ -19,18 +19,7 @@ ModelConfig parse(const ConfigReader& r) {
   c.dense_intermediate_size = r.integer("intermediate_size");
   c.norm_topk_prob = r.boolean_or("norm_topk_prob", false);
   c.qkv_bias = r.boolean_or("qkv_bias", true);
-  if (r.boolean_or("use_sliding_window", false)) {
-    throw LoadError(
-        "config.json: key 'use_sliding_window' is true; per-layer sliding windows of Qwen2-MoE are not "
-        "supported");
-  }
-  const std::int64_t step = r.integer_or("decoder_sparse_step", 1);
-  if (step <= 0) throw LoadError("config.json: key 'decoder_sparse_step' must be positive");
-  const std::vector<std::int64_t> mlp_only = r.integer_list_or_empty("mlp_only_layers");
-  for (std::int64_t layer = 0; layer < c.num_layers; ++layer) {
-    const bool dense = std::find(mlp_only.begin(), mlp_only.end(), layer) != mlp_only.end();
-    c.layer_is_moe.push_back(!dense && c.num_experts > 0 && (layer + 1) % step == 0);
-  }
+  c.layer_is_moe = qwen_moe_layers(r, c);
   return c;
 }
 
@@ -47,6 +36,23 @@ TensorNames names() {
 }
 
 }  // namespace
+
+std::vector<bool> qwen_moe_layers(const ConfigReader& r, const ModelConfig& c) {
+  if (r.boolean_or("use_sliding_window", false)) {
+    throw LoadError(
+        "config.json: key 'use_sliding_window' is true; per-layer sliding windows of Qwen MoE models are not "
+        "supported");
+  }
+  const std::int64_t step = r.integer_or("decoder_sparse_step", 1);
+  if (step <= 0) throw LoadError("config.json: key 'decoder_sparse_step' must be positive");
+  const std::vector<std::int64_t> mlp_only = r.integer_list_or_empty("mlp_only_layers");
+  std::vector<bool> moe;
+  for (std::int64_t layer = 0; layer < c.num_layers; ++layer) {
+    const bool dense = std::find(mlp_only.begin(), mlp_only.end(), layer) != mlp_only.end();
+    moe.push_back(!dense && c.num_experts > 0 && (layer + 1) % step == 0);
+  }
+  return moe;
+}
 
 const Architecture& qwen2_moe_architecture() {
   static const Architecture a{"Qwen2MoeForCausalLM", &parse, &names};

@@ -179,6 +179,24 @@ TEST(ModelConfig, DeepSeekFixturesLoadAndHoldTheirShape) {
   EXPECT_NEAR(c.rope_scaling.attention_factor, (0.1 * std::log(8.0) + 1.0) / mscale_all, 1e-12);
 }
 
+// Qwen3-MoE: the released checkpoints name the expert count num_experts (transformers 5 writes
+// num_local_experts); either gives the same model, with per-head q/k norms and the Qwen layer rule.
+TEST(ModelConfig, Qwen3MoeReadsEitherExpertCountKey) {
+  EditedModel m("qwen3_moe");
+  m.config()["num_experts"] = m.config()["num_local_experts"];
+  m.config().erase("num_local_experts");
+  ASSERT_EQ(m.load_error(), "");
+  const auto hub = Model::load(m.dir(), cpu_backend());
+  const ModelConfig& c = hub->config();
+  EXPECT_EQ(c.num_experts, 8);
+  EXPECT_EQ(c.head_dim, 24);
+  EXPECT_EQ(c.qk_norm, QkNorm::per_head);
+  EXPECT_EQ(c.layer_is_moe, (std::vector<bool>{true, false, true}));
+  EXPECT_EQ(c.shared_expert_intermediate_size, 0);
+  m.config()["use_sliding_window"] = true;
+  EXPECT_ERROR_MENTIONS(m, "use_sliding_window");
+}
+
 // Hub configs (DeepSeek's own config.json) use the legacy keys: top-level rope_theta + rope_scaling with
 // "type": "yarn", no head_dim, and the routing keys transformers does not know.
 TEST(ModelConfig, DeepSeekHubStyleConfigGivesTheSameModel) {
