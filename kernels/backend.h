@@ -258,9 +258,10 @@ class Backend {
 
   // ---- The MoE layer's stages. The index work is kernels/moe's one logic, run by each backend's executor.
 
-  // Router: logits f32 [T, E] -> probs f32 [T, E], experts int32 [T, k], weights f32 [T, k].
-  virtual void route(const moe::RouterParams& params, const Tensor& logits, const Tensor& probs,
-                     const Tensor& experts, const Tensor& weights) = 0;
+  // Router: logits f32 [T, E] -> probs f32 [T, E], experts int32 [T, k], weights f32 [T, k]. bias: f32 [E],
+  // added to the scores only to choose groups and experts (DeepSeek-V3's e_score_correction_bias), or empty.
+  virtual void route(const moe::RouterParams& params, const Tensor& logits, const Tensor& bias,
+                     const Tensor& probs, const Tensor& experts, const Tensor& weights) = 0;
   virtual void schedule_capacity(const CapacityCall& call) = 0;
   // counts int64 [E] += the slots of experts int32 [T, k] per expert (dropped slots, -1, skipped).
   virtual void count_experts(const Tensor& experts, const Tensor& counts) = 0;

@@ -51,7 +51,7 @@ void ForwardPass::router_dry_run(std::span<const std::int32_t> tokens, std::int6
         weights_.layers[static_cast<std::size_t>(model_.moe_layers()[static_cast<std::size_t>(i)])];
     backend.rms_norm(embedded, lw.post_attention_norm, static_cast<float>(config_.rms_norm_eps), normed);
     backend.linear(normed, lw.moe.router, {}, logits);
-    backend.route(router_params(config_, rows), logits, probs, chosen, weights);
+    backend.route(router_params(config_, rows), logits, lw.moe.router_bias, probs, chosen, weights);
     backend.count_experts(chosen, found.rows(i * experts, experts));
   }
   dry_run_counts_.resize(static_cast<std::size_t>(n * experts));

@@ -229,6 +229,10 @@ void ModelConfig::validate() const {
       fail("topk_group", "(" + std::to_string(router.topk_group) + ") must be between 1 and n_group (" +
                              std::to_string(router.n_group) + ")");
     }
+    if (router.group_top2_sum && num_experts / router.n_group < 2) {
+      fail("n_group", "(" + std::to_string(router.n_group) +
+                          ") leaves fewer than the two experts per group " + "that rank a group");
+    }
     const std::int64_t eligible = router.topk_group * (num_experts / router.n_group);
     if (top_k > eligible) {
       fail("num_experts_per_tok", "(" + std::to_string(top_k) + ") exceeds the " + std::to_string(eligible) +

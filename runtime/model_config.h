@@ -57,6 +57,11 @@ struct RouterConfig {
   std::int64_t topk_group = 1;
   // The chosen weights, after the optional norm_topk_prob renormalization, are multiplied by this.
   double scaling = 1.0;
+  // DeepSeek-V3: sigmoid scores, groups ranked by their best two experts, and a per-expert correction bias
+  // added to the scores only to choose (e_score_correction_bias).
+  bool sigmoid = false;
+  bool group_top2_sum = false;
+  bool correction_bias = false;
 };
 
 // Where the query and key projections are normalized before RoPE.

@@ -7,6 +7,8 @@
 #include <utility>
 #include <vector>
 
+#include "runtime/load_error.h"
+
 namespace capserve::runtime {
 namespace {
 
@@ -105,6 +107,14 @@ MoeWeights load_moe(Uploader& up, const ModelConfig& c, const TensorNames& n, co
                     std::span<const std::int32_t> owners, int rank) {
   MoeWeights m;
   m.router = up.get(p + n.router, {c.num_experts, c.hidden_size});
+  if (c.router.correction_bias) {
+    const std::string name = p + n.router_bias;
+    const kernels::WeightView bias = up.checkpoint().get(name, {c.num_experts});
+    if (bias.dtype != kernels::DType::f32)
+      throw LoadError(name + ": stored as " + std::string(kernels::dtype_name(bias.dtype)) +
+                      "; the router's correction bias must be F32 (as DeepSeek-V3 ships it)");
+    m.router_bias = up.upload(bias).reshaped({c.num_experts});
+  }
   for (std::int64_t e = 0; e < c.num_experts; ++e) {
     // Every expert's tensors are checked, but only this rank's are kept: the others' pages are never touched.
     std::optional<kernels::ExpertWeights> w = load_swiglu(

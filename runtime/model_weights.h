@@ -27,6 +27,7 @@ struct AttentionWeights {
 
 struct MoeWeights {
   kernels::Tensor router;                       // [num_experts, hidden]
+  kernels::Tensor router_bias;                  // f32 [num_experts]: selection-only correction; empty: none
   std::vector<kernels::ExpertWeights> experts;  // this rank's routed experts, by local index
   std::vector<kernels::ExpertWeights> shared;   // zero or one shared expert
   kernels::Tensor shared_gate;                  // [1, hidden]; empty: the shared expert is ungated

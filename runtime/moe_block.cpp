@@ -26,9 +26,11 @@ kernels::moe::RouterParams router_params(const ModelConfig& config, std::int64_t
   p.tokens = rows;
   p.num_experts = config.num_experts;
   p.top_k = config.top_k;
-  p.score = kernels::moe::RouterScore::softmax;
+  p.score = config.router.sigmoid ? kernels::moe::RouterScore::sigmoid : kernels::moe::RouterScore::softmax;
   p.n_group = config.router.n_group;
   p.topk_group = config.router.topk_group;
+  p.group_score =
+      config.router.group_top2_sum ? kernels::moe::GroupScore::top2_sum : kernels::moe::GroupScore::best;
   p.normalize = config.norm_topk_prob;
   p.scaling = static_cast<float>(config.router.scaling);
   return p;
@@ -102,7 +104,7 @@ void moe_block(kernels::Backend& backend, const ModelConfig& config, const MoeWe
   const Tensor experts = backend.scratch(s.experts, DType::i32, {rows, top_k});
   const Tensor gate = backend.scratch(s.weights, DType::f32, {rows, top_k});
   backend.linear(h, weights.router, {}, logits);
-  backend.route(router_params(config, rows), logits, probs, experts, gate);
+  backend.route(router_params(config, rows), logits, weights.router_bias, probs, experts, gate);
   backend.zero(report.rows(peers + 2, 2 * num_experts));
   backend.count_experts(experts, routed_load);
 

@@ -46,6 +46,8 @@ from transformers import (
     Qwen2MoeForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -295,6 +297,36 @@ FIXTURES += [
             "the released checkpoints lack); YaRN factor 8, mscale 1.0 != mscale_all_dim 0.707 (so cos/sin carry "
             "an attention factor besides the softmax mscale), original_max_position_embeddings 32."
         ),
+    ),    dict(
+        name="deepseek_v3",
+        cls=DeepseekV3ForCausalLM,
+        config_cls=DeepseekV3Config,
+        config=dict(
+            DEEPSEEK_COMMON,
+            num_hidden_layers=3,
+            q_lora_rank=48,
+            n_routed_experts=16,
+            num_experts_per_tok=4,
+            n_group=4,
+            topk_group=2,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            n_shared_experts=1,
+            rope_interleave=True,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "mscale": 1.0,
+                             "mscale_all_dim": 1.0, "original_max_position_embeddings": 32, "beta_fast": 32,
+                             "beta_slow": 1},
+        ),
+        disk_dtype=torch.float32,
+        max_shard_size=None,
+        seed=43,
+        description=(
+            "DeepseekV3ForCausalLM, f32; 3 layers: layer 0 dense (first_k_dense_replace 1), 1 and 2 MoE: sigmoid "
+            "router with a random e_score_correction_bias (selection only), 16 routed experts in 4 groups ranked by "
+            "the sum of their best two, top-4 within the best 2 groups, norm_topk_prob then routed_scaling_factor "
+            "2.5, 1 shared expert; MLA with q LoRA 48, kv_lora_rank 32, interleaved rope; YaRN factor 8, "
+            "mscale = mscale_all_dim = 1.0 (as V3), original_max_position_embeddings 32."
+        ),
     ),
 ]
 
@@ -391,6 +423,11 @@ def reinit_(model, seed, round_to=None):
             if round_to is not None:
                 v = v.to(round_to).to(torch.float32)  # exactly representable in the on-disk dtype
             p.copy_(v)
+        # DeepSeek-V3's selection-only correction bias is a buffer: of the sigmoid scores' scale, so it changes
+        # which experts win without deciding alone
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * randn(b.shape))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -440,6 +477,18 @@ def expected_hub_names(cfg):
             if is_qwen_moe_layer(cfg, i):
                 names.add(p + "mlp.gate.weight")
                 for e in range(cfg.num_experts):
+                    names |= {p + f"mlp.experts.{e}.{w}_proj.weight" for w in ("gate", "up", "down")}
+            else:
+                names |= {p + f"mlp.{w}_proj.weight" for w in ("gate", "up", "down")}
+        elif mt == "deepseek_v3":
+            a = p + "self_attn."
+            names -= {a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"}
+            names |= {a + "q_a_proj.weight", a + "q_a_layernorm.weight", a + "q_b_proj.weight"}
+            names |= {a + "kv_a_proj_with_mqa.weight", a + "kv_a_layernorm.weight", a + "kv_b_proj.weight"}
+            if i >= cfg.first_k_dense_replace:
+                names |= {p + "mlp.gate.weight", p + "mlp.gate.e_score_correction_bias"}
+                names |= {p + f"mlp.shared_experts.{w}_proj.weight" for w in ("gate", "up", "down")}
+                for e in range(cfg.n_routed_experts):
                     names |= {p + f"mlp.experts.{e}.{w}_proj.weight" for w in ("gate", "up", "down")}
             else:
                 names |= {p + f"mlp.{w}_proj.weight" for w in ("gate", "up", "down")}
@@ -569,9 +618,11 @@ class RouterRecorder:
     def __init__(self, model):
         cfg = model.config
         self.top_k = cfg.num_experts_per_tok
-        # DeepSeek-V2 group_limited_greedy: the best topk_group groups (by their best expert) first
+        # DeepSeek-V2 group_limited_greedy: the best topk_group groups (by their best expert) first; DeepSeek-V3:
+        # groups by the sum of their best two choice values (sigmoid + correction bias)
+        self.v3 = cfg.model_type == "deepseek_v3"
         self.groups = (cfg.n_group, cfg.topk_group) if getattr(cfg, "topk_method", None) == "group_limited_greedy" \
-            else None
+            or (self.v3 and cfg.topk_group < cfg.n_group) else None
         self.calls = []
         self.handles = []
         for mod in model.modules():
@@ -582,21 +633,24 @@ class RouterRecorder:
         self.n_layers = len(self.handles)
 
     def _hook(self, mod, args, out):
-        self.calls.append(out[0].detach().float().clone())
+        bias = getattr(mod, "e_score_correction_bias", None)
+        self.calls.append((out[0].detach().float().clone(), None if bias is None else bias.detach().float().clone()))
 
     def min_gap(self):
         """min over recorded tokens and layers of p[k-1] - p[k] (router softmax sorted descending; with group
         limiting also g[topk_group-1] - g[topk_group] of the sorted group scores, and p over the kept groups)."""
         gaps = []
-        for logits in self.calls:
-            p = torch.softmax(logits.float(), dim=-1)
+        for logits, bias in self.calls:
+            # the values experts are chosen by: softmax, or (V3) sigmoid plus the correction bias
+            p = torch.sigmoid(logits.float()) + bias if self.v3 else torch.softmax(logits.float(), dim=-1)
             if self.groups:
                 n_group, topk_group = self.groups
-                g = p.view(p.shape[0], n_group, -1).amax(-1)
+                grouped = p.view(p.shape[0], n_group, -1)
+                g = grouped.topk(2, dim=-1).values.sum(-1) if self.v3 else grouped.amax(-1)
                 gs = g.sort(dim=-1, descending=True).values
                 gaps.append((gs[:, topk_group - 1] - gs[:, topk_group]).min().item())
                 keep = torch.zeros_like(g).scatter_(1, g.topk(topk_group, dim=-1).indices, 1.0)
-                p = p * keep.repeat_interleave(p.shape[1] // n_group, dim=-1)
+                p = p.masked_fill(keep.repeat_interleave(p.shape[1] // n_group, dim=-1) == 0, float("-inf"))
             p = p.sort(dim=-1, descending=True).values
             gaps.append((p[:, self.top_k - 1] - p[:, self.top_k]).min().item())
         self.calls = []
@@ -720,7 +774,7 @@ def record_reference(model, d: Path, stats):
     blogits = model(input_ids=padded, attention_mask=mask, position_ids=pos).logits.float()
     # routing of the real (non-pad) rows of the batched forward
     keep = mask.reshape(-1).bool()
-    rec.calls = [c[keep] for c in rec.calls]
+    rec.calls = [(c[keep], bias) for c, bias in rec.calls]
     router_gaps.append(rec.min_gap())
     last = blogits[:, -1]
     bnew, bglogits = greedy(model, padded, mask)

@@ -42,10 +42,10 @@ moe::PermuteView permute_view(std::int64_t tokens, std::int64_t top_k, std::int6
 
 }  // namespace
 
-void CpuBackend::route(const moe::RouterParams& params, const Tensor& logits, const Tensor& probs,
-                       const Tensor& experts, const Tensor& weights) {
-  moe::route_on_host(params, logits.host_span<const float>(), probs.host_span<float>(),
-                     experts.host_span<std::int32_t>(), weights.host_span<float>());
+void CpuBackend::route(const moe::RouterParams& params, const Tensor& logits, const Tensor& bias,
+                       const Tensor& probs, const Tensor& experts, const Tensor& weights) {
+  moe::route_on_host(params, logits.host_span<const float>(), optional_span<const float>(bias),
+                     probs.host_span<float>(), experts.host_span<std::int32_t>(), weights.host_span<float>());
 }
 
 void CpuBackend::schedule_capacity(const CapacityCall& call) {

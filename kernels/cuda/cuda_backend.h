@@ -47,7 +47,7 @@ class CudaBackend final : public Backend {
   void grouped_expert_ffn(const Tensor& x, std::span<const std::int64_t> offsets,
                           std::span<const ExpertWeights> experts, const Tensor& out) override;
   void sample(const Tensor& logits, std::span<const SampleControls> controls, const Tensor& tokens) override;
-  void route(const moe::RouterParams& params, const Tensor& logits, const Tensor& probs,
+  void route(const moe::RouterParams& params, const Tensor& logits, const Tensor& bias, const Tensor& probs,
              const Tensor& experts, const Tensor& weights) override;
   void schedule_capacity(const CapacityCall& call) override;
   void count_experts(const Tensor& experts, const Tensor& counts) override;

@@ -28,16 +28,17 @@ std::int64_t rows_of(const Tensor& t) {
 
 }  // namespace
 
-void CudaBackend::route(const moe::RouterParams& params, const Tensor& logits, const Tensor& probs,
-                        const Tensor& experts, const Tensor& weights) {
-  enter({&logits, &probs, &experts, &weights});
+void CudaBackend::route(const moe::RouterParams& params, const Tensor& logits, const Tensor& bias,
+                        const Tensor& probs, const Tensor& experts, const Tensor& weights) {
+  enter({&logits, &bias, &probs, &experts, &weights});
   require(logits.numel() >= params.tokens * params.num_experts &&
               probs.numel() >= params.tokens * params.num_experts &&
               experts.numel() >= params.tokens * params.top_k &&
-              weights.numel() >= params.tokens * params.top_k,
-          "route", "buffers smaller than the shapes");
-  cuda::route(params, logits.ptr<const float>(), probs.ptr<float>(), experts.ptr<std::int32_t>(),
-              weights.ptr<float>(), stream_);
+              weights.numel() >= params.tokens * params.top_k &&
+              (bias.empty() || bias.numel() == params.num_experts),
+          "route", "buffers smaller than the shapes, or a bias not of one value per expert");
+  cuda::route(params, logits.ptr<const float>(), bias.empty() ? nullptr : bias.ptr<const float>(),
+              probs.ptr<float>(), experts.ptr<std::int32_t>(), weights.ptr<float>(), stream_);
 }
 
 void CudaBackend::schedule_capacity(const CapacityCall& call) {

@@ -100,8 +100,8 @@ __global__ void take_rows_kernel(const float* src, std::int64_t width, const std
 
 }  // namespace
 
-void route(const moe::RouterParams& p, const float* logits, float* probs, std::int32_t* experts,
-           float* weights, cudaStream_t stream) {
+void route(const moe::RouterParams& p, const float* logits, const float* bias, float* probs,
+           std::int32_t* experts, float* weights, cudaStream_t stream) {
   if (p.n_group < 1 || p.n_group > 64 || p.num_experts % p.n_group != 0 || p.top_k > p.num_experts)
     throw std::invalid_argument(
         "route: n_group must divide num_experts (at most 64 groups), top_k <= experts");
@@ -109,8 +109,10 @@ void route(const moe::RouterParams& p, const float* logits, float* probs, std::i
   if (p.topk_group < 1 || p.topk_group > p.n_group || p.top_k > p.topk_group * (p.num_experts / p.n_group))
     throw std::invalid_argument(
         "route: topk_group must be in [1, n_group] and its groups hold at least top_k experts");
+  if (p.group_score == moe::GroupScore::top2_sum && p.num_experts / p.n_group < 2)
+    throw std::invalid_argument("route: groups ranked by their best two need two experts each");
   CudaExec x{stream};
-  moe::run_router(x, moe::RouteToken{p, logits, probs, experts, weights});
+  moe::run_router(x, moe::RouteToken{p, logits, bias, probs, experts, weights});
 }
 
 std::int64_t capacity_workspace_bytes(const moe::CapacityParams& p) {

@@ -16,8 +16,8 @@ namespace capserve::kernels::cuda {
 // logits [T, E] -> probs [T, E], experts and weights [T, k]. Throws std::invalid_argument unless n_group
 // divides E (at most 64 groups) and topk_group is in [1, n_group] with at least top_k experts in that many
 // groups.
-void route(const moe::RouterParams& p, const float* logits, float* probs, std::int32_t* experts,
-           float* weights, cudaStream_t stream);
+void route(const moe::RouterParams& p, const float* logits, const float* bias, float* probs,
+           std::int32_t* experts, float* weights, cudaStream_t stream);
 
 // Workspace bytes for schedule_capacity with these parameters.
 std::int64_t capacity_workspace_bytes(const moe::CapacityParams& p);

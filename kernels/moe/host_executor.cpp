@@ -44,8 +44,8 @@ const T* or_null(std::span<const T> s) {
 
 }  // namespace
 
-void route_on_host(const RouterParams& p, std::span<const float> logits, std::span<float> probs,
-                   std::span<std::int32_t> experts, std::span<float> weights) {
+void route_on_host(const RouterParams& p, std::span<const float> logits, std::span<const float> bias,
+                   std::span<float> probs, std::span<std::int32_t> experts, std::span<float> weights) {
   const auto rows = static_cast<std::size_t>(p.tokens);
   check(logits.size() >= rows * static_cast<std::size_t>(p.num_experts) &&
             probs.size() >= rows * static_cast<std::size_t>(p.num_experts) &&
@@ -53,8 +53,13 @@ void route_on_host(const RouterParams& p, std::span<const float> logits, std::sp
             weights.size() >= rows * static_cast<std::size_t>(p.top_k),
         "router buffers smaller than the shapes");
   check(p.n_group >= 1 && p.n_group <= 64 && p.num_experts % p.n_group == 0, "router groups");
+  check(p.group_score != GroupScore::top2_sum || p.num_experts / p.n_group >= 2,
+        "groups ranked by their best two need two experts each");
+  check(bias.empty() || bias.size() == static_cast<std::size_t>(p.num_experts),
+        "one correction bias per expert");
   HostExec x;
-  run_router(x, RouteToken{p, logits.data(), probs.data(), experts.data(), weights.data()});
+  run_router(x, RouteToken{p, logits.data(), bias.empty() ? nullptr : bias.data(), probs.data(),
+                           experts.data(), weights.data()});
 }
 
 CapacityTotals schedule_capacity_on_host(const CapacityInputs& in, std::span<std::int32_t> experts,

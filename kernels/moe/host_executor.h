@@ -19,8 +19,9 @@ void for_each_on_host(std::int64_t n, const Body& body) {
 }
 
 // Router: probs [T, E], experts and weights [T, k].
-void route_on_host(const RouterParams& p, std::span<const float> logits, std::span<float> probs,
-                   std::span<std::int32_t> experts, std::span<float> weights);
+// `bias`: the selection-only correction bias [E], or empty.
+void route_on_host(const RouterParams& p, std::span<const float> logits, std::span<const float> bias,
+                   std::span<float> probs, std::span<std::int32_t> experts, std::span<float> weights);
 
 struct CapacityInputs {
   CapacityParams params;

@@ -79,6 +79,9 @@ CAPSERVE_HD inline bool contains(const std::int32_t* row, std::int64_t n, std::i
 // Router: logits [T, E] -> probabilities [T, E], top-k ids and weights [T, k]. One thread per token.
 
 enum class RouterScore : std::uint8_t { softmax, sigmoid };
+// How group-limited routing ranks a group: by its best expert (DeepSeek-V2) or by the sum of its best two
+// (DeepSeek-V3).
+enum class GroupScore : std::uint8_t { best, top2_sum };
 
 struct RouterParams {
   std::int64_t tokens = 0;
@@ -86,9 +89,10 @@ struct RouterParams {
   std::int64_t top_k = 0;
   RouterScore score = RouterScore::softmax;
   std::int64_t n_group = 1;     // group-limited routing (DeepSeek): experts in n_group equal groups, ...
-  std::int64_t topk_group = 1;  // ... of which the topk_group with the best expert are eligible (<= 64)
-  bool normalize = false;       // norm_topk_prob
-  float scaling = 1.0F;         // routed_scaling_factor
+  std::int64_t topk_group = 1;  // ... of which the topk_group best (group_score) are eligible (<= 64)
+  GroupScore group_score = GroupScore::best;
+  bool normalize = false;  // norm_topk_prob
+  float scaling = 1.0F;    // routed_scaling_factor
 };
 
 // Top-k rule: experts are scanned in ascending id and a later one replaces the best only when strictly more
@@ -106,12 +110,40 @@ CAPSERVE_HD inline float row_max(const float* x, std::int64_t n) {
   return m;
 }
 
+// With a correction bias (DeepSeek-V3's e_score_correction_bias, [E]), groups and experts are chosen by
+// score + bias, but the weights are the scores themselves.
 struct RouteToken {
   RouterParams p;
   const float* logits;
+  const float* bias;  // [E] or null
   float* probs;
   std::int32_t* experts;
   float* weights;
+
+  CAPSERVE_HD float choice(const float* prob, std::int64_t e) const {
+    return bias != nullptr ? prob[e] + bias[e] : prob[e];
+  }
+
+  // The group's rank among groups: its best choice value, or the sum of its best two.
+  CAPSERVE_HD float group_value(const float* prob, std::int64_t first, std::int64_t size) const {
+    float best = choice(prob, first);
+    if (p.group_score == GroupScore::best) {
+      for (std::int64_t e = first + 1; e < first + size; ++e)
+        best = best < choice(prob, e) ? choice(prob, e) : best;
+      return best;
+    }
+    float second = -INFINITY;
+    for (std::int64_t e = first + 1; e < first + size; ++e) {
+      const float v = choice(prob, e);
+      if (v > best) {
+        second = best;
+        best = v;
+      } else if (v > second) {
+        second = v;
+      }
+    }
+    return best + second;
+  }
 
   CAPSERVE_HD void operator()(std::int64_t t) const {
     const std::int64_t E = p.num_experts;
@@ -138,7 +170,7 @@ struct RouteToken {
         float best_value = 0.0F;
         for (std::int64_t g = 0; g < p.n_group; ++g) {
           if ((groups >> g) & 1U) continue;
-          const float v = row_max(prob + g * group_size, group_size);
+          const float v = group_value(prob, g * group_size, group_size);
           if (best < 0 || topk_better(v, best_value)) {
             best = g;
             best_value = v;
@@ -154,7 +186,7 @@ struct RouteToken {
       for (std::int64_t e = 0; e < E; ++e) {
         if (limited && ((groups >> (e / group_size)) & 1U) == 0) continue;
         if (contains(ids, s, static_cast<std::int32_t>(e))) continue;
-        if (best < 0 || topk_better(prob[e], prob[best])) best = e;
+        if (best < 0 || topk_better(choice(prob, e), choice(prob, best))) best = e;
       }
       ids[s] = static_cast<std::int32_t>(best);
       w[s] = prob[best];

@@ -32,6 +32,7 @@ struct TensorNames {
   std::string kv_a_norm;
   std::string kv_b_proj;
   std::string router;         // e.g. "mlp.gate.weight"
+  std::string router_bias;    // the selection-only correction bias, e.g. "mlp.gate.e_score_correction_bias"
   std::string expert_prefix;  // followed by "<E>."
   std::string expert_gate;    // e.g. "gate_proj.weight" or "w1.weight"
   std::string expert_up;
@@ -52,6 +53,12 @@ const Architecture& olmoe_architecture();
 const Architecture& qwen2_moe_architecture();
 const Architecture& deepseek_v2_architecture();
 const Architecture& qwen3_moe_architecture();
+const Architecture& deepseek_v3_architecture();
+
+// What DeepSeek-V2 and V3 share (deepseek_v2.cpp): multi-head latent attention with its softmax scale, the
+// routed and shared experts' sizes, the dense-then-MoE layer rule, and the tensor names. The routers differ.
+ModelConfig parse_deepseek_common(const ConfigReader& r);
+TensorNames deepseek_tensor_names();
 
 // Qwen MoE models' layer rule (qwen2_moe.cpp): MoE where (layer + 1) % decoder_sparse_step == 0 and the layer
 // is not in mlp_only_layers, a dense MLP elsewhere; LoadError for per-layer sliding windows.

@@ -1,8 +1,9 @@
-// DeepSeek-V2 / V2-Lite: multi-head latent attention (q_proj, or q_a_proj -> q_a_layernorm -> q_b_proj with q
-// LoRA; kv_a_proj_with_mqa -> kv_a_layernorm latent + shared rope key; kv_b_proj), RoPE on interleaved pairs
-// of the rope dims, YaRN with mscale folded into the softmax scale; dense MLPs on the first
-// first_k_dense_replace layers and off the moe_layer_freq grid, MoE elsewhere: softmax router, greedy or
-// group-limited top-k, routed_scaling_factor, and n_shared_experts always-on experts as one ungated MLP.
+// DeepSeek-V2 / V2-Lite, and the blocks DeepSeek-V3 shares (deepseek_v3.cpp): multi-head latent attention
+// (q_proj, or q_a_proj -> q_a_layernorm -> q_b_proj with q LoRA; kv_a_proj_with_mqa -> kv_a_layernorm latent
+// + shared rope key; kv_b_proj), RoPE on interleaved pairs of the rope dims, YaRN with mscale folded into the
+// softmax scale; dense MLPs on the first first_k_dense_replace layers and off the moe_layer_freq grid, MoE
+// elsewhere: softmax router, greedy or group-limited top-k, routed_scaling_factor, and n_shared_experts
+// always-on experts as one ungated MLP.
 #include <cmath>
 #include <string>
 
@@ -10,11 +11,9 @@
 #include "runtime/load_error.h"
 
 namespace capserve::runtime {
-namespace {
 
-ModelConfig parse(const ConfigReader& r) {
+ModelConfig parse_deepseek_common(const ConfigReader& r) {
   ModelConfig c;
-  c.architecture = "DeepseekV2ForCausalLM";
   r.read_common(c);
 
   MlaConfig m;
@@ -40,26 +39,13 @@ ModelConfig parse(const ConfigReader& r) {
   }
   c.softmax_scale = scale;
 
-  if (const std::string scoring = r.string_or("scoring_func", "softmax"); scoring != "softmax")
-    throw LoadError("config.json: key 'scoring_func' is '" + scoring + "'; only softmax is supported");
-  c.num_experts = r.integer("n_routed_experts");
+  // Checkpoints say n_routed_experts; transformers 5 writes num_local_experts.
+  c.num_experts =
+      r.find("n_routed_experts") != nullptr ? r.integer("n_routed_experts") : r.integer("num_local_experts");
   c.top_k = r.integer("num_experts_per_tok");
   c.moe_intermediate_size = r.integer("moe_intermediate_size");
   c.shared_expert_intermediate_size = r.integer_or("n_shared_experts", 0) * c.moe_intermediate_size;
   c.dense_intermediate_size = r.integer("intermediate_size");
-  const std::string topk_method = r.string_or("topk_method", "greedy");
-  if (topk_method == "group_limited_greedy") {
-    c.router.n_group = r.integer("n_group");
-    c.router.topk_group = r.integer("topk_group");
-  } else if (topk_method != "greedy") {
-    throw LoadError("config.json: key 'topk_method' is '" + topk_method +
-                    "'; supported: greedy, group_limited_greedy");
-  }
-  // DeepSeek's MoEGate either renormalizes the top-k weights (norm_topk_prob, top_k > 1) or scales them by
-  // routed_scaling_factor, never both. (transformers' port ignores norm_topk_prob and always scales; the
-  // released checkpoints set it false, where the two agree.)
-  c.norm_topk_prob = r.boolean_or("norm_topk_prob", false) && c.top_k > 1;
-  c.router.scaling = c.norm_topk_prob ? 1.0 : r.number_or("routed_scaling_factor", 1.0);
 
   // DeepSeek's rule (transformers' port ignores moe_layer_freq; the released checkpoints use 1).
   const std::int64_t first_dense = r.integer_or("first_k_dense_replace", 0);
@@ -71,7 +57,7 @@ ModelConfig parse(const ConfigReader& r) {
   return c;
 }
 
-TensorNames names() {
+TensorNames deepseek_tensor_names() {
   TensorNames n;
   n.q_a_proj = "self_attn.q_a_proj";
   n.q_a_norm = "self_attn.q_a_layernorm.weight";
@@ -88,10 +74,33 @@ TensorNames names() {
   return n;
 }
 
+namespace {
+
+ModelConfig parse(const ConfigReader& r) {
+  ModelConfig c = parse_deepseek_common(r);
+  c.architecture = "DeepseekV2ForCausalLM";
+  if (const std::string scoring = r.string_or("scoring_func", "softmax"); scoring != "softmax")
+    throw LoadError("config.json: key 'scoring_func' is '" + scoring + "'; only softmax is supported");
+  const std::string topk_method = r.string_or("topk_method", "greedy");
+  if (topk_method == "group_limited_greedy") {
+    c.router.n_group = r.integer("n_group");
+    c.router.topk_group = r.integer("topk_group");
+  } else if (topk_method != "greedy") {
+    throw LoadError("config.json: key 'topk_method' is '" + topk_method +
+                    "'; supported: greedy, group_limited_greedy");
+  }
+  // DeepSeek's MoEGate either renormalizes the top-k weights (norm_topk_prob, top_k > 1) or scales them by
+  // routed_scaling_factor, never both. (transformers' port ignores norm_topk_prob and always scales; the
+  // released checkpoints set it false, where the two agree.)
+  c.norm_topk_prob = r.boolean_or("norm_topk_prob", false) && c.top_k > 1;
+  c.router.scaling = c.norm_topk_prob ? 1.0 : r.number_or("routed_scaling_factor", 1.0);
+  return c;
+}
+
 }  // namespace
 
 const Architecture& deepseek_v2_architecture() {
-  static const Architecture a{"DeepseekV2ForCausalLM", &parse, &names};
+  static const Architecture a{"DeepseekV2ForCausalLM", &parse, &deepseek_tensor_names};
   return a;
 }
 

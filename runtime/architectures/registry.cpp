@@ -6,9 +6,9 @@
 namespace capserve::runtime {
 
 const Architecture& find_architecture(const nlohmann::json& config) {
-  const std::array<const Architecture*, 5> known = {&mixtral_architecture(), &olmoe_architecture(),
-                                                    &qwen2_moe_architecture(), &qwen3_moe_architecture(),
-                                                    &deepseek_v2_architecture()};
+  const std::array<const Architecture*, 6> known = {&mixtral_architecture(),     &olmoe_architecture(),
+                                                    &qwen2_moe_architecture(),   &qwen3_moe_architecture(),
+                                                    &deepseek_v2_architecture(), &deepseek_v3_architecture()};
   std::string supported;
   for (const Architecture* a : known) supported += (supported.empty() ? "" : ", ") + std::string(a->hf_class);
 

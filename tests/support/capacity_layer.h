@@ -30,7 +30,7 @@ inline HostRouting route_softmax(std::span<const float> logits, std::int64_t T, 
   p.num_experts = E;
   p.top_k = k;
   p.normalize = normalize;
-  kernels::moe::route_on_host(p, logits, r.probs, r.experts, r.weights);
+  kernels::moe::route_on_host(p, logits, {}, r.probs, r.experts, r.weights);
   return r;
 }
 

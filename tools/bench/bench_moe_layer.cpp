@@ -437,8 +437,8 @@ int run_synthetic(parallel::MpiWorld& world, parallel::MpiCommunicator& comm, co
       runtime::ModelConfig router;
       router.num_experts = E;
       router.top_k = k;
-      kernels::moe::route_on_host(runtime::router_params(router, tokens), logits, layer.probs, layer.experts,
-                                  layer.weights);
+      kernels::moe::route_on_host(runtime::router_params(router, tokens), logits, {}, layer.probs,
+                                  layer.experts, layer.weights);
       data[d].push_back(std::move(layer));
     }
   }

@@ -180,7 +180,7 @@ TEST_F(BackendPair, MoeStagesAgree) {
     const Tensor probs = zeros_of(DType::f32, {T, E});
     const Tensor experts = zeros_of(DType::i32, {T, k});
     const Tensor weights = zeros_of(DType::f32, {T, k});
-    be.route(p, put(be, logits, {T, E}), probs, experts, weights);
+    be.route(p, put(be, logits, {T, E}), {}, probs, experts, weights);
     const Tensor routed = zeros_of(DType::i64, {E});
     be.count_experts(experts, routed);
 

@@ -108,7 +108,8 @@ TEST(CudaKernels, RouterMatchesTheCpuRouter) {
     auto d_probs = poisoned<float>(static_cast<std::size_t>(T * E));
     auto d_experts = poisoned<std::int32_t>(static_cast<std::size_t>(T * k));
     auto d_weights = poisoned<float>(static_cast<std::size_t>(T * k));
-    kernels::cuda::route(p, d_logits.data(), d_probs.data(), d_experts.data(), d_weights.data(), nullptr);
+    kernels::cuda::route(p, d_logits.data(), nullptr, d_probs.data(), d_experts.data(), d_weights.data(),
+                         nullptr);
     const std::vector<float> probs = download(d_probs, d_probs.size());
     const std::vector<std::int32_t> experts = download(d_experts, d_experts.size());
     const std::vector<float> weights = download(d_weights, d_weights.size());
@@ -149,12 +150,13 @@ TEST(CudaKernels, SigmoidRouterMatchesTheCpu) {
     std::vector<float> cpu_probs(logits.size());
     std::vector<std::int32_t> cpu_experts(static_cast<std::size_t>(p.tokens * p.top_k));
     std::vector<float> cpu_weights(cpu_experts.size());
-    moe::route_on_host(p, logits, cpu_probs, cpu_experts, cpu_weights);
+    moe::route_on_host(p, logits, {}, cpu_probs, cpu_experts, cpu_weights);
     const auto d_logits = upload(logits);
     auto d_probs = poisoned<float>(logits.size());
     auto d_experts = poisoned<std::int32_t>(cpu_experts.size());
     auto d_weights = poisoned<float>(cpu_weights.size());
-    kernels::cuda::route(p, d_logits.data(), d_probs.data(), d_experts.data(), d_weights.data(), nullptr);
+    kernels::cuda::route(p, d_logits.data(), nullptr, d_probs.data(), d_experts.data(), d_weights.data(),
+                         nullptr);
     EXPECT_LT(relative_error(download(d_probs, logits.size()), cpu_probs), 1e-6) << "trial " << trial;
     EXPECT_LT(relative_error(download(d_weights, cpu_weights.size()), cpu_weights), 1e-5)
         << "trial " << trial;
@@ -185,7 +187,8 @@ TEST(CudaKernels, RouterRejectsGroupLimitsItCannotMeet) {
   const auto route = [&](std::int64_t topk_group, std::int64_t top_k) {
     p.topk_group = topk_group;
     p.top_k = top_k;
-    kernels::cuda::route(p, d_logits.data(), d_probs.data(), d_experts.data(), d_weights.data(), nullptr);
+    kernels::cuda::route(p, d_logits.data(), nullptr, d_probs.data(), d_experts.data(), d_weights.data(),
+                         nullptr);
   };
   // No group (the body would read prob[-1]), more groups than exist, fewer eligible experts than top_k.
   EXPECT_THROW(route(0, 2), std::invalid_argument);

@@ -60,7 +60,7 @@ TEST(MoeIndexLogic, RouterTiesGoToTheLowerExpert) {
   std::vector<float> probs(5);
   std::vector<std::int32_t> experts(3);
   std::vector<float> weights(3);
-  moe::route_on_host(p, logits, probs, experts, weights);
+  moe::route_on_host(p, logits, {}, probs, experts, weights);
   EXPECT_EQ(experts, (std::vector<std::int32_t>{1, 2, 4}));
 }
 
@@ -75,7 +75,7 @@ TEST(MoeIndexLogic, SigmoidRouterScoresEachExpertAlone) {
   std::vector<float> probs(4);
   std::vector<std::int32_t> experts(2);
   std::vector<float> weights(2);
-  moe::route_on_host(p, logits, probs, experts, weights);
+  moe::route_on_host(p, logits, {}, probs, experts, weights);
   for (std::size_t e = 0; e < 4; ++e) EXPECT_FLOAT_EQ(probs[e], 1.0F / (1.0F + std::exp(-logits[e])));
   EXPECT_EQ(experts, (std::vector<std::int32_t>{1, 3}));
   EXPECT_FLOAT_EQ(weights[0], 0.5F);

@@ -82,7 +82,7 @@ TEST(SigmoidRouter, HostExecutorEqualsTheDefinition) {
     std::vector<float> probs(logits.size());
     std::vector<std::int32_t> experts(static_cast<std::size_t>(p.tokens * p.top_k));
     std::vector<float> weights(experts.size());
-    moe::route_on_host(p, logits, probs, experts, weights);
+    moe::route_on_host(p, logits, {}, probs, experts, weights);
     const Reference want = reference_route(p, logits);
     EXPECT_EQ(probs, want.probs) << "trial " << trial;
     EXPECT_EQ(experts, want.experts) << "trial " << trial;

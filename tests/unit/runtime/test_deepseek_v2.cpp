@@ -207,7 +207,7 @@ TEST(DeepSeekRouting, GroupLimitedTopKStaysInTheBestGroups) {
   config.num_experts = 8;
   config.top_k = 3;
   config.router = router;
-  kernels::moe::route_on_host(router_params(config, 1), logits, out.probs, out.experts, out.weights);
+  kernels::moe::route_on_host(router_params(config, 1), logits, {}, out.probs, out.experts, out.weights);
   EXPECT_EQ(out.experts, (std::vector<std::int32_t>{0, 2, 1}));
   double sum = 0;
   for (const float p : out.probs) sum += p;
@@ -216,7 +216,7 @@ TEST(DeepSeekRouting, GroupLimitedTopKStaysInTheBestGroups) {
     EXPECT_FLOAT_EQ(out.weights[s], 2.5F * out.probs[static_cast<std::size_t>(out.experts[s])]);
 
   config.router = {};
-  kernels::moe::route_on_host(router_params(config, 1), logits, out.probs, out.experts, out.weights);
+  kernels::moe::route_on_host(router_params(config, 1), logits, {}, out.probs, out.experts, out.weights);
   EXPECT_EQ(out.experts, (std::vector<std::int32_t>{0, 2, 6})) << "without group limiting";
 }
 
