@@ -107,7 +107,8 @@ TEST(ModelConfig, UnsupportedArchitectureListsTheSupportedOnes) {
   EditedModel m("mixtral_sharded");
   m.config()["architectures"] = {"GPT2LMHeadModel"};
   EXPECT_ERROR_MENTIONS(m,
-                        "MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM, DeepseekV2ForCausalLM");
+                        "supported: MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM, "
+                        "Qwen3MoeForCausalLM, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM)");
   m.config().erase("architectures");
   EXPECT_ERROR_MENTIONS(m, "'architectures' is missing");
 }
