@@ -17,6 +17,8 @@ std::string_view host_sync_name(HostSync why) {
       return "logits";
     case HostSync::dry_run:
       return "dry_run";
+    case HostSync::logprobs:
+      return "logprobs";
     case HostSync::count_:
       break;
   }
@@ -53,6 +55,26 @@ void Backend::to_host(const Tensor& src, std::span<std::byte> dst, HostSync why)
 void Backend::from_host(std::span<const std::byte> src, const Tensor& dst) {
   check_copy("from_host", dst, src.size(), device());
   copy_from_host(src, dst);
+}
+
+LogprobShape logprob_shape(const Tensor& logits, const Tensor& tokens, const Tensor& values,
+                           const Tensor& top_ids) {
+  const LogprobShape s{logits.dims() == 0 ? 0 : logits.dim(0), logits.row_numel(),
+                       top_ids.dims() == 2 ? top_ids.dim(1) : 0};
+  const bool fits = logits.dims() == 2 && logits.dtype() == DType::f32 && tokens.dtype() == DType::i32 &&
+                    tokens.numel() == s.rows && values.dtype() == DType::f32 && values.dims() == 2 &&
+                    values.dim(0) == s.rows && values.dim(1) == 1 + s.top_k &&
+                    top_ids.dtype() == DType::i32 && top_ids.dims() == 2 && top_ids.dim(0) == s.rows &&
+                    s.top_k <= s.vocab;
+  if (!fits) {
+    throw std::invalid_argument(
+        "token_logprobs: logits " + logits.shape_text() + " " + std::string(dtype_name(logits.dtype())) +
+        ", tokens " + tokens.shape_text() + ", values " + values.shape_text() + ", top_ids " +
+        top_ids.shape_text() +
+        " (want f32 [rows, vocab], int32 [rows], f32 [rows, 1 + k], int32 [rows, k], k "
+        "<= vocab)");
+  }
+  return s;
 }
 
 DispatchShape dispatch_shape(const Tensor& experts, const Tensor& weights, const DispatchPlan& plan) {

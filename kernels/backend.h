@@ -127,6 +127,16 @@ struct DispatchShape {
 };
 DispatchShape dispatch_shape(const Tensor& experts, const Tensor& weights, const DispatchPlan& plan);
 
+// rows, vocab and k of a token_logprobs call, after checking that its tensors fit them (std::invalid_argument
+// naming the shapes otherwise): the checks every backend makes alike.
+struct LogprobShape {
+  std::int64_t rows = 0;
+  std::int64_t vocab = 0;
+  std::int64_t top_k = 0;
+};
+LogprobShape logprob_shape(const Tensor& logits, const Tensor& tokens, const Tensor& values,
+                           const Tensor& top_ids);
+
 // The receiver's side: the entries from every source grouped by local expert.
 struct ReceivedGroups {
   Tensor entries;      // u8 [n, sizeof(moe::DispatchEntry)]: the sources' blocks in rank order
@@ -148,6 +158,7 @@ enum class HostSync : std::uint8_t {
   moe_groups,      // per MoE layer: the rows of each local expert (the grouped expert FFN's host offsets)
   logits,          // the logits themselves: only for scoring and dumps, never on the serving path
   dry_run,         // the router dry run's expert counts (batch selection on rank 0), outside the step
+  logprobs,        // the log-probabilities of sampled or scored tokens, for requests that ask
   count_           // the number of reasons
 };
 
@@ -255,6 +266,14 @@ class Backend {
   // determined by (seed, step). A row with a NaN or infinite logit gets non_finite_token(its first such id).
   virtual void sample(const Tensor& logits, std::span<const SampleControls> controls,
                       const Tensor& tokens) = 0;
+
+  // Log-probabilities (log_softmax: max-subtracted, summed in at least f32) of logits [rows, vocab] without
+  // the rows leaving the device: values[r, 0] is that of tokens[r] (int32 [rows]), and for j < k =
+  // top_ids.dim(1), top_ids[r, j] and values[r, 1 + j] are the row's (j+1)-th most likely token and its
+  // log-probability (larger logit first, ties to the lower id, NaN last). values is f32 [rows, 1 + k]. A
+  // token outside [0, vocab) gets NaN; a row with a NaN or infinite logit gets NaN or infinite values.
+  virtual void token_logprobs(const Tensor& logits, const Tensor& tokens, const Tensor& values,
+                              const Tensor& top_ids) = 0;
 
   // ---- The MoE layer's stages. The index work is kernels/moe's one logic, run by each backend's executor.
 

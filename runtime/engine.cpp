@@ -1,5 +1,6 @@
 #include "runtime/engine.h"
 
+#include <stdexcept>
 #include <string>
 #include <unordered_set>
 
@@ -115,6 +116,28 @@ void Engine::sample(std::span<const kernels::SampleControls> controls, std::span
       backend.scratch(tokens_buffer_, kernels::DType::i32, {static_cast<std::int64_t>(tokens.size())});
   backend.sample(logits_, controls, drawn);
   backend.to_host(drawn, std::as_writable_bytes(tokens), kernels::HostSync::sampled_tokens);
+}
+
+void Engine::score(std::span<const std::int32_t> tokens, std::int64_t top_k, TokenLogprobs& out) {
+  kernels::Backend& backend = model_.backend();
+  const std::int64_t rows = logits_.dims() == 0 ? 0 : logits_.dim(0);
+  if (static_cast<std::int64_t>(tokens.size()) != rows || top_k < 0 || top_k > model_.config().vocab_size) {
+    throw std::invalid_argument("Engine::score: " + std::to_string(tokens.size()) + " tokens and top_k " +
+                                std::to_string(top_k) + " for " + std::to_string(rows) +
+                                " logits rows of vocabulary " + std::to_string(model_.config().vocab_size));
+  }
+  const std::span<std::byte> host = out.reset(rows, top_k);
+  if (rows == 0) return;
+  const kernels::Tensor ids = backend.scratch(scored_buffer_, kernels::DType::i32, {rows});
+  backend.from_host(std::as_bytes(tokens), ids);
+  // Values and ids side by side in one device buffer, as TokenLogprobs keeps them: one copy back.
+  const kernels::Tensor packed =
+      backend.scratch(scores_buffer_, kernels::DType::u8, {static_cast<std::int64_t>(host.size())});
+  const kernels::Tensor values(packed.data(), kernels::DType::f32, backend.device(), {rows, 1 + top_k});
+  const kernels::Tensor top_ids(static_cast<std::byte*>(packed.data()) + values.bytes(), kernels::DType::i32,
+                                backend.device(), {rows, top_k});
+  backend.token_logprobs(logits_, ids, values, top_ids);
+  backend.to_host(packed, host, kernels::HostSync::logprobs);
 }
 
 }  // namespace capserve::runtime

@@ -12,6 +12,7 @@
 #include "runtime/kv_cache.h"
 #include "runtime/model.h"
 #include "runtime/status.h"
+#include "runtime/token_logprobs.h"
 
 namespace capserve::runtime {
 
@@ -48,6 +49,12 @@ class Engine {
   // tokens[i] drawn from logits row i under controls[i] (Backend::sample); one synchronisation
   // (HostSync::sampled_tokens).
   void sample(std::span<const kernels::SampleControls> controls, std::span<std::int32_t> tokens);
+  // The log-probabilities of tokens[i] (one per logits row: a sampled token, or a prompt's next token) and
+  // of each row's top_k most likely tokens (Backend::token_logprobs on the device), into `out`; one
+  // synchronisation (HostSync::logprobs) whatever the rows, and never a copy of the logits. A token outside
+  // the vocabulary scores NaN. std::invalid_argument when tokens do not match the rows or top_k the
+  // vocabulary.
+  void score(std::span<const std::int32_t> tokens, std::int64_t top_k, TokenLogprobs& out);
 
   // Per work item of the last successful step: assignment slots the capacity scheduler dropped or rerouted
   // for its tokens, summed over layers.
@@ -84,7 +91,7 @@ class Engine {
   std::vector<kernels::SequenceSlice> slices_;
   std::vector<std::int64_t> logit_rows_;
   std::vector<std::uint8_t> decode_rows_;
-  kernels::Buffer logits_buffer_, tokens_buffer_;
+  kernels::Buffer logits_buffer_, tokens_buffer_, scored_buffer_, scores_buffer_;
   kernels::Tensor logits_;
   mutable std::vector<float> host_logits_;
   mutable bool host_logits_current_ = false;

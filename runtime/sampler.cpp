@@ -12,6 +12,10 @@ std::string validate_sampling(const SamplingParams& p) {
   if (p.top_k < 0) return "top_k must be >= 0 (0 disables it)";
   if (!(p.top_p > 0.0F && p.top_p <= 1.0F)) return "top_p must be in (0, 1]";
   if (p.max_new_tokens < 0) return "max_new_tokens must be >= 0";
+  if (p.top_logprobs < 0 || p.top_logprobs > kMaxTopLogprobs)
+    return "top_logprobs must be in [0, " + std::to_string(kMaxTopLogprobs) + "]";
+  if (p.top_logprobs > 0 && !p.logprobs && !p.prompt_logprobs)
+    return "top_logprobs needs logprobs or prompt_logprobs";
   return {};
 }
 

@@ -12,6 +12,9 @@
 
 namespace capserve::runtime {
 
+// The most alternatives a request may ask per token (SamplingParams::top_logprobs; OpenAI's limit).
+inline constexpr std::int32_t kMaxTopLogprobs = 20;
+
 struct SamplingParams {
   float temperature = 0.0F;
   std::int32_t top_k = 0;  // 0: no top-k filter
@@ -19,6 +22,11 @@ struct SamplingParams {
   std::uint64_t seed = 0;
   std::vector<std::int32_t> stop_token_ids;
   std::int64_t max_new_tokens = 16;
+  // Log-probabilities to report: of each sampled token (logprobs) and of every prompt token after the first
+  // given its prefix (prompt_logprobs), each with its top_logprobs most likely alternatives.
+  bool logprobs = false;
+  bool prompt_logprobs = false;
+  std::int32_t top_logprobs = 0;
 };
 
 // Returns an empty string when the parameters are usable, else a message naming the field and its valid

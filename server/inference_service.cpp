@@ -100,6 +100,32 @@ v1::FinishReason finish_reason(Terminal t) {
   return t == Terminal::ok_stop ? v1::FINISH_REASON_STOP : v1::FINISH_REASON_LENGTH;
 }
 
+// The event's log-probability entries into a response's repeated fields, with each token's text for Chat.
+void fill_logprobs(const LogprobEntries& entries, const runtime::Tokenizer* tokenizer,
+                   google::protobuf::RepeatedPtrField<v1::TokenLogprob>& out) {
+  const auto text = [&](std::int32_t id) {
+    return tokenizer == nullptr ? std::string() : tokenizer->decode(std::span(&id, 1), true);
+  };
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    v1::TokenLogprob& entry = *out.Add();
+    entry.set_token_id(entries.tokens[i]);
+    entry.set_token(text(entries.tokens[i]));
+    entry.set_logprob(entries.logprobs[i]);
+    for (const TopLogprob& alt : entries.alternatives(i)) {
+      v1::TopLogprob& top = *entry.add_top_logprobs();
+      top.set_token_id(alt.token);
+      top.set_token(text(alt.token));
+      top.set_logprob(alt.logprob);
+    }
+  }
+}
+
+template <typename Message>
+void fill_logprobs(const RequestEvent& e, const runtime::Tokenizer* tokenizer, Message& m) {
+  fill_logprobs(e.logprobs, tokenizer, *m.mutable_logprobs());
+  fill_logprobs(e.prompt_logprobs, tokenizer, *m.mutable_prompt_logprobs());
+}
+
 template <typename Message>
 void fill_final(const RequestEvent& e, Message& m) {
   m.set_finish_reason(finish_reason(*e.terminal));
@@ -204,6 +230,11 @@ grpc::Status InferenceService::check_sampling(const v1::SamplingOptions& s, std:
   if (s.top_k() > static_cast<std::uint32_t>(limits_.vocab_size))
     return invalid("sampling.top_k: " + std::to_string(s.top_k()) + " exceeds the vocabulary size " +
                    std::to_string(limits_.vocab_size));
+  if (s.top_logprobs() > static_cast<std::uint32_t>(runtime::kMaxTopLogprobs))
+    return invalid("sampling.top_logprobs: must be in [0, " + std::to_string(runtime::kMaxTopLogprobs) +
+                   "], got " + std::to_string(s.top_logprobs()));
+  if (s.top_logprobs() > 0 && !s.logprobs() && !s.prompt_logprobs())
+    return invalid("sampling.top_logprobs: needs sampling.logprobs or sampling.prompt_logprobs");
   const std::int64_t max_tokens = s.max_tokens() == 0 ? limits_.default_max_tokens : s.max_tokens();
   if (max_tokens > limits_.max_tokens_limit)
     return invalid("sampling.max_tokens: " + std::to_string(max_tokens) + " exceeds the limit " +
@@ -238,6 +269,9 @@ grpc::Status InferenceService::check_sampling(const v1::SamplingOptions& s, std:
   params.top_k = static_cast<std::int32_t>(s.top_k());
   params.seed = s.seed();
   params.max_new_tokens = std::min(max_tokens, limits_.max_context - prompt_tokens);
+  params.logprobs = s.logprobs();
+  params.prompt_logprobs = s.prompt_logprobs();
+  params.top_logprobs = static_cast<std::int32_t>(s.top_logprobs());
   params.stop_token_ids.assign(s.stop_token_ids().begin(), s.stop_token_ids().end());
   if (!s.ignore_eos())
     params.stop_token_ids.insert(params.stop_token_ids.end(), limits_.eos_token_ids.begin(),
@@ -357,6 +391,7 @@ grpc::Status InferenceService::Chat(grpc::ServerContext* context, const v1::Chat
   for (;;) {
     RequestEvent e = next_event(context, *req);
     text += e.text;
+    fill_logprobs(e, tokenizer_, *response);
     if (!e.terminal) continue;
     const grpc::Status status = conclude(e);
     if (!status.ok()) return status;
@@ -380,6 +415,7 @@ grpc::Status InferenceService::ChatStream(grpc::ServerContext* context, const v1
     v1::ChatChunk chunk;
     chunk.set_request_id(req->id());
     chunk.set_delta(e.text);
+    fill_logprobs(e, tokenizer_, chunk);
     if (e.terminal) fill_final(e, chunk);
     if (!writer->Write(chunk)) return send_failed(context, *req);
     if (e.terminal) return conclude(e);
@@ -400,6 +436,7 @@ grpc::Status InferenceService::Generate(grpc::ServerContext* context, const v1::
     v1::GenerateChunk chunk;
     chunk.set_request_id(req->id());
     chunk.mutable_token_ids()->Add(e.tokens.begin(), e.tokens.end());
+    fill_logprobs(e, nullptr, chunk);
     if (e.terminal) fill_final(e, chunk);
     if (!writer->Write(chunk)) return send_failed(context, *req);
     if (e.terminal) return conclude(e);

@@ -26,6 +26,10 @@ class OutputStream {
   // What is still to send at a normal end: the held-back text and the decoder's remainder, or after a stop
   // string the unsent text before it.
   std::string finish();
+  // Bytes of text generated so far and sent so far (chunks returned): a token's text is all sent once
+  // sent_bytes() reaches what text_bytes() was after feeding it.
+  [[nodiscard]] std::size_t text_bytes() const { return text_.size(); }
+  [[nodiscard]] std::size_t sent_bytes() const { return sent_; }
 
  private:
   std::optional<runtime::IncrementalDecoder> decoder_;

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "runtime/sampler.h"
+#include "server/logprob_entries.h"
 
 namespace capserve::server {
 
@@ -33,6 +34,11 @@ enum class Terminal {
 struct RequestEvent {
   std::string text;                  // chat: new text (UTF-8 complete, never part of a stop string)
   std::vector<std::int32_t> tokens;  // generate: new token ids
+  // When the request asks (SamplingParams::logprobs / prompt_logprobs): the entries of the tokens this
+  // event's text or token ids cover, and, once (with the first event), those of the prompt's tokens after
+  // the first.
+  LogprobEntries logprobs;
+  LogprobEntries prompt_logprobs;
   std::optional<Terminal> terminal;  // set on the last event only
   std::string message;               // for an error terminal
   std::uint32_t prompt_tokens = 0;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
 
 #include "runtime/kv_block_manager.h"
 
@@ -202,7 +203,9 @@ void Scheduler::admit(Clock::time_point now, StepPlan& plan) {
     for (int r = 0; r < ranks_; ++r)
       predicted_step_load_[static_cast<std::size_t>(r)] += w.load[static_cast<std::size_t>(r)];
     const runtime::SamplingParams& p = w.request->params();
-    plan.starts.push_back({id, rank, w.request->prompt(), p.temperature, p.top_k, p.top_p, p.seed});
+    plan.starts.push_back({id, rank, w.request->prompt(), p.temperature, p.top_k, p.top_p, p.seed,
+                           static_cast<std::uint8_t>(p.logprobs),
+                           static_cast<std::uint8_t>(p.prompt_logprobs), p.top_logprobs});
     in_step_.emplace_back(id, rank);
     Running run{
         .request = w.request,
@@ -224,7 +227,8 @@ void Scheduler::admit(Clock::time_point now, StepPlan& plan) {
   }
 }
 
-void Scheduler::emit_token(std::uint64_t id, Running& run, std::int32_t token, Clock::time_point now) {
+void Scheduler::emit_token(std::uint64_t id, Running& run, std::int32_t token, const Scored& scored,
+                           Clock::time_point now) {
   const Request& req = *run.request;
   ++run.completion;
   if (metrics_ != nullptr) {
@@ -248,11 +252,20 @@ void Scheduler::emit_token(std::uint64_t id, Running& run, std::int32_t token, C
     finish(id, run, Terminal::ok_stop, "", now);
     return;
   }
+  // The token's entry goes with the event that carries it: its own (token output) or the next text delta,
+  // since text held back for a stop string covers tokens already fed.
+  if (scored.record != nullptr) {
+    run.logprobs.append(token, scored.record->logprob, scored.top);
+    run.logprob_text_ends.push_back(run.stream.text_bytes());
+  }
   RequestEvent e;
   e.text = std::move(chunk.text);
   if (chunk.token) e.tokens.push_back(*chunk.token);
   const auto length = static_cast<std::int64_t>(req.prompt().size()) + run.completion;
-  if (!e.text.empty() || !e.tokens.empty()) run.request->push(std::move(e));
+  if (!e.text.empty() || !e.tokens.empty()) {
+    take_logprobs(run, false, e);
+    run.request->push(std::move(e));
+  }
   if (run.completion >= p.max_new_tokens || length >= config_.max_context)
     finish(id, run, Terminal::ok_length, "", now);
 }
@@ -264,6 +277,7 @@ void Scheduler::finish(std::uint64_t id, Running& run, Terminal terminal, const 
   if (terminal == Terminal::ok_length || terminal == Terminal::ok_stop) e.text = run.stream.finish();
   e.terminal = terminal;
   e.message = message;
+  take_logprobs(run, true, e);
   e.prompt_tokens = static_cast<std::uint32_t>(run.request->prompt().size());
   e.completion_tokens = static_cast<std::uint32_t>(run.completion);
   e.moe_assignments = static_cast<std::uint64_t>((static_cast<std::int64_t>(run.request->prompt().size()) +
@@ -278,11 +292,25 @@ void Scheduler::finish(std::uint64_t id, Running& run, Terminal terminal, const 
   --rank_sequences_[static_cast<std::size_t>(run.rank)];
 }
 
+void Scheduler::take_logprobs(Running& run, bool all, RequestEvent& e) {
+  if (!run.prompt_logprobs.empty()) e.prompt_logprobs = std::exchange(run.prompt_logprobs, {});
+  std::size_t sent = 0;
+  while (!run.logprob_text_ends.empty() &&
+         (all || run.logprob_text_ends.front() <= run.stream.sent_bytes())) {
+    run.logprob_text_ends.pop_front();
+    ++sent;
+  }
+  run.logprobs.move_front(sent, e.logprobs);
+}
+
 void Scheduler::complete(std::span<const StepResult> results, const parallel::MoeStepStats& stats,
                          Clock::time_point now) {
   std::int64_t step_tokens = 0;
   for (std::size_t r = 0; r < results.size(); ++r) {
     const StepResult& result = results[r];
+    // The result's log-probability records, in the order of its sequences, and their alternatives.
+    std::size_t record = 0;
+    std::size_t top = 0;
     if (!result.ok) {
       for (const auto& [id, rank] : in_step_) {
         if (rank != static_cast<std::int32_t>(r)) continue;
@@ -296,6 +324,20 @@ void Scheduler::complete(std::span<const StepResult> results, const parallel::Mo
     }
     for (const SequenceResult& s : result.sequences) {
       const auto it = running_.find(s.id);
+      Scored scored;
+      for (; record < result.logprobs.size() && result.logprobs[record].id == s.id; ++record) {
+        const LogprobRecord& rec = result.logprobs[record];
+        const auto count = static_cast<std::size_t>(std::max(0, rec.top_count));
+        if (count > result.top_logprobs.size() - top) break;  // malformed: no more entries from this rank
+        const std::span<const TopLogprob> alternatives(result.top_logprobs.data() + top, count);
+        top += count;
+        if (it == running_.end()) continue;
+        if (rec.prompt != 0) {
+          it->second.prompt_logprobs.append(rec.token, rec.logprob, alternatives);
+        } else {
+          scored = {&rec, alternatives};
+        }
+      }
       if (it == running_.end()) continue;
       Running& run = it->second;
       step_tokens += run.completion == 0 ? static_cast<std::int64_t>(run.request->prompt().size()) : 1;
@@ -310,7 +352,7 @@ void Scheduler::complete(std::span<const StepResult> results, const parallel::Mo
         continue;
       }
       const std::size_t before = to_free_.size();
-      emit_token(s.id, run, s.token, now);
+      emit_token(s.id, run, s.token, scored, now);
       if (to_free_.size() > before) running_.erase(it);
     }
   }

@@ -83,6 +83,15 @@ class Scheduler {
     std::int64_t dropped = 0, rerouted = 0;
     OutputStream stream;
     Clock::time_point last_token{};
+    // Log-probability entries not yet sent: the prompt's, and the sampled tokens', each with the stream's
+    // text_bytes() after its token (its entry goes with the event whose text completes it).
+    LogprobEntries prompt_logprobs{}, logprobs{};
+    std::deque<std::size_t> logprob_text_ends{};
+  };
+  // A sampled token's log-probability record and its alternatives, when its sequence asks.
+  struct Scored {
+    const LogprobRecord* record = nullptr;
+    std::span<const TopLogprob> top;
   };
 
   // KV blocks reserved for the request: prompt + max tokens, within the context length.
@@ -90,7 +99,11 @@ class Scheduler {
   void admit(Clock::time_point now, StepPlan& plan);
   void finish(std::uint64_t id, Running& run, Terminal terminal, const std::string& message,
               Clock::time_point now);
-  void emit_token(std::uint64_t id, Running& run, std::int32_t token, Clock::time_point now);
+  void emit_token(std::uint64_t id, Running& run, std::int32_t token, const Scored& scored,
+                  Clock::time_point now);
+  // Moves the request's pending log-probability entries whose text has been sent (all of them at the end)
+  // into the event about to be sent.
+  static void take_logprobs(Running& run, bool all, RequestEvent& e);
   void end_waiting(Waiting& w, Terminal terminal);
 
   SchedulerConfig config_;

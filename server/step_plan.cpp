@@ -80,6 +80,9 @@ std::vector<std::byte> serialize(const StepPlan& plan) {
     w.put(s.top_k);
     w.put(s.top_p);
     w.put(s.seed);
+    w.put(s.logprobs);
+    w.put(s.prompt_logprobs);
+    w.put(s.top_logprobs);
   }
   w.put_vector(plan.decodes);
   return std::move(w.out);
@@ -101,6 +104,9 @@ StepPlan deserialize_plan(const std::vector<std::byte>& bytes) {
     s.top_k = r.get<std::int32_t>();
     s.top_p = r.get<float>();
     s.seed = r.get<std::uint64_t>();
+    s.logprobs = r.get<std::uint8_t>();
+    s.prompt_logprobs = r.get<std::uint8_t>();
+    s.top_logprobs = r.get<std::int32_t>();
   }
   r.get_vector(plan.decodes);
   r.finish();
@@ -112,6 +118,8 @@ std::vector<std::byte> serialize(const StepResult& result) {
   w.put(static_cast<std::uint8_t>(result.ok ? 1 : 0));
   w.put_string(result.error);
   w.put_vector(result.sequences);
+  w.put_vector(result.logprobs);
+  w.put_vector(result.top_logprobs);
   return std::move(w.out);
 }
 
@@ -121,6 +129,8 @@ StepResult deserialize_result(const std::vector<std::byte>& bytes) {
   result.ok = r.get<std::uint8_t>() != 0;
   result.error = r.get_string();
   r.get_vector(result.sequences);
+  r.get_vector(result.logprobs);
+  r.get_vector(result.top_logprobs);
   r.finish();
   return result;
 }

@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "server/logprob_entries.h"
+
 namespace capserve::server {
 
 // A sequence joining the batch on `rank`: its whole prompt is prefilled this step.
@@ -17,6 +19,10 @@ struct SequenceStart {
   std::int32_t top_k = 0;
   float top_p = 1.0F;
   std::uint64_t seed = 0;
+  // Log-probabilities to report (runtime::SamplingParams has their meaning).
+  std::uint8_t logprobs = 0;
+  std::uint8_t prompt_logprobs = 0;
+  std::int32_t top_logprobs = 0;
 };
 
 struct StepPlan {
@@ -42,6 +48,10 @@ struct StepResult {
   bool ok = true;
   std::string error;  // when !ok: why this rank's step was refused (its sequences all failed)
   std::vector<SequenceResult> sequences;
+  // The log-probabilities of the sequences that ask, in the order of `sequences` (a sequence's prompt
+  // entries, then its sampled token's), and their alternatives in the same order.
+  std::vector<LogprobRecord> logprobs;
+  std::vector<TopLogprob> top_logprobs;
 };
 
 std::vector<std::byte> serialize(const StepPlan& plan);

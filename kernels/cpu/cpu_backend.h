@@ -37,6 +37,8 @@ class CpuBackend : public Backend {
   void grouped_expert_ffn(const Tensor& x, std::span<const std::int64_t> offsets,
                           std::span<const ExpertWeights> experts, const Tensor& out) override;
   void sample(const Tensor& logits, std::span<const SampleControls> controls, const Tensor& tokens) override;
+  void token_logprobs(const Tensor& logits, const Tensor& tokens, const Tensor& values,
+                      const Tensor& top_ids) override;
   void route(const moe::RouterParams& params, const Tensor& logits, const Tensor& bias, const Tensor& probs,
              const Tensor& experts, const Tensor& weights) override;
   void schedule_capacity(const CapacityCall& call) override;
@@ -78,6 +80,8 @@ class CpuBackend : public Backend {
   // sample: one row's candidate ids and their weights.
   std::vector<std::int32_t> sample_order_;
   std::vector<float> sample_probs_;
+  // token_logprobs: one row's ids, its top-k first.
+  std::vector<std::int32_t> logprob_order_;
 };
 
 }  // namespace capserve::kernels::cpu

@@ -308,4 +308,12 @@ void CudaBackend::sample(const Tensor& logits, std::span<const SampleControls> c
   mark_non_finite_rows(f32(logits), rows, vocab, tokens.ptr<std::int32_t>(), stream_);
 }
 
+void CudaBackend::token_logprobs(const Tensor& logits, const Tensor& tokens, const Tensor& values,
+                                 const Tensor& top_ids) {
+  enter({&logits, &tokens, &values, &top_ids});
+  const LogprobShape s = logprob_shape(logits, tokens, values, top_ids);
+  cuda::token_logprobs(f32(logits), s.rows, s.vocab, tokens.ptr<std::int32_t>(), s.top_k, f32(values),
+                       top_ids.ptr<std::int32_t>(), stream_);
+}
+
 }  // namespace capserve::kernels::cuda

@@ -47,6 +47,8 @@ class CudaBackend final : public Backend {
   void grouped_expert_ffn(const Tensor& x, std::span<const std::int64_t> offsets,
                           std::span<const ExpertWeights> experts, const Tensor& out) override;
   void sample(const Tensor& logits, std::span<const SampleControls> controls, const Tensor& tokens) override;
+  void token_logprobs(const Tensor& logits, const Tensor& tokens, const Tensor& values,
+                      const Tensor& top_ids) override;
   void route(const moe::RouterParams& params, const Tensor& logits, const Tensor& bias, const Tensor& probs,
              const Tensor& experts, const Tensor& weights) override;
   void schedule_capacity(const CapacityCall& call) override;

@@ -130,6 +130,51 @@ __device__ std::int64_t key_id(std::uint64_t key) {
   return static_cast<std::int64_t>(moe::kLow32 - (key & moe::kLow32));
 }
 
+constexpr int kLogprobThreads = 256;
+
+// One block per row: the row's log-sum-exp (max-subtracted, f32 sums), the chosen token's log-probability,
+// then the top k by k block-wide maxima of the keys below the previous one (keys are unique: one vocabulary
+// pass per entry, no per-thread lists).
+__global__ void __launch_bounds__(kLogprobThreads)
+    token_logprobs_kernel(const float* logits, std::int64_t vocab, const std::int32_t* tokens,
+                          std::int64_t top_k, float* values, std::int32_t* top_ids) {
+  __shared__ float fscratch[kLogprobThreads / kWarp];
+  __shared__ std::uint64_t kscratch[kLogprobThreads / kWarp];
+  const std::int64_t row = blockIdx.x;
+  const float* lr = logits + row * vocab;
+  float* out = values + row * (1 + top_k);
+
+  std::uint64_t best = 0;
+  for (std::int64_t i = threadIdx.x; i < vocab; i += blockDim.x) {
+    const std::uint64_t k = logit_key(lr[i], i);
+    best = k > best ? k : best;
+  }
+  best = block_max_u64(best, kscratch);
+  const float top = lr[key_id(best)];
+  float sum = 0.0F;
+  for (std::int64_t i = threadIdx.x; i < vocab; i += blockDim.x) sum += expf(lr[i] - top);
+  const float log_sum = logf(block_sum(sum, fscratch));
+  if (threadIdx.x == 0) {
+    const std::int32_t token = tokens[row];
+    out[0] = token >= 0 && token < vocab ? (lr[token] - top) - log_sum : nanf("");
+  }
+  std::uint64_t below = ~std::uint64_t{0};
+  for (std::int64_t j = 0; j < top_k; ++j) {
+    std::uint64_t next = 0;
+    for (std::int64_t i = threadIdx.x; i < vocab; i += blockDim.x) {
+      const std::uint64_t k = logit_key(lr[i], i);
+      next = k < below && k > next ? k : next;
+    }
+    next = block_max_u64(next, kscratch);
+    if (threadIdx.x == 0) {
+      const std::int64_t id = key_id(next);
+      top_ids[row * top_k + j] = static_cast<std::int32_t>(id);
+      out[1 + j] = (lr[id] - top) - log_sum;
+    }
+    below = next;
+  }
+}
+
 constexpr int kSampleThreads = 512;
 
 // A token's sampling weight (in (0, 1]: its exp relative to the best token's) as a fixed-point integer: 2^31
@@ -363,6 +408,16 @@ void paged_attention(const DeviceAttentionBatch& batch, const float* q, const De
   } else {
     launch(paged_attention_kernel<float>, grid, kAttnThreads, 0, stream, batch, q, cache, params, out);
   }
+  CAPSERVE_CUDA_CHECK_LAUNCH();
+}
+
+void token_logprobs(const float* logits, std::int64_t rows, std::int64_t vocab, const std::int32_t* tokens,
+                    std::int64_t top_k, float* values, std::int32_t* top_ids, cudaStream_t stream) {
+  if (rows <= 0) return;
+  if (vocab <= 0 || vocab > static_cast<std::int64_t>(moe::kLow32))
+    throw std::invalid_argument("token_logprobs: vocab size");
+  launch(token_logprobs_kernel, static_cast<unsigned>(rows), kLogprobThreads, 0, stream, logits, vocab,
+         tokens, top_k, values, top_ids);
   CAPSERVE_CUDA_CHECK_LAUNCH();
 }
 

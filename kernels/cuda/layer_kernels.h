@@ -73,4 +73,10 @@ void paged_attention(const DeviceAttentionBatch& batch, const float* q, const De
 void sample(const float* logits, std::int64_t rows, std::int64_t vocab, const SampleControls* controls,
             std::int32_t* tokens, cudaStream_t stream);
 
+// Backend::token_logprobs on device arrays: values [rows, 1 + top_k] (the tokens' log-probabilities, then the
+// top ones'), top_ids [rows, top_k], in the sampler's order (larger logit first, ties to the lower id, NaN
+// last). One block per row; top_k passes over the row.
+void token_logprobs(const float* logits, std::int64_t rows, std::int64_t vocab, const std::int32_t* tokens,
+                    std::int64_t top_k, float* values, std::int32_t* top_ids, cudaStream_t stream);
+
 }  // namespace capserve::kernels::cuda

@@ -124,19 +124,6 @@ std::vector<std::int64_t> routed_load(const parallel::MoeStepStats& stats, const
   return load;
 }
 
-// Sum over the window's positions 0..window-1 of -log softmax(logits[i])[input[i + 1]], in float64.
-double window_nll(std::span<const float> logits, std::span<const std::int32_t> input, std::size_t vocab) {
-  double nll = 0.0;
-  for (std::size_t i = 0; i + 1 < input.size(); ++i) {
-    const auto row = logits.subspan(i * vocab, vocab);
-    const float mx = *std::max_element(row.begin(), row.end());
-    double sum = 0.0;
-    for (const float v : row) sum += std::exp(static_cast<double>(v - mx));
-    nll += std::log(sum) - static_cast<double>(row[static_cast<std::size_t>(input[i + 1])] - mx);
-  }
-  return nll;
-}
-
 // This rank's contiguous share [begin, end) of `count` windows.
 std::pair<std::int64_t, std::int64_t> share(std::int64_t count, int rank, int ranks) {
   return {count * rank / ranks, count * (rank + 1) / ranks};
@@ -144,12 +131,15 @@ std::pair<std::int64_t, std::int64_t> share(std::int64_t count, int rank, int ra
 
 // Runs one domain's windows, `batch_windows` per step over all ranks (a collective: every rank runs the same
 // number of steps, with no work when its share is empty).
-void evaluate_domain(Engine& engine, const runtime::Model& model, const Options& o, int rank, int ranks,
-                     DomainResult& r) {
-  const auto vocab = static_cast<std::size_t>(model.config().vocab_size);
+void evaluate_domain(Engine& engine, const Options& o, int rank, int ranks, DomainResult& r) {
   const std::int32_t bos = 0;
   std::vector<std::vector<std::int32_t>> inputs;
   std::vector<Engine::Work> work;
+  // Per logits row, the token that follows it: the same scoring as the server's prompt log-probabilities
+  // (Engine::score), so each window's NLL is the sum of -log p(input[i + 1] | input[..i]) over its positions
+  // 0..window-1; its last position scores nothing (token 0, ignored).
+  std::vector<std::int32_t> next;
+  runtime::TokenLogprobs scores;
   for (std::int64_t first = 0; first < r.windows; first += o.batch_windows) {
     const auto [begin, end] = share(std::min<std::int64_t>(o.batch_windows, r.windows - first), rank, ranks);
     inputs.assign(static_cast<std::size_t>(end - begin), {});
@@ -162,10 +152,17 @@ void evaluate_domain(Engine& engine, const runtime::Model& model, const Options&
       work.push_back({static_cast<runtime::SequenceId>(w + 1), in, true});
     }
     if (auto s = engine.step(work); !s.ok()) throw std::runtime_error(r.name + ": " + s.message());
-    const auto logits = engine.logits();
-    const std::size_t rows_per_window = static_cast<std::size_t>(o.window + 1) * vocab;
+    next.clear();
+    for (const auto& in : inputs) {
+      next.insert(next.end(), in.begin() + 1, in.end());
+      next.push_back(0);
+    }
+    engine.score(next, 0, scores);
+    const std::int64_t rows_per_window = o.window + 1;
     for (std::size_t j = 0; j < inputs.size(); ++j) {
-      r.total_nll += window_nll(logits.subspan(j * rows_per_window, rows_per_window), inputs[j], vocab);
+      for (std::int64_t i = 0; i < o.window; ++i)
+        r.total_nll -=
+            static_cast<double>(scores.logprob(static_cast<std::int64_t>(j) * rows_per_window + i));
       engine.release(work[j].seq);
     }
     r.moe.add(engine.last_moe_stats());
@@ -354,7 +351,7 @@ int main(int argc, char** argv) {
     runtime::EngineOptions options;
     options.kv_blocks = o.batch_windows * ((o.window + 1) / options.kv_block_size + 1);
     Engine engine(*model, options);
-    for (DomainResult& r : results) evaluate_domain(engine, *model, o, rank, ranks, r);
+    for (DomainResult& r : results) evaluate_domain(engine, o, rank, ranks, r);
     const parallel::RunStats run = engine.run_stats();  // before the probe step
     const std::vector<std::int64_t> bos = bos_load(engine, *model, rank);
     for (DomainResult& r : results) set_text_load(model->config(), bos, r);

@@ -365,6 +365,44 @@ TEST_F(BackendPair, SamplingAgreesOnGreedyAndReportsNonFiniteRows) {
   }
 }
 
+TEST_F(BackendPair, TokenLogprobsAgreeOnValuesTopKTiesAndNan) {
+  // Rows wider than a block (1000 > 256 threads), logits as spread as a trained model's, one row with a
+  // four-way tie for the lead, one with a NaN; tokens include one outside the vocabulary.
+  Rng rng(7);
+  const std::int64_t rows = 5, vocab = 1000;
+  std::vector<float> logits = normal(rng, static_cast<std::size_t>(rows * vocab), 4.0F);
+  for (const std::int64_t id : {900, 17, 400, 3}) logits[static_cast<std::size_t>(2 * vocab + id)] = 30.0F;
+  logits[static_cast<std::size_t>(3 * vocab + 55)] = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<std::int32_t> tokens = {0, 999, 400, 12, static_cast<std::int32_t>(vocab)};
+  for (const std::int64_t k : {std::int64_t{0}, std::int64_t{20}}) {
+    std::vector<float> values[2];
+    std::vector<std::int32_t> ids[2];
+    Backend* backends[2] = {&cpu_, &gpu()};
+    for (int b = 0; b < 2; ++b) {
+      Backend& be = *backends[b];
+      const Tensor v = zeros(be, {rows, 1 + k});
+      const Tensor top =
+          put(be, std::vector<std::int32_t>(static_cast<std::size_t>(rows * k), -1), {rows, k});
+      be.token_logprobs(put(be, logits, {rows, vocab}), put(be, tokens, {rows}), v, top);
+      values[b] = get<float>(be, v);
+      ids[b] = get<std::int32_t>(be, top);
+    }
+    EXPECT_EQ(ids[1], ids[0]) << "k " << k;
+    for (std::size_t i = 0; i < values[0].size(); ++i) {
+      const bool nan_row = i / static_cast<std::size_t>(1 + k) == 3;
+      if (nan_row || (k == 0 && i == 4) || (k > 0 && i == static_cast<std::size_t>(4 * (1 + k)))) {
+        EXPECT_TRUE(std::isnan(values[1][i]) && std::isnan(values[0][i])) << "value " << i << ", k " << k;
+      } else {
+        EXPECT_NEAR(values[1][i], values[0][i], 1e-4) << "value " << i << ", k " << k;
+      }
+    }
+    if (k > 0) {
+      const auto tied = std::vector<std::int32_t>(ids[1].begin() + 2 * k, ids[1].begin() + 2 * k + 4);
+      EXPECT_EQ(tied, (std::vector<std::int32_t>{3, 17, 400, 900})) << "ties go to the lower id";
+    }
+  }
+}
+
 TEST_F(BackendPair, TensorsOfAnotherDeviceAndHostSynchronisationsAreChecked) {
   std::vector<float> host(8, 1.0F);
   const Tensor on_cpu = Tensor::host(std::span(host), {2, 4});

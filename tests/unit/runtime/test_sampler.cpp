@@ -163,6 +163,18 @@ TEST(Sampler, ValidationNamesTheField) {
   p.temperature = std::nanf("");
   EXPECT_FALSE(validate_sampling(p).empty());
   EXPECT_TRUE(validate_sampling({}).empty());
+  p = {};
+  p.logprobs = true;
+  p.top_logprobs = kMaxTopLogprobs + 1;
+  EXPECT_EQ(validate_sampling(p), "top_logprobs must be in [0, 20]");
+  p.top_logprobs = -1;
+  EXPECT_EQ(validate_sampling(p), "top_logprobs must be in [0, 20]");
+  p.top_logprobs = kMaxTopLogprobs;
+  EXPECT_TRUE(validate_sampling(p).empty());
+  p.logprobs = false;
+  EXPECT_EQ(validate_sampling(p), "top_logprobs needs logprobs or prompt_logprobs");
+  p.prompt_logprobs = true;
+  EXPECT_TRUE(validate_sampling(p).empty());
 }
 
 }  // namespace

@@ -8,6 +8,8 @@
 
 #include "kernels/cpu/cpu_backend.h"
 #include "runtime/model.h"
+#include "runtime/npy.h"
+#include "tests/unit/kernels/log_softmax_reference.h"
 #include "tests/unit/runtime/fixture_models.h"
 
 namespace capserve::server {
@@ -169,6 +171,61 @@ TEST_F(RankWorkerTest, ARefusedStepDropsItsSequencesAndReportsWhy) {
   result = worker.run(plan);
   ASSERT_TRUE(result.ok) << result.error;
   EXPECT_EQ(result.sequences.size(), 1U);
+}
+
+// A sequence asking for log-probabilities gets, at its prefill, one record per prompt token after the first
+// (each equal to log_softmax of transformers' prompt logits) and one for its sampled token, each with its
+// top_logprobs alternatives; a sequence beside it that asks nothing gets none, and its token is unchanged.
+TEST_F(RankWorkerTest, ReportsPromptAndSampledLogprobsOfTheSequencesThatAsk) {
+  const nlohmann::json prompt = capserve::testing::fixture_reference("qwen2_moe")["prompts"][3];
+  const runtime::NpyArray logits = runtime::read_npy(capserve::testing::fixture_models_dir() / "qwen2_moe" /
+                                                     prompt["prompt_logits"].get<std::string>());
+  const auto vocab = static_cast<std::size_t>(model_->config().vocab_size);
+  const std::vector<std::int32_t>& ids = prompts_[3];
+  const auto greedy = prompt["greedy_ids"].get<std::vector<std::int32_t>>();
+  RankWorker worker(engine_, 0);
+  StepPlan plan;
+  plan.starts.push_back(start(1, 0, prompts_[1]));
+  SequenceStart asking = start(2, 0, ids);
+  asking.logprobs = 1;
+  asking.prompt_logprobs = 1;
+  asking.top_logprobs = 3;
+  plan.starts.push_back(asking);
+  StepResult result = worker.run(plan);
+  ASSERT_TRUE(result.ok) << result.error;
+  ASSERT_EQ(result.sequences.size(), 2U);
+  EXPECT_EQ(result.sequences[1].token, greedy[0]);
+  ASSERT_EQ(result.logprobs.size(), ids.size());
+  ASSERT_EQ(result.top_logprobs.size(), 3 * ids.size());
+  for (std::size_t r = 0; r < ids.size(); ++r) {
+    const LogprobRecord& rec = result.logprobs[r];
+    EXPECT_EQ(rec.id, 2U);
+    EXPECT_EQ(rec.top_count, 3);
+    const bool sampled = r + 1 == ids.size();
+    EXPECT_EQ(rec.prompt, sampled ? 0 : 1) << "record " << r;
+    EXPECT_EQ(rec.token, sampled ? greedy[0] : ids[r + 1]) << "record " << r;
+    const std::span<const float> row(logits.data.data() + r * vocab, vocab);
+    const std::vector<double> expected = capserve::testing::log_softmax(row);
+    const std::vector<std::int32_t> ranked = capserve::testing::ranked_ids(row);
+    EXPECT_NEAR(rec.logprob, expected[static_cast<std::size_t>(rec.token)], 1e-4) << "record " << r;
+    for (std::size_t j = 0; j < 3; ++j) {
+      EXPECT_EQ(result.top_logprobs[3 * r + j].token, ranked[j]) << "record " << r;
+      EXPECT_NEAR(result.top_logprobs[3 * r + j].logprob, expected[static_cast<std::size_t>(ranked[j])],
+                  1e-4);
+    }
+  }
+
+  plan = {};
+  plan.decodes = {1, 2};
+  result = worker.run(plan);
+  ASSERT_TRUE(result.ok) << result.error;
+  ASSERT_EQ(result.logprobs.size(), 1U) << "one sampled token, no prompt";
+  EXPECT_EQ(result.logprobs[0].id, 2U);
+  EXPECT_EQ(result.logprobs[0].token, greedy[1]);
+  EXPECT_EQ(result.logprobs[0].prompt, 0);
+  EXPECT_EQ(result.top_logprobs.size(), 3U);
+  EXPECT_EQ(result.top_logprobs[0].token, greedy[1]) << "greedy takes the most likely token";
+  EXPECT_EQ(result.top_logprobs[0].logprob, result.logprobs[0].logprob);
 }
 
 }  // namespace

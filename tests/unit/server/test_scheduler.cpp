@@ -63,6 +63,66 @@ TEST_F(SchedulerTest, StopStringHoldBackCutsOnCharacterBoundaries) {
   EXPECT_EQ(events.back().terminal, Terminal::ok_length);
 }
 
+// Log-probability entries travel with the events that carry their tokens: the prompt's (all but its first
+// token) with the first event, a generated token's with the text delta that completes its text (text held
+// back for a possible stop string takes its entries along), the rest at the end; a stop token's entry is not
+// sent, like its text.
+TEST_F(SchedulerTest, LogprobEntriesGoWithTheTextThatCoversTheirTokens) {
+  Scheduler scheduler({}, 1, &tokenizer_, nullptr, nullptr);
+  runtime::SamplingParams params;
+  params.max_new_tokens = 8;
+  params.logprobs = true;
+  params.prompt_logprobs = true;
+  params.top_logprobs = 1;
+  const std::int32_t a = single_token(tokenizer_, "a");
+  const std::int32_t q = single_token(tokenizer_, "Q");
+  params.stop_token_ids = {q};
+  const auto request =
+      std::make_shared<Request>("r", std::vector<std::int32_t>{5, 6, 7}, params,
+                                std::vector<std::string>{"QQ"}, true, Clock::time_point::max());
+  ASSERT_EQ(scheduler.submit(request), Scheduler::Refusal::none);
+  float logprob = -1.0F;
+  for (const std::int32_t token : {a, a, a, q}) {
+    const StepPlan plan = scheduler.plan(Clock::now());
+    StepResult result;
+    const std::uint64_t id = plan.starts.empty() ? plan.decodes.at(0) : plan.starts[0].id;
+    if (!plan.starts.empty()) {
+      EXPECT_EQ(plan.starts[0].logprobs, 1);
+      EXPECT_EQ(plan.starts[0].prompt_logprobs, 1);
+      EXPECT_EQ(plan.starts[0].top_logprobs, 1);
+    }
+    result.sequences.push_back({id, token, 0, 0});
+    if (!plan.starts.empty()) {
+      for (const std::int32_t next : {6, 7}) {
+        result.logprobs.push_back({id, next, -0.5F, 1, 1});
+        result.top_logprobs.push_back({next, -0.5F});
+      }
+    }
+    result.logprobs.push_back({id, token, logprob, 1, 0});
+    result.top_logprobs.push_back({9, logprob / 2});
+    scheduler.complete(std::span<const StepResult>(&result, 1), {}, Clock::now());
+    logprob -= 1.0F;
+  }
+  // One byte is held back for "QQ": each "a" is sent one step after it was sampled.
+  const std::vector<RequestEvent> events = drain_events(*request);
+  ASSERT_EQ(events.size(), 3U);
+  EXPECT_EQ(events[0].prompt_logprobs.tokens, (std::vector<std::int32_t>{6, 7}));
+  EXPECT_EQ(events[0].prompt_logprobs.alternatives(1)[0].token, 7);
+  for (std::size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(events[i].text, "a") << "event " << i;
+    EXPECT_EQ(events[i].logprobs.tokens, std::vector<std::int32_t>{a}) << "event " << i;
+    EXPECT_EQ(events[i].logprobs.logprobs, std::vector<float>{-1.0F - static_cast<float>(i)})
+        << "event " << i;
+    ASSERT_EQ(events[i].logprobs.alternatives(0).size(), 1U);
+    EXPECT_EQ(events[i].logprobs.alternatives(0)[0].logprob, (-1.0F - static_cast<float>(i)) / 2);
+    if (i > 0) {
+      EXPECT_TRUE(events[i].prompt_logprobs.empty()) << "event " << i;
+    }
+  }
+  EXPECT_EQ(events[2].terminal, Terminal::ok_stop);
+  EXPECT_EQ(events[2].completion_tokens, 4U);
+}
+
 // A rank that could not sample one sequence (non-finite logits) fails that request alone, with a message; the
 // other sequence of the same step goes on to finish normally, and the failed one is freed on the ranks.
 TEST_F(SchedulerTest, ASequenceWithoutATokenFailsAloneWithAnError) {

@@ -12,7 +12,7 @@ namespace {
 TEST(StepPlanTest, PlanRoundTripKeepsEveryField) {
   StepPlan plan;
   plan.frees = {7, 9};
-  plan.starts.push_back({11, 1, {5, 6, 7}, 0.5F, 40, 0.9F, 1234});
+  plan.starts.push_back({11, 1, {5, 6, 7}, 0.5F, 40, 0.9F, 1234, 1, 1, 20});
   plan.starts.push_back({12, 0, {8}, 0.0F, 0, 1.0F, 0});
   plan.decodes = {3, 4, 5};
   const StepPlan back = deserialize_plan(serialize(plan));
@@ -26,6 +26,11 @@ TEST(StepPlanTest, PlanRoundTripKeepsEveryField) {
   EXPECT_EQ(back.starts[0].top_k, 40);
   EXPECT_EQ(back.starts[0].top_p, 0.9F);
   EXPECT_EQ(back.starts[0].seed, 1234U);
+  EXPECT_EQ(back.starts[0].logprobs, 1);
+  EXPECT_EQ(back.starts[0].prompt_logprobs, 1);
+  EXPECT_EQ(back.starts[0].top_logprobs, 20);
+  EXPECT_EQ(back.starts[1].logprobs, 0);
+  EXPECT_EQ(back.starts[1].top_logprobs, 0);
   EXPECT_EQ(back.starts[1].id, 12U);
   EXPECT_EQ(back.starts[1].prompt, (std::vector<std::int32_t>{8}));
   EXPECT_EQ(back.decodes, (std::vector<std::uint64_t>{3, 4, 5}));
@@ -42,7 +47,18 @@ TEST(StepPlanTest, ResultRoundTripKeepsErrorAndSequences) {
   result.ok = false;
   result.error = "KV cache: step needs 3 blocks, 1 free";
   result.sequences.push_back({21, 99, 2, 1, SequenceFailure::non_finite_logits});
+  result.logprobs.push_back({21, 98, -0.25F, 2, 1});
+  result.top_logprobs = {{98, -0.25F}, {3, -1.5F}};
   const StepResult back = deserialize_result(serialize(result));
+  ASSERT_EQ(back.logprobs.size(), 1U);
+  EXPECT_EQ(back.logprobs[0].id, 21U);
+  EXPECT_EQ(back.logprobs[0].token, 98);
+  EXPECT_EQ(back.logprobs[0].logprob, -0.25F);
+  EXPECT_EQ(back.logprobs[0].top_count, 2);
+  EXPECT_EQ(back.logprobs[0].prompt, 1);
+  ASSERT_EQ(back.top_logprobs.size(), 2U);
+  EXPECT_EQ(back.top_logprobs[1].token, 3);
+  EXPECT_EQ(back.top_logprobs[1].logprob, -1.5F);
   EXPECT_FALSE(back.ok);
   EXPECT_EQ(back.error, "KV cache: step needs 3 blocks, 1 free");
   ASSERT_EQ(back.sequences.size(), 1U);
