@@ -2,6 +2,7 @@
 capserve-generate's dumped logits gives them (1e-4), prompt log-probabilities of the same tokens agree with the
 decode-time ones, Chat's entries spell its text chunk by chunk, and out-of-range requests are refused."""
 
+import json
 import math
 import os
 import subprocess
@@ -87,6 +88,31 @@ class LogprobsTest(ServerTestCase):
         for c in chunks:
             if not any("\ufffd" in e.token for e in c.logprobs):
                 self.assertEqual("".join(e.token for e in c.logprobs), c.delta, "a chunk's entries")
+
+    def test_prompt_logprobs_equal_capserve_eval_heldout_for_the_same_text(self):
+        # capserve-eval-heldout scores windows of `window` text tokens after <|endoftext|> (id 0); with
+        # --heldout-fraction 1 its text is the file after its first line.
+        text = ("The mixture of experts routes every token to a few of its experts, so a model can hold many "
+                "parameters and still spend little compute on each token it reads or writes.")
+        window = 24
+        with tempfile.TemporaryDirectory() as tmp:
+            with open(os.path.join(tmp, "doc.txt"), "w") as f:
+                f.write("header\n" + text + "\n")
+            out = os.path.join(tmp, "eval.json")
+            subprocess.run([os.environ["CAPSERVE_EVAL_HELDOUT"], "--model", MODEL, "--corpus", tmp, "--domains",
+                            "doc", "--window", str(window), "--max-windows", "1", "--batch-windows", "1",
+                            "--heldout-fraction", "1", "--threads", "1", "--json", out],
+                           check=True, capture_output=True, timeout=120)
+            with open(out) as f:
+                figures = json.load(f)["domains"]["doc"]
+            ids = subprocess.run([os.environ["CAPSERVE_TOKENIZE"], "--tokenizer", MODEL], input=text + "\n",
+                                 check=True, capture_output=True, text=True, timeout=60).stdout.split()
+        self.assertEqual(figures["tokens"], window)
+        self.assertGreater(len(ids), window + 4, "the window lies inside the text")
+        chunks = self.generate([0] + [int(t) for t in ids[:window]], 1, prompt_logprobs=True)
+        entries = chunks[0].prompt_logprobs
+        self.assertEqual(len(entries), window)
+        self.assertAlmostEqual(-sum(e.logprob for e in entries), figures["total_nll"], delta=1e-4)
 
     def test_out_of_range_requests_are_refused(self):
         for options, field in [(dict(logprobs=True, top_logprobs=21), "sampling.top_logprobs: must be in [0, 20]"),
