@@ -13,6 +13,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -668,6 +669,51 @@ TEST(CudaKernels, NanLogitsAreNeverSampled) {
         << "row " << r << " drew NaN id " << t;
     if (r % 4 == 0) {
       EXPECT_EQ(t, want[static_cast<std::size_t>(r)]) << "row " << r;
+    }
+  }
+}
+
+// The token log-probability kernel against the CPU backend's: rows of 24 x 700 logits with NaNs, ties and
+// -inf, every rank of the smaller ones (top_k = vocab: NaN last), tokens inside and outside the vocabulary.
+TEST(CudaKernels, TokenLogprobsEqualTheCpuBackend) {
+  CAPSERVE_REQUIRE_CUDA_DEVICE();
+  Rng rng(89);
+  kernels::cpu::CpuBackend cpu(1);
+  for (const auto& [rows, vocab, k] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{24, 700, 7},
+                                       std::tuple<std::int64_t, std::int64_t, std::int64_t>{3, 40, 40}}) {
+    std::vector<float> logits = normal_vector(rng, static_cast<std::size_t>(rows * vocab), 3.0F);
+    std::vector<std::int32_t> tokens(static_cast<std::size_t>(rows));
+    for (std::int64_t r = 0; r < rows; ++r) {
+      float* row = logits.data() + r * vocab;
+      row[uniform(rng, 0, vocab - 1)] = 9.0F;  // a tie for the lead
+      row[uniform(rng, 0, vocab - 1)] = 9.0F;
+      row[uniform(rng, 0, vocab - 1)] = -INFINITY;
+      if (r % 3 == 1) row[uniform(rng, 0, vocab - 1)] = NAN;
+      tokens[static_cast<std::size_t>(r)] =
+          static_cast<std::int32_t>(r % 5 == 4 ? vocab : uniform(rng, 0, vocab - 1));
+    }
+    std::vector<float> want_values(static_cast<std::size_t>(rows * (1 + k)));
+    std::vector<std::int32_t> want_ids(static_cast<std::size_t>(rows * k));
+    cpu.token_logprobs(kernels::Tensor::host(std::span(logits), {rows, vocab}),
+                       kernels::Tensor::host(std::span(tokens), {rows}),
+                       kernels::Tensor::host(std::span(want_values), {rows, 1 + k}),
+                       kernels::Tensor::host(std::span(want_ids), {rows, k}));
+    const auto d_logits = upload(logits);
+    const auto d_tokens = upload(tokens);
+    auto d_values = poisoned<float>(want_values.size());
+    auto d_ids = poisoned<std::int32_t>(want_ids.size());
+    kernels::cuda::token_logprobs(d_logits.data(), rows, vocab, d_tokens.data(), k, d_values.data(),
+                                  d_ids.data(), nullptr);
+    EXPECT_EQ(download(d_ids, want_ids.size()), want_ids) << vocab;
+    const std::vector<float> values = download(d_values, want_values.size());
+    for (std::size_t i = 0; i < values.size(); ++i) {
+      if (std::isnan(want_values[i])) {
+        EXPECT_TRUE(std::isnan(values[i])) << vocab << ": value " << i;
+      } else if (std::isinf(want_values[i])) {
+        EXPECT_EQ(values[i], want_values[i]) << vocab << ": value " << i;  // the -inf logit
+      } else {
+        EXPECT_NEAR(values[i], want_values[i], 1e-5) << vocab << ": value " << i;
+      }
     }
   }
 }

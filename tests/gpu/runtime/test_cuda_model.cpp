@@ -20,6 +20,7 @@
 #include "runtime/model.h"
 #include "runtime/npy.h"
 #include "tests/gpu/gpu_test_support.h"
+#include "tests/unit/kernels/log_softmax_reference.h"
 #include "tests/unit/runtime/fixture_models.h"
 
 namespace capserve {
@@ -95,6 +96,41 @@ TEST_P(CudaModel, GreedyContinuationEqualsTheCpuBackends) {
         << "token " << i << ": CUDA " << cuda[0].tokens[i] << ", CPU " << cpu[0].tokens[i]
         << " is no near-tie";
     break;  // the continuations diverge from here
+  }
+}
+
+// Prompt log-probabilities scored on the device (Engine::score, the CUDA token_logprobs kernel) against
+// log_softmax of transformers' prompt logits: every position's next token and its top 5, within 1e-4 with
+// f32 weights; with bf16 weights within twice the logits' bf16 tolerance (a log-probability is a difference
+// of two logits).
+TEST_P(CudaModel, PromptLogprobsEqualLogSoftmaxOfTransformersLogits) {
+  const nlohmann::json& prompt = ref_["prompts"][3];
+  const auto ids = prompt["input_ids"].get<std::vector<std::int32_t>>();
+  const runtime::NpyArray logits = runtime::read_npy(dir_ / prompt["prompt_logits"].get<std::string>());
+  const auto vocab = static_cast<std::size_t>(logits.shape[1]);
+  const runtime::Engine::Work work{42, ids, true};
+  ASSERT_TRUE(cuda_engine_->step(std::span(&work, 1)).ok());
+  std::vector<std::int32_t> next(ids.begin() + 1, ids.end());
+  next.push_back(prompt["greedy_ids"][0].get<std::int32_t>());
+  runtime::TokenLogprobs scores;
+  cuda_engine_->score(next, 5, scores);
+  double scale = 0.0;
+  for (const float l : logits.data) scale = std::max(scale, static_cast<double>(std::fabs(l)));
+  const bool f32 = cuda_model_->weights().lm_head.dtype() == kernels::DType::f32;
+  const double allowed = f32 ? 1e-4 : 2 * tolerance(*cuda_model_) * scale;
+  for (std::size_t r = 0; r < ids.size(); ++r) {
+    const std::span<const float> row(logits.data.data() + r * vocab, vocab);
+    const std::vector<double> expected = testing::log_softmax(row);
+    const auto row_index = static_cast<std::int64_t>(r);
+    EXPECT_NEAR(scores.logprob(row_index), expected[static_cast<std::size_t>(next[r])], allowed)
+        << "position " << r;
+    for (std::int64_t j = 0; j < 5; ++j) {
+      const std::int32_t id = scores.top_id(row_index, j);
+      EXPECT_NEAR(scores.top_logprob(row_index, j), expected[static_cast<std::size_t>(id)], allowed);
+      if (j > 0) {
+        EXPECT_LE(scores.top_logprob(row_index, j), scores.top_logprob(row_index, j - 1));
+      }
+    }
   }
 }
 
