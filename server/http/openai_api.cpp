@@ -45,7 +45,7 @@ struct FieldError {
 Response intake_response(const IntakeError& e) {
   switch (e.code) {
     case IntakeCode::invalid_argument:
-      if (e.param == "model")
+      if (e.param == "model" && e.message.find("unknown model") != std::string::npos)
         return error_response(404, e.message, "invalid_request_error", e.param, "model_not_found");
       if (e.message.find("context length") != std::string::npos)
         return error_response(400, e.message, "invalid_request_error", e.param, "context_length_exceeded");

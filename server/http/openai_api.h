@@ -20,9 +20,9 @@
 namespace capserve::server::http {
 
 struct OpenAiOptions {
-  std::string version;            // GET /version
-  std::int64_t max_choices = 64;  // n times the number of prompts, per call
-  std::function<bool()> stalled;  // the step watchdog fired: /health answers 503
+  std::string version;                 // GET /version
+  std::int64_t max_choices = 64;       // n times the number of prompts, per call
+  std::function<bool()> stalled = {};  // the step watchdog fired: /health answers 503
 };
 
 // An error in OpenAI's shape with its HTTP status; `param` null when empty.
