@@ -1,9 +1,9 @@
 // capserve: the expert-parallel MoE inference server. `mpirun -np N capserve --model DIR ...`: every rank
 // loads the replicated weights and its own experts and runs the lockstep step loop; rank 0 also serves gRPC
-// (the capserve.v1.Inference service, health, reflection), schedules (continuous batching + CAPS batch
-// selection) and exposes Prometheus metrics. SIGTERM (or SIGINT) drains: no new requests, running ones
-// finish, exit 0. A step that makes no progress for --step-timeout-s (a hung rank) fails every request
-// UNAVAILABLE and ends the job non-zero.
+// (the capserve.v1.Inference service, health, reflection) and the OpenAI-compatible HTTP API, schedules
+// (continuous batching + CAPS batch selection) and exposes Prometheus metrics. SIGTERM (or SIGINT) drains: no
+// new requests, running ones finish, exit 0. A step that makes no progress for --step-timeout-s (a hung rank)
+// fails every request UNAVAILABLE and ends the job non-zero.
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -36,9 +36,11 @@
 #include "runtime/model.h"
 #include "runtime/tokenizer/tokenizer.h"
 #include "server/http/http_server.h"
+#include "server/http/openai_api.h"
 #include "server/inference_service.h"
 #include "server/json_config.h"
 #include "server/rank_worker.h"
+#include "server/request_intake.h"
 #include "server/scheduler.h"
 #include "server/server_metrics.h"
 #include "server/step_plan.h"
@@ -59,6 +61,7 @@ struct Options {
   std::string host = "0.0.0.0";
   int port = 50051;
   int metrics_port = 9400;
+  int http_port = 8000;
   int threads = 0;
   std::string device = "cpu";
   std::string kv_dtype = "auto";
@@ -78,12 +81,19 @@ void add_flags(CLI::App& app, Options& o) {
       ->required()
       ->check(CLI::ExistingDirectory);
   app.add_option("--model-id", o.model_id, "the model's name in the API (default: the directory name)");
-  app.add_option("--host", o.host, "gRPC listen address")->capture_default_str();
+  app.add_option("--host", o.host,
+                 "listen address of gRPC, the HTTP API and /metrics (0.0.0.0: every IPv4 interface, :: every "
+                 "interface, 127.0.0.1: this machine only)")
+      ->capture_default_str();
   app.add_option("--port", o.port, "gRPC port (0: any free port, printed at start)")
       ->check(port_range)
       ->capture_default_str();
   app.add_option("--metrics-port", o.metrics_port, "Prometheus /metrics port on rank 0 (0: any)")
       ->check(port_range)
+      ->capture_default_str();
+  app.add_option("--http-port", o.http_port,
+                 "OpenAI-compatible HTTP API port on rank 0 (0: any free port, printed at start; -1: off)")
+      ->check(CLI::Range(-1, 65535))
       ->capture_default_str();
   app.add_option("--threads", o.threads, "CPU threads per rank (default: cores / ranks on the node)")
       ->check(runtime::at_least(0));
@@ -215,8 +225,12 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Engine& engine, server
   std::unique_ptr<server::ServerMetrics> metrics;
   std::unique_ptr<server::http::Server> metrics_http;  // after metrics: serves it, so goes first
   std::unique_ptr<server::Scheduler> scheduler;
+  std::unique_ptr<server::RequestIntake> intake;
   std::unique_ptr<server::InferenceService> service;
   std::unique_ptr<grpc::Server> grpc_server;
+  std::unique_ptr<server::http::OpenAiApi> openai;
+  std::unique_ptr<server::http::Server> api_http;  // after the intake and the API: serves them, so goes first
+  std::atomic<bool> stalled{false};                // the step watchdog fired: /health answers 503
 
   // The router dry run folded through the placement into per-rank loads.
   const parallel::ExpertPlacement& placement = model.placement();
@@ -276,15 +290,37 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Engine& engine, server
     metrics = std::make_unique<server::ServerMetrics>(model.moe_layers(), config.num_experts, world.size());
     metrics_http = std::make_unique<server::http::Server>(
         server::http::Options{.host = o.host, .port = o.metrics_port},
-        std::map<std::string, server::http::Handler, std::less<>>{
+        std::map<std::string, server::http::Route, std::less<>>{
             {"/metrics", [&metrics] {
                return server::http::Response{200, "text/plain; version=0.0.4; charset=utf-8",
                                              metrics->exposition()};
              }}});
     scheduler = std::make_unique<server::Scheduler>(
         o.scheduler, world.size(), tokenizer ? &*tokenizer : nullptr, predictor, metrics.get());
-    service = std::make_unique<server::InferenceService>(*scheduler, tokenizer ? &*tokenizer : nullptr, chat,
-                                                         o.limits, info, metrics.get());
+    intake = std::make_unique<server::RequestIntake>(*scheduler, tokenizer ? &*tokenizer : nullptr, chat,
+                                                     o.limits, metrics.get());
+    service = std::make_unique<server::InferenceService>(*intake, info);
+    if (o.http_port >= 0) {
+      openai = std::make_unique<server::http::OpenAiApi>(
+          *intake, server::http::OpenAiOptions{.version = info.version(),
+                                               .stalled = [&stalled] { return stalled.load(); }});
+      auto routes = openai->routes();
+      routes.emplace("/metrics", [&metrics] {
+        return server::http::Response{200, "text/plain; version=0.0.4; charset=utf-8", metrics->exposition()};
+      });
+      // Streams hold a connection each but no thread: two I/O threads serve hundreds of them.
+      api_http = std::make_unique<server::http::Server>(
+          server::http::Options{.host = o.host,
+                                .port = o.http_port,
+                                .io_threads = 2,
+                                .max_connections = 1024,
+                                .read_timeout = std::chrono::seconds(10),
+                                .write_timeout = std::chrono::seconds(30),
+                                .max_header_bytes = 16 * 1024,
+                                .max_body_bytes = 4 * 1024 * 1024,
+                                .error_response = server::http::server_error_response},
+          std::move(routes));
+    }
     grpc::EnableDefaultHealthCheckService(true);
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();
     grpc::ServerBuilder builder;
@@ -312,6 +348,7 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Engine& engine, server
   server::StepWatchdog watchdog(step_bound(o), heartbeat, [&](const std::string& why) {
     spdlog::error("capserve: {}; failing every request and stopping the job", why);
     health.SetServingStatus(false);
+    stalled.store(true);
     scheduler->fail_all(server::Terminal::unavailable, why);
     // The handlers deliver those statuses within milliseconds; health reads NOT_SERVING meanwhile.
     constexpr auto kGrace = std::chrono::seconds(1);
@@ -323,9 +360,10 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Engine& engine, server
   });
 
   // Machine-readable start line: tests and scripts wait for it.
-  std::printf("capserve: serving %s on %s, metrics on port %d, %d ranks on %s\n", o.limits.model_id.c_str(),
-              host_port(o.host, bound_port).c_str(), metrics_http->port(), world.size(),
-              kernels::to_string(model.backend().device()).c_str());
+  const std::string http_api = api_http ? "on port " + std::to_string(api_http->port()) : "off";
+  std::printf("capserve: serving %s on %s, metrics on port %d, %d ranks on %s, HTTP API %s\n",
+              o.limits.model_id.c_str(), host_port(o.host, bound_port).c_str(), metrics_http->port(),
+              world.size(), kernels::to_string(model.backend().device()).c_str(), http_api.c_str());
   std::fflush(stdout);
 
   try {

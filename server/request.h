@@ -1,13 +1,16 @@
 #pragma once
-// One client request as it travels between its gRPC handler thread and the engine loop: what was asked
-// (immutable once submitted), and a channel of events back to the handler (text or token deltas, then exactly
-// one terminal event). The handler may flag it cancelled at any time; the engine loop frees its sequence at
+// One client request as it travels between its front end (a gRPC handler thread, or an HTTP connection on an
+// I/O thread) and the engine loop: what was asked (immutable once submitted), and a channel of events back
+// (text or token deltas, then exactly one terminal event). A gRPC handler blocks in next(); an HTTP
+// connection holds no thread: it registers a listener, which push() calls, and drains the events with
+// try_next(). The front end may flag the request cancelled at any time; the engine loop frees its sequence at
 // the next step.
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -49,14 +52,16 @@ struct RequestEvent {
 class Request {
  public:
   Request(std::string id, std::vector<std::int32_t> prompt, runtime::SamplingParams params,
-          std::vector<std::string> stop_strings, bool text_output, Clock::time_point deadline)
+          std::vector<std::string> stop_strings, bool text_output, Clock::time_point deadline,
+          std::string peer = {})
       : id_(std::move(id)),
         prompt_(std::move(prompt)),
         params_(std::move(params)),
         stop_strings_(std::move(stop_strings)),
         text_output_(text_output),
         deadline_(deadline),
-        arrival_(Clock::now()) {}
+        arrival_(Clock::now()),
+        peer_(std::move(peer)) {}
 
   [[nodiscard]] const std::string& id() const { return id_; }
   [[nodiscard]] const std::vector<std::int32_t>& prompt() const { return prompt_; }
@@ -65,6 +70,12 @@ class Request {
   [[nodiscard]] bool text_output() const { return text_output_; }
   [[nodiscard]] Clock::time_point deadline() const { return deadline_; }
   [[nodiscard]] Clock::time_point arrival() const { return arrival_; }
+  // The client's address ("ipv4:10.0.0.1:5000"), empty when unknown.
+  [[nodiscard]] const std::string& peer() const { return peer_; }
+
+  // Front end, before the request is submitted: called (on the engine loop's thread, so it must be quick and
+  // must not call back into this request) after each push.
+  void set_listener(std::function<void()> listener) { listener_ = std::move(listener); }
 
   void cancel() { cancelled_.store(true, std::memory_order_relaxed); }
   [[nodiscard]] bool cancelled() const { return cancelled_.load(std::memory_order_relaxed); }
@@ -76,12 +87,22 @@ class Request {
       events_.push_back(std::move(event));
     }
     ready_.notify_one();
+    if (listener_) listener_();
   }
 
   // Handler side: the next event, or nothing when `timeout` passes first.
   std::optional<RequestEvent> next(std::chrono::milliseconds timeout) {
     std::unique_lock lock(mutex_);
     if (!ready_.wait_for(lock, timeout, [&] { return !events_.empty(); })) return std::nullopt;
+    RequestEvent e = std::move(events_.front());
+    events_.pop_front();
+    return e;
+  }
+
+  // Handler side, without waiting.
+  std::optional<RequestEvent> try_next() {
+    std::lock_guard lock(mutex_);
+    if (events_.empty()) return std::nullopt;
     RequestEvent e = std::move(events_.front());
     events_.pop_front();
     return e;
@@ -95,6 +116,8 @@ class Request {
   const bool text_output_;
   const Clock::time_point deadline_;
   const Clock::time_point arrival_;
+  const std::string peer_;
+  std::function<void()> listener_;
   std::atomic<bool> cancelled_{false};
   std::mutex mutex_;
   std::condition_variable ready_;

@@ -3,6 +3,7 @@
 #include <boost/asio/dispatch.hpp>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/post.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/strand.hpp>
 #include <boost/beast/core.hpp>
@@ -10,8 +11,10 @@
 
 #include <array>
 #include <atomic>
+#include <cstdio>
 #include <exception>
 #include <optional>
+#include <sstream>
 #include <stdexcept>
 #include <string_view>
 #include <thread>
@@ -26,7 +29,7 @@ namespace beast = boost::beast;
 namespace bhttp = beast::http;
 using tcp = asio::ip::tcp;
 
-using Routes = std::map<std::string, Handler, std::less<>>;
+using Routes = std::map<std::string, Route, std::less<>>;
 
 // What every connection shares: the routes, the limits and the count of open connections.
 struct Shared {
@@ -48,7 +51,10 @@ std::string describe(const std::string& host, int port) {
 class Session : public std::enable_shared_from_this<Session> {
  public:
   Session(tcp::socket&& socket, Shared& shared) : stream_(std::move(socket)), shared_(shared) {}
-  ~Session() { shared_.connections.fetch_sub(1); }
+  ~Session() {
+    if (producer_ && !produced_) producer_->abandon();  // e.g. the server stops: its requests are cancelled
+    shared_.connections.fetch_sub(1);
+  }
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
 
@@ -67,12 +73,12 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   void on_read(const beast::error_code& ec) {
-    if (ec == bhttp::error::header_limit) return answer(431, "request header too large\n", false);
-    if (ec == bhttp::error::body_limit) return answer(413, "request body too large\n", false);
+    if (ec == bhttp::error::header_limit) return answer(431, "request header too large", false);
+    if (ec == bhttp::error::body_limit) return answer(413, "request body too large", false);
     if (ec == bhttp::error::end_of_stream || !is_parse_error(ec)) {
       if (ec) return close();  // the client left, a network error, or the read deadline passed
     } else {
-      return answer(400, "malformed HTTP request\n", false);
+      return answer(400, "malformed HTTP request", false);
     }
     const auto& request = parser_->get();
     const bool keep_alive = request.keep_alive();
@@ -80,39 +86,193 @@ class Session : public std::enable_shared_from_this<Session> {
     std::string_view path(target.data(), target.size());
     path = path.substr(0, path.find('?'));
     const auto route = shared_.routes.find(path);
-    if (route == shared_.routes.end()) return answer(404, "not found\n", keep_alive);
-    const bool head = request.method() == bhttp::verb::head;
-    if (!head && request.method() != bhttp::verb::get)
-      return answer(405, "method not allowed: use GET or HEAD\n", keep_alive);
+    if (route == shared_.routes.end()) return answer(404, "not found", keep_alive);
+    const bool get = route->second.method == Method::get;
+    const bool head = get && request.method() == bhttp::verb::head;
+    if (!head && request.method() != (get ? bhttp::verb::get : bhttp::verb::post))
+      return answer(405, get ? "method not allowed: use GET or HEAD" : "method not allowed: use POST",
+                    keep_alive);
     Response response;
     try {
-      response = route->second();
+      IncomingRequest in{request.body(), peer(), [&request](std::string_view name) {
+                           const auto it = request.find(beast::string_view(name.data(), name.size()));
+                           return it == request.end()
+                                      ? std::string_view()
+                                      : std::string_view(it->value().data(), it->value().size());
+                         }};
+      response = route->second.handler(in);
     } catch (const std::exception& e) {
       response = {500, "text/plain; charset=utf-8", std::string("internal error: ") + e.what() + "\n"};
     }
+    if (response.producer) return begin_production(std::move(response), request.version());
     if (head) {
       bhttp::response<bhttp::empty_body> res{static_cast<bhttp::status>(response.status), request.version()};
       res.set(bhttp::field::content_type, response.content_type);
+      for (const auto& [name, value] : response.headers) res.set(name, value);
       res.content_length(response.body.size());
       return send(std::move(res), keep_alive);
     }
-    send(make(response.status, std::move(response.content_type), std::move(response.body), request.version()),
-         keep_alive);
+    send(make(std::move(response), request.version()), keep_alive);
   }
 
-  static bhttp::response<bhttp::string_body> make(unsigned status, std::string content_type, std::string body,
-                                                  unsigned version) {
-    bhttp::response<bhttp::string_body> res{static_cast<bhttp::status>(status), version};
-    res.set(bhttp::field::content_type, std::move(content_type));
-    res.body() = std::move(body);
+  // The client's address in gRPC's notation, so that per-address limits count both APIs alike.
+  std::string peer() const {
+    beast::error_code ec;
+    const tcp::endpoint remote = stream_.socket().remote_endpoint(ec);
+    if (ec) return "unknown";
+    const auto address = remote.address();
+    const std::string port = std::to_string(remote.port());
+    return address.is_v4() ? "ipv4:" + address.to_string() + ":" + port
+                           : "ipv6:[" + address.to_string() + "]:" + port;
+  }
+
+  static bhttp::response<bhttp::string_body> make(Response response, unsigned version) {
+    bhttp::response<bhttp::string_body> res{static_cast<bhttp::status>(response.status), version};
+    res.set(bhttp::field::content_type, std::move(response.content_type));
+    for (auto& [name, value] : response.headers) res.set(name, value);
+    res.body() = std::move(response.body);
     res.prepare_payload();
     return res;
   }
 
-  void answer(unsigned status, std::string text, bool keep_alive) {
-    auto res = make(status, "text/plain; charset=utf-8", std::move(text), 11);
-    if (status == 405) res.set(bhttp::field::allow, "GET, HEAD");
+  void answer(unsigned status, std::string_view text, bool keep_alive) {
+    Response response = shared_.options.error_response
+                            ? shared_.options.error_response(status, text)
+                            : Response{status, "text/plain; charset=utf-8", std::string(text) + "\n"};
+    auto res = make(std::move(response), 11);
+    if (status == 405) res.set(bhttp::field::allow, text.ends_with("POST") ? "POST" : "GET, HEAD");
     send(std::move(res), keep_alive);
+  }
+
+  // A response that waits on a Producer. The connection closes after it (a read stays pending meanwhile, to
+  // see the client leave, so no further request could be parsed cleanly anyway). While waiting, only writes
+  // have a deadline: a stream may be silent for as long as its request waits in the queue.
+  void begin_production(Response response, unsigned version) {
+    producer_ = std::move(response.producer);
+    if (response.stream) {
+      bhttp::response<bhttp::empty_body> head{static_cast<bhttp::status>(response.status), version};
+      head.set(bhttp::field::content_type, response.content_type);
+      head.set(bhttp::field::cache_control, "no-cache");
+      for (const auto& [name, value] : response.headers) head.set(name, value);
+      head.set(bhttp::field::server, "capserve");
+      head.chunked(true);
+      head.keep_alive(false);
+      // The head as text; the body follows as chunks framed by hand in pump().
+      std::ostringstream os;
+      os << head.base();
+      pending_out_ = os.str();
+      streaming_ = true;
+    } else {
+      whole_ = std::move(response);
+      whole_version_ = version;
+    }
+    stream_.expires_never();
+    watch_client();
+    producer_->start([weak = weak_from_this()] {
+      if (auto self = weak.lock()) self->wake();
+    });
+    pump();
+  }
+
+  void wake() {
+    if (wake_posted_.exchange(true)) return;
+    asio::post(stream_.get_executor(), [self = shared_from_this()] {
+      self->wake_posted_.store(false);
+      self->pump();
+    });
+  }
+
+  // Reads (and drops) whatever the client sends while its response is produced: an error or end of stream
+  // means it went away, which abandons the producer (cancelling its requests) at once.
+  void watch_client() {
+    stream_.async_read_some(asio::buffer(discarded_),
+                            [self = shared_from_this()](beast::error_code ec, std::size_t) {
+                              if (!ec) return self->watch_client();
+                              if (!self->produced_) self->abandon();
+                              self->close();
+                            });
+  }
+
+  void abandon() {
+    if (producer_ && !produced_) {
+      produced_ = true;
+      producer_->abandon();
+    }
+  }
+
+  void pump() {
+    if (writing_ || closed_ || finished_ || !producer_) return;
+    if (!produced_) {
+      try {
+        produced_ = producer_->poll(produced_body_);
+      } catch (const std::exception& e) {
+        // A broken producer ends the response; its requests are cancelled.
+        producer_->abandon();
+        produced_ = true;
+        failed_ = true;
+        if (!streaming_) {
+          whole_.status = 500;
+          whole_.content_type = "text/plain; charset=utf-8";
+          produced_body_ = std::string("internal error: ") + e.what() + "\n";
+        }
+      }
+    }
+    if (!streaming_) {
+      if (!produced_) return;
+      if (!failed_) whole_.status = producer_->status();
+      whole_.body = std::move(produced_body_);
+      finished_ = true;
+      auto res = make(std::move(whole_), whole_version_);
+      res.set(bhttp::field::server, "capserve");
+      res.keep_alive(false);
+      auto owned = std::make_shared<bhttp::response<bhttp::string_body>>(std::move(res));
+      writing_ = true;
+      stream_.expires_after(shared_.options.write_timeout);
+      bhttp::async_write(stream_, *owned,
+                         [self = shared_from_this(), owned](beast::error_code ec, std::size_t) {
+                           self->writing_ = false;
+                           if (ec) return self->close();
+                           self->finish_production();
+                         });
+      return;
+    }
+    if (!produced_body_.empty()) {
+      char size[20];
+      const int n = std::snprintf(size, sizeof size, "%zx\r\n", produced_body_.size());
+      pending_out_.append(size, static_cast<std::size_t>(n)).append(produced_body_).append("\r\n");
+      produced_body_.clear();
+    }
+    if (produced_) {
+      pending_out_.append("0\r\n\r\n");
+      finished_ = true;
+    }
+    if (pending_out_.empty()) return;
+    writing_ = true;
+    out_.swap(pending_out_);
+    pending_out_.clear();
+    stream_.expires_after(shared_.options.write_timeout);
+    asio::async_write(stream_, asio::buffer(out_),
+                      [self = shared_from_this(), last = produced_](beast::error_code ec, std::size_t) {
+                        self->writing_ = false;
+                        self->out_.clear();
+                        if (ec) {
+                          self->abandon();
+                          return self->close();
+                        }
+                        if (last) return self->finish_production();
+                        self->pump();
+                      });
+  }
+
+  // The whole answer is out: stop sending and let the client close; the pending read ends the connection
+  // when it does, or the timer after a second.
+  void finish_production() {
+    beast::error_code ignored;
+    stream_.socket().shutdown(tcp::socket::shutdown_send, ignored);
+    linger_timer_.expires_after(std::chrono::seconds(1));
+    linger_timer_.async_wait([self = shared_from_this()](beast::error_code ec) {
+      if (!ec) self->close();
+    });
   }
 
   template <typename Body>
@@ -148,6 +308,9 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   void close() {
+    if (closed_) return;
+    closed_ = true;
+    linger_timer_.cancel();
     beast::error_code ignored;
     stream_.socket().shutdown(tcp::socket::shutdown_both, ignored);
     stream_.close();
@@ -158,6 +321,21 @@ class Session : public std::enable_shared_from_this<Session> {
   std::optional<bhttp::request_parser<bhttp::string_body>> parser_;
   std::array<char, 4096> discarded_{};
   Shared& shared_;
+  // A response from a Producer.
+  std::shared_ptr<Producer> producer_;
+  Response whole_;  // not streamed: the head to send once the body is complete
+  unsigned whole_version_ = 11;
+  bool streaming_ = false;
+  bool produced_ = false;  // the producer's body is complete (or abandoned)
+  bool failed_ = false;    // the producer threw
+  bool finished_ = false;  // the last write of the response is issued
+  bool writing_ = false;
+  bool closed_ = false;
+  std::string produced_body_;  // polled, not yet framed
+  std::string pending_out_;    // framed, not yet written
+  std::string out_;            // being written
+  std::atomic<bool> wake_posted_{false};
+  asio::steady_timer linger_timer_{stream_.get_executor()};
 };
 
 }  // namespace

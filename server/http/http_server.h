@@ -1,10 +1,12 @@
 #pragma once
-// A small hardened HTTP/1.1 server for rank 0's plain HTTP endpoints (today `/metrics`), on Boost.Beast over
-// Asio. It replaces prometheus-cpp's civetweb exposer, which died with SIGSEGV on any 404/405 answer (Debian
-// civetweb 1.15) and let two idle or slowloris sockets block every scrape. Here each connection is an
+// A small hardened HTTP/1.1 server for rank 0's HTTP endpoints (`/metrics`, the OpenAI API), on Boost.Beast
+// over Asio. It replaces prometheus-cpp's civetweb exposer, which died with SIGSEGV on any 404/405 answer
+// (Debian civetweb 1.15) and let two idle or slowloris sockets block every scrape. Here each connection is an
 // asynchronous state machine on a fixed number of I/O threads, so an idle socket holds no thread; a request
 // must arrive whole within a deadline, headers and bodies are bounded, paths match exactly (the query string
-// aside), and anything else gets a clean 4xx answer.
+// aside), and anything else gets a clean 4xx answer. A response that waits on the engine (a completion, whole
+// or streamed as Server-Sent Events) is a Producer: it wakes its connection when it has news instead of
+// holding a thread, so hundreds of open streams need no more than the fixed I/O threads.
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -12,18 +14,59 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
 
 namespace capserve::server::http {
+
+// The body of a response that is not ready when its handler returns. All calls but wake's come on the
+// connection's I/O thread, one at a time.
+class Producer {
+ public:
+  virtual ~Producer() = default;
+  // Once, first: `wake` (callable from any thread, cheap, any number of times) asks for a poll soon.
+  virtual void start(std::function<void()> wake) = 0;
+  // Appends what is ready to `out`; true once the body is complete (then it is not called again).
+  virtual bool poll(std::string& out) = 0;
+  // For a whole (not streamed) response, once complete: the status to answer with.
+  [[nodiscard]] virtual unsigned status() const { return 200; }
+  // The client went away (or was cut off) before the body was complete.
+  virtual void abandon() = 0;
+};
 
 struct Response {
   unsigned status = 200;
   std::string content_type = "text/plain; charset=utf-8";
   std::string body;
+  std::vector<std::pair<std::string, std::string>> headers = {};
+  // When set, the body comes from it; `body` is ignored. Streamed: the head (with `status`) goes out at once
+  // and the body as it comes (chunked); else the whole answer once complete, with the producer's status.
+  std::shared_ptr<Producer> producer = {};
+  bool stream = false;
 };
 
-// Answers GET (and HEAD: the same head, no body) of one path. Runs on an I/O thread: keep it short. An
-// exception becomes a 500 answer.
-using Handler = std::function<Response()>;
+// What a POST handler sees of its request.
+struct IncomingRequest {
+  std::string_view body;
+  std::string peer;  // the client's address as gRPC names it: "ipv4:127.0.0.1:5000", "ipv6:[::1]:5000"
+  std::function<std::string_view(std::string_view name)> header;  // empty when absent
+};
+
+enum class Method { get, post };
+
+// One path's handler. GET routes also answer HEAD (the same head, no body). Handlers run on an I/O thread:
+// keep them short (a Producer waits instead). An exception becomes a 500 answer.
+struct Route {
+  template <typename F>
+  requires std::is_invocable_r_v<Response, F> Route(F get)
+      : method(Method::get), handler([get = std::move(get)](const IncomingRequest&) { return get(); }) {}
+  Route(Method m, std::function<Response(const IncomingRequest&)> h) : method(m), handler(std::move(h)) {}
+
+  Method method;
+  std::function<Response(const IncomingRequest&)> handler;
+};
 
 struct Options {
   std::string host = "0.0.0.0";  // an IP literal (IPv6 with or without brackets) or a resolvable name
@@ -38,13 +81,16 @@ struct Options {
   std::chrono::milliseconds write_timeout{10'000};
   std::uint32_t max_header_bytes = 8 * 1024;
   std::uint64_t max_body_bytes = 64 * 1024;
+  // The answer to a request the server refuses itself (unknown path 404, method 405, head 431, body 413,
+  // malformed 400); unset: plain text.
+  std::function<Response(unsigned status, std::string_view message)> error_response = {};
 };
 
 class Server {
  public:
   // Binds and starts serving `routes` (exact paths, e.g. "/metrics"). Throws std::runtime_error naming the
   // address when it cannot listen (in use, malformed, not local).
-  Server(Options options, std::map<std::string, Handler, std::less<>> routes);
+  Server(Options options, std::map<std::string, Route, std::less<>> routes);
   // Stops accepting, closes every connection and joins the I/O threads.
   ~Server();
   Server(const Server&) = delete;

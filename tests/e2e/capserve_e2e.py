@@ -32,6 +32,7 @@ from capserve.v1 import inference_pb2_grpc as pb_grpc
 
 NP = 2
 START_LINE = re.compile(r"capserve: serving (\S+) on (\S+):(\d+), metrics on port (\d+), (\d+) ranks")
+HTTP_API = re.compile(r"HTTP API on port (\d+)")
 
 
 def _health_messages():
@@ -116,7 +117,7 @@ def _capserve_rank(pid):
 
 
 class Server:
-    """`deploy/launch.sh 2 capserve --model MODEL --port 0 --metrics-port 0 --threads 1 FLAGS...`."""
+    """`deploy/launch.sh 2 capserve --model MODEL --port 0 --metrics-port 0 --http-port 0 --threads 1 FLAGS...`."""
 
     def __init__(self, *flags, start_timeout=180):
         self.flags = list(flags)
@@ -128,7 +129,7 @@ class Server:
 
     def start(self):
         cmd = ["bash", LAUNCH, str(NP), BIN, "--model", MODEL, "--port", "0", "--metrics-port", "0",
-               "--threads", "1", *self.flags]
+               "--http-port", "0", "--threads", "1", *self.flags]
         print("e2e: starting", " ".join(cmd), file=sys.stderr, flush=True)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True)
@@ -141,6 +142,8 @@ class Server:
                 m = START_LINE.search(line)
                 if m and not started.is_set():
                     self.model_id, self.port, self.metrics_port = m.group(1), int(m.group(3)), int(m.group(4))
+                    http = HTTP_API.search(line)
+                    self.http_port = int(http.group(1)) if http else None
                     started.set()
 
         self._pump = threading.Thread(target=pump, daemon=True)

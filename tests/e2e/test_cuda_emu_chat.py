@@ -35,7 +35,7 @@ class CudaEmuChatTest(ServerTestCase):
         self.assertEqual(info.ranks, NP)
         self.assertEqual(sum(info.experts_per_rank), info.model.num_experts)
         start = [line for line in self.server.log if "capserve: serving" in line]
-        self.assertTrue(start and start[0].rstrip().endswith(f"{NP} ranks on cuda:0"), start)
+        self.assertTrue(start and f", {NP} ranks on cuda:0," in start[0], start)
 
     def test_start_up_reports_each_ranks_device_memory(self):
         for r in range(NP):

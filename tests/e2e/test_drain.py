@@ -1,8 +1,11 @@
 """SIGTERM to the job (deploy/launch.sh, which hands it to rank 0) drains: running streams finish normally, new
-requests get UNAVAILABLE, health turns NOT_SERVING, and the job exits 0."""
+requests get UNAVAILABLE (HTTP: 503), health turns NOT_SERVING (HTTP /health: 503), and the job exits 0."""
 
+import json
 import signal
 import threading
+import urllib.error
+import urllib.request
 
 import grpc
 
@@ -50,6 +53,13 @@ class DrainTest(ServerTestCase):
         self.assertIn("shutting down", error.details())
         self.assertGreater(in_flight, 0, "the streams ended before the drain could be observed; make them longer")
         self.wait_for(lambda: self.server.health() == "NOT_SERVING", 5, "health to say NOT_SERVING")
+        for path, body in [("/health", None), ("/v1/completions", b'{"prompt": "Hi", "max_tokens": 2}')]:
+            with self.assertRaises(urllib.error.HTTPError) as raised:
+                urllib.request.urlopen(urllib.request.Request(
+                    f"http://127.0.0.1:{self.server.http_port}{path}", data=body,
+                    headers={"Content-Type": "application/json"}), timeout=30)
+            self.assertEqual(raised.exception.code, 503, path)
+            self.assertIn("shutting down", json.loads(raised.exception.read())["error"]["message"])
 
         for t in threads:
             t.join(600)

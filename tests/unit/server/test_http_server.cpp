@@ -1,7 +1,8 @@
-// The hardened HTTP server over raw sockets: exact routes, GET/HEAD only, a clean 4xx for every malformed or
-// hostile request (the civetweb exposer it replaces died on any 404/405), idle and slowloris sockets that
-// neither block other clients nor stay open past the read deadline, a connection limit, bind errors naming
-// the address.
+// The hardened HTTP server over raw sockets: exact routes, GET/HEAD (and POST where a route takes it), a
+// clean 4xx for every malformed or hostile request (the civetweb exposer it replaces died on any 404/405),
+// idle and slowloris sockets that neither block other clients nor stay open past the read deadline, a
+// connection limit, bind errors naming the address; responses from a Producer, whole or streamed in chunks,
+// many at once on one I/O thread, and a client that leaves abandons its producer at once.
 #include "server/http/http_server.h"
 
 #include <arpa/inet.h>
@@ -11,7 +12,10 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
+#include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -266,6 +270,174 @@ TEST(HttpServerBind, RejectsBadPortsAndHosts) {
   } catch (const std::runtime_error& e) {
     GTEST_SKIP() << "no IPv6 loopback here: " << e.what();
   }
+}
+
+// A producer the test feeds by hand: text appended and the end marked from the test thread.
+class FedProducer final : public Producer {
+ public:
+  explicit FedProducer(unsigned status = 200) : status_(status) {}
+  void start(std::function<void()> wake) override {
+    std::lock_guard lock(mutex_);
+    wake_ = std::move(wake);
+    started_ = true;
+  }
+  bool poll(std::string& out) override {
+    std::lock_guard lock(mutex_);
+    out += std::exchange(ready_, {});
+    return done_;
+  }
+  [[nodiscard]] unsigned status() const override { return status_; }
+  void abandon() override { abandoned_.store(true); }
+
+  void feed(const std::string& text, bool done) {
+    std::function<void()> wake;
+    {
+      std::lock_guard lock(mutex_);
+      ready_ += text;
+      done_ = done;
+      wake = wake_;
+    }
+    if (wake) wake();
+  }
+  bool started() {
+    std::lock_guard lock(mutex_);
+    return started_;
+  }
+  std::atomic<bool> abandoned_{false};
+
+ private:
+  unsigned status_;
+  std::mutex mutex_;
+  std::function<void()> wake_;
+  std::string ready_;
+  bool done_ = false;
+  bool started_ = false;
+};
+
+class HttpProducerTest : public ::testing::Test {
+ protected:
+  static Options options() {
+    Options o;
+    o.host = "127.0.0.1";
+    o.io_threads = 1;  // every stream on one thread: none holds it
+    o.read_timeout = 500ms;
+    return o;
+  }
+  std::shared_ptr<FedProducer> next(unsigned status = 200) {
+    std::lock_guard lock(mutex_);
+    producers_.push_back(std::make_shared<FedProducer>(status));
+    return producers_.back();
+  }
+  std::shared_ptr<FedProducer> at(std::size_t i) {
+    for (int k = 0; k < 300; ++k) {
+      {
+        std::lock_guard lock(mutex_);
+        if (producers_.size() > i && producers_[i]->started()) return producers_[i];
+      }
+      std::this_thread::sleep_for(10ms);
+    }
+    throw std::runtime_error("producer " + std::to_string(i) + " never started");
+  }
+
+  std::mutex mutex_;
+  std::vector<std::shared_ptr<FedProducer>> producers_;
+  Server server_{
+      options(),
+      {{"/stream", Route(Method::post,
+                         [this](const IncomingRequest& in) {
+                           Response r{200, "text/event-stream", {}, {{"X-Echo", std::string(in.body)}}};
+                           r.producer = next();
+                           r.stream = true;
+                           return r;
+                         })},
+       {"/whole", Route(Method::post, [this](const IncomingRequest&) {
+          Response r{200, "application/json", {}};
+          r.producer = next(201);
+          return r;
+        })}}};
+};
+
+const std::string kStreamRequest = "POST /stream HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi";
+
+TEST_F(HttpProducerTest, StreamsChunksAsTheyComeThenEnds) {
+  Client c(server_.port());
+  ASSERT_TRUE(c.send(kStreamRequest));
+  const auto p = at(0);
+  p->feed("data: 1\n\n", false);
+  p->feed("data: 2\n\n", true);
+  const std::string response = c.read_all();
+  EXPECT_EQ(status_of(response), 200) << response;
+  EXPECT_NE(response.find("Transfer-Encoding: chunked"), std::string::npos) << response;
+  EXPECT_NE(response.find("X-Echo: hi"), std::string::npos) << response;
+  EXPECT_NE(response.find("Content-Type: text/event-stream"), std::string::npos) << response;
+  const std::string body = body_of(response);
+  // Chunk framing: the two events (in one or two chunks), then the last, empty chunk.
+  EXPECT_NE(body.find("data: 1\n\n"), std::string::npos) << body;
+  EXPECT_NE(body.find("data: 2\n\n"), std::string::npos) << body;
+  EXPECT_TRUE(body.ends_with("\r\n0\r\n\r\n")) << body;
+  EXPECT_FALSE(p->abandoned_.load());
+}
+
+TEST_F(HttpProducerTest, AWholeResponseWaitsForItsProducerAndTakesItsStatus) {
+  Client c(server_.port());
+  ASSERT_TRUE(c.send("POST /whole HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"));
+  const auto p = at(0);
+  p->feed("{\"a\":", false);
+  p->feed("1}", true);
+  const std::string response = c.read_all();
+  EXPECT_EQ(status_of(response), 201) << response;
+  EXPECT_EQ(body_of(response), "{\"a\":1}");
+  EXPECT_NE(response.find("Content-Length: 7"), std::string::npos) << response;
+}
+
+TEST_F(HttpProducerTest, AClientThatLeavesAbandonsItsProducerAtOnce) {
+  {
+    Client c(server_.port());
+    ASSERT_TRUE(c.send(kStreamRequest));
+    at(0)->feed("data: 1\n\n", false);
+  }
+  const auto p = at(0);
+  for (int i = 0; i < 200 && !p->abandoned_.load(); ++i) std::this_thread::sleep_for(10ms);
+  EXPECT_TRUE(p->abandoned_.load());
+  // A stream waits longer than the read deadline without being cut: only a client that leaves ends it.
+  Client waiting(server_.port());
+  ASSERT_TRUE(waiting.send(kStreamRequest));
+  std::this_thread::sleep_for(800ms);
+  const auto q = at(1);
+  EXPECT_FALSE(q->abandoned_.load());
+  q->feed("data: late\n\n", true);
+  EXPECT_NE(waiting.read_all().find("data: late"), std::string::npos);
+}
+
+TEST_F(HttpProducerTest, HundredsOfOpenStreamsShareOneThread) {
+  constexpr int kStreams = 200;
+  std::vector<std::unique_ptr<Client>> clients;
+  for (int i = 0; i < kStreams; ++i) {
+    clients.push_back(std::make_unique<Client>(server_.port()));
+    ASSERT_TRUE(clients.back()->send(kStreamRequest));
+  }
+  for (int i = 0; i < kStreams; ++i)
+    at(static_cast<std::size_t>(i))->feed("data: " + std::to_string(i) + "\n\n", true);
+  for (int i = 0; i < kStreams; ++i) {
+    const std::string response = clients[static_cast<std::size_t>(i)]->read_all();
+    EXPECT_EQ(status_of(response), 200);
+    EXPECT_NE(response.find("data: "), std::string::npos);
+  }
+}
+
+TEST_F(HttpProducerTest, WrongMethodsAndErrorsUseTheConfiguredShape) {
+  EXPECT_EQ(status_of(exchange(server_.port(), "GET /stream HTTP/1.0\r\n\r\n")), 405);
+  const std::string allowed = exchange(server_.port(), "GET /stream HTTP/1.0\r\n\r\n");
+  EXPECT_NE(allowed.find("Allow: POST"), std::string::npos) << allowed;
+  Options o;
+  o.host = "127.0.0.1";
+  o.error_response = [](unsigned status, std::string_view message) {
+    return Response{status, "application/json", "{\"error\":\"" + std::string(message) + "\"}"};
+  };
+  Server json_errors(o, {});
+  const std::string missing = exchange(json_errors.port(), "GET /x HTTP/1.0\r\n\r\n");
+  EXPECT_EQ(status_of(missing), 404);
+  EXPECT_EQ(body_of(missing), "{\"error\":\"not found\"}");
 }
 
 }  // namespace

@@ -1,0 +1,53 @@
+#pragma once
+// The OpenAI-compatible HTTP API on rank 0, beside gRPC and from the same scheduler: POST
+// /v1/chat/completions and /v1/completions (whole, or streamed as Server-Sent Events), GET /v1/models,
+// /health and /version. It maps OpenAI's JSON onto our requests (validated by the shared RequestIntake, so
+// both APIs refuse alike) and the requests' events back onto OpenAI's responses and chunks, with the
+// request's MoE statistics as the extra field "moe". Errors use OpenAI's shape {"error": {"message", "type",
+// "param", "code"}}.
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include <nlohmann/json.hpp>
+
+#include "server/http/http_server.h"
+#include "server/request_intake.h"
+
+namespace capserve::server::http {
+
+struct OpenAiOptions {
+  std::string version;                 // GET /version
+  std::int64_t max_choices = 64;       // n times the number of prompts, per call
+  std::function<bool()> stalled = {};  // the step watchdog fired: /health answers 503
+};
+
+// An error in OpenAI's shape with its HTTP status; `param` null when empty.
+Response error_response(unsigned status, std::string_view message, std::string_view type,
+                        std::string_view param = {}, std::string_view code = {});
+
+// The server's own refusals (unknown path, method, oversized head or body, malformed HTTP) in OpenAI's shape:
+// Options::error_response of the API's port.
+Response server_error_response(unsigned status, std::string_view message);
+
+class OpenAiApi {
+ public:
+  OpenAiApi(RequestIntake& intake, OpenAiOptions options);
+
+  // The API's routes, to serve beside others (e.g. /metrics).
+  std::map<std::string, Route, std::less<>> routes();
+
+ private:
+  Response completions(const IncomingRequest& in, bool chat);
+  Response models() const;
+  Response health() const;
+
+  RequestIntake& intake_;
+  OpenAiOptions options_;
+  std::int64_t created_;  // the models' "created": the server's start, in Unix seconds
+};
+
+}  // namespace capserve::server::http

@@ -1,0 +1,318 @@
+#include "server/request_intake.h"
+
+#include <algorithm>
+#include <cmath>
+#include <utility>
+
+#include <spdlog/spdlog.h>
+
+#include "runtime/tokenizer/utf8.h"
+
+namespace capserve::server {
+namespace {
+
+IntakeError invalid(std::string message, std::string param) {
+  return {IntakeCode::invalid_argument, std::move(message), std::move(param)};
+}
+
+// The UTF-8 check of a request's text field (bytes on the wire), naming the field and the first bad byte.
+IntakeResult check_utf8(std::string_view text, const std::string& field) {
+  const std::size_t valid = runtime::utf8::valid_prefix_length(text);
+  if (valid == text.size()) return std::nullopt;
+  return invalid(field + ": not valid UTF-8 (ill-formed byte at offset " + std::to_string(valid) + ")",
+                 field);
+}
+
+// The client's address without its port ("ipv4:10.0.0.1", "ipv6:[::1]"); other peers ("unix:...") whole.
+// Limits count per address, not per connection: a client can open connections at will.
+std::string peer_address(const std::string& peer) {
+  if (!peer.starts_with("ipv4:") && !peer.starts_with("ipv6:")) return peer;
+  const std::size_t colon = peer.rfind(':');
+  return colon > 4 ? peer.substr(0, colon) : peer;
+}
+
+}  // namespace
+
+const char* code_name(IntakeCode code) {
+  switch (code) {
+    case IntakeCode::invalid_argument:
+      return "INVALID_ARGUMENT";
+    case IntakeCode::resource_exhausted:
+      return "RESOURCE_EXHAUSTED";
+    case IntakeCode::unavailable:
+      return "UNAVAILABLE";
+    case IntakeCode::failed_precondition:
+      return "FAILED_PRECONDITION";
+    case IntakeCode::cancelled:
+      return "CANCELLED";
+    case IntakeCode::deadline_exceeded:
+      return "DEADLINE_EXCEEDED";
+    case IntakeCode::internal:
+      break;
+  }
+  return "INTERNAL";
+}
+
+std::string excerpt(std::string_view text, std::size_t limit) {
+  std::string out = "'";
+  if (text.size() <= limit) return out.append(text).append("'");
+  std::size_t cut = limit;
+  while (cut > 0 && runtime::utf8::is_continuation(text[cut])) --cut;
+  return out.append(text.substr(0, cut))
+      .append("...' (")
+      .append(std::to_string(text.size()))
+      .append(" bytes)");
+}
+
+TerminalMeaning meaning_of(Terminal t) {
+  switch (t) {
+    case Terminal::ok_stop:
+      return {std::nullopt, Outcome::stop};
+    case Terminal::ok_length:
+      return {std::nullopt, Outcome::length};
+    case Terminal::cancelled:
+      return {IntakeCode::cancelled, Outcome::cancelled};
+    case Terminal::deadline_exceeded:
+      return {IntakeCode::deadline_exceeded, Outcome::error};
+    case Terminal::unavailable:
+      return {IntakeCode::unavailable, Outcome::error};
+    case Terminal::invalid_argument:
+      return {IntakeCode::invalid_argument, Outcome::error};
+    case Terminal::internal:
+      break;
+  }
+  return {IntakeCode::internal, Outcome::error};
+}
+
+void RateLimitedLog::log(const std::string& line) {
+  std::int64_t suppressed = 0;
+  {
+    std::lock_guard lock(mutex_);
+    const Clock::time_point now = Clock::now();
+    if (last_ != Clock::time_point{} && now - last_ < interval_) {
+      ++suppressed_;
+      return;
+    }
+    last_ = now;
+    suppressed = std::exchange(suppressed_, 0);
+  }
+  if (suppressed > 0) {
+    spdlog::warn("{} ({} similar lines suppressed)", line, suppressed);
+  } else {
+    spdlog::warn("{}", line);
+  }
+}
+
+RequestIntake::RequestIntake(Scheduler& scheduler, const runtime::Tokenizer* tokenizer,
+                             std::optional<runtime::ChatTemplate> chat_template, ServiceLimits limits,
+                             ServerMetrics* metrics)
+    : scheduler_(scheduler),
+      tokenizer_(tokenizer),
+      chat_template_(std::move(chat_template)),
+      limits_(std::move(limits)),
+      metrics_(metrics) {}
+
+IntakeResult RequestIntake::check_model(std::string_view model) const {
+  if (IntakeResult bad = check_utf8(model, "model")) return bad;
+  if (!model.empty() && model != limits_.model_id)
+    return invalid(
+        "model: unknown model " + excerpt(model) + "; this server serves '" + limits_.model_id + "'",
+        "model");
+  return std::nullopt;
+}
+
+IntakeResult RequestIntake::check_request_id(std::string_view id, const std::string& field) const {
+  if (static_cast<std::int64_t>(id.size()) > limits_.max_request_id_length)
+    return invalid(field + ": " + std::to_string(id.size()) + " bytes exceed the limit " +
+                       std::to_string(limits_.max_request_id_length),
+                   field);
+  return check_utf8(id, field);
+}
+
+IntakeResult RequestIntake::chat_prompt(std::span<const runtime::ChatMessage> messages,
+                                        const std::string& field, std::vector<std::int32_t>& ids) const {
+  if (tokenizer_ == nullptr || !chat_template_)
+    return IntakeError{IntakeCode::failed_precondition,
+                       "this model has no tokenizer or chat template; send token ids instead", field};
+  if (messages.empty()) return invalid(field + ": at least one message is required", field);
+  for (std::size_t i = 0; i < messages.size(); ++i) {
+    const runtime::ChatMessage& m = messages[i];
+    const std::string at = field + "[" + std::to_string(i) + "]";
+    if (IntakeResult bad = check_utf8(m.role, at + ".role")) return bad;
+    if (m.role != "system" && m.role != "user" && m.role != "assistant")
+      return invalid(at + ".role: " + excerpt(m.role) + " is not system, user or assistant", at + ".role");
+    if (IntakeResult bad = check_utf8(m.content, at + ".content")) return bad;
+  }
+  runtime::RenderedPrompt prompt;
+  if (runtime::Status s = chat_template_->render(messages, true, prompt); !s.ok())
+    return invalid(field + ": " + s.message(), field);
+  // Only the template's markup yields special tokens, unless the server allows them in content too.
+  const std::span<const runtime::TextRange> plain_text =
+      limits_.special_tokens_in_content ? std::span<const runtime::TextRange>() : prompt.content;
+  if (runtime::Status s = tokenizer_->encode(prompt.text, false, ids, plain_text); !s.ok())
+    return invalid(field + ": " + s.message(), field);
+  return std::nullopt;
+}
+
+IntakeResult RequestIntake::text_prompt(std::string_view text, const std::string& field,
+                                        std::vector<std::int32_t>& ids) const {
+  if (tokenizer_ == nullptr)
+    return IntakeError{IntakeCode::failed_precondition, "this model has no tokenizer; send token ids instead",
+                       field};
+  if (IntakeResult bad = check_utf8(text, field)) return bad;
+  // Plain text throughout: a prompt's special-token text is encoded as control tokens only where allowed.
+  const runtime::TextRange all{0, text.size()};
+  const std::span<const runtime::TextRange> plain_text =
+      limits_.special_tokens_in_content ? std::span<const runtime::TextRange>() : std::span(&all, 1);
+  if (runtime::Status s = tokenizer_->encode(text, true, ids, plain_text); !s.ok())
+    return invalid(field + ": " + s.message(), field);
+  if (ids.empty()) return invalid(field + ": the prompt is empty", field);
+  return std::nullopt;
+}
+
+IntakeResult RequestIntake::token_prompt(std::span<const std::int32_t> ids, const std::string& field) const {
+  if (ids.empty()) return invalid(field + ": at least one token id is required", field);
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] < 0 || ids[i] >= limits_.vocab_size)
+      return invalid(field + "[" + std::to_string(i) + "]: " + std::to_string(ids[i]) +
+                         " is outside the vocabulary [0, " + std::to_string(limits_.vocab_size) + ")",
+                     field);
+  }
+  return std::nullopt;
+}
+
+IntakeResult RequestIntake::sampling(const SamplingInput& s, std::int64_t prompt_tokens, bool text,
+                                     const std::string& prefix, runtime::SamplingParams& params,
+                                     std::vector<std::string>& stops) const {
+  if (!std::isfinite(s.temperature) || s.temperature < 0)
+    return invalid(prefix + "temperature: must be a finite number >= 0 (0 is greedy), got " +
+                       std::to_string(s.temperature),
+                   prefix + "temperature");
+  if (!std::isfinite(s.top_p) || s.top_p < 0 || s.top_p > 1)
+    return invalid(prefix + "top_p: must be in [0, 1] (0 or 1: off), got " + std::to_string(s.top_p),
+                   prefix + "top_p");
+  if (s.top_k < 0 || s.top_k > limits_.vocab_size)
+    return invalid(prefix + "top_k: " + std::to_string(s.top_k) + " is outside [0, the vocabulary size " +
+                       std::to_string(limits_.vocab_size) + "]",
+                   prefix + "top_k");
+  if (s.top_logprobs < 0 || s.top_logprobs > runtime::kMaxTopLogprobs)
+    return invalid(prefix + "top_logprobs: must be in [0, " + std::to_string(runtime::kMaxTopLogprobs) +
+                       "], got " + std::to_string(s.top_logprobs),
+                   prefix + "top_logprobs");
+  if (s.top_logprobs > 0 && !s.logprobs && !s.prompt_logprobs)
+    return invalid(prefix + "top_logprobs: needs " + prefix + "logprobs or " + prefix + "prompt_logprobs",
+                   prefix + "top_logprobs");
+  if (s.max_tokens < 0)
+    return invalid(prefix + "max_tokens: must be >= 1, got " + std::to_string(s.max_tokens),
+                   prefix + "max_tokens");
+  const std::int64_t max_tokens = s.max_tokens == 0 ? limits_.default_max_tokens : s.max_tokens;
+  if (max_tokens > limits_.max_tokens_limit)
+    return invalid(prefix + "max_tokens: " + std::to_string(max_tokens) + " exceeds the limit " +
+                       std::to_string(limits_.max_tokens_limit),
+                   prefix + "max_tokens");
+  if (prompt_tokens + 1 > limits_.max_context)
+    return invalid("prompt: " + std::to_string(prompt_tokens) +
+                       " tokens leave no room to generate within the context length " +
+                       std::to_string(limits_.max_context),
+                   "prompt");
+  if (!text && !s.stop.empty())
+    return invalid(prefix + "stop: stop strings need text output; use stop_token_ids", prefix + "stop");
+  if (static_cast<std::int64_t>(s.stop.size()) > limits_.max_stop_strings)
+    return invalid(prefix + "stop: " + std::to_string(s.stop.size()) + " stop strings exceed the limit " +
+                       std::to_string(limits_.max_stop_strings),
+                   prefix + "stop");
+  for (std::size_t i = 0; i < s.stop.size(); ++i) {
+    const std::string& stop = s.stop[i];
+    const std::string field = prefix + "stop[" + std::to_string(i) + "]";
+    if (stop.empty() || static_cast<std::int64_t>(stop.size()) > limits_.max_stop_length)
+      return invalid(field + ": must be 1.." + std::to_string(limits_.max_stop_length) + " bytes",
+                     prefix + "stop");
+    if (IntakeResult bad = check_utf8(stop, field)) return bad;
+    stops.push_back(stop);
+  }
+  if (static_cast<std::int64_t>(s.stop_token_ids.size()) > limits_.max_stop_token_ids)
+    return invalid(prefix + "stop_token_ids: " + std::to_string(s.stop_token_ids.size()) +
+                       " ids exceed the limit " + std::to_string(limits_.max_stop_token_ids),
+                   prefix + "stop_token_ids");
+  for (const std::int32_t id : s.stop_token_ids) {
+    if (id < 0 || id >= limits_.vocab_size)
+      return invalid(prefix + "stop_token_ids: " + std::to_string(id) + " is outside the vocabulary [0, " +
+                         std::to_string(limits_.vocab_size) + ")",
+                     prefix + "stop_token_ids");
+  }
+  params.temperature = static_cast<float>(s.temperature);
+  params.top_p = s.top_p == 0 ? 1.0F : static_cast<float>(s.top_p);
+  params.top_k = static_cast<std::int32_t>(s.top_k);
+  params.seed = s.seed;
+  params.max_new_tokens = std::min(max_tokens, limits_.max_context - prompt_tokens);
+  params.logprobs = s.logprobs;
+  params.prompt_logprobs = s.prompt_logprobs;
+  params.top_logprobs = static_cast<std::int32_t>(s.top_logprobs);
+  params.stop_token_ids = s.stop_token_ids;
+  if (!s.ignore_eos)
+    params.stop_token_ids.insert(params.stop_token_ids.end(), limits_.eos_token_ids.begin(),
+                                 limits_.eos_token_ids.end());
+  return std::nullopt;
+}
+
+IntakeResult RequestIntake::submit(const std::shared_ptr<Request>& request) {
+  switch (scheduler_.submit(request)) {
+    case Scheduler::Refusal::none:
+      return std::nullopt;
+    case Scheduler::Refusal::queue_full:
+      return refuse(
+          {IntakeCode::resource_exhausted, "queue full: too many waiting requests; retry later", {}});
+    case Scheduler::Refusal::draining:
+      return refuse({IntakeCode::unavailable, "the server is shutting down", {}});
+    case Scheduler::Refusal::never_fits:
+      return refuse({IntakeCode::invalid_argument, scheduler_.why_never_fits(*request), "max_tokens"});
+  }
+  return refuse({IntakeCode::internal, "unknown refusal", {}});
+}
+
+RequestIntake::PeerSlot::~PeerSlot() {
+  std::lock_guard lock(intake_->peers_mutex_);
+  const auto it = intake_->peer_requests_.find(peer_);
+  if (--it->second == 0) intake_->peer_requests_.erase(it);
+}
+
+IntakeResult RequestIntake::enter(const std::string& peer, std::optional<PeerSlot>& slot) {
+  std::string address = peer_address(peer);
+  bool admitted = false;
+  {
+    std::lock_guard lock(peers_mutex_);
+    std::int64_t& n = peer_requests_[address];
+    if (limits_.max_requests_per_peer <= 0 || n < limits_.max_requests_per_peer) {
+      ++n;
+      admitted = true;
+    }
+  }
+  if (!admitted)
+    return refuse({IntakeCode::resource_exhausted,
+                   "too many requests in flight from " + address + ": the limit is " +
+                       std::to_string(limits_.max_requests_per_peer) +
+                       " per client address (--max-requests-per-peer); retry when one ends",
+                   {}});
+  slot.emplace(*this, std::move(address));
+  return std::nullopt;
+}
+
+IntakeError RequestIntake::refuse(IntakeError error) {
+  if (metrics_ != nullptr) metrics_->count_error(code_name(error.code));
+  refusal_log_.log(std::string("capserve: refused a request: ") + code_name(error.code) + ": " +
+                   error.message);
+  return error;
+}
+
+void RequestIntake::conclude(const RequestEvent& terminal) {
+  if (metrics_ == nullptr) return;
+  const TerminalMeaning meaning = meaning_of(*terminal.terminal);
+  metrics_->count_outcome(meaning.outcome);
+  if (meaning.outcome == Outcome::error) metrics_->count_error(code_name(*meaning.error));
+}
+
+void RequestIntake::count_outcome(Outcome outcome) {
+  if (metrics_ != nullptr) metrics_->count_outcome(outcome);
+}
+
+}  // namespace capserve::server

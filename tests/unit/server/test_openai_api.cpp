@@ -1,0 +1,240 @@
+// The OpenAI API's mapping without ranks or sockets: requests in as JSON, through the shared intake into a
+// real scheduler driven step by step, responses and SSE chunks out; every bad input an OpenAI-shaped error
+// naming its field; a client that leaves cancels its request; a failed request answers with its status.
+#include "server/http/openai_api.h"
+
+#include <gtest/gtest.h>
+
+#include <map>
+#include <regex>
+#include <string>
+
+#include "tests/unit/server/tiny_tokenizer.h"
+
+namespace capserve::server::http {
+namespace {
+
+using json = nlohmann::json;
+
+class OpenAiApiTest : public testing::Test {
+ protected:
+  OpenAiApiTest()
+      : tokenizer_(load_tiny_tokenizer()),
+        scheduler_({}, 1, &tokenizer_, nullptr, nullptr),
+        intake_(scheduler_, &tokenizer_, std::nullopt, limits(tokenizer_), nullptr),
+        api_(intake_, {.version = "1.2.3"}),
+        routes_(api_.routes()) {}
+
+  static ServiceLimits limits(const runtime::Tokenizer& tokenizer) {
+    ServiceLimits l;
+    l.model_id = "tiny";
+    l.vocab_size = tokenizer.vocab_size();
+    l.max_context = 64;
+    l.default_max_tokens = 4;
+    l.max_tokens_limit = 8;
+    return l;
+  }
+
+  Response call(const std::string& path, const std::string& body,
+                std::map<std::string, std::string> headers = {}) {
+    IncomingRequest in{body, "ipv4:127.0.0.1:5000", [headers](std::string_view name) {
+                         const auto it = headers.find(std::string(name));
+                         return it == headers.end() ? std::string_view() : std::string_view(it->second);
+                       }};
+    return routes_.at(path).handler(in);
+  }
+
+  // Runs one step in which every sequence samples `token`.
+  void step(std::int32_t token) {
+    const StepPlan plan = scheduler_.plan(Clock::now());
+    StepResult result;
+    for (const SequenceStart& s : plan.starts) result.sequences.push_back({s.id, token, 0, 0});
+    for (const std::uint64_t id : plan.decodes) result.sequences.push_back({id, token, 0, 0});
+    scheduler_.complete(std::span<const StepResult>(&result, 1), {}, Clock::now());
+  }
+
+  // Steps the scheduler until the producer's body is complete; returns it.
+  std::string run(Producer& producer, int& wakes) {
+    producer.start([&wakes] { ++wakes; });
+    std::string out;
+    for (int i = 0; i < 20; ++i) {
+      if (producer.poll(out)) return out;
+      step(single_token(tokenizer_, "a"));
+    }
+    ADD_FAILURE() << "the response never completed: " << out;
+    return out;
+  }
+
+  static std::string header(const Response& r, const std::string& name) {
+    for (const auto& [n, v] : r.headers)
+      if (n == name) return v;
+    return {};
+  }
+
+  runtime::Tokenizer tokenizer_;
+  Scheduler scheduler_;
+  RequestIntake intake_;
+  OpenAiApi api_;
+  std::map<std::string, Route, std::less<>> routes_;
+};
+
+TEST_F(OpenAiApiTest, BadInputGetsAnOpenAiErrorNamingTheField) {
+  struct Case {
+    std::string path, body;
+    unsigned status;
+    std::string param;  // "" when null
+  };
+  const std::string chat = "/v1/chat/completions";
+  const std::string completions = "/v1/completions";
+  const std::vector<Case> cases{
+      {completions, "{", 400, ""},
+      {completions, "[]", 400, ""},
+      {completions, R"({"prompt": [1, 2], "model": "other"})", 404, "model"},
+      {completions, R"({"prompt": [1, 2], "model": 5})", 400, "model"},
+      {completions, R"({"prompt": [1, 2], "temperature": -1})", 400, "temperature"},
+      {completions, R"({"prompt": [1, 2], "top_p": "x"})", 400, "top_p"},
+      {completions, R"({"prompt": [1, 2], "top_k": -5})", 400, "top_k"},
+      {completions, R"({"prompt": [1, 2], "max_tokens": 9})", 400, "max_tokens"},
+      {completions, R"({"prompt": [1, 2], "max_tokens": 0})", 400, "max_tokens"},
+      {completions, R"({"prompt": [1, 2], "seed": 1.5})", 400, "seed"},
+      {completions, R"({"prompt": [1, 2], "n": 0})", 400, "n"},
+      {completions, R"({"prompt": [1, 2], "n": 65})", 400, "n"},
+      {completions, R"({"prompt": [1, 2], "stop": [1]})", 400, "stop"},
+      {completions, R"({"prompt": [1, 2], "stop": ["", "x"]})", 400, "stop"},
+      {completions, R"({"prompt": [1, 2], "stream": "yes"})", 400, "stream"},
+      {completions, R"({"prompt": [1, 2], "stream_options": {"include_usage": true}})", 400,
+       "stream_options"},
+      {completions, R"({"prompt": [1, 2], "presence_penalty": 1})", 400, "presence_penalty"},
+      {completions, R"({"prompt": [1, 2], "repetition_penalty": 1.2})", 400, "repetition_penalty"},
+      {completions, R"({"prompt": [1, 2], "echo": 1})", 400, "echo"},
+      {completions, R"({"prompt": [1, 2], "logprobs": 21})", 400, "logprobs"},
+      {completions, R"({"prompt": [1, 2], "logprobs": true})", 400, "logprobs"},
+      {completions, R"({"prompt": [1, 2], "top_logprobs": 2})", 400, "top_logprobs"},
+      {completions, R"({"prompt": [1, 2], "logprobs": 2, "echo": true})", 200, ""},
+      {completions, R"({"prompt": [-1]})", 400, "prompt"},
+      {completions, R"({"prompt": []})", 400, "prompt"},
+      {completions, R"({"prompt": [[1], {}]})", 400, "prompt"},
+      {completions, R"({"prompt": ""})", 400, "prompt"},
+      {completions, R"({"prompt": [1, 2], "top_k": -1, "seed": 3, "stop": "x", "ignore_eos": true})", 200,
+       ""},
+      {chat, R"({"messages": [{"role": "user", "content": "hi"}]})", 400, "messages"},  // no chat template
+      {chat, R"({"messages": "hi"})", 400, "messages"},
+      {chat, R"({"messages": [{"role": "user", "content": "hi"}], "logprobs": 1})", 400, "logprobs"},
+      {chat, R"({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 1})", 400, "top_logprobs"},
+      {chat, R"({"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 21})", 400,
+       "top_logprobs"},
+      {chat, R"({"messages": [{"role": "user", "content": "hi"}], "echo": true})", 400, "echo"},
+  };
+  for (const Case& c : cases) {
+    const Response r = call(c.path, c.body);
+    EXPECT_EQ(r.status, c.status) << c.body << " -> " << r.body;
+    if (c.status == 200) continue;
+    ASSERT_EQ(r.content_type, "application/json");
+    const json error = json::parse(r.body).at("error");
+    EXPECT_FALSE(error.at("message").get<std::string>().empty());
+    EXPECT_TRUE(error.contains("type") && error.contains("code"));
+    EXPECT_EQ(error.at("param"), c.param.empty() ? json(nullptr) : json(c.param))
+        << c.body << " -> " << r.body;
+  }
+  const Response too_long = call(
+      completions, R"({"prompt": [)" + [] {
+        std::string ids = "1";
+        for (int i = 0; i < 70; ++i) ids += ", 1";
+        return ids;
+      }() + "]}");
+  EXPECT_EQ(too_long.status, 400);
+  EXPECT_EQ(json::parse(too_long.body)["error"]["code"], "context_length_exceeded");
+}
+
+TEST_F(OpenAiApiTest, RequestIdsComeFromTheClientOrAreRandom) {
+  const Response mine = call("/v1/completions", R"({"prompt": [1, 2]})", {{"X-Request-Id", "abc-1"}});
+  EXPECT_EQ(header(mine, "X-Request-Id"), "abc-1");
+  const Response bad = call("/v1/completions", R"({"prompt": [1, 2]})", {{"X-Request-Id", "a b"}});
+  EXPECT_EQ(bad.status, 400);
+  EXPECT_EQ(json::parse(bad.body)["error"]["param"], "X-Request-Id");
+  EXPECT_EQ(call("/v1/completions", "{}", {{"X-Request-Id", std::string(129, 'x')}}).status, 400);
+  const std::string a = header(call("/v1/completions", R"({"prompt": [1]})"), "X-Request-Id");
+  const std::string b = header(call("/v1/completions", R"({"prompt": [1]})"), "X-Request-Id");
+  EXPECT_TRUE(std::regex_match(a, std::regex("cmpl-[0-9a-f]{24}"))) << a;
+  EXPECT_NE(a, b);
+}
+
+TEST_F(OpenAiApiTest, AWholeCompletionRunsThroughTheScheduler) {
+  const Response r = call("/v1/completions", R"({"prompt": [5, 6, 7], "max_tokens": 2, "model": "tiny"})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  ASSERT_TRUE(r.producer);
+  EXPECT_FALSE(r.stream);
+  int wakes = 0;
+  const json body = json::parse(run(*r.producer, wakes));
+  EXPECT_GT(wakes, 0);
+  EXPECT_EQ(r.producer->status(), 200U);
+  EXPECT_EQ(body["id"], header(r, "X-Request-Id"));
+  EXPECT_EQ(body["object"], "text_completion");
+  EXPECT_EQ(body["model"], "tiny");
+  EXPECT_EQ(body["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(body["choices"][0]["text"], "aa");
+  EXPECT_EQ(body["usage"]["prompt_tokens"], 3);
+  EXPECT_EQ(body["usage"]["completion_tokens"], 2);
+  EXPECT_EQ(body["usage"]["total_tokens"], 5);
+  EXPECT_TRUE(body["moe"].contains("dropped"));
+}
+
+TEST_F(OpenAiApiTest, AStreamedCompletionSendsChunksUsageAndDone) {
+  const Response r = call("/v1/completions", R"({"prompt": [5, 6], "max_tokens": 3, "n": 2, "stream": true,
+                                                 "stream_options": {"include_usage": true}})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  ASSERT_TRUE(r.stream);
+  EXPECT_EQ(r.content_type, "text/event-stream");
+  int wakes = 0;
+  const std::string out = run(*r.producer, wakes);
+  ASSERT_TRUE(out.ends_with("data: [DONE]\n\n")) << out;
+  int finishes = 0;
+  std::string text[2];
+  json usage;
+  for (std::size_t at = 0; (at = out.find("data: {", at)) != std::string::npos; ++at) {
+    const json chunk = json::parse(out.substr(at + 6, out.find("\n\n", at) - at - 6));
+    if (chunk["choices"].empty()) {
+      usage = chunk["usage"];
+      continue;
+    }
+    const json& choice = chunk["choices"][0];
+    text[choice["index"].get<int>()] += choice["text"].get<std::string>();
+    if (!choice["finish_reason"].is_null()) ++finishes;
+  }
+  EXPECT_EQ(finishes, 2);
+  EXPECT_EQ(text[0], "aaa");
+  EXPECT_EQ(text[1], "aaa");
+  EXPECT_EQ(usage["completion_tokens"], 6);
+  EXPECT_EQ(usage["prompt_tokens"], 2);  // one prompt, counted once
+}
+
+TEST_F(OpenAiApiTest, AbandoningCancelsAndAFailureAnswersWithItsStatus) {
+  const Response gone = call("/v1/completions", R"({"prompt": [5, 6], "max_tokens": 8, "stream": true})");
+  gone.producer->start([] {});
+  step(single_token(tokenizer_, "a"));
+  gone.producer->abandon();
+  step(single_token(tokenizer_, "a"));  // frees the cancelled sequence
+  EXPECT_TRUE(scheduler_.idle());
+
+  const Response failing = call("/v1/completions", R"({"prompt": [5, 6], "max_tokens": 8})");
+  failing.producer->start([] {});
+  scheduler_.fail_all(Terminal::unavailable, "a rank stopped");
+  std::string out;
+  EXPECT_TRUE(failing.producer->poll(out));
+  EXPECT_EQ(failing.producer->status(), 503U);
+  EXPECT_EQ(json::parse(out)["error"]["message"], "a rank stopped");
+  // Draining now (fail_all stops admission): health and new requests say so.
+  EXPECT_EQ(routes_.at("/health").handler({}).status, 503U);
+  EXPECT_EQ(call("/v1/completions", R"({"prompt": [5]})").status, 503U);
+}
+
+TEST_F(OpenAiApiTest, ModelsHealthAndVersion) {
+  const json models = json::parse(routes_.at("/v1/models").handler({}).body);
+  EXPECT_EQ(models["data"][0]["id"], "tiny");
+  EXPECT_EQ(models["data"][0]["max_model_len"], 64);
+  EXPECT_EQ(routes_.at("/health").handler({}).status, 200U);
+  EXPECT_EQ(json::parse(routes_.at("/version").handler({}).body)["version"], "1.2.3");
+}
+
+}  // namespace
+}  // namespace capserve::server::http
