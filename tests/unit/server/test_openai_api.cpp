@@ -121,8 +121,8 @@ TEST_F(OpenAiApiTest, BadInputGetsAnOpenAiErrorNamingTheField) {
       {chat, R"({"messages": "hi"})", 400, "messages"},
       {chat, R"({"messages": [{"role": "user", "content": "hi"}], "logprobs": 1})", 400, "logprobs"},
       {chat, R"({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 1})", 400, "top_logprobs"},
-      {chat, R"({"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 21})", 400,
-       "top_logprobs"},
+      {chat, R"({"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 21})",
+       400, "top_logprobs"},
       {chat, R"({"messages": [{"role": "user", "content": "hi"}], "echo": true})", 400, "echo"},
   };
   for (const Case& c : cases) {
