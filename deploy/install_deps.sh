@@ -11,6 +11,7 @@ packages=(
   prometheus-cpp-dev libboost-dev libboost-context-dev libcli11-dev libpcre2-dev libutf8proc-dev zlib1g-dev libopenblas-openmp-dev
   python3 python3-numpy python3-grpcio python3-jinja2
   prometheus  # only for promtool: the metrics test lints the /metrics exposition with `promtool check metrics`
+  iproute2  # ip netns, veth, bridge and tc: the multi-host e2e test builds its test hosts with them
 )
 
 missing=()
