@@ -30,7 +30,10 @@ class Unsupported(Exception):
 
 
 def run(*cmd, check=True):
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+    except FileNotFoundError:
+        raise Unsupported(f"`{cmd[0]}` is not installed (Debian: iproute2, deploy/install_deps.sh)") from None
     if check and done.returncode != 0:
         raise Unsupported(f"`{' '.join(cmd)}` failed (exit {done.returncode}): {done.stderr.strip()}")
     return done

@@ -11,6 +11,7 @@ Skips, saying which command failed, where this machine cannot create network nam
 """
 
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -18,7 +19,7 @@ import unittest
 
 import grpc
 
-from capserve_e2e import Server, chat_request, main, metric, pb
+from capserve_e2e import BIN, LAUNCH, Server, chat_request, main, metric, pb
 from netns_hosts import TestHosts, Unsupported
 
 # The test hosts share this machine's cores, which Open MPI cannot know (each hostfile line is a host of its own
@@ -82,6 +83,17 @@ class MultiHostTest(unittest.TestCase):
         # First of all, the processes a fault cut off: they would outlive mpirun and hold its output open.
         self.addCleanup(hosts.kill, "h1")
         return server.start()
+
+    def test_0_bad_host_options_are_refused_naming_them(self):
+        for args, why in [
+            (["--transport", "rdma"], "--transport rdma: tcp, ucx or auto"),
+            (["--hostfile", "/nonexistent/hosts"], "--hostfile /nonexistent/hosts: no such readable file"),
+            (["--hosts"], "usage: deploy/launch.sh"),
+            (["--hosts", "h0:1", "two"], "N must be a positive rank count, not 'two'"),
+        ]:
+            done = subprocess.run(["bash", LAUNCH, *args, BIN], capture_output=True, text=True, timeout=30)
+            self.assertEqual(done.returncode, 2, args)
+            self.assertIn(why, done.stderr, args)
 
     def test_1_chats_across_hosts_equal_one_host(self):
         hosts = self.hosts()
