@@ -12,6 +12,7 @@ packages=(
   python3 python3-numpy python3-grpcio python3-jinja2
   python3-venv  # tests/e2e/openai_python.sh: the official openai client in an ignored venv
   prometheus  # only for promtool: the metrics test lints the /metrics exposition with `promtool check metrics`
+  iproute2  # ip netns, veth, bridge and tc: the multi-host e2e test builds its test hosts with them
 )
 
 missing=()

@@ -28,6 +28,7 @@
 
 #include "parallel/mpi_world.h"
 #include "parallel/rank_heartbeat.h"
+#include "parallel/rank_hosts.h"
 #include "runtime/chat/chat_family.h"
 #include "runtime/cli/flag_checks.h"
 #include "runtime/cli/parallel_flags.h"
@@ -437,6 +438,8 @@ int main(int argc, char** argv) {
   // Only rank 0 acts on a stop signal (it drains and then tells the others); the others ignore theirs.
   std::signal(SIGTERM, on_stop_signal);
   std::signal(SIGINT, on_stop_signal);
+  // mpirun forwards SIGUSR1 to every rank on every host: deploy/launch.sh's stop when rank 0 runs elsewhere.
+  std::signal(SIGUSR1, on_stop_signal);
   // deploy/launch.sh sends its SIGTERM to this process. A stop before the server is up ends it right after.
   if (const char* pid_file = std::getenv("CAPSERVE_RANK0_PID_FILE");
       rank == 0 && pid_file != nullptr && *pid_file != 0) {
@@ -464,6 +467,15 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (!server::parse_strategy(o.strategy, o.scheduler.selector.strategy)) return 2;
+  // Where each rank runs, before anything can fail on one of them: a job may span hosts (deploy/launch.sh
+  // --hosts).
+  const std::vector<parallel::RankHost> hosts = parallel::gather_rank_hosts(*world);
+  if (rank == 0) {
+    for (std::size_t r = 0; r < hosts.size(); ++r)
+      std::printf("capserve: rank %zu runs on host %s (local rank %d of %d)\n", r, hosts[r].host.c_str(),
+                  hosts[r].local_rank, hosts[r].local_size);
+    std::printf("capserve: MPI transport: %s\n", parallel::mpi_transport().c_str());
+  }
 
   const int threads = o.threads > 0
                           ? o.threads

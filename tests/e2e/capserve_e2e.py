@@ -117,19 +117,26 @@ def _capserve_rank(pid):
 
 
 class Server:
-    """`deploy/launch.sh 2 capserve --model MODEL --port 0 --metrics-port 0 --http-port 0 --threads 1 FLAGS...`."""
+    """`deploy/launch.sh [LAUNCH_ARGS] NP capserve --model MODEL --port 0 --metrics-port 0 --http-port 0 --threads 1
+    FLAGS...`.
 
-    def __init__(self, *flags, start_timeout=180):
+    `launch_args` are launch.sh's host options (a job across hosts); `connect_host` is where rank 0's gRPC and
+    /metrics ports are reached from this process."""
+
+    def __init__(self, *flags, start_timeout=180, np=NP, launch_args=(), connect_host="127.0.0.1"):
         self.flags = list(flags)
         self.start_timeout = start_timeout
+        self.np = np
+        self.launch_args = list(launch_args)
+        self.connect_host = connect_host
         self.log = []
         self.proc = None
         self.channel = None
         self.ranks = {}  # rank -> pid
 
     def start(self):
-        cmd = ["bash", LAUNCH, str(NP), BIN, "--model", MODEL, "--port", "0", "--metrics-port", "0",
-               "--http-port", "0", "--threads", "1", *self.flags]
+        cmd = ["bash", LAUNCH, *self.launch_args, str(self.np), BIN, "--model", MODEL, "--port", "0",
+               "--metrics-port", "0", "--http-port", "0", "--threads", "1", *self.flags]
         print("e2e: starting", " ".join(cmd), file=sys.stderr, flush=True)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True)
@@ -152,7 +159,7 @@ class Server:
         while not started.wait(0.2):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"capserve did not start (exit {self.proc.poll()}):\n" + "".join(self.log[-40:]))
-        self.address = f"127.0.0.1:{self.port}"
+        self.address = f"{self.connect_host}:{self.port}"
         self.channel = grpc.insecure_channel(self.address)
         grpc.channel_ready_future(self.channel).result(timeout=30)
         self.stub = pb_grpc.InferenceStub(self.channel)
@@ -160,8 +167,8 @@ class Server:
                                                 request_serializer=HealthCheckRequest.SerializeToString,
                                                 response_deserializer=HealthCheckResponse.FromString)
         self.ranks = {_capserve_rank(p): p for p in _descendants(self.proc.pid) if _capserve_rank(p) is not None}
-        if sorted(self.ranks) != list(range(NP)):
-            raise RuntimeError(f"expected {NP} capserve ranks under the launcher, found {self.ranks}")
+        if sorted(self.ranks) != list(range(self.np)):
+            raise RuntimeError(f"expected {self.np} capserve ranks under the launcher, found {self.ranks}")
         return self
 
     def health(self, timeout=10, service=""):
@@ -170,7 +177,7 @@ class Server:
         return HealthCheckResponse.DESCRIPTOR.enum_types_by_name["ServingStatus"].values_by_number[status].name
 
     def metrics_text(self):
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
+        with urllib.request.urlopen(f"http://{self.connect_host}:{self.metrics_port}/metrics", timeout=10) as r:
             return r.read().decode()
 
     def metrics(self):
@@ -200,7 +207,9 @@ class Server:
                 os.kill(pid, signal.SIGKILL)
         self.proc.wait(10)
         self._pump.join(5)
-        self.proc.stdout.close()
+        # A process that outlived the job may still hold the pipe; closing it under the reading pump would block.
+        if not self._pump.is_alive():
+            self.proc.stdout.close()
         self.proc = None
 
 
