@@ -1,6 +1,7 @@
 #pragma once
 // Element types: the float types weights are stored in (checkpoints), and the integer types of token ids,
-// offsets and flags. Activations are float32 on the CPU path.
+// offsets and flags. Activations are float32 on the CPU path. F8_E4M3 exists only in checkpoints: block-
+// quantized weights are dequantized when loaded (runtime/weights/fp8_blocks.h), so no kernel takes it.
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -8,7 +9,7 @@
 
 namespace capserve::kernels {
 
-enum class DType : std::uint8_t { f32, f16, bf16, i32, i64, u8 };
+enum class DType : std::uint8_t { f32, f16, bf16, i32, i64, u8, f8_e4m3 };
 
 constexpr std::size_t dtype_size(DType t) {
   switch (t) {
@@ -21,6 +22,7 @@ constexpr std::size_t dtype_size(DType t) {
     case DType::i64:
       return 8;
     case DType::u8:
+    case DType::f8_e4m3:
       return 1;
   }
   return 0;
@@ -45,12 +47,15 @@ constexpr std::string_view dtype_name(DType t) {
       return "I64";
     case DType::u8:
       return "U8";
+    case DType::f8_e4m3:
+      return "F8_E4M3";
   }
   return "?";
 }
 
-// Parses a safetensors dtype string of a weight type ("F32", "F16", "BF16").
+// Parses a safetensors dtype string of a weight type ("F32", "F16", "BF16", "F8_E4M3").
 constexpr std::optional<DType> parse_dtype(std::string_view s) {
+  if (s == "F8_E4M3") return DType::f8_e4m3;
   if (s == "F32") return DType::f32;
   if (s == "F16") return DType::f16;
   if (s == "BF16") return DType::bf16;

@@ -1,5 +1,7 @@
 #include "runtime/model.h"
 
+#include <algorithm>
+
 #include "parallel/self_communicator.h"
 #include "runtime/architectures/architecture.h"
 #include "runtime/load_error.h"
@@ -74,10 +76,15 @@ std::unique_ptr<Model> Model::load_with(const std::filesystem::path& dir, kernel
   const Architecture& arch = find_architecture(json);
   ModelConfig config = arch.parse_config(ConfigReader(json));
   config.validate();
+  config.generation = read_generation_config(dir, config.vocab_size);
+  for (const std::int32_t id : config.generation.eos_token_ids) {
+    if (std::find(config.eos_token_ids.begin(), config.eos_token_ids.end(), id) == config.eos_token_ids.end())
+      config.eos_token_ids.push_back(id);
+  }
   if (const std::string why = options.capacity.validate(config.num_layers); !why.empty())
     throw LoadError(why);
-  return std::unique_ptr<Model>(new Model(std::move(config), Checkpoint::open(dir), arch.tensor_names(),
-                                          backend, std::move(comms), options));
+  return std::unique_ptr<Model>(new Model(std::move(config), Checkpoint::open(dir, config.fp8_blocks),
+                                          arch.tensor_names(), backend, std::move(comms), options));
 }
 
 Model::Model(ModelConfig config, Checkpoint checkpoint, const TensorNames& names, kernels::Backend& backend,

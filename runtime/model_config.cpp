@@ -144,6 +144,36 @@ RopeScaling read_rope_scaling(const nlohmann::json& obj, std::string_view key,
   return s;
 }
 
+// quantization_config: only DeepSeek-V3's block-quantized FP8 weights (their activations are quantized per
+// token group at run time by the reference, "dynamic"; here they stay f32, the weights dequantized).
+Fp8BlockShape read_fp8_quantization(const nlohmann::json& q) {
+  const std::string key = "quantization_config";
+  if (!q.is_object()) fail(key, "must be an object, got " + type_of(q));
+  const ConfigReader r(q);
+  const auto text = [&](const char* name, const char* fallback) {
+    const nlohmann::json* v = r.find(name);
+    if (v == nullptr) return std::string(fallback);
+    if (!v->is_string()) fail(key + "." + name, "must be a string, got " + type_of(*v));
+    return v->get<std::string>();
+  };
+  if (const std::string method = text("quant_method", ""); method != "fp8")
+    fail(key + ".quant_method",
+         "is '" + method +
+             "', which is not supported (supported: fp8 with a weight_block_size, as DeepSeek-V3)");
+  if (const std::string fmt = text("fmt", "e4m3"); fmt != "e4m3")
+    fail(key + ".fmt", "is '" + fmt + "', which is not supported (supported: e4m3)");
+  if (const std::string scheme = text("activation_scheme", "dynamic"); scheme != "dynamic")
+    fail(key + ".activation_scheme", "is '" + scheme + "', which is not supported (supported: dynamic)");
+  const nlohmann::json* block = r.find("weight_block_size");
+  if (block == nullptr)
+    fail(key + ".weight_block_size", "is missing (per-tensor FP8 scales are not supported)");
+  if (!block->is_array() || block->size() != 2 || !(*block)[0].is_number_integer() ||
+      !(*block)[1].is_number_integer() || (*block)[0].get<std::int64_t>() <= 0 ||
+      (*block)[1].get<std::int64_t>() <= 0)
+    fail(key + ".weight_block_size", "must be two positive integers, got " + block->dump());
+  return {(*block)[0].get<std::int64_t>(), (*block)[1].get<std::int64_t>()};
+}
+
 }  // namespace
 
 void ConfigReader::read_common(ModelConfig& c) const {
@@ -165,6 +195,8 @@ void ConfigReader::read_common(ModelConfig& c) const {
     if (const nlohmann::json* scaling = find("rope_scaling"))
       c.rope_scaling = read_rope_scaling(*scaling, "rope_scaling", c.max_position_embeddings);
   }
+
+  if (const nlohmann::json* q = find("quantization_config")) c.fp8_blocks = read_fp8_quantization(*q);
 
   if (const nlohmann::json* eos = find("eos_token_id")) {
     if (eos->is_number_integer()) {

@@ -10,7 +10,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "runtime/generation_config.h"
 #include "runtime/json_file.h"
+#include "runtime/weights/fp8_blocks.h"
 
 namespace capserve::runtime {
 
@@ -104,7 +106,13 @@ struct ModelConfig {
   std::int64_t dense_intermediate_size = 0;  // dense MLP layers
   std::vector<bool> layer_is_moe;            // per layer
 
+  // config.json's eos ids, then generation_config.json's that config.json lacks: generation stops at each.
   std::vector<std::int32_t> eos_token_ids;
+  // generation_config.json's sampling defaults (its eos ids are merged above).
+  GenerationDefaults generation;
+
+  // quantization_config of block-quantized FP8 weights; unset: unquantized.
+  std::optional<Fp8BlockShape> fp8_blocks;
 
   // The dims RoPE rotates in each query and key head.
   [[nodiscard]] std::int64_t rotary_dim() const { return mla ? mla->qk_rope_head_dim : head_dim; }

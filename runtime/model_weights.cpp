@@ -7,13 +7,15 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/cpu/weight_convert.h"
 #include "runtime/load_error.h"
 
 namespace capserve::runtime {
 namespace {
 
 // Fetches checkpoint tensors (checked against their shapes) and uploads them through the backend; a device
-// backend's copies are kept in `storage`.
+// backend's copies are kept in `storage`, and then the host copies of dequantized FP8 weights are freed (the
+// CPU's tensors are those host copies).
 class Uploader {
  public:
   Uploader(Checkpoint& ckpt, kernels::Backend& backend, std::vector<kernels::Buffer>& storage)
@@ -21,19 +23,47 @@ class Uploader {
 
   [[nodiscard]] Checkpoint& checkpoint() { return ckpt_; }
   kernels::Tensor get(std::string_view name, std::initializer_list<std::int64_t> shape) {
-    return upload(ckpt_.get(name, shape));
+    const kernels::WeightView host = ckpt_.get(name, shape);
+    kernels::Tensor t = upload(host);
+    release(host);
+    return t;
   }
   kernels::Tensor upload(const kernels::WeightView& host) {
     kernels::Buffer copy;
     kernels::Tensor t = backend_.upload(host, copy);
-    if (copy.bytes() > 0) storage_.push_back(std::move(copy));
+    if (copy.bytes() > 0) {
+      storage_.push_back(std::move(copy));
+      device_copies_ = true;
+    }
     return t;
+  }
+  // On a device, in f32 whatever the checkpoint stores: a bf16 GEMM would round the activations to bf16 and
+  // flip near-tied experts, where transformers and DeepSeek compute the router in f32. The CPU widens stored
+  // weights exactly in every GEMM, so it keeps the zero-copy view.
+  kernels::Tensor get_router(std::string_view name, std::initializer_list<std::int64_t> shape) {
+    const kernels::WeightView host = ckpt_.get(name, shape);
+    if (backend_.device() == kernels::kCpu || host.dtype == kernels::DType::f32) {
+      kernels::Tensor t = upload(host);
+      release(host);
+      return t;
+    }
+    std::vector<float> wide(static_cast<std::size_t>(host.numel()));
+    kernels::cpu::convert_to_f32(host.dtype, host.data, 0, host.numel(), wide.data());
+    kernels::Tensor t =
+        upload({kernels::DType::f32, reinterpret_cast<const std::byte*>(wide.data()), host.rows, host.cols});
+    release(host);
+    return t;
+  }
+  // `host` (a view Checkpoint::get returned) is no longer needed once the device holds copies of it.
+  void release(const kernels::WeightView& host) {
+    if (device_copies_) ckpt_.release(host);
   }
 
  private:
   Checkpoint& ckpt_;
   kernels::Backend& backend_;
   std::vector<kernels::Buffer>& storage_;
+  bool device_copies_ = false;
 };
 
 // One SwiGLU's three matrices, checked against their shapes; uploaded only when `keep`.
@@ -41,12 +71,15 @@ std::optional<kernels::ExpertWeights> load_swiglu(Uploader& up, const std::strin
                                                   const std::string& gate, const std::string& up_proj,
                                                   const std::string& down, std::int64_t hidden,
                                                   std::int64_t ffn, bool keep = true) {
-  Checkpoint& ckpt = up.checkpoint();
-  const kernels::WeightView g = ckpt.get(prefix + gate, {ffn, hidden});
-  const kernels::WeightView u = ckpt.get(prefix + up_proj, {ffn, hidden});
-  const kernels::WeightView d = ckpt.get(prefix + down, {hidden, ffn});
-  if (!keep) return std::nullopt;
-  return kernels::ExpertWeights{up.upload(g), up.upload(u), up.upload(d)};
+  if (!keep) {
+    Checkpoint& ckpt = up.checkpoint();
+    ckpt.check(prefix + gate, {ffn, hidden});
+    ckpt.check(prefix + up_proj, {ffn, hidden});
+    ckpt.check(prefix + down, {hidden, ffn});
+    return std::nullopt;
+  }
+  return kernels::ExpertWeights{up.get(prefix + gate, {ffn, hidden}), up.get(prefix + up_proj, {ffn, hidden}),
+                                up.get(prefix + down, {hidden, ffn})};
 }
 
 AttentionWeights load_latent_attention(Uploader& up, const ModelConfig& c, const TensorNames& n,
@@ -67,10 +100,12 @@ AttentionWeights load_latent_attention(Uploader& up, const ModelConfig& c, const
   const kernels::WeightView kv_a = up.checkpoint().get(p + n.kv_a_proj + ".weight", {r + dr, c.hidden_size});
   a.kv_a_latent = up.upload(kv_a.row_range(0, r));
   a.kv_a_rope = up.upload(kv_a.row_range(r, dr));
+  up.release(kv_a);
   if (m.bias) {
     const kernels::WeightView bias = up.checkpoint().get(p + n.kv_a_proj + ".bias", {r + dr});
     a.kv_a_latent_bias = up.upload(bias.element_range(0, r));
     a.kv_a_rope_bias = up.upload(bias.element_range(r, dr));
+    up.release(bias);
   }
   a.kv_a_norm = up.get(p + n.kv_a_norm, {r});
   a.kv_b = up.get(p + n.kv_b_proj + ".weight", {c.num_heads * (m.qk_nope_head_dim + m.v_head_dim), r});
@@ -106,7 +141,7 @@ AttentionWeights load_attention(Uploader& up, const ModelConfig& c, const Tensor
 MoeWeights load_moe(Uploader& up, const ModelConfig& c, const TensorNames& n, const std::string& p,
                     std::span<const std::int32_t> owners, int rank) {
   MoeWeights m;
-  m.router = up.get(p + n.router, {c.num_experts, c.hidden_size});
+  m.router = up.get_router(p + n.router, {c.num_experts, c.hidden_size});
   if (c.router.correction_bias) {
     const std::string name = p + n.router_bias;
     const kernels::WeightView bias = up.checkpoint().get(name, {c.num_experts});
@@ -114,6 +149,7 @@ MoeWeights load_moe(Uploader& up, const ModelConfig& c, const TensorNames& n, co
       throw LoadError(name + ": stored as " + std::string(kernels::dtype_name(bias.dtype)) +
                       "; the router's correction bias must be F32 (as DeepSeek-V3 ships it)");
     m.router_bias = up.upload(bias).reshaped({c.num_experts});
+    up.release(bias);
   }
   for (std::int64_t e = 0; e < c.num_experts; ++e) {
     // Every expert's tensors are checked, but only this rank's are kept: the others' pages are never touched.

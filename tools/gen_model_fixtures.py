@@ -330,6 +330,28 @@ FIXTURES += [
     ),
 ]
 
+FIXTURES += [
+    dict(
+        name="deepseek_v3_fp8",
+        cls=DeepseekV3ForCausalLM,
+        config_cls=DeepseekV3Config,
+        config=dict(next(f for f in FIXTURES if f["name"] == "deepseek_v3")["config"]),
+        disk_dtype=torch.bfloat16,
+        fp8_block=(16, 16),
+        max_shard_size=None,
+        seed=47,
+        description=(
+            "DeepseekV3ForCausalLM as deepseek_v3, block-quantized FP8 as DeepSeek-V3 ships it: every linear "
+            "weight of attention and the MLPs (not embeddings, lm_head, norms, the router) stored as F8_E4M3 with a "
+            "F32 `weight_scale_inv` per 16x16 block (every dimension here a multiple of 16, as the released "
+            "checkpoints with 128x128 blocks) = amax / 448, the other tensors BF16, quantization_config fp8 / e4m3 / "
+            "dynamic. The reference is the f32 forward of the dequantized weights (fp8 x scale in f32, rounded "
+            "to bf16), i.e. the model re-loaded from a BF16 copy of exactly those values, and equal bit for bit to "
+            "transformers' own FP8 loading (FineGrainedFP8Config(dequantize=True) into bf16) run in f32."
+        ),
+    ),
+]
+
 MAX_SEED_TRIES = 200
 # init scales (see reinit_)
 LM_HEAD_ROW_TAIL = 0.0  # >0 gives log-normal lm_head row scales; makes greedy collapse onto a few tokens
@@ -550,7 +572,8 @@ def check_checkpoint(fx, d: Path, model):
     if got != want:
         raise CheckFailed(f"tensor names differ from Hub names: missing {sorted(want - got)[:8]}, "
                           f"unexpected {sorted(got - want)[:8]}")
-    bad = {k: str(v) for k, v in dtypes.items() if v != fx["disk_dtype"]}
+    bad = {k: str(v) for k, v in dtypes.items()
+           if v != (torch.float32 if k.endswith("e_score_correction_bias") else fx["disk_dtype"])}
     if bad:
         raise CheckFailed(f"unexpected on-disk dtypes {list(bad.items())[:4]}")
 
@@ -820,6 +843,92 @@ def record_reference(model, d: Path, stats):
 # --------------------------------------------------------------------------------------------------------------
 
 
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def fp8_quantize(w, block):
+    """DeepSeek-V3's block quantization of one [rows, cols] matrix: scale = amax / 448 per block (1 for an
+    all-zero block), q = w / scale in float8_e4m3fn; returns (q, scale_inv [ceil(rows/br), ceil(cols/bc)] f32)."""
+    br, bc = block
+    rows, cols = w.shape
+    sr, sc = -(-rows // br), -(-cols // bc)
+    scale = torch.ones((sr, sc), dtype=torch.float32)
+    q = torch.empty((rows, cols), dtype=torch.float8_e4m3fn)
+    for i in range(sr):
+        for j in range(sc):
+            blk = w[i * br:(i + 1) * br, j * bc:(j + 1) * bc].to(torch.float32)
+            amax = blk.abs().max().item()
+            s_ = amax / FP8_MAX if amax > 0 else 1.0
+            scale[i, j] = s_
+            q[i * br:(i + 1) * br, j * bc:(j + 1) * bc] = (blk / scale[i, j]).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def fp8_dequantize(q, scale_inv, block):
+    """q x its block's scale in f32, rounded to bf16 (what the C++ loader keeps), as f32."""
+    br, bc = block
+    full = scale_inv.repeat_interleave(br, 0)[: q.shape[0]].repeat_interleave(bc, 1)[:, : q.shape[1]]
+    return (q.to(torch.float32) * full).to(torch.bfloat16).to(torch.float32)
+
+
+def fp8_quantize_model_(model, block):
+    """Replaces every linear weight DeepSeek-V3 quantizes by its dequantized FP8 value; returns
+    {hub name: (q, scale_inv)} for the checkpoint."""
+    quantized = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
+                prefix = name.rsplit(".", 1)[0] + "."
+                for e in range(p.shape[0]):
+                    parts = ([("gate_proj", slice(0, p.shape[1] // 2)), ("up_proj", slice(p.shape[1] // 2, None))]
+                             if name.endswith("gate_up_proj") else [("down_proj", slice(None))])
+                    for hub, rows in parts:
+                        q, s_ = fp8_quantize(p[e, rows], block)
+                        p[e, rows] = fp8_dequantize(q, s_, block)
+                        quantized[f"{prefix}{e}.{hub}.weight"] = (q, s_)
+            elif name.endswith("proj.weight") or name.endswith("proj_with_mqa.weight"):
+                q, s_ = fp8_quantize(p, block)
+                p.copy_(fp8_dequantize(q, s_, block))
+                quantized[name] = (q, s_)
+    return quantized
+
+
+def fp8_rewrite_checkpoint(d: Path, quantized, block):
+    """Stores the quantized matrices (with their _scale_inv) in place of their BF16 copies, checking that each
+    dequantizes to exactly the BF16 value saved, and adds quantization_config to config.json."""
+    from safetensors.torch import load_file, save_file
+    path = d / "model.safetensors"
+    tensors = load_file(str(path))
+    for name, (q, s_) in quantized.items():
+        if not torch.equal(fp8_dequantize(q, s_, block), tensors[name].to(torch.float32)):
+            raise CheckFailed(f"{name}: the FP8 tensor does not dequantize to the saved BF16 values")
+        tensors[name] = q.contiguous()
+        tensors[name + "_scale_inv"] = s_.contiguous()
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(block)}
+    (d / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return len(quantized)
+
+
+def check_transformers_fp8_load(d: Path, ref):
+    """transformers' own loading of the FP8 checkpoint (FineGrainedFP8Config(dequantize=True) into bf16, then
+    the f32 forward every reference here uses) must give exactly the recorded prompt logits."""
+    m = transformers.AutoModelForCausalLM.from_pretrained(
+        str(d), quantization_config=transformers.FineGrainedFP8Config(dequantize=True), dtype=torch.bfloat16,
+        attn_implementation="eager", experts_implementation="eager").float()
+    m.eval()
+    worst = 0.0
+    for i, p in enumerate(ref["prompts"]):
+        with torch.no_grad():
+            logits = m(input_ids=torch.tensor([p["input_ids"]])).logits[0]
+        worst = max(worst, (logits - torch.from_numpy(np.load(d / f"prompt{i}_logits.npy"))).abs().max().item())
+    if worst != 0.0:
+        raise CheckFailed(f"transformers' FP8 load differs from the reference by {worst}")
+    return worst
+
+
 def generate_fixture(fx, seed):
     d = OUT_ROOT / fx["name"]
     if d.exists():
@@ -830,6 +939,7 @@ def generate_fixture(fx, seed):
     model = new_model(fx)
     round_to = fx["disk_dtype"] if fx["disk_dtype"] != torch.float32 else None
     reinit_(model, seed, round_to=round_to)
+    quantized = fp8_quantize_model_(model, fx["fp8_block"]) if "fp8_block" in fx else None
 
     save_kwargs = {}
     if fx["max_shard_size"]:
@@ -838,6 +948,10 @@ def generate_fixture(fx, seed):
         to_save = new_model(fx)
         to_save.load_state_dict(model.state_dict())
         to_save.to(fx["disk_dtype"])
+        # DeepSeek-V3 ships its selection-only correction bias in F32 beside BF16 (or FP8) weights
+        for name, b in to_save.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.data = model.get_buffer(name).detach().clone()
     else:
         to_save = model
     to_save.save_pretrained(str(d), **save_kwargs)
@@ -858,6 +972,9 @@ def generate_fixture(fx, seed):
 
     stats = {"reload_max_abs_logit_diff": reload_diff}
     ref = record_reference(loaded, d, stats)
+    if quantized is not None:
+        stats["fp8_quantized_matrices"] = fp8_rewrite_checkpoint(d, quantized, fx["fp8_block"])
+        stats["transformers_fp8_dequantized_max_abs_logit_diff"] = check_transformers_fp8_load(d, ref)
 
     extra = {}
     cfg = loaded.config
@@ -901,7 +1018,8 @@ def generate_fixture(fx, seed):
         "architecture": cfg_json["architectures"][0],
         "description": fx["description"],
         "seed": seed,
-        "on_disk_dtype": str(fx["disk_dtype"]).replace("torch.", ""),
+        "on_disk_dtype": (f"float8_e4m3fn linear weights ({fx['fp8_block'][0]}x{fx['fp8_block'][1]} blocks), "
+                          if "fp8_block" in fx else "") + str(fx["disk_dtype"]).replace("torch.", ""),
         "compute_dtype": "float32",
         "attn_implementation": "eager",
         "experts_implementation": "eager",

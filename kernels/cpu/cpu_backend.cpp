@@ -206,6 +206,7 @@ void convert_to_f32(DType dtype, const std::byte* base, std::int64_t first, std:
     case DType::i32:
     case DType::i64:
     case DType::u8:
+    case DType::f8_e4m3:
       break;
   }
   throw std::invalid_argument("convert_to_f32: " + std::string(dtype_name(dtype)) + " is not a weight type");
@@ -290,6 +291,7 @@ void CpuBackend::linear(const Tensor& xt, const Tensor& wt, const Tensor& biast,
       case DType::i32:
       case DType::i64:
       case DType::u8:
+      case DType::f8_e4m3:
         throw std::invalid_argument("linear: " + std::string(dtype_name(w.dtype)) + " is not a weight type");
     }
   }

@@ -123,6 +123,7 @@ void launch_latent_attention(const DeviceAttentionBatch& batch, const float* q,
     case DType::i32:
     case DType::i64:
     case DType::u8:
+    case DType::f8_e4m3:
       break;
   }
   throw std::invalid_argument("cuda::latent_attention: kv_b of type " + std::string(dtype_name(kv_b_dtype)));

@@ -345,6 +345,7 @@ void rms_norm(const float* x, std::int64_t rows, std::int64_t cols, const void* 
     case DType::i32:
     case DType::i64:
     case DType::u8:
+    case DType::f8_e4m3:
       throw std::invalid_argument("cuda::rms_norm: a weight of type " +
                                   std::string(dtype_name(weight_dtype)));
   }

@@ -46,6 +46,7 @@ void add_bias(float* y, std::int64_t m, std::int64_t n, const void* bias, DType 
     case DType::i32:
     case DType::i64:
     case DType::u8:
+    case DType::f8_e4m3:
       throw std::invalid_argument("cuda::Linear: a bias of type " + std::string(dtype_name(dtype)));
   }
   CAPSERVE_CUDA_CHECK_LAUNCH();
@@ -89,6 +90,7 @@ void Linear::run(const float* x, std::int64_t m, std::int64_t k, const void* w, 
     case DType::i32:
     case DType::i64:
     case DType::u8:
+    case DType::f8_e4m3:
       throw std::invalid_argument("cuda::Linear: a weight of type " + std::string(dtype_name(weight_dtype)));
   }
   if (bias != nullptr) add_bias(y, m, n, bias, bias_dtype, stream);

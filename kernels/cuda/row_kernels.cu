@@ -109,6 +109,7 @@ void embedding(const std::int32_t* ids, std::int64_t rows, const void* table, DT
     case DType::i32:
     case DType::i64:
     case DType::u8:
+    case DType::f8_e4m3:
       break;
   }
   throw std::invalid_argument("cuda::embedding: a table of type " + std::string(dtype_name(dtype)));

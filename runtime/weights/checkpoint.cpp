@@ -116,8 +116,9 @@ std::vector<SafetensorsFile> open_sharded(const std::filesystem::path& dir,
 
 }  // namespace
 
-Checkpoint::Checkpoint(std::filesystem::path dir, std::vector<SafetensorsFile> files)
-    : dir_(std::move(dir)), files_(std::move(files)) {
+Checkpoint::Checkpoint(std::filesystem::path dir, std::vector<SafetensorsFile> files,
+                       std::optional<Fp8BlockShape> fp8)
+    : dir_(std::move(dir)), files_(std::move(files)), fp8_(fp8) {
   for (std::size_t i = 0; i < files_.size(); ++i) {
     for (const auto& t : files_[i].tensors()) {
       const auto [it, inserted] = by_name_.emplace(t.name, &t);
@@ -130,14 +131,14 @@ Checkpoint::Checkpoint(std::filesystem::path dir, std::vector<SafetensorsFile> f
   }
 }
 
-Checkpoint Checkpoint::open(const std::filesystem::path& dir) {
+Checkpoint Checkpoint::open(const std::filesystem::path& dir, std::optional<Fp8BlockShape> fp8) {
   const auto index_path = dir / kIndexFile;
-  if (is_plain_file(index_path)) return Checkpoint(dir, open_sharded(dir, index_path));
+  if (is_plain_file(index_path)) return Checkpoint(dir, open_sharded(dir, index_path), fp8);
   const auto single_path = dir / kSingleFile;
   if (is_plain_file(single_path)) {
     std::vector<SafetensorsFile> files;
     files.push_back(SafetensorsFile::open(single_path));
-    return Checkpoint(dir, std::move(files));
+    return Checkpoint(dir, std::move(files), fp8);
   }
   throw LoadError(std::string("no ") + kSingleFile + " or " + kIndexFile + " in " + dir.string());
 }
@@ -146,19 +147,53 @@ bool Checkpoint::contains(std::string_view name) const {
   return by_name_.contains(std::string(name));
 }
 
-kernels::WeightView Checkpoint::get(std::string_view name, std::initializer_list<std::int64_t> shape) {
+const TensorInfo& Checkpoint::checked(std::string_view name, const std::vector<std::int64_t>& expected) {
   const std::string key(name);
   const auto it = by_name_.find(key);
   if (it == by_name_.end()) {
     throw LoadError("tensor '" + key + "' not found in checkpoint " + dir_.string());
   }
   const TensorInfo& t = *it->second;
-  const std::vector<std::int64_t> expected(shape);
   if (t.shape != expected) {
     throw LoadError("tensor '" + key + "' in " + files_[file_of_.at(key)].path().string() + " has shape " +
                     shape_text(t.shape) + ", expected " + shape_text(expected));
   }
+  if (t.dtype == kernels::DType::f8_e4m3) fp8_scale_of(key, t);
   used_.insert(key);
+  return t;
+}
+
+const TensorInfo& Checkpoint::fp8_scale_of(const std::string& name, const TensorInfo& weight) {
+  const std::string where = "tensor '" + name + "' in " + files_[file_of_.at(name)].path().string();
+  if (!fp8_) {
+    throw LoadError(where + " is stored as F8_E4M3 but config.json has no FP8 quantization_config");
+  }
+  if (weight.shape.size() != 2) {
+    throw LoadError(where + ": an F8_E4M3 tensor must be a matrix, not " + shape_text(weight.shape));
+  }
+  const std::string scale_name = name + "_scale_inv";
+  const auto it = by_name_.find(scale_name);
+  if (it == by_name_.end())
+    throw LoadError(where + " is stored as F8_E4M3 but '" + scale_name + "' is missing");
+  const TensorInfo& scale = *it->second;
+  const std::vector<std::int64_t> scale_shape{fp8_scale_rows(weight.shape[0], *fp8_),
+                                              fp8_scale_cols(weight.shape[1], *fp8_)};
+  if (scale.shape != scale_shape) {
+    throw LoadError("tensor '" + scale_name + "' has shape " + shape_text(scale.shape) + ", expected " +
+                    shape_text(scale_shape) + " (one scale per " + std::to_string(fp8_->rows) + "x" +
+                    std::to_string(fp8_->cols) + " block of " + shape_text(weight.shape) + ")");
+  }
+  if (scale.dtype != kernels::DType::f32 && scale.dtype != kernels::DType::bf16) {
+    throw LoadError("tensor '" + scale_name + "' is stored as " +
+                    std::string(kernels::dtype_name(scale.dtype)) + "; block scales must be F32 or BF16");
+  }
+  used_.insert(scale_name);
+  return scale;
+}
+
+kernels::WeightView Checkpoint::get(std::string_view name, std::initializer_list<std::int64_t> shape) {
+  const std::vector<std::int64_t> expected(shape);
+  const TensorInfo& t = checked(name, expected);
 
   kernels::WeightView view;
   view.dtype = t.dtype;
@@ -172,12 +207,28 @@ kernels::WeightView Checkpoint::get(std::string_view name, std::initializer_list
     for (std::size_t i = 0; i + 1 < expected.size(); ++i) {
       // Only reachable with a zero dimension elsewhere (a non-empty tensor's element count fits in its file).
       if (__builtin_mul_overflow(view.rows, expected[i], &view.rows)) {
-        throw LoadError("tensor '" + key + "' in " + files_[file_of_.at(key)].path().string() + ": shape " +
+        throw LoadError("tensor '" + std::string(name) + "' in " +
+                        files_[file_of_.at(std::string(name))].path().string() + ": shape " +
                         shape_text(expected) + " has too many rows");
       }
     }
   }
+  if (t.dtype == kernels::DType::f8_e4m3) {
+    std::vector<std::uint16_t> bf16(static_cast<std::size_t>(view.rows * view.cols));
+    dequantize_fp8_blocks(t, fp8_scale_of(std::string(name), t), *fp8_, bf16);
+    view.dtype = kernels::DType::bf16;
+    view.data = reinterpret_cast<const std::byte*>(bf16.data());
+    dequantized_.emplace(view.data, std::move(bf16));
+  }
   return view;
+}
+
+void Checkpoint::check(std::string_view name, std::initializer_list<std::int64_t> shape) {
+  checked(name, std::vector<std::int64_t>(shape));
+}
+
+void Checkpoint::release(const kernels::WeightView& view) {
+  dequantized_.erase(view.data);
 }
 
 void Checkpoint::check_all_used() const {

@@ -2,10 +2,12 @@
 // A Hugging Face checkpoint directory: `model.safetensors`, or shards listed in
 // `model.safetensors.index.json`. Architectures fetch tensors by name with their expected shape; every
 // fetched tensor is marked used so that `check_all_used` can reject a checkpoint carrying tensors the
-// architecture does not know.
+// architecture does not know. Block-quantized FP8 weights (runtime/weights/fp8_blocks.h) are fetched as
+// bf16, dequantized on fetch into memory the checkpoint owns, together with their `_scale_inv` tensors.
 #include <cstdint>
 #include <filesystem>
 #include <initializer_list>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -13,6 +15,7 @@
 #include <vector>
 
 #include "kernels/dtype.h"
+#include "runtime/weights/fp8_blocks.h"
 #include "runtime/weights/safetensors_file.h"
 
 namespace capserve::runtime {
@@ -21,14 +24,21 @@ class Checkpoint {
  public:
   // Throws LoadError: no safetensors file, a malformed index (bad JSON, missing weight_map, a listed shard
   // that is missing, a tensor the index places in a shard that lacks it, a tensor present in two shards), or
-  // a bad shard.
-  static Checkpoint open(const std::filesystem::path& dir);
+  // a bad shard. `fp8` is the block shape of config.json's FP8 quantization; without it an F8_E4M3 tensor is
+  // refused when fetched.
+  static Checkpoint open(const std::filesystem::path& dir, std::optional<Fp8BlockShape> fp8 = std::nullopt);
 
   [[nodiscard]] bool contains(std::string_view name) const;
 
   // The tensor with exactly this shape ({n} for a vector, {rows, cols} for a matrix). Throws LoadError naming
   // the file and tensor when it is missing or has another shape.
+  // An F8_E4M3 tensor comes back dequantized to bf16 (its scale tensor checked and marked used too).
   kernels::WeightView get(std::string_view name, std::initializer_list<std::int64_t> shape);
+  // What `get` checks and marks, without reading or dequantizing the data (other ranks' experts).
+  void check(std::string_view name, std::initializer_list<std::int64_t> shape);
+  // Frees the dequantized copy behind a view `get` returned, once a device holds its own copy (no-op for a
+  // view into the mapping).
+  void release(const kernels::WeightView& view);
 
   // Throws LoadError listing every tensor never fetched with `get` (name and file), if any.
   void check_all_used() const;
@@ -36,13 +46,18 @@ class Checkpoint {
   [[nodiscard]] const std::filesystem::path& dir() const { return dir_; }
 
  private:
-  Checkpoint(std::filesystem::path dir, std::vector<SafetensorsFile> files);
+  Checkpoint(std::filesystem::path dir, std::vector<SafetensorsFile> files, std::optional<Fp8BlockShape> fp8);
+  // The tensor, its shape checked and it (and an FP8 weight's scale tensor) marked used.
+  const TensorInfo& checked(std::string_view name, const std::vector<std::int64_t>& shape);
+  const TensorInfo& fp8_scale_of(const std::string& name, const TensorInfo& weight);
 
   std::filesystem::path dir_;
   std::vector<SafetensorsFile> files_;
   std::unordered_map<std::string, const TensorInfo*> by_name_;
   std::unordered_map<std::string, std::size_t> file_of_;  // tensor name -> index into files_
   std::unordered_set<std::string> used_;
+  std::optional<Fp8BlockShape> fp8_;
+  std::unordered_map<const std::byte*, std::vector<std::uint16_t>> dequantized_;  // bf16, by data pointer
 };
 
 }  // namespace capserve::runtime

@@ -76,7 +76,7 @@ Entry parse_entry(const std::filesystem::path& path, const std::string& name, co
   const auto& dtype_str = dtype_it->get_ref<const std::string&>();
   const auto dtype = kernels::parse_dtype(dtype_str);
   if (!dtype) {
-    fail_tensor(path, name, "unsupported dtype '" + dtype_str + "' (supported: F32, F16, BF16)");
+    fail_tensor(path, name, "unsupported dtype '" + dtype_str + "' (supported: F32, F16, BF16, F8_E4M3)");
   }
 
   const auto shape_it = value.find("shape");

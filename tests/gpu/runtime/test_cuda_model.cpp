@@ -28,9 +28,13 @@ namespace {
 
 // max |diff| <= tolerance * max |logit|. With f32 weights the CUDA backend computes in f32 and is held to the
 // CPU backend's 1e-4 (seen: at most 2.4e-6). With bf16 weights its GEMMs round the activations to bf16 for
-// the tensor cores (the CPU widens the weights instead), so it is held to bf16 rounding (seen: 4.3e-3).
+// the tensor cores (the CPU widens the weights instead), so it is held to bf16 rounding (seen: 4.3e-3). With
+// bf16 weights and DeepSeek-V3's sigmoid router (deepseek_v3_fp8) that rounding also closes the gaps between
+// near-tied experts' scores (>= 4.3e-4 in f32 there): a ragged-batch row routes one token to another expert
+// (seen: 1.1e-2 on prompts, 5.4e-2 on that row, greedy tokens equal), so the bound there is 6e-2.
 double tolerance(const runtime::Model& model) {
-  return model.weights().lm_head.dtype() == kernels::DType::f32 ? 1e-4 : 1e-2;
+  if (model.weights().lm_head.dtype() == kernels::DType::f32) return 1e-4;
+  return model.config().router.sigmoid ? 6e-2 : 1e-2;
 }
 
 class CudaModel : public ::testing::TestWithParam<std::string> {

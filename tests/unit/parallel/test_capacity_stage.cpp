@@ -1547,5 +1547,66 @@ TEST(CapacityStage, RandomRoutingsProperty) {
   EXPECT_GT(rerouted, 1000);
 }
 
+// DeepSeek-V3's routing shape at EP8 (issue: the new architectures work unchanged): 256 experts, each token's
+// top-8 within 4 of 8 groups of 32 (the other groups' probabilities masked to zero, as group-limited routing
+// does), normalized then scaled by 2.5, 8 ranks, a per-layer gamma; every policy, granularity and scope.
+TEST(CapacityStage, DeepSeekV3ShapeAtEightRanksWithEveryOption) {
+  constexpr std::int64_t kE = 256, kK = 8, kT = 200, kGroups = 8, kTopGroups = 4, kRanks = 8;
+  std::mt19937_64 rng(0xD5EE3);
+  std::uniform_real_distribution<float> u(0.0F, 1.0F);
+  Case base;
+  base.T = kT;
+  base.k = kK;
+  base.E = kE;
+  base.normalized = true;
+  base.scaling = 2.5F;
+  base.placement = std::make_shared<const ExpertPlacement>(ExpertPlacement::contiguous(2, kE, kRanks));
+  base.split = {40, 10, 30, 20, 25, 25, 0, 50};
+  for (int l = 0; l < 2; ++l) {
+    std::vector<float> raw(static_cast<std::size_t>(kT * kE), 0.0F);
+    for (std::int64_t t = 0; t < kT; ++t) {
+      std::vector<std::int64_t> groups(kGroups);
+      for (std::int64_t g = 0; g < kGroups; ++g) groups[static_cast<std::size_t>(g)] = g;
+      std::shuffle(groups.begin(), groups.end(), rng);
+      for (std::int64_t i = 0; i < kTopGroups; ++i) {
+        const std::int64_t g = groups[static_cast<std::size_t>(i)];
+        for (std::int64_t e = g * (kE / kGroups); e < (g + 1) * (kE / kGroups); ++e)
+          raw[static_cast<std::size_t>(t * kE + e)] = u(rng) + (e < 64 ? 0.5F : 0.0F);  // a hot range
+      }
+    }
+    base.layers.push_back(make_layer(normalize_rows(raw, kT, kE), kT, kE, kK, true, 2.5F));
+  }
+  std::int64_t dropped = 0, rerouted = 0, checked = 0;
+  for (const CapacityPolicy policy :
+       {CapacityPolicy::drop, CapacityPolicy::reroute, CapacityPolicy::expanded}) {
+    for (const CapacityGranularity granularity : {CapacityGranularity::expert, CapacityGranularity::device}) {
+      for (const CapacityScope scope : {CapacityScope::local, CapacityScope::global}) {
+        Case c = base;
+        c.config.policy = policy;
+        c.config.granularity = granularity;
+        c.config.scope = scope;
+        c.config.gamma = {1.0, 1.5};
+        c.config.rounds = 2;
+        c.config.local_experts = 2;
+        SCOPED_TRACE(describe_case(c));
+        const std::vector<Outcome> got = run_impl(c);
+        for (std::int64_t l = 0; l < 2; ++l) {
+          const Outcome& o = got[static_cast<std::size_t>(l)];
+          EXPECT_EQ(check_invariants(c, l, o), "") << "layer " << l;
+          if (const std::optional<Outcome> want = reference(c, l)) {
+            EXPECT_EQ(compare(*want, o, kK, false), "") << "layer " << l;
+            ++checked;
+          }
+          dropped += o.dropped;
+          rerouted += o.rerouted;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(checked, 24);
+  EXPECT_GT(dropped, 0);
+  EXPECT_GT(rerouted, 0);
+}
+
 }  // namespace
 }  // namespace capserve::parallel

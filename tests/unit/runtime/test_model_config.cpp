@@ -198,6 +198,41 @@ TEST(ModelConfig, Qwen3MoeReadsEitherExpertCountKey) {
   EXPECT_ERROR_MENTIONS(m, "use_sliding_window");
 }
 
+// generation_config.json's eos ids join config.json's (Qwen3 and Llama 3 list several there only); a
+// malformed file fails the load naming it.
+TEST(ModelConfig, GenerationConfigAddsEosIdsAndSamplingDefaults) {
+  EditedModel m("qwen3_moe");
+  std::ofstream(m.dir() / "generation_config.json") << R"({"eos_token_id": [7, 2], "temperature": 0.7})";
+  ASSERT_EQ(m.load_error(), "");
+  const auto model = Model::load(m.dir(), cpu_backend());
+  EXPECT_EQ(model->config().eos_token_ids, (std::vector<std::int32_t>{2, 7}));
+  EXPECT_FLOAT_EQ(*model->config().generation.temperature, 0.7F);
+  std::ofstream(m.dir() / "generation_config.json") << R"({"top_p": 2})";
+  EXPECT_ERROR_MENTIONS(m, "generation_config.json: key 'top_p' must be in [0");
+}
+
+// FP8 quantization: only DeepSeek-V3's block scheme; each other form is named.
+TEST(ModelConfig, Fp8QuantizationConfigErrorsAreNamed) {
+  EditedModel m("deepseek_v3_fp8");
+  ASSERT_EQ(m.load_error(), "");
+  nlohmann::json& q = m.config()["quantization_config"];
+  q["weight_block_size"] = {16, 32};
+  EXPECT_ERROR_MENTIONS(
+      m, "'model.layers.0.self_attn.q_a_proj.weight_scale_inv' has shape [3, 4], expected [3, 2]");
+  q["weight_block_size"] = {16};
+  EXPECT_ERROR_MENTIONS(m, "'quantization_config.weight_block_size' must be two positive integers, got [16]");
+  q.erase("weight_block_size");
+  EXPECT_ERROR_MENTIONS(m, "per-tensor FP8 scales are not supported");
+  q["weight_block_size"] = {16, 16};
+  q["quant_method"] = "awq";
+  EXPECT_ERROR_MENTIONS(m, "'quantization_config.quant_method' is 'awq', which is not supported");
+  q["quant_method"] = "fp8";
+  q["activation_scheme"] = "static";
+  EXPECT_ERROR_MENTIONS(m, "'quantization_config.activation_scheme' is 'static'");
+  m.config().erase("quantization_config");
+  EXPECT_ERROR_MENTIONS(m, "is stored as F8_E4M3 but config.json has no FP8 quantization_config");
+}
+
 // Hub configs (DeepSeek's own config.json) use the legacy keys: top-level rope_theta + rope_scaling with
 // "type": "yarn", no head_dim, and the routing keys transformers does not know.
 TEST(ModelConfig, DeepSeekHubStyleConfigGivesTheSameModel) {
