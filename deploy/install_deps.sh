@@ -10,7 +10,7 @@ packages=(
   libspdlog-dev libfmt-dev nlohmann-json3-dev libgtest-dev libgmock-dev
   prometheus-cpp-dev libboost-dev libboost-context-dev libcli11-dev libpcre2-dev libutf8proc-dev zlib1g-dev libopenblas-openmp-dev
   python3 python3-numpy python3-grpcio python3-jinja2
-  prometheus  # only for promtool: the metrics test lints the /metrics exposition with `promtool check metrics`
+  prometheus  # promtool lints /metrics; the server scrapes capserve in the e2e test of the Grafana dashboard
 )
 
 missing=()

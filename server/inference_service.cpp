@@ -291,7 +291,7 @@ grpc::Status InferenceService::make_chat(grpc::ServerContext* context, const v1:
   std::string id =
       request.request_id().empty() ? "req-" + std::to_string(next_request_++) : request.request_id();
   out = std::make_shared<Request>(std::move(id), std::move(ids), std::move(params), std::move(stops), true,
-                                  steady_deadline(*context));
+                                  steady_deadline(*context), context->peer());
   return grpc::Status::OK;
 }
 
@@ -315,7 +315,7 @@ grpc::Status InferenceService::make_generate(grpc::ServerContext* context, const
   std::string id =
       request.request_id().empty() ? "req-" + std::to_string(next_request_++) : request.request_id();
   out = std::make_shared<Request>(std::move(id), std::move(ids), std::move(params), std::move(stops), false,
-                                  steady_deadline(*context));
+                                  steady_deadline(*context), context->peer());
   return grpc::Status::OK;
 }
 

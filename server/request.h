@@ -42,15 +42,18 @@ struct RequestEvent {
 
 class Request {
  public:
+  // peer: the client's address as its front end names it (gRPC: "ipv4:10.0.0.1:54321"), for the access log.
   Request(std::string id, std::vector<std::int32_t> prompt, runtime::SamplingParams params,
-          std::vector<std::string> stop_strings, bool text_output, Clock::time_point deadline)
+          std::vector<std::string> stop_strings, bool text_output, Clock::time_point deadline,
+          std::string peer = {})
       : id_(std::move(id)),
         prompt_(std::move(prompt)),
         params_(std::move(params)),
         stop_strings_(std::move(stop_strings)),
         text_output_(text_output),
         deadline_(deadline),
-        arrival_(Clock::now()) {}
+        arrival_(Clock::now()),
+        peer_(std::move(peer)) {}
 
   [[nodiscard]] const std::string& id() const { return id_; }
   [[nodiscard]] const std::vector<std::int32_t>& prompt() const { return prompt_; }
@@ -59,6 +62,7 @@ class Request {
   [[nodiscard]] bool text_output() const { return text_output_; }
   [[nodiscard]] Clock::time_point deadline() const { return deadline_; }
   [[nodiscard]] Clock::time_point arrival() const { return arrival_; }
+  [[nodiscard]] const std::string& peer() const { return peer_; }
 
   void cancel() { cancelled_.store(true, std::memory_order_relaxed); }
   [[nodiscard]] bool cancelled() const { return cancelled_.load(std::memory_order_relaxed); }
@@ -89,6 +93,7 @@ class Request {
   const bool text_output_;
   const Clock::time_point deadline_;
   const Clock::time_point arrival_;
+  const std::string peer_;
   std::atomic<bool> cancelled_{false};
   std::mutex mutex_;
   std::condition_variable ready_;

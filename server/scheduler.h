@@ -83,6 +83,8 @@ class Scheduler {
     std::int64_t dropped = 0, rerouted = 0;
     OutputStream stream;
     Clock::time_point last_token{};
+    Clock::time_point admitted{};
+    Clock::time_point first_token{};  // when completion > 0
   };
 
   // KV blocks reserved for the request: prompt + max tokens, within the context length.
@@ -91,7 +93,7 @@ class Scheduler {
   void finish(std::uint64_t id, Running& run, Terminal terminal, const std::string& message,
               Clock::time_point now);
   void emit_token(std::uint64_t id, Running& run, std::int32_t token, Clock::time_point now);
-  void end_waiting(Waiting& w, Terminal terminal);
+  void end_waiting(Waiting& w, Terminal terminal, const std::string& message, Clock::time_point now);
 
   SchedulerConfig config_;
   int ranks_;

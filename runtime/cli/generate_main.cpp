@@ -19,6 +19,7 @@
 #include "runtime/cli/flag_checks.h"
 #include "runtime/cli/parallel_flags.h"
 #include "runtime/cli/rank_devices.h"
+#include "runtime/cli/version.h"
 #include "runtime/engine.h"
 #include "runtime/generator.h"
 #include "runtime/load_error.h"
@@ -56,6 +57,7 @@ int main(int argc, char** argv) {
   CLI::App app{
       "Generate tokens with a Hugging Face MoE checkpoint on the CPU; under mpirun the ranks share "
       "the experts (expert parallelism) and the prompts (data parallelism)"};
+  capserve::runtime::add_common_flags(app, "capserve-generate");
   std::string model_dir;
   std::vector<std::string> input_ids;
   std::vector<std::string> prompts_text;
