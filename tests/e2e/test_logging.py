@@ -1,8 +1,10 @@
 """capserve's log under mpirun (stderr is a pipe): --log-format json writes one valid JSON object per line, the
 start-up summary, and one access line per finished request with its fields (request id, peer, tokens, finish
-reason, queue time, TTFT, e2e, dropped / rerouted); no ANSI colour codes anywhere."""
+reason, queue time, TTFT, e2e, dropped / rerouted); the text format writes the same access line as key=value
+pairs; no ANSI colour codes in either."""
 
 import json
+import re
 
 from capserve_e2e import ServerTestCase, chat_request, main, pb
 
@@ -53,6 +55,17 @@ class JsonLogTest(ServerTestCase):
         for expected in ("layers", "placement", "rank 0:", "rank 1:", "scheduler:", "listening: gRPC on"):
             self.assertTrue(any(expected in m for m in messages), f"no start-up line with {expected!r}: {messages}")
         self.assertTrue(all(set(r) >= {"time", "level", "logger"} for r in self.json_lines()))
+        self.assertFalse([line for line in self.server.log if "\x1b[" in line])
+
+
+class TextLogTest(ServerTestCase):
+    def test_access_line_and_no_colour(self):
+        self.stub.Chat(chat_request("Name a fruit.", max_tokens=4, request_id="log-text-1"), timeout=120)
+        pattern = re.compile(r"\[info\] request id=log-text-1 peer=ipv[46]:\S+ prompt_tokens=\d+ completion_tokens=4 "
+                             r"finish_reason=length queue_s=[\d.]+ ttft_s=[\d.]+ e2e_s=[\d.]+ dropped=0 rerouted=0$")
+        self.wait_for(lambda: any(pattern.search(line.rstrip("\n")) for line in list(self.server.log)), 10,
+                      lambda: "a text access line for log-text-1 in:\n" + "".join(self.server.log[-10:]))
+        self.assertTrue(any("[info] listening: gRPC on" in line for line in self.server.log))
         self.assertFalse([line for line in self.server.log if "\x1b[" in line])
 
 
