@@ -31,6 +31,7 @@
 #include "runtime/chat/chat_family.h"
 #include "runtime/cli/flag_checks.h"
 #include "runtime/cli/parallel_flags.h"
+#include "runtime/cli/proc_status.h"
 #include "runtime/cli/rank_devices.h"
 #include "runtime/cli/version.h"
 #include "runtime/engine.h"
@@ -80,6 +81,7 @@ struct Options {
 // What each rank's backend allocated, gathered to rank 0 for the start-up lines.
 struct RankMemory {
   std::int64_t weights = 0, kv_cache = 0, device_index = 0;
+  std::int64_t resident_kib = 0;  // the process's resident set once loaded (the CPU maps weights lazily)
 };
 
 void add_flags(CLI::App& app, Options& o) {
@@ -233,12 +235,14 @@ void log_startup_summary(const Options& o, const runtime::Model& model, const ca
   spdlog::info("placement {} over {} ranks; capacity {}", info.placement(), info.ranks(), info.capacity());
   for (std::size_t r = 0; r < memory.size(); ++r) {
     spdlog::info(
-        "rank {}: {} experts per MoE layer, {} MiB of weights, {} MiB of KV cache ({} blocks of {} tokens)",
+        "rank {}: {} experts per MoE layer, {} MiB of weights, {} MiB of KV cache ({} blocks of {} tokens), "
+        "{} MiB resident",
         r,
         r < static_cast<std::size_t>(info.experts_per_rank_size())
             ? info.experts_per_rank(static_cast<int>(r))
             : 0U,
-        memory[r].weights >> 20, memory[r].kv_cache >> 20, o.engine.kv_blocks, o.engine.kv_block_size);
+        memory[r].weights >> 20, memory[r].kv_cache >> 20, o.engine.kv_blocks, o.engine.kv_block_size,
+        memory[r].resident_kib >> 10);
   }
   spdlog::info("scheduler: max_running={} max_batched_tokens={} max_queue={} max_context={}; selector {}",
                o.scheduler.max_running, o.scheduler.max_batched_tokens, o.scheduler.max_queue,
@@ -502,6 +506,7 @@ int main(int argc, char** argv) {
     engine_storage = std::make_unique<runtime::Engine>(*model, o.engine);
     memory.kv_cache = static_cast<std::int64_t>(devices.backend->allocated_bytes()) - memory.weights;
     memory.device_index = devices.backend->device().index;
+    memory.resident_kib = runtime::self_status_kib("VmRSS:");
   } catch (const std::exception& e) {
     failure = e.what();
   }
