@@ -247,7 +247,8 @@ void log_startup_summary(const Options& o, const runtime::Model& model, const ca
   spdlog::info("scheduler: max_running={} max_batched_tokens={} max_queue={} max_context={}; selector {}",
                o.scheduler.max_running, o.scheduler.max_batched_tokens, o.scheduler.max_queue,
                o.scheduler.max_context, info.batch_selector());
-  spdlog::info("listening: gRPC on {}, metrics on {}", grpc_address, host_port(o.host, metrics_port));
+  spdlog::info("listening: gRPC at {}; metrics (/metrics) at {}", grpc_address,
+               host_port(o.host, metrics_port));
 }
 
 // Rank 0: the front end, the scheduler and the step loop's driving side. Every rank learns whether the front

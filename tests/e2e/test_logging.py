@@ -52,7 +52,7 @@ class JsonLogTest(ServerTestCase):
 
     def test_start_up_summary_and_no_colour(self):
         messages = [r["message"] for r in self.json_lines() if r.get("logger") == "capserve"]
-        for expected in ("layers", "placement", "rank 0:", "rank 1:", "scheduler:", "listening: gRPC on"):
+        for expected in ("layers", "placement", "rank 0:", "rank 1:", "scheduler:", "listening: gRPC at"):
             self.assertTrue(any(expected in m for m in messages), f"no start-up line with {expected!r}: {messages}")
         self.assertTrue(all(set(r) >= {"time", "level", "logger"} for r in self.json_lines()))
         self.assertFalse([line for line in self.server.log if "\x1b[" in line])
@@ -65,7 +65,7 @@ class TextLogTest(ServerTestCase):
                              r"finish_reason=length queue_s=[\d.]+ ttft_s=[\d.]+ e2e_s=[\d.]+ dropped=0 rerouted=0$")
         self.wait_for(lambda: any(pattern.search(line.rstrip("\n")) for line in list(self.server.log)), 10,
                       lambda: "a text access line for log-text-1 in:\n" + "".join(self.server.log[-10:]))
-        self.assertTrue(any("[info] listening: gRPC on" in line for line in self.server.log))
+        self.assertTrue(any("[info] listening: gRPC at" in line for line in self.server.log))
         self.assertFalse([line for line in self.server.log if "\x1b[" in line])
 
 
