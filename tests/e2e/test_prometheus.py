@@ -120,6 +120,11 @@ class PrometheusTest(ServerTestCase):
             m = self.server.metrics()
             return m if metric(m, "capserve_requests_running") == 0 else None
         samples = self.wait_for(idle, 10, "the server to finish the requests")
+        # Bounded by default: per (layer, rank), per expert only with --metrics-per-expert (test_api.py).
+        self.assertIsNone(metric(samples, "capserve_moe_expert_tokens_total"))
+        self.assertGreater(metric(samples, "capserve_moe_rank_tokens_total"), 0)
+        self.assertEqual(metric(samples, "capserve_kv_cache_total_blocks"), 1024)
+        self.assertEqual(metric(samples, "capserve_build_info", model_name=self.server.model_id), 1)
         expected = {dict(ls)["layer"]: v for (name, ls), v in samples.items() if name == DROPPED}
         self.assertGreater(sum(expected.values()), 0)
         self.assertGreaterEqual(sum(expected.values()), dropped)
