@@ -35,10 +35,12 @@ std::string json_string(std::string_view text) {
   return nlohmann::json(std::string(text)).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
-// {"time":"2026-01-02T03:04:05.678Z","level":"info","logger":"capserve","message":"..."}; access lines carry
-// their fields instead of "message".
+// {"time":"2026-01-02T03:04:05.678Z","level":"info","rank":0,"logger":"capserve","message":"..."}; access
+// lines carry their fields instead of "message".
 class JsonFormatter final : public spdlog::formatter {
  public:
+  explicit JsonFormatter(int rank) : rank_(rank) {}
+
   void format(const spdlog::details::log_msg& msg, spdlog::memory_buf_t& dest) override {
     const auto since_epoch = msg.time.time_since_epoch();
     const std::time_t seconds = std::chrono::duration_cast<std::chrono::seconds>(since_epoch).count();
@@ -48,11 +50,12 @@ class JsonFormatter final : public spdlog::formatter {
     const std::string_view logger(msg.logger_name.data(), msg.logger_name.size());
     const std::string_view payload(msg.payload.data(), msg.payload.size());
     const auto level = spdlog::level::to_string_view(msg.level);
-    fmt::format_to(std::back_inserter(dest),
-                   R"({{"time":"{:04}-{:02}-{:02}T{:02}:{:02}:{:02}.{:03}Z","level":"{}","logger":{},)",
-                   utc.tm_year + 1900, utc.tm_mon + 1, utc.tm_mday, utc.tm_hour, utc.tm_min, utc.tm_sec,
-                   millis, std::string_view(level.data(), level.size()),
-                   json_string(logger.empty() ? "capserve" : logger));
+    fmt::format_to(
+        std::back_inserter(dest),
+        R"({{"time":"{:04}-{:02}-{:02}T{:02}:{:02}:{:02}.{:03}Z","level":"{}","rank":{},"logger":{},)",
+        utc.tm_year + 1900, utc.tm_mon + 1, utc.tm_mday, utc.tm_hour, utc.tm_min, utc.tm_sec, millis,
+        std::string_view(level.data(), level.size()), rank_,
+        json_string(logger.empty() ? "capserve" : logger));
     if (logger == kAccessLogger) {
       fmt::format_to(std::back_inserter(dest), "{}}}\n", payload);
     } else {
@@ -63,8 +66,11 @@ class JsonFormatter final : public spdlog::formatter {
     }
   }
   [[nodiscard]] std::unique_ptr<spdlog::formatter> clone() const override {
-    return std::make_unique<JsonFormatter>();
+    return std::make_unique<JsonFormatter>(rank_);
   }
+
+ private:
+  int rank_;
 };
 
 spdlog::level::level_enum parse_level(std::string_view name) {
@@ -81,7 +87,7 @@ std::string seconds_text(const std::optional<double>& s, bool json) {
 
 }  // namespace
 
-void configure_logging(std::string_view level, LogFormat format) {
+void configure_logging(std::string_view level, LogFormat format, int rank) {
   const spdlog::level::level_enum lvl = parse_level(level);
   // Colour codes only for a person at a terminal: under mpirun, in a pipe or in a file they are noise.
   spdlog::sink_ptr sink;
@@ -91,9 +97,10 @@ void configure_logging(std::string_view level, LogFormat format) {
     sink = std::make_shared<spdlog::sinks::stderr_sink_mt>();
   }
   if (format == LogFormat::json) {
-    sink->set_formatter(std::make_unique<JsonFormatter>());
+    sink->set_formatter(std::make_unique<JsonFormatter>(rank));
   } else {
-    sink->set_formatter(std::make_unique<spdlog::pattern_formatter>("[%Y-%m-%d %H:%M:%S.%e] [%^%l%$] %v"));
+    sink->set_formatter(std::make_unique<spdlog::pattern_formatter>("[%Y-%m-%d %H:%M:%S.%e] [rank " +
+                                                                    std::to_string(rank) + "] [%^%l%$] %v"));
   }
   auto main_logger = std::make_shared<spdlog::logger>("capserve", sink);
   auto access = std::make_shared<spdlog::logger>(kAccessLogger, sink);

@@ -17,9 +17,10 @@ enum class LogFormat { text, json };
 inline constexpr std::string_view kLogLevels[] = {"trace", "debug",    "info", "warn",
                                                   "error", "critical", "off"};
 
-// Installs the process's loggers (the default one and the access log) on stderr. Throws
-// std::invalid_argument for a level name not in kLogLevels.
-void configure_logging(std::string_view level, LogFormat format);
+// Installs the process's loggers (the default one and the access log) on stderr; every line names the MPI
+// `rank` that wrote it (under mpirun all ranks share one stderr). Throws std::invalid_argument for a level
+// name not in kLogLevels.
+void configure_logging(std::string_view level, LogFormat format, int rank);
 
 // How a request ended, as the access log names it: stop, length, cancelled, deadline_exceeded, unavailable,
 // internal, invalid_argument.

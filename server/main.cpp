@@ -486,7 +486,7 @@ int main(int argc, char** argv) {
   }
   if (!server::parse_strategy(o.strategy, o.scheduler.selector.strategy)) return 2;
   server::configure_logging(o.log_level,
-                            o.log_format == "json" ? server::LogFormat::json : server::LogFormat::text);
+                            o.log_format == "json" ? server::LogFormat::json : server::LogFormat::text, rank);
 
   const int threads = o.threads > 0
                           ? o.threads

@@ -57,7 +57,7 @@ AccessRecord record() {
 
 TEST(Logging, JsonLinesAreValidJsonWithTheAccessFields) {
   const auto lines = capture_stderr([] {
-    configure_logging("info", LogFormat::json);
+    configure_logging("info", LogFormat::json, 3);
     spdlog::info("a \"quoted\" message\nwith a newline and \x01 a control byte and \xff bad UTF-8");
     spdlog::debug("below the level: not written");
     log_access(record());
@@ -66,6 +66,7 @@ TEST(Logging, JsonLinesAreValidJsonWithTheAccessFields) {
   const auto message = nlohmann::json::parse(lines[0]);
   EXPECT_EQ(message["level"], "info");
   EXPECT_EQ(message["logger"], "capserve");
+  EXPECT_EQ(message["rank"], 3);
   EXPECT_NE(message["message"].get<std::string>().find("\"quoted\" message\nwith"), std::string::npos);
   EXPECT_TRUE(message["time"].get<std::string>().ends_with("Z"));
   const auto access = nlohmann::json::parse(lines[1]);
@@ -84,14 +85,14 @@ TEST(Logging, JsonLinesAreValidJsonWithTheAccessFields) {
 
 TEST(Logging, TextHasNoColourOffATerminal) {
   const auto lines = capture_stderr([] {
-    configure_logging("warn", LogFormat::text);
+    configure_logging("warn", LogFormat::text, 0);
     spdlog::info("not at warn");
     spdlog::error("an error");
-    configure_logging("info", LogFormat::text);
+    configure_logging("info", LogFormat::text, 0);
     log_access(record());
   });
   ASSERT_EQ(lines.size(), 2U);
-  EXPECT_NE(lines[0].find("[error] an error"), std::string::npos) << lines[0];
+  EXPECT_NE(lines[0].find("] [rank 0] [error] an error"), std::string::npos) << lines[0];
   EXPECT_EQ(lines[1].substr(lines[1].find("] request ")),
             "] request id=req-\"1\" peer=ipv4:127.0.0.1:5555 prompt_tokens=12 completion_tokens=8 "
             "finish_reason=length queue_s=0.250000 ttft_s=- e2e_s=1.500000 dropped=3 rerouted=4");
@@ -99,7 +100,7 @@ TEST(Logging, TextHasNoColourOffATerminal) {
 }
 
 TEST(Logging, UnknownLevelIsRefused) {
-  EXPECT_THROW(configure_logging("verbose", LogFormat::text), std::invalid_argument);
+  EXPECT_THROW(configure_logging("verbose", LogFormat::text, 0), std::invalid_argument);
 }
 
 TEST(Logging, FinishReasonsNameEveryTerminal) {
