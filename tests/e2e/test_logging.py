@@ -54,7 +54,7 @@ class JsonLogTest(ServerTestCase):
         messages = [r["message"] for r in self.json_lines() if r.get("logger") == "capserve"]
         for expected in ("layers", "placement", "rank 0:", "rank 1:", "scheduler:", "listening: gRPC at"):
             self.assertTrue(any(expected in m for m in messages), f"no start-up line with {expected!r}: {messages}")
-        self.assertTrue(all(set(r) >= {"time", "level", "logger"} for r in self.json_lines()))
+        self.assertTrue(all(set(r) >= {"time", "level", "rank", "logger"} for r in self.json_lines()))
         self.assertFalse([line for line in self.server.log if "\x1b[" in line])
 
 
