@@ -11,7 +11,7 @@ packages=(
   prometheus-cpp-dev libboost-dev libboost-context-dev libcli11-dev libpcre2-dev libutf8proc-dev zlib1g-dev libopenblas-openmp-dev
   python3 python3-numpy python3-grpcio python3-jinja2
   python3-venv  # tests/e2e/openai_python.sh: the official openai client in an ignored venv
-  prometheus  # only for promtool: the metrics test lints the /metrics exposition with `promtool check metrics`
+  prometheus  # promtool lints /metrics; the server scrapes capserve in the e2e test of the Grafana dashboard
   iproute2  # ip netns, veth, bridge and tc: the multi-host e2e test builds its test hosts with them
 )
 

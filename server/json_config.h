@@ -1,9 +1,15 @@
 #pragma once
 // `capserve --config FILE.json`: a flat JSON object whose keys are the long flag names without dashes
 // ({"port": 50051, "capacity-factor": "1.5", "batch-selector": "greedy"}); arrays give repeated values,
-// true/false flags. Command-line flags override the file. Plugged into CLI11 as its config formatter.
+// true/false flags. Command-line flags override the file. Plugged into CLI11 as its config formatter; it
+// checks every key against the program's flags, so that a typo ({"max-runing": 8}) is an error naming the key
+// instead of a setting silently ignored, and every value against its flag's kind.
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
 #include <istream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -13,6 +19,9 @@ namespace capserve::server {
 
 class JsonConfig : public CLI::Config {
  public:
+  // `app` (which owns this formatter, so outlives it) names the keys the file may hold.
+  explicit JsonConfig(const CLI::App& app) : app_(&app) {}
+
   std::string to_config(const CLI::App* app, bool default_also, bool, std::string) const override {
     nlohmann::json out = nlohmann::json::object();
     for (const CLI::Option* opt : app->get_options()) {
@@ -34,17 +43,21 @@ class JsonConfig : public CLI::Config {
     try {
       json = nlohmann::json::parse(input);
     } catch (const nlohmann::json::exception& e) {
-      throw CLI::ConversionError("--config: not valid JSON (" + std::string(e.what()) + ")");
+      throw CLI::ConfigError("--config: not valid JSON (" + std::string(e.what()) + ")");
     }
-    if (!json.is_object()) throw CLI::ConversionError("--config: the file must hold one JSON object");
+    if (!json.is_object()) throw CLI::ConfigError("--config: the file must hold one JSON object");
     std::vector<CLI::ConfigItem> items;
     for (const auto& [key, value] : json.items()) {
+      const CLI::Option* opt = find(key);
+      if (opt == nullptr) throw CLI::ConfigError("--config: unknown key \"" + key + "\"" + suggestion(key));
       CLI::ConfigItem item;
       item.name = key;
       if (value.is_array()) {
-        for (const auto& v : value) item.inputs.push_back(scalar(key, v));
+        if (opt->get_items_expected_max() <= 1)
+          throw CLI::ConfigError("--config: \"" + key + "\" takes one value, not an array");
+        for (const auto& v : value) item.inputs.push_back(scalar(key, *opt, v));
       } else {
-        item.inputs.push_back(scalar(key, value));
+        item.inputs.push_back(scalar(key, *opt, value));
       }
       items.push_back(std::move(item));
     }
@@ -52,13 +65,69 @@ class JsonConfig : public CLI::Config {
   }
 
  private:
-  static std::string scalar(const std::string& key, const nlohmann::json& v) {
-    if (v.is_string()) return v.get<std::string>();
-    if (v.is_boolean()) return v.get<bool>() ? "true" : "false";
-    if (v.is_number()) return v.dump();
-    throw CLI::ConversionError("--config: \"" + key +
-                               "\" must be a string, number, boolean or an array of them");
+  // The flag `key` names, if the file may set it (not --config itself, --help or --version).
+  [[nodiscard]] const CLI::Option* find(const std::string& key) const {
+    if (key == "config" || key == "help" || key == "version") return nullptr;
+    const CLI::Option* opt = app_->get_option_no_throw("--" + key);
+    return opt != nullptr && opt->get_configurable() ? opt : nullptr;
   }
+
+  // " (did you mean \"max-running\"?)" for the closest flag within two edits, else "".
+  [[nodiscard]] std::string suggestion(const std::string& key) const {
+    std::string best;
+    std::size_t best_distance = 3;
+    for (const CLI::Option* opt : app_->get_options()) {
+      if (opt->get_lnames().empty()) continue;
+      const std::string& name = opt->get_lnames().front();
+      if (const std::size_t d = edit_distance(key, name); d < best_distance && find(name) != nullptr) {
+        best = name;
+        best_distance = d;
+      }
+    }
+    return best.empty() ? "" : " (did you mean \"" + best + "\"?)";
+  }
+
+  static std::size_t edit_distance(std::string_view a, std::string_view b) {
+    std::vector<std::size_t> row(b.size() + 1);
+    for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
+    for (std::size_t i = 1; i <= a.size(); ++i) {
+      std::size_t diagonal = row[0];
+      row[0] = i;
+      for (std::size_t j = 1; j <= b.size(); ++j) {
+        const std::size_t above = row[j];
+        row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+        diagonal = above;
+      }
+    }
+    return row[b.size()];
+  }
+
+  // One value as CLI11 reads it from a command line, refused when its JSON type cannot be what the flag
+  // takes: flags take true/false; options a string or a number (a number-valued option: a number, or a string
+  // that is one, e.g. "1.5").
+  static std::string scalar(const std::string& key, const CLI::Option& opt, const nlohmann::json& v) {
+    const auto refuse = [&](const std::string& what) {
+      return CLI::ConfigError("--config: \"" + key + "\" " + what + ", got " + v.dump());
+    };
+    if (opt.get_expected_max() == 0) {
+      if (!v.is_boolean()) throw refuse("is a flag: true or false");
+      return v.get<bool>() ? "true" : "false";
+    }
+    if (!v.is_string() && !v.is_number()) throw refuse("takes a string or a number");
+    const std::string text = v.is_string() ? v.get<std::string>() : v.dump();
+    const std::string type = opt.get_type_name().substr(0, opt.get_type_name().find(':'));
+    if (type == "INT" || type == "UINT") {
+      std::int64_t n = 0;
+      if (!CLI::detail::lexical_cast(text, n) || (type == "UINT" && n < 0))
+        throw refuse(type == "UINT" ? "must be a non-negative integer" : "must be an integer");
+    } else if (type == "FLOAT") {
+      double x = 0;
+      if (!CLI::detail::lexical_cast(text, x)) throw refuse("must be a number");
+    }
+    return text;
+  }
+
+  const CLI::App* app_;
 };
 
 }  // namespace capserve::server

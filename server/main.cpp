@@ -32,7 +32,9 @@
 #include "runtime/chat/chat_family.h"
 #include "runtime/cli/flag_checks.h"
 #include "runtime/cli/parallel_flags.h"
+#include "runtime/cli/proc_status.h"
 #include "runtime/cli/rank_devices.h"
+#include "runtime/cli/version.h"
 #include "runtime/engine.h"
 #include "runtime/model.h"
 #include "runtime/tokenizer/tokenizer.h"
@@ -40,6 +42,7 @@
 #include "server/http/openai_api.h"
 #include "server/inference_service.h"
 #include "server/json_config.h"
+#include "server/logging.h"
 #include "server/rank_worker.h"
 #include "server/request_intake.h"
 #include "server/scheduler.h"
@@ -74,6 +77,15 @@ struct Options {
   runtime::ParallelFlags parallel;
   std::string chat_template;
   double step_timeout_s = 60;
+  bool metrics_per_expert = false;
+  std::string log_level = "info";
+  std::string log_format = "text";
+};
+
+// What each rank's backend allocated, gathered to rank 0 for the start-up lines.
+struct RankMemory {
+  std::int64_t weights = 0, kv_cache = 0, device_index = 0;
+  std::int64_t resident_kib = 0;  // the process's resident set once loaded (the CPU maps weights lazily)
 };
 
 void add_flags(CLI::App& app, Options& o) {
@@ -81,7 +93,9 @@ void add_flags(CLI::App& app, Options& o) {
   app.add_option("--model", o.model_dir, "Hugging Face checkpoint directory")
       ->required()
       ->check(CLI::ExistingDirectory);
-  app.add_option("--model-id", o.model_id, "the model's name in the API (default: the directory name)");
+  app.add_option(
+      "--model-id,--served-model-name", o.model_id,
+      "the model's name in the API and the metrics' model_name label (default: the directory name)");
   app.add_option("--host", o.host,
                  "listen address of gRPC, the HTTP API and /metrics (0.0.0.0: every IPv4 interface, :: every "
                  "interface, 127.0.0.1: this machine only)")
@@ -159,9 +173,16 @@ void add_flags(CLI::App& app, Options& o) {
       ->check(CLI::Range(0.1, 86400.0))
       ->capture_default_str();
   runtime::add_parallel_flags(app, o.parallel);
+  app.add_flag("--metrics-per-expert", o.metrics_per_expert,
+               "token counters per (layer, expert) besides per (layer, rank): layers * experts series");
+  app.add_option("--log-level", o.log_level, "trace | debug | info | warn | error | critical | off")
+      ->check(CLI::IsMember(
+          std::vector<std::string>(std::begin(server::kLogLevels), std::end(server::kLogLevels))));
+  app.add_option("--log-format", o.log_format, "text | json (one JSON object per line)")
+      ->check(CLI::IsMember({"text", "json"}));
   app.set_config("--config", "",
                  "JSON file of flags (keys = long flag names); command-line flags override it");
-  app.config_formatter(std::make_shared<server::JsonConfig>());
+  app.config_formatter(std::make_shared<server::JsonConfig>(app));
 }
 
 // Checks between flags, after parsing: empty, or why the combination is refused.
@@ -214,11 +235,38 @@ server::StepWatchdog::Clock::duration step_bound(const Options& o) {
   for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
 }
 
+// The start-up summary on the log: what serves, where, and with which limits.
+void log_startup_summary(const Options& o, const runtime::Model& model, const capserve::v1::ServerInfo& info,
+                         std::span<const RankMemory> memory, const std::string& grpc_address,
+                         int metrics_port) {
+  const runtime::ModelConfig& c = model.config();
+  spdlog::info("capserve {}: model {} ({}) from {}: {}, {} layers ({} MoE), {} experts, top-{}",
+               runtime::build_info().version, o.limits.model_id, o.device, o.model_dir, c.architecture,
+               c.num_layers, model.moe_layers().size(), c.num_experts, c.top_k);
+  spdlog::info("placement {} over {} ranks; capacity {}", info.placement(), info.ranks(), info.capacity());
+  for (std::size_t r = 0; r < memory.size(); ++r) {
+    spdlog::info(
+        "rank {}: {} experts per MoE layer, {} MiB of weights, {} MiB of KV cache ({} blocks of {} tokens), "
+        "{} MiB resident",
+        r,
+        r < static_cast<std::size_t>(info.experts_per_rank_size())
+            ? info.experts_per_rank(static_cast<int>(r))
+            : 0U,
+        memory[r].weights >> 20, memory[r].kv_cache >> 20, o.engine.kv_blocks, o.engine.kv_block_size,
+        memory[r].resident_kib >> 10);
+  }
+  spdlog::info("scheduler: max_running={} max_batched_tokens={} max_queue={} max_context={}; selector {}",
+               o.scheduler.max_running, o.scheduler.max_batched_tokens, o.scheduler.max_queue,
+               o.scheduler.max_context, info.batch_selector());
+  spdlog::info("listening: gRPC at {}; metrics (/metrics) at {}", grpc_address,
+               host_port(o.host, metrics_port));
+}
+
 // Rank 0: the front end, the scheduler and the step loop's driving side. Every rank learns whether the front
 // end started (the one collective before the step loop): on failure all of them exit 1 cleanly, rank 0 with
 // the reason as its last line.
 int serve(parallel::MpiWorld& world, Options& o, runtime::Engine& engine, server::RankWorker& worker,
-          parallel::RankHeartbeat* heartbeat) {
+          parallel::RankHeartbeat* heartbeat, std::span<const RankMemory> memory) {
   const runtime::Model& model = engine.model();
   const runtime::ModelConfig& config = model.config();
   std::optional<runtime::Tokenizer> tokenizer;
@@ -251,7 +299,7 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Engine& engine, server
   };
 
   capserve::v1::ServerInfo info;
-  info.set_version("0.1.0");
+  info.set_version(std::string(runtime::build_info().version));
   info.set_ranks(static_cast<std::uint32_t>(world.size()));
   capserve::v1::ModelCard* card = info.mutable_model();
   card->set_id(o.limits.model_id);
@@ -288,7 +336,16 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Engine& engine, server
       if (std::filesystem::exists(tokenizer_config))
         chat = runtime::ChatTemplate::load(tokenizer_config, forced);
     }
-    metrics = std::make_unique<server::ServerMetrics>(model.moe_layers(), config.num_experts, world.size());
+    const runtime::BuildInfo& build = runtime::build_info();
+    metrics = std::make_unique<server::ServerMetrics>(
+        model.moe_layers(), config.num_experts, world.size(),
+        server::MetricsOptions{.model_name = o.limits.model_id,
+                               .per_expert = o.metrics_per_expert,
+                               .max_context = o.scheduler.max_context,
+                               .version = std::string(build.version),
+                               .git_commit = std::string(build.git_commit),
+                               .build_type = std::string(build.build_type),
+                               .device = o.device});
     metrics_http = std::make_unique<server::http::Server>(
         server::http::Options{.host = o.host, .port = o.metrics_port},
         std::map<std::string, server::http::Route, std::less<>>{
@@ -366,6 +423,7 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Engine& engine, server
               o.limits.model_id.c_str(), host_port(o.host, bound_port).c_str(), metrics_http->port(),
               world.size(), kernels::to_string(model.backend().device()).c_str(), http_api.c_str());
   std::fflush(stdout);
+  log_startup_summary(o, model, info, memory, host_port(o.host, bound_port), metrics_http->port());
 
   try {
     for (;;) {
@@ -447,6 +505,7 @@ int main(int argc, char** argv) {
   }
 
   CLI::App app{"CapServe: expert-parallel MoE inference server (run under mpirun; rank 0 serves gRPC)"};
+  capserve::runtime::add_common_flags(app, "capserve");
   Options o;
   add_flags(app, o);
   if (const auto bad = runtime::flag_with_empty_value({argv + 1, static_cast<std::size_t>(argc - 1)})) {
@@ -467,6 +526,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (!server::parse_strategy(o.strategy, o.scheduler.selector.strategy)) return 2;
+  server::configure_logging(o.log_level,
+                            o.log_format == "json" ? server::LogFormat::json : server::LogFormat::text, rank);
   // Where each rank runs, before anything can fail on one of them: a job may span hosts (deploy/launch.sh
   // --hosts).
   const std::vector<parallel::RankHost> hosts = parallel::gather_rank_hosts(*world);
@@ -486,16 +547,17 @@ int main(int argc, char** argv) {
   std::unique_ptr<runtime::Engine> engine_storage;
   // Memory each rank allocated through its backend: weights (device backends; the CPU maps them from the
   // checkpoint) and the KV cache.
-  std::int64_t memory[3] = {0, 0, 0};  // weights, KV cache, device index
+  RankMemory memory;
   std::string failure;
   try {
     devices = runtime::make_rank_devices(o.device, threads, *world);
     model = devices.load(o.model_dir, runtime::finish_parallel_flags(o.parallel));
-    memory[0] = static_cast<std::int64_t>(devices.backend->allocated_bytes());
+    memory.weights = static_cast<std::int64_t>(devices.backend->allocated_bytes());
     o.engine.kv_dtype = runtime::kv_dtype_for(o.kv_dtype, devices.backend->device());
     engine_storage = std::make_unique<runtime::Engine>(*model, o.engine);
-    memory[1] = static_cast<std::int64_t>(devices.backend->allocated_bytes()) - memory[0];
-    memory[2] = devices.backend->device().index;
+    memory.kv_cache = static_cast<std::int64_t>(devices.backend->allocated_bytes()) - memory.weights;
+    memory.device_index = devices.backend->device().index;
+    memory.resident_kib = runtime::self_status_kib("VmRSS:");
   } catch (const std::exception& e) {
     failure = e.what();
   }
@@ -504,15 +566,16 @@ int main(int argc, char** argv) {
   const bool loaded = world->all_agree(failure.empty());
   if (rank == 0 && !failure.empty()) std::fprintf(stderr, "capserve: %s\n", failure.c_str());
   if (!loaded) return 1;
-  const auto gathered = world->gather(std::as_bytes(std::span(memory)), 0);
+  const auto gathered = world->gather(std::as_bytes(std::span(&memory, 1)), 0);
+  std::vector<RankMemory> rank_memory(gathered.size());
   if (rank == 0) {
     for (std::size_t r = 0; r < gathered.size(); ++r) {
-      std::int64_t m[3] = {0, 0, 0};
-      std::memcpy(m, gathered[r].data(), sizeof m);
-      const kernels::Device device{model->backend().device().kind, static_cast<int>(m[2])};
+      RankMemory& m = rank_memory[r];
+      std::memcpy(&m, gathered[r].data(), sizeof m);
+      const kernels::Device device{model->backend().device().kind, static_cast<int>(m.device_index)};
       std::printf("capserve: rank %zu on %s: %lld MiB of weights, %lld MiB of KV cache allocated\n", r,
-                  kernels::to_string(device).c_str(), static_cast<long long>(m[0] >> 20),
-                  static_cast<long long>(m[1] >> 20));
+                  kernels::to_string(device).c_str(), static_cast<long long>(m.weights >> 20),
+                  static_cast<long long>(m.kv_cache >> 20));
     }
   }
 
@@ -535,7 +598,7 @@ int main(int argc, char** argv) {
   }
   if (rank != 0) return follow(*world, worker);
   try {
-    return serve(*world, o, engine, worker, heartbeat ? &*heartbeat : nullptr);
+    return serve(*world, o, engine, worker, heartbeat ? &*heartbeat : nullptr, rank_memory);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "capserve: %s\n", e.what());
     world->abort(1);

@@ -51,6 +51,7 @@ struct RequestEvent {
 
 class Request {
  public:
+  // peer: the client's address as its front end names it (gRPC: "ipv4:10.0.0.1:54321"), for the access log.
   Request(std::string id, std::vector<std::int32_t> prompt, runtime::SamplingParams params,
           std::vector<std::string> stop_strings, bool text_output, Clock::time_point deadline,
           std::string peer = {})

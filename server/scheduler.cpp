@@ -4,8 +4,11 @@
 #include <cmath>
 #include <limits>
 #include <utility>
+#include <optional>
+#include <string_view>
 
 #include "runtime/kv_block_manager.h"
+#include "server/logging.h"
 
 namespace capserve::server {
 namespace {
@@ -22,6 +25,20 @@ double cosine(std::span<const float> a, std::span<const std::int64_t> b) {
     bb += static_cast<double>(b[i]) * static_cast<double>(b[i]);
   }
   return aa > 0 && bb > 0 ? ab / std::sqrt(aa * bb) : std::numeric_limits<double>::quiet_NaN();
+}
+
+// The access line of a request that ends without having run: no tokens, no MoE work.
+void log_unadmitted(const Request& r, std::string_view reason, std::optional<double> queue_s, double e2e_s) {
+  log_access({.request_id = r.id(),
+              .peer = r.peer(),
+              .prompt_tokens = static_cast<std::int64_t>(r.prompt().size()),
+              .completion_tokens = 0,
+              .finish_reason = reason,
+              .queue_s = queue_s,
+              .ttft_s = std::nullopt,
+              .e2e_s = e2e_s,
+              .dropped = 0,
+              .rerouted = 0});
 }
 
 }  // namespace
@@ -61,16 +78,32 @@ std::string Scheduler::why_never_fits(const Request& request) const {
 }
 
 Scheduler::Refusal Scheduler::submit(std::shared_ptr<Request> request) {
-  if (!why_never_fits(*request).empty()) return Refusal::never_fits;
-  {
+  Refusal refusal = Refusal::none;
+  if (!why_never_fits(*request).empty()) {
+    refusal = Refusal::never_fits;
+  } else {
     std::lock_guard lock(inbox_mutex_);
-    if (draining_) return Refusal::draining;
-    if (queued_ >= config_.max_queue) return Refusal::queue_full;
-    ++queued_;
-    inbox_.push_back(std::move(request));
+    if (draining_) {
+      refusal = Refusal::draining;
+    } else if (queued_ >= config_.max_queue) {
+      refusal = Refusal::queue_full;
+    } else {
+      ++queued_;
+      inbox_.push_back(request);
+    }
   }
-  inbox_ready_.notify_one();
-  return Refusal::none;
+  if (refusal == Refusal::none) {
+    inbox_ready_.notify_one();
+    return refusal;
+  }
+  // Refused requests end here, so the access log has their line too (named as their gRPC status).
+  const Request& r = *request;
+  log_unadmitted(r,
+                 refusal == Refusal::never_fits ? "invalid_argument"
+                 : refusal == Refusal::draining ? "unavailable"
+                                                : "resource_exhausted",
+                 std::nullopt, seconds(Clock::now() - r.arrival()));
+  return refusal;
 }
 
 void Scheduler::drain() {
@@ -96,11 +129,16 @@ bool Scheduler::idle() const {
   return inbox_.empty() && waiting_.empty() && running_.empty() && to_free_.empty();
 }
 
-void Scheduler::end_waiting(Waiting& w, Terminal terminal) {
+void Scheduler::end_waiting(Waiting& w, Terminal terminal, const std::string& message,
+                            Clock::time_point now) {
+  const Request& r = *w.request;
+  // It spent its whole life in the queue.
+  const double waited = seconds(now - r.arrival());
+  log_unadmitted(r, finish_reason(terminal), waited, waited);
   RequestEvent e;
   e.terminal = terminal;
-  e.prompt_tokens = static_cast<std::uint32_t>(w.request->prompt().size());
-  e.message = terminal == Terminal::deadline_exceeded ? "deadline exceeded while waiting in the queue" : "";
+  e.prompt_tokens = static_cast<std::uint32_t>(r.prompt().size());
+  e.message = message;
   w.request->push(std::move(e));
 }
 
@@ -116,7 +154,11 @@ StepPlan Scheduler::plan(Clock::time_point now) {
     // A passed deadline wins over cancellation: gRPC cancels the call at its deadline too.
     const bool expired = now >= it->request->deadline();
     if (expired || it->request->cancelled()) {
-      end_waiting(*it, expired ? Terminal::deadline_exceeded : Terminal::cancelled);
+      if (expired) {
+        end_waiting(*it, Terminal::deadline_exceeded, "deadline exceeded while waiting in the queue", now);
+      } else {
+        end_waiting(*it, Terminal::cancelled, "", now);
+      }
       it = waiting_.erase(it);
       std::lock_guard lock(inbox_mutex_);
       --queued_;
@@ -148,6 +190,7 @@ StepPlan Scheduler::plan(Clock::time_point now) {
   if (metrics_ != nullptr) {
     metrics_->set_requests_running(static_cast<std::int64_t>(running_.size()));
     metrics_->set_requests_waiting(static_cast<std::int64_t>(waiting_.size()));
+    metrics_->set_kv_cache_usage(rank_blocks_used_, config_.kv_blocks_per_rank);
   }
   return plan;
 }
@@ -211,7 +254,8 @@ void Scheduler::admit(Clock::time_point now, StepPlan& plan) {
         .request = w.request,
         .rank = rank,
         .blocks = c.kv_blocks,
-        .stream = OutputStream(w.request->text_output() ? tokenizer_ : nullptr, w.request->stop_strings())};
+        .stream = OutputStream(w.request->text_output() ? tokenizer_ : nullptr, w.request->stop_strings()),
+        .admitted = now};
     if (metrics_ != nullptr) {
       metrics_->observe_queue_time(seconds(now - w.request->arrival()));
       metrics_->add_prompt_tokens(c.tokens);
@@ -239,6 +283,7 @@ void Scheduler::emit_token(std::uint64_t id, Running& run, std::int32_t token, c
       metrics_->observe_inter_token_latency(seconds(now - run.last_token));
     }
   }
+  if (run.completion == 1) run.first_token = now;
   run.last_token = now;
   const runtime::SamplingParams& p = req.params();
   const bool stop_token =
@@ -285,7 +330,28 @@ void Scheduler::finish(std::uint64_t id, Running& run, Terminal terminal, const 
                                                  config_.assignments_per_token);
   e.moe_dropped = static_cast<std::uint64_t>(run.dropped);
   e.moe_rerouted = static_cast<std::uint64_t>(run.rerouted);
-  if (metrics_ != nullptr) metrics_->observe_end_to_end_latency(seconds(now - run.request->arrival()));
+  const Request& r = *run.request;
+  const double e2e = seconds(now - r.arrival());
+  std::optional<double> ttft;
+  if (run.completion > 0) ttft = seconds(run.first_token - r.arrival());
+  if (metrics_ != nullptr) {
+    metrics_->observe_end_to_end_latency(e2e);
+    metrics_->observe_request_lengths(static_cast<std::int64_t>(r.prompt().size()), run.completion);
+    if (run.completion > 0) {
+      metrics_->observe_prefill_time(seconds(run.first_token - run.admitted));
+      metrics_->observe_decode_time(seconds(now - run.first_token));
+    }
+  }
+  log_access({.request_id = r.id(),
+              .peer = r.peer(),
+              .prompt_tokens = static_cast<std::int64_t>(r.prompt().size()),
+              .completion_tokens = run.completion,
+              .finish_reason = finish_reason(terminal),
+              .queue_s = seconds(run.admitted - r.arrival()),
+              .ttft_s = ttft,
+              .e2e_s = e2e,
+              .dropped = run.dropped,
+              .rerouted = run.rerouted});
   run.request->push(std::move(e));
   to_free_.push_back(id);
   rank_blocks_used_[static_cast<std::size_t>(run.rank)] -= run.blocks;
@@ -391,12 +457,7 @@ void Scheduler::fail_all(Terminal terminal, const std::string& message) {
     queued_ = 0;
     draining_ = true;
   }
-  for (Waiting& w : waiting_) {
-    RequestEvent e;
-    e.terminal = terminal;
-    e.message = message;
-    w.request->push(std::move(e));
-  }
+  for (Waiting& w : waiting_) end_waiting(w, terminal, message, now);
   waiting_.clear();
 }
 

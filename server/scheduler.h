@@ -87,6 +87,8 @@ class Scheduler {
     // text_bytes() after its token (its entry goes with the event whose text completes it).
     LogprobEntries prompt_logprobs{}, logprobs{};
     std::deque<std::size_t> logprob_text_ends{};
+    Clock::time_point admitted{};
+    Clock::time_point first_token{};  // when completion > 0
   };
   // A sampled token's log-probability record and its alternatives, when its sequence asks.
   struct Scored {
@@ -104,7 +106,7 @@ class Scheduler {
   // Moves the request's pending log-probability entries whose text has been sent (all of them at the end)
   // into the event about to be sent.
   static void take_logprobs(Running& run, bool all, RequestEvent& e);
-  void end_waiting(Waiting& w, Terminal terminal);
+  void end_waiting(Waiting& w, Terminal terminal, const std::string& message, Clock::time_point now);
 
   SchedulerConfig config_;
   int ranks_;

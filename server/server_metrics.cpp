@@ -27,11 +27,31 @@ using prometheus::Counter;
 using prometheus::Gauge;
 using prometheus::Histogram;
 
-// Request latencies on a CPU server: 1 ms .. 60 s.
-const Histogram::BucketBoundaries& latency_buckets() {
+// Between two tokens of one request: 1 ms .. 60 s.
+const Histogram::BucketBoundaries& token_latency_buckets() {
   static const Histogram::BucketBoundaries b{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                                              0.5,   1,      2.5,   5,    10,    20,   30,  60};
   return b;
+}
+
+// A request's phases and whole life: 1 ms .. 2 h 8 min, as a long generation behind a long queue takes
+// (vLLM's end-to-end buckets go as far).
+const Histogram::BucketBoundaries& request_latency_buckets() {
+  static const Histogram::BucketBoundaries b{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                                             0.5,   1,      2.5,   5,    10,    20,   30,  60,
+                                             120,   240,    480,   960,  1920,  3840, 7680};
+  return b;
+}
+
+// Request lengths in tokens: 1, 2, 5, 10, 20, 50, ... up to the first bound at or past the context length.
+Histogram::BucketBoundaries length_buckets(std::int64_t max_context) {
+  Histogram::BucketBoundaries b;
+  for (double decade = 1;; decade *= 10) {
+    for (const double step : {1.0, 2.0, 5.0}) {
+      b.push_back(decade * step);
+      if (decade * step >= static_cast<double>(max_context)) return b;
+    }
+  }
 }
 
 // Batch-selector decisions: 1 us .. 10 ms.
@@ -85,7 +105,7 @@ struct ServerMetrics::Impl {
     Counter* wire_bytes = nullptr;
     Gauge* rank_imbalance = nullptr;
     std::array<Counter*, kNumPhases> phase{};
-    std::vector<Counter*> expert_tokens;  // [num_experts]
+    std::vector<Counter*> expert_tokens;  // [num_experts] with MetricsOptions::per_expert, else empty
     std::vector<Counter*> rank_tokens;    // [num_ranks]
   };
 
@@ -95,6 +115,13 @@ struct ServerMetrics::Impl {
   Histogram* itl = nullptr;
   Histogram* e2e = nullptr;
   Histogram* queue_time = nullptr;
+  Histogram* prefill_time = nullptr;
+  Histogram* decode_time = nullptr;
+  Histogram* prompt_length = nullptr;
+  Histogram* generation_length = nullptr;
+  Gauge* kv_usage = nullptr;
+  std::vector<Gauge*> kv_used_blocks;  // [num_ranks]
+  Gauge* kv_total_blocks = nullptr;
   Gauge* running = nullptr;
   Gauge* waiting = nullptr;
   Counter* prompt_tokens = nullptr;
@@ -127,10 +154,12 @@ struct ServerMetrics::Impl {
 };
 
 ServerMetrics::ServerMetrics(std::span<const std::int64_t> moe_layers, std::int64_t num_experts,
-                             int num_ranks)
+                             int num_ranks, const MetricsOptions& options)
     : impl_(std::make_unique<Impl>()) {
   if (num_experts < 0) throw std::invalid_argument("ServerMetrics: num_experts must be >= 0");
   if (num_ranks < 1) throw std::invalid_argument("ServerMetrics: num_ranks must be >= 1");
+  if (options.model_name.empty()) throw std::invalid_argument("ServerMetrics: the model name is empty");
+  if (options.max_context < 1) throw std::invalid_argument("ServerMetrics: max_context must be >= 1");
   for (std::size_t i = 0; i < moe_layers.size(); ++i) {
     if (std::find(moe_layers.begin(), moe_layers.begin() + static_cast<std::ptrdiff_t>(i), moe_layers[i]) !=
         moe_layers.begin() + static_cast<std::ptrdiff_t>(i)) {
@@ -142,15 +171,32 @@ ServerMetrics::ServerMetrics(std::span<const std::int64_t> moe_layers, std::int6
   Impl& m = *impl_;
   auto& reg = *m.registry;
 
+  // Every family carries the model's name as a constant label, so that dashboards built for vLLM or SGLang
+  // (which filter and group by model_name) find the series.
+  const prometheus::Labels model{{"model_name", options.model_name}};
+  auto histogram_family = [&](const char* name, const char* help) -> prometheus::Family<Histogram>& {
+    return prometheus::BuildHistogram().Name(name).Help(help).Labels(model).Register(reg);
+  };
+  auto gauge_family = [&](const char* name, const char* help) -> prometheus::Family<Gauge>& {
+    return prometheus::BuildGauge().Name(name).Help(help).Labels(model).Register(reg);
+  };
+  auto counter_family = [&](const char* name, const char* help) -> prometheus::Family<Counter>& {
+    return prometheus::BuildCounter().Name(name).Help(help).Labels(model).Register(reg);
+  };
   auto histogram = [&](const char* name, const char* help, const Histogram::BucketBoundaries& buckets) {
-    return &prometheus::BuildHistogram().Name(name).Help(help).Register(reg).Add({}, buckets);
+    return &histogram_family(name, help).Add({}, buckets);
   };
-  auto gauge = [&](const char* name, const char* help) {
-    return &prometheus::BuildGauge().Name(name).Help(help).Register(reg).Add({});
-  };
-  auto counter = [&](const char* name, const char* help) {
-    return &prometheus::BuildCounter().Name(name).Help(help).Register(reg).Add({});
-  };
+  auto gauge = [&](const char* name, const char* help) { return &gauge_family(name, help).Add({}); };
+  auto counter = [&](const char* name, const char* help) { return &counter_family(name, help).Add({}); };
+
+  gauge_family("capserve_build_info",
+               "Always 1; the labels say which build serves: version, git_commit, build_type (CMake), device "
+               "(the ranks' backend: cpu or cuda).")
+      .Add({{"version", options.version},
+            {"git_commit", options.git_commit},
+            {"build_type", options.build_type},
+            {"device", options.device}})
+      .Set(1);
 
   // Requests.
   m.ttft =
@@ -158,20 +204,48 @@ ServerMetrics::ServerMetrics(std::span<const std::int64_t> moe_layers, std::int6
                 "Time from a request's arrival to its first generated token (queue time plus prefill). "
                 "High while queue time is low: prefill is slow (long prompts, too few threads); high with "
                 "high queue time: the server is overloaded.",
-                latency_buckets());
+                request_latency_buckets());
   m.itl = histogram("capserve_inter_token_latency_seconds",
                     "Time between consecutive generated tokens of one request (one decode step as the client "
                     "sees it). Rises with batch size and with MoE rank imbalance (see "
                     "capserve_moe_rank_imbalance and capserve_moe_phase_seconds_total).",
-                    latency_buckets());
+                    token_latency_buckets());
   m.e2e = histogram("capserve_end_to_end_latency_seconds",
                     "Time from a request's arrival to its terminal status, whatever the finish reason.",
-                    latency_buckets());
+                    request_latency_buckets());
   m.queue_time = histogram("capserve_queue_time_seconds",
                            "Time a request waited before being admitted to the running batch. Growing: the "
                            "server is saturated (add ranks or lower load), or the admission limits (max "
                            "sequences, max batched tokens, KV blocks) are too tight.",
-                           latency_buckets());
+                           request_latency_buckets());
+  m.prefill_time =
+      histogram("capserve_request_prefill_time_seconds",
+                "Time from a request's admission to its first generated token (the prefill step), "
+                "per request that generated a token. Long: prompts are long for the batched-token "
+                "budget, or the ranks are slow (see capserve_moe_phase_seconds_total).",
+                request_latency_buckets());
+  m.decode_time = histogram("capserve_request_decode_time_seconds",
+                            "Time from a request's first generated token to its end (the decode phase), per "
+                            "request that generated a token.",
+                            request_latency_buckets());
+  m.prompt_length = histogram("capserve_request_prompt_tokens",
+                              "Prompt length of each finished request that was admitted, in tokens.",
+                              length_buckets(options.max_context));
+  m.generation_length = histogram("capserve_request_generation_tokens",
+                                  "Tokens generated for each finished request that was admitted (whatever "
+                                  "its finish reason).",
+                                  length_buckets(options.max_context));
+  m.kv_usage = gauge("capserve_kv_cache_usage_ratio",
+                     "Share of the KV cache blocks of all ranks reserved by running requests (0..1; each "
+                     "request reserves its prompt plus max_tokens). Near 1 with requests waiting: the KV "
+                     "cache is the admission limit (raise --kv-blocks or lower max_tokens).");
+  auto& kv_used = gauge_family("capserve_kv_cache_used_blocks",
+                               "KV cache blocks reserved by running requests, per rank (data-parallel "
+                               "sequences each live on one rank).");
+  m.kv_used_blocks.reserve(static_cast<std::size_t>(num_ranks));
+  for (int r = 0; r < num_ranks; ++r) m.kv_used_blocks.push_back(&kv_used.Add({{"rank", std::to_string(r)}}));
+  m.kv_total_blocks =
+      gauge("capserve_kv_cache_total_blocks", "KV cache blocks of each rank (--kv-blocks; 16 tokens each).");
   m.running =
       gauge("capserve_requests_running",
             "Requests admitted to the batch and decoding now (at most the configured max sequences).");
@@ -187,6 +261,7 @@ ServerMetrics::ServerMetrics(std::span<const std::int64_t> moe_layers, std::int6
   auto& outcomes =
       prometheus::BuildCounter()
           .Name("capserve_requests_total")
+          .Labels(model)
           .Help(
               "Requests finished, by finish_reason: stop (stop sequence or end of sequence), "
               "length (max_tokens or context limit reached), cancelled (the client went away), "
@@ -200,6 +275,7 @@ ServerMetrics::ServerMetrics(std::span<const std::int64_t> moe_layers, std::int6
   auto& errors =
       prometheus::BuildCounter()
           .Name("capserve_request_errors_total")
+          .Labels(model)
           .Help(
               "Requests that ended with a gRPC error status, by code. INVALID_ARGUMENT: fix the "
               "client's request (parameters, prompt length, model name); RESOURCE_EXHAUSTED: the "
@@ -231,6 +307,7 @@ ServerMetrics::ServerMetrics(std::span<const std::int64_t> moe_layers, std::int6
   auto& assignments =
       prometheus::BuildCounter()
           .Name("capserve_moe_assignments_total")
+          .Labels(model)
           .Help(
               "Token-to-expert assignments the router made (tokens * top_k), per MoE layer: the "
               "denominator of the dropped and rerouted ratios.")
@@ -238,6 +315,7 @@ ServerMetrics::ServerMetrics(std::span<const std::int64_t> moe_layers, std::int6
   auto& dropped =
       prometheus::BuildCounter()
           .Name("capserve_moe_dropped_assignments_total")
+          .Labels(model)
           .Help(
               "Assignments dropped by the capacity scheduler because their expert (or rank) was full: "
               "the token skipped that expert, which can cost output quality. A high share of "
@@ -247,23 +325,27 @@ ServerMetrics::ServerMetrics(std::span<const std::int64_t> moe_layers, std::int6
   auto& rerouted =
       prometheus::BuildCounter()
           .Name("capserve_moe_rerouted_assignments_total")
+          .Labels(model)
           .Help(
               "Assignments moved by the capacity scheduler from a full expert to the token's next "
               "best expert with room, per MoE layer. A high share of capserve_moe_assignments_total "
               "means the routing is skewed well past capacity: raise --capacity-factor or rebalance "
               "the placement.")
           .Register(reg);
-  auto& expert_tokens =
-      prometheus::BuildCounter()
-          .Name("capserve_moe_expert_tokens_total")
-          .Help(
-              "Tokens each expert computed (after capacity: dropped assignments excluded, "
-              "rerouted ones counted at their new expert), per MoE layer. Hot experts are "
-              "candidates for replication or for a rank of their own in --expert-placement.")
-          .Register(reg);
+  // Per expert only when asked for: layers * experts series would dominate every scrape of a DeepSeek-sized
+  // model, while the per-rank series below stay layers * ranks.
+  prometheus::Family<Counter>* expert_tokens =
+      options.per_expert
+          ? &counter_family("capserve_moe_expert_tokens_total",
+                            "Tokens each expert computed (after capacity: dropped assignments excluded, "
+                            "rerouted ones counted at their new expert), per MoE layer; only with "
+                            "--metrics-per-expert. Hot experts are candidates for replication or for a rank "
+                            "of their own in --expert-placement.")
+          : nullptr;
   auto& rank_tokens =
       prometheus::BuildCounter()
           .Name("capserve_moe_rank_tokens_total")
+          .Labels(model)
           .Help(
               "Expert tokens each rank computed (after capacity), per MoE layer: shows which rank "
               "is the straggler. Persistently uneven: move experts off the busiest rank "
@@ -272,6 +354,7 @@ ServerMetrics::ServerMetrics(std::span<const std::int64_t> moe_layers, std::int6
   auto& imbalance =
       prometheus::BuildGauge()
           .Name("capserve_moe_rank_imbalance")
+          .Labels(model)
           .Help(
               "Per-rank load imbalance (max/mean tokens per rank, after capacity) of the last "
               "recorded step, per MoE layer. 1 is perfect balance; the step waits for the most "
@@ -280,6 +363,7 @@ ServerMetrics::ServerMetrics(std::span<const std::int64_t> moe_layers, std::int6
   auto& phases =
       prometheus::BuildCounter()
           .Name("capserve_moe_phase_seconds_total")
+          .Labels(model)
           .Help(
               "Time spent per MoE layer in each phase (slowest rank of each step): scheduler "
               "(capacity scheduling), dispatch (all-to-all of tokens to their experts' ranks), expert "
@@ -290,6 +374,7 @@ ServerMetrics::ServerMetrics(std::span<const std::int64_t> moe_layers, std::int6
   auto& bytes =
       prometheus::BuildCounter()
           .Name("capserve_moe_alltoall_bytes_total")
+          .Labels(model)
           .Help(
               "Bytes sent between different ranks by the MoE all-to-all (dispatch plus combine), per "
               "layer; rate() is the interconnect bandwidth the MoE layers use.")
@@ -310,9 +395,10 @@ ServerMetrics::ServerMetrics(std::span<const std::int64_t> moe_layers, std::int6
       l.phase[static_cast<std::size_t>(p)] =
           &phases.Add({{"layer", layer}, {"phase", std::string(kPhaseNames[static_cast<std::size_t>(p)])}});
     }
-    l.expert_tokens.reserve(static_cast<std::size_t>(num_experts));
-    for (std::int64_t e = 0; e < num_experts; ++e) {
-      l.expert_tokens.push_back(&expert_tokens.Add({{"layer", layer}, {"expert", std::to_string(e)}}));
+    if (expert_tokens != nullptr) {
+      l.expert_tokens.reserve(static_cast<std::size_t>(num_experts));
+      for (std::int64_t e = 0; e < num_experts; ++e)
+        l.expert_tokens.push_back(&expert_tokens->Add({{"layer", layer}, {"expert", std::to_string(e)}}));
     }
     l.rank_tokens.reserve(static_cast<std::size_t>(num_ranks));
     for (int r = 0; r < num_ranks; ++r) {
@@ -347,6 +433,7 @@ ServerMetrics::ServerMetrics(std::span<const std::int64_t> moe_layers, std::int6
   auto& step_imbalance =
       prometheus::BuildHistogram()
           .Name("capserve_batch_selector_step_imbalance_ratio")
+          .Labels(model)
           .Help(
               "Per-rank load imbalance (max/mean) of every step's batch over the dry-run layers: kind "
               "predicted (running sequences' last loads + the admitted requests' dry runs) and realized. "
@@ -382,6 +469,31 @@ void ServerMetrics::observe_end_to_end_latency(double seconds) {
 }
 void ServerMetrics::observe_queue_time(double seconds) {
   impl_->queue_time->Observe(seconds);
+}
+
+void ServerMetrics::observe_prefill_time(double seconds) {
+  impl_->prefill_time->Observe(seconds);
+}
+void ServerMetrics::observe_decode_time(double seconds) {
+  impl_->decode_time->Observe(seconds);
+}
+void ServerMetrics::observe_request_lengths(std::int64_t prompt_tokens, std::int64_t generation_tokens) {
+  impl_->prompt_length->Observe(static_cast<double>(prompt_tokens));
+  impl_->generation_length->Observe(static_cast<double>(generation_tokens));
+}
+
+void ServerMetrics::set_kv_cache_usage(std::span<const std::int64_t> used_blocks,
+                                       std::int64_t blocks_per_rank) {
+  Impl& m = *impl_;
+  std::int64_t used = 0;
+  const std::size_t ranks = std::min(used_blocks.size(), m.kv_used_blocks.size());
+  for (std::size_t r = 0; r < ranks; ++r) {
+    m.kv_used_blocks[r]->Set(static_cast<double>(used_blocks[r]));
+    used += used_blocks[r];
+  }
+  m.kv_total_blocks->Set(static_cast<double>(blocks_per_rank));
+  const auto total = static_cast<double>(blocks_per_rank) * static_cast<double>(m.kv_used_blocks.size());
+  m.kv_usage->Set(total > 0 ? static_cast<double>(used) / total : 0.0);
 }
 
 void ServerMetrics::set_requests_running(std::int64_t n) {

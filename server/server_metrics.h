@@ -15,10 +15,22 @@ namespace capserve::server {
 // How a request ended, as the outcome counters label it.
 enum class Outcome { stop, length, cancelled, error };
 
+struct MetricsOptions {
+  // The model_name label of every series (as vLLM and SGLang label theirs): the served model's name.
+  std::string model_name;
+  // Per-expert token series (layers * experts of them: ~15k for DeepSeek-V3) besides the per-rank ones.
+  bool per_expert = false;
+  // The top bucket of the prompt and generation length histograms: the context length.
+  std::int64_t max_context = 4096;
+  // capserve_build_info's labels.
+  std::string version, git_commit, build_type, device;
+};
+
 class ServerMetrics {
  public:
   // moe_layers: the model's MoE layer indices (label values), num_experts, num_ranks.
-  ServerMetrics(std::span<const std::int64_t> moe_layers, std::int64_t num_experts, int num_ranks);
+  ServerMetrics(std::span<const std::int64_t> moe_layers, std::int64_t num_experts, int num_ranks,
+                const MetricsOptions& options);
   ~ServerMetrics();
   ServerMetrics(const ServerMetrics&) = delete;
   ServerMetrics& operator=(const ServerMetrics&) = delete;
@@ -31,6 +43,14 @@ class ServerMetrics {
   void observe_inter_token_latency(double seconds);
   void observe_end_to_end_latency(double seconds);
   void observe_queue_time(double seconds);
+  // A finished request's phases: admission to first token, and first token to its end.
+  void observe_prefill_time(double seconds);
+  void observe_decode_time(double seconds);
+  // A finished request's prompt and generated lengths, in tokens.
+  void observe_request_lengths(std::int64_t prompt_tokens, std::int64_t generation_tokens);
+
+  // KV cache blocks reserved on each rank, of blocks_per_rank each.
+  void set_kv_cache_usage(std::span<const std::int64_t> used_blocks, std::int64_t blocks_per_rank);
 
   void set_requests_running(std::int64_t n);
   void set_requests_waiting(std::int64_t n);

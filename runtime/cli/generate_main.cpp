@@ -18,7 +18,9 @@
 #include "runtime/chat/chat_template.h"
 #include "runtime/cli/flag_checks.h"
 #include "runtime/cli/parallel_flags.h"
+#include "runtime/cli/proc_status.h"
 #include "runtime/cli/rank_devices.h"
+#include "runtime/cli/version.h"
 #include "runtime/engine.h"
 #include "runtime/generator.h"
 #include "runtime/load_error.h"
@@ -37,15 +39,6 @@ std::vector<std::int32_t> parse_ids(const std::string& text) {
   return ids;
 }
 
-// A "Field:   123 kB" line of /proc/self/status, in KiB (0 when absent).
-std::int64_t status_kib(const std::string& field) {
-  std::ifstream in("/proc/self/status");
-  for (std::string line; std::getline(in, line);) {
-    if (line.rfind(field, 0) == 0) return std::stoll(line.substr(field.size()));
-  }
-  return 0;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -56,6 +49,7 @@ int main(int argc, char** argv) {
   CLI::App app{
       "Generate tokens with a Hugging Face MoE checkpoint on the CPU; under mpirun the ranks share "
       "the experts (expert parallelism) and the prompts (data parallelism)"};
+  capserve::runtime::add_common_flags(app, "capserve-generate");
   std::string model_dir;
   std::vector<std::string> input_ids;
   std::vector<std::string> prompts_text;
@@ -208,7 +202,7 @@ int main(int argc, char** argv) {
   const auto gathered = world->gather(std::as_bytes(std::span(packed)), 0);
   // Each rank's resident memory (all of it, and the part that is mapped checkpoint pages): with expert
   // parallelism a rank touches only its own experts' pages.
-  const std::int64_t resident[2] = {status_kib("VmRSS:"), status_kib("RssFile:")};
+  const std::int64_t resident[2] = {runtime::self_status_kib("VmRSS:"), runtime::self_status_kib("RssFile:")};
   std::vector<std::int64_t> all_resident(2 * static_cast<std::size_t>(world->size()));
   devices.control->allgather(resident, all_resident);
   nlohmann::json stats = nlohmann::json::parse(engine.run_stats().to_json(

@@ -17,6 +17,8 @@ LONG = 900  # max_tokens of a request meant to be cut short (the model's context
 
 
 class ApiTest(ServerTestCase):
+    FLAGS = ["--metrics-per-expert"]  # the per-expert token series are checked below
+
     @classmethod
     def setUpClass(cls):
         super().setUpClass()

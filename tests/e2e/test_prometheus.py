@@ -1,18 +1,24 @@
 """A real Prometheus server scrapes a capacity-dropping capserve (gamma = 0.5, drop) every second; its query API
-reads back the same per-layer dropped-assignment counts as the server's own /metrics."""
+reads back the same per-layer dropped-assignment counts as the server's own /metrics, and every PromQL expression
+of the Grafana dashboard (deploy/grafana/capserve.json) returns data."""
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
 import tempfile
+import urllib.error
 import urllib.parse
 import urllib.request
 
 from capserve_e2e import ServerTestCase, chat_request, main, metric, pb
 
 DROPPED = "capserve_moe_dropped_assignments_total"
+DEPLOY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "deploy")
+# What Grafana puts for its built-in interval: at least 4 scrapes (here of 1 s) so that rate() has two samples.
+RATE_INTERVAL = "10s"
 
 
 def free_port():
@@ -47,17 +53,57 @@ class PrometheusTest(ServerTestCase):
         self.addCleanup(self.proc.wait, 10)
         self.addCleanup(self.proc.kill)
 
-    def query(self, promql):
-        """{layer: value} of an instant query, or None while Prometheus is not answering yet."""
+    def result(self, promql):
+        """The samples of an instant query, or None while Prometheus is not answering yet."""
         if self.proc.poll() is not None:
             with open(self.log) as f:
                 self.fail(f"prometheus exited with status {self.proc.returncode}:\n{f.read()}")
         try:
             with urllib.request.urlopen(self.api + urllib.parse.quote(promql), timeout=5) as r:
                 body = json.load(r)
+        except urllib.error.HTTPError as e:
+            self.fail(f"Prometheus refused {promql!r}: {e.read().decode()}")
         except OSError:
             return None
-        return {s["metric"].get("layer", ""): float(s["value"][1]) for s in body["data"]["result"]}
+        return body["data"]["result"]
+
+    def query(self, promql):
+        """{layer: value} of an instant query, or None while Prometheus is not answering yet."""
+        samples = self.result(promql)
+        return None if samples is None else {s["metric"].get("layer", ""): float(s["value"][1]) for s in samples}
+
+    def test_deployed_scrape_config_is_valid(self):
+        config = os.path.join(DEPLOY, "prometheus", "prometheus.yml")
+        check = subprocess.run([shutil.which("promtool") or "promtool", "check", "config", config],
+                               capture_output=True, text=True)
+        self.assertEqual(check.returncode, 0, check.stdout + check.stderr)
+
+    def test_every_dashboard_expression_returns_data(self):
+        with open(os.path.join(DEPLOY, "grafana", "capserve.json")) as f:
+            dashboard = json.load(f)
+        variables = {"model_name": self.server.model_id, "__rate_interval": RATE_INTERVAL}
+        self.assertEqual({v["name"] for v in dashboard["templating"]["list"]} - {"datasource"}, {"model_name"})
+        exprs = []
+        for panel in dashboard["panels"]:
+            for target in panel["targets"]:
+                expr = re.sub(r"\$(\w+)", lambda m: variables[m.group(1)], target["expr"])
+                exprs.append((panel["title"], expr))
+        self.assertGreaterEqual(len(exprs), 20)
+        self.start_prometheus()
+        # Requests spread over a few scrapes, so that every rate() window holds increases.
+        for i in range(3):
+            self.stub.Chat(chat_request(f"Count to {i + 3}.", max_tokens=8), timeout=120)
+        self.wait_for(lambda: self.result(f'capserve_build_info{{model_name="{self.server.model_id}"}}'), 60,
+                      "Prometheus to scrape capserve")
+        # The model variable's own query (label_values over capserve_build_info) finds the served model.
+        self.assertEqual([s["metric"]["model_name"] for s in self.result("capserve_build_info")], [self.server.model_id])
+        empty = []
+
+        def all_answer():
+            empty[:] = [(title, expr) for title, expr in exprs if not self.result(expr)]
+            return not empty
+        self.wait_for(all_answer, 60, lambda: "data for every dashboard expression; empty: " +
+                      "; ".join(f"{title}: {expr}" for title, expr in empty))
 
     def test_prometheus_reads_the_dropped_counter(self):
         info = self.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
@@ -74,6 +120,11 @@ class PrometheusTest(ServerTestCase):
             m = self.server.metrics()
             return m if metric(m, "capserve_requests_running") == 0 else None
         samples = self.wait_for(idle, 10, "the server to finish the requests")
+        # Bounded by default: per (layer, rank), per expert only with --metrics-per-expert (test_api.py).
+        self.assertIsNone(metric(samples, "capserve_moe_expert_tokens_total"))
+        self.assertGreater(metric(samples, "capserve_moe_rank_tokens_total"), 0)
+        self.assertEqual(metric(samples, "capserve_kv_cache_total_blocks"), 1024)
+        self.assertEqual(metric(samples, "capserve_build_info", model_name=self.server.model_id), 1)
         expected = {dict(ls)["layer"]: v for (name, ls), v in samples.items() if name == DROPPED}
         self.assertGreater(sum(expected.values()), 0)
         self.assertGreaterEqual(sum(expected.values()), dropped)

@@ -16,6 +16,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "runtime/cli/version.h"
 #include "runtime/json_file.h"
 #include "server/batch_selector.h"
 
@@ -46,6 +47,7 @@ double percentile(std::vector<double> v, double p) {
 
 int main(int argc, char** argv) {
   CLI::App app{"Decision time of the CAPS batch selector"};
+  capserve::runtime::add_common_flags(app, "capserve-bench-batch-selector");
   std::string counts_path = "../shared/data/routing/olmoe_mixtral_expert_counts.json";
   std::int64_t window = 256;
   std::int64_t batch = 64;

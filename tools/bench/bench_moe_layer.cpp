@@ -50,6 +50,7 @@
 #include "parallel/token_dispatcher.h"
 #include "runtime/cli/flag_checks.h"
 #include "runtime/cli/rank_devices.h"
+#include "runtime/cli/version.h"
 #include "runtime/engine.h"
 #include "runtime/load_error.h"
 #include "runtime/model.h"
@@ -897,6 +898,7 @@ int main(int argc, char** argv) {
   std::optional<parallel::MpiWorld> world;
   if (!parallel::start_mpi(world, argc, argv, "capserve-bench-moe-layer")) return 1;
   CLI::App app{"MoE layer time (scheduler + dispatch + experts + combine, slowest rank) vs capacity factor"};
+  capserve::runtime::add_common_flags(app, "capserve-bench-moe-layer");
   std::string mode = "synthetic";
   std::string out_path;
   int threads = 1;

@@ -16,6 +16,7 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "parallel/mpi_world.h"
 #include "runtime/cli/rank_devices.h"
+#include "runtime/cli/version.h"
 #include "runtime/engine.h"
 #include "runtime/model.h"
 
@@ -56,6 +57,7 @@ std::pair<double, double> run(Engine& engine, const std::vector<std::vector<std:
 
 int main(int argc, char** argv) {
   CLI::App app{"CapServe runtime throughput benchmark"};
+  capserve::runtime::add_common_flags(app, "capserve-bench-runtime");
   std::string model_dir;
   std::string device = "cpu";
   std::string kv_dtype = "auto";

@@ -12,6 +12,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "runtime/cli/version.h"
 #include "runtime/tokenizer/tokenizer.h"
 
 namespace {
@@ -30,6 +31,7 @@ std::vector<std::string> read_lines(const std::string& path) {
 
 int main(int argc, char** argv) {
   CLI::App app{"Single-thread encode throughput of the CapServe tokenizer"};
+  capserve::runtime::add_common_flags(app, "capserve-bench-tokenizer");
   std::string dir;
   std::vector<std::string> files;
   int repeats = 3;

@@ -27,6 +27,7 @@
 #include "parallel/mpi_world.h"
 #include "runtime/cli/parallel_flags.h"
 #include "runtime/cli/rank_devices.h"
+#include "runtime/cli/version.h"
 #include "runtime/engine.h"
 #include "runtime/load_error.h"
 #include "runtime/model.h"
@@ -322,6 +323,7 @@ int main(int argc, char** argv) {
   const int rank = world->rank();
   const int ranks = world->size();
   CLI::App app{"Held-out perplexity and routing of a model on the shared corpus, by the C++ runtime"};
+  capserve::runtime::add_common_flags(app, "capserve-eval-heldout");
   Options o;
   o.threads = static_cast<int>(
       std::max(1U, std::thread::hardware_concurrency() / static_cast<unsigned>(world->local_size())));

@@ -25,6 +25,7 @@
 #include <nlohmann/json.hpp>
 
 #include "runtime/cli/flag_checks.h"
+#include "runtime/cli/version.h"
 #include "runtime/tokenizer/tokenizer.h"
 #include "tools/loadgen/arrivals.h"
 #include "tools/loadgen/http_get.h"
@@ -532,6 +533,7 @@ int main(int argc, char** argv) {
   CLI::App app{
       "capserve-loadgen: streamed load against a CapServe server, with latency, throughput and the "
       "server's MoE figures"};
+  capserve::runtime::add_common_flags(app, "capserve-loadgen");
   Options o;
   add_flags(app, o);
   if (const auto bad =

@@ -12,12 +12,14 @@
 #include <CLI/CLI.hpp>
 
 #include "runtime/cli/flag_checks.h"
+#include "runtime/cli/version.h"
 #include "tools/placement/expert_counts.h"
 #include "tools/placement/placement_plan.h"
 
 int main(int argc, char** argv) {
   using namespace capserve;
   CLI::App app{"Balanced expert placement from routing counts (written for --expert-placement)"};
+  capserve::runtime::add_common_flags(app, "capserve-placement");
   std::string counts_path;
   std::string model_key;
   std::vector<std::string> domains;

@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "runtime/cli/flag_checks.h"
+#include "runtime/cli/version.h"
 #include "runtime/load_error.h"
 #include "runtime/token_ids_text.h"
 #include "runtime/tokenizer/tokenizer.h"
@@ -124,6 +125,7 @@ Result handle_json_line(const Tokenizer& tokenizer, const std::string& line, con
 int main(int argc, char** argv) {
   using namespace capserve;
   CLI::App app{"Encode text to token ids (or decode ids) with a Hugging Face tokenizer"};
+  capserve::runtime::add_common_flags(app, "capserve-tokenize");
   std::string dir;
   Options options;
   bool jsonl = false;

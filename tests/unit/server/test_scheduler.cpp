@@ -250,5 +250,36 @@ TEST_F(SchedulerTest, ARefusedStepFailsTheRanksSequencesWithItsReason) {
   EXPECT_EQ(scheduler.plan(Clock::now()).frees, std::vector<std::uint64_t>{plan.starts[0].id});
 }
 
+// A request's life reaches the metrics: its KV blocks while it runs, then its lengths and phase times once it
+// ends; the blocks are released with it.
+TEST_F(SchedulerTest, AFinishedRequestFeedsTheKvAndRequestMetrics) {
+  const std::vector<std::int64_t> layers{0};
+  ServerMetrics metrics(layers, 2, 2,
+                        MetricsOptions{.model_name = "m",
+                                       .per_expert = false,
+                                       .max_context = 64,
+                                       .version = "v",
+                                       .git_commit = "c",
+                                       .build_type = "Release",
+                                       .device = "cpu"});
+  SchedulerConfig config;
+  config.kv_blocks_per_rank = 8;
+  Scheduler scheduler(config, 2, &tokenizer_, nullptr, &metrics);
+  ASSERT_EQ(scheduler.submit(chat_request({}, 3, 20)), Scheduler::Refusal::none);  // 23 tokens: 2 blocks
+  const auto has = [&](const std::string& sample) {
+    return metrics.exposition().find(sample) != std::string::npos;
+  };
+  step(scheduler, 7);
+  EXPECT_TRUE(has("capserve_kv_cache_usage_ratio{model_name=\"m\"} 0.125\n")) << metrics.exposition();
+  step(scheduler, 7);
+  step(scheduler, 7);  // the third token: max_tokens reached
+  EXPECT_TRUE(has("capserve_request_generation_tokens_sum{model_name=\"m\"} 3\n"));
+  EXPECT_TRUE(has("capserve_request_prompt_tokens_sum{model_name=\"m\"} 20\n"));
+  EXPECT_TRUE(has("capserve_request_prefill_time_seconds_count{model_name=\"m\"} 1\n"));
+  EXPECT_TRUE(has("capserve_request_decode_time_seconds_count{model_name=\"m\"} 1\n"));
+  scheduler.plan(Clock::now());  // frees the finished sequence
+  EXPECT_TRUE(has("capserve_kv_cache_usage_ratio{model_name=\"m\"} 0\n")) << metrics.exposition();
+}
+
 }  // namespace
 }  // namespace capserve::server

@@ -25,8 +25,22 @@ namespace {
 
 using Labels = std::map<std::string, std::string>;
 
-// The value of the sample `name{labels}` in a text exposition, or nullopt when absent.
-std::optional<double> sample(const std::string& text, const std::string& name, const Labels& labels = {}) {
+constexpr const char* kModel = "tiny-moe";
+
+MetricsOptions options(bool per_expert = true) {
+  return {.model_name = kModel,
+          .per_expert = per_expert,
+          .max_context = 300,
+          .version = "1.2.3",
+          .git_commit = "abc",
+          .build_type = "Release",
+          .device = "cpu"};
+}
+
+// The value of the sample `name{labels}` (and model_name="tiny-moe", which every series carries) in a text
+// exposition, or nullopt when absent.
+std::optional<double> sample(const std::string& text, const std::string& name, Labels labels = {}) {
+  labels.emplace("model_name", kModel);
   std::istringstream in(text);
   std::string line;
   while (std::getline(in, line)) {
@@ -91,7 +105,7 @@ class ServerMetricsTest : public ::testing::Test {
  protected:
   // MoE layers 1 and 3 (layer 0 and 2 dense), 4 experts on 2 ranks (experts 0,1 on rank 0).
   std::vector<std::int64_t> layers_{1, 3};
-  ServerMetrics metrics_{layers_, 4, 2};
+  ServerMetrics metrics_{layers_, 4, 2, options()};
 
   void record() {
     metrics_.observe_time_to_first_token(0.2);
@@ -152,12 +166,14 @@ TEST_F(ServerMetricsTest, ScrapedValuesMatchWhatWasRecorded) {
   record();
   const std::string text = metrics_.exposition();
 
-  // Request latencies: bucket boundaries are cumulative, 1 ms .. 60 s.
+  // Request latencies: bucket boundaries are cumulative, 1 ms .. 7680 s (60 s between tokens).
   EXPECT_EQ(value(text, "capserve_time_to_first_token_seconds_count"), 2);
   EXPECT_DOUBLE_EQ(value(text, "capserve_time_to_first_token_seconds_sum"), 3.2);
   EXPECT_EQ(value(text, "capserve_time_to_first_token_seconds_bucket", {{"le", "0.25"}}), 1);
   EXPECT_EQ(value(text, "capserve_time_to_first_token_seconds_bucket", {{"le", "5"}}), 2);
   EXPECT_EQ(value(text, "capserve_time_to_first_token_seconds_bucket", {{"le", "60"}}), 2);
+  EXPECT_EQ(value(text, "capserve_time_to_first_token_seconds_bucket", {{"le", "7680"}}), 2);
+  EXPECT_FALSE(sample(text, "capserve_inter_token_latency_seconds_bucket", {{"le", "120"}}));
   EXPECT_EQ(value(text, "capserve_time_to_first_token_seconds_bucket", {{"le", "+Inf"}}), 2);
   EXPECT_EQ(value(text, "capserve_queue_time_seconds_bucket", {{"le", "0.001"}}), 1);
   EXPECT_EQ(value(text, "capserve_inter_token_latency_seconds_count"), 1);
@@ -270,11 +286,74 @@ TEST_F(ServerMetricsTest, ExpositionPassesPromtool) {
   EXPECT_EQ(rc, 0) << "promtool check metrics:\n" << out;
 }
 
+TEST_F(ServerMetricsTest, EverySampleCarriesTheModelName) {
+  record();
+  std::istringstream in(metrics_.exposition());
+  std::string line;
+  int samples = 0;
+  while (std::getline(in, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    ++samples;
+    EXPECT_NE(line.find("model_name=\"tiny-moe\""), std::string::npos) << line;
+  }
+  EXPECT_GT(samples, 100);
+}
+
+TEST_F(ServerMetricsTest, BuildInfoNamesTheBuild) {
+  EXPECT_EQ(
+      value(metrics_.exposition(), "capserve_build_info",
+            {{"version", "1.2.3"}, {"git_commit", "abc"}, {"build_type", "Release"}, {"device", "cpu"}}),
+      1);
+}
+
+TEST_F(ServerMetricsTest, KvCacheUsageIsTheShareOfAllRanksBlocks) {
+  const std::vector<std::int64_t> used{30, 10};
+  metrics_.set_kv_cache_usage(used, 100);
+  const std::string text = metrics_.exposition();
+  EXPECT_DOUBLE_EQ(value(text, "capserve_kv_cache_usage_ratio"), 0.2);
+  EXPECT_EQ(value(text, "capserve_kv_cache_used_blocks", {{"rank", "0"}}), 30);
+  EXPECT_EQ(value(text, "capserve_kv_cache_used_blocks", {{"rank", "1"}}), 10);
+  EXPECT_EQ(value(text, "capserve_kv_cache_total_blocks"), 100);
+}
+
+TEST_F(ServerMetricsTest, RequestLengthsAndPhases) {
+  metrics_.observe_request_lengths(7, 1);
+  metrics_.observe_request_lengths(120, 300);
+  metrics_.observe_prefill_time(0.3);
+  metrics_.observe_decode_time(4000);
+  const std::string text = metrics_.exposition();
+  // 1, 2, 5, ... up to the first bound at or past max_context (300): 500.
+  EXPECT_EQ(value(text, "capserve_request_prompt_tokens_bucket", {{"le", "5"}}), 0);
+  EXPECT_EQ(value(text, "capserve_request_prompt_tokens_bucket", {{"le", "10"}}), 1);
+  EXPECT_EQ(value(text, "capserve_request_prompt_tokens_bucket", {{"le", "200"}}), 2);
+  EXPECT_EQ(value(text, "capserve_request_generation_tokens_bucket", {{"le", "1"}}), 1);
+  EXPECT_EQ(value(text, "capserve_request_generation_tokens_bucket", {{"le", "500"}}), 2);
+  EXPECT_FALSE(sample(text, "capserve_request_generation_tokens_bucket", {{"le", "1000"}}));
+  EXPECT_EQ(value(text, "capserve_request_generation_tokens_sum"), 301);
+  EXPECT_EQ(value(text, "capserve_request_prefill_time_seconds_bucket", {{"le", "0.5"}}), 1);
+  EXPECT_EQ(value(text, "capserve_request_decode_time_seconds_bucket", {{"le", "3840"}}), 0);
+  EXPECT_EQ(value(text, "capserve_request_decode_time_seconds_bucket", {{"le", "7680"}}), 1);
+}
+
+TEST(ServerMetricsShape, PerExpertSeriesOnlyWhenAsked) {
+  const std::vector<std::int64_t> layers{0, 1};
+  ServerMetrics metrics(layers, 256, 2, options(false));
+  parallel::MoeStepStats step;
+  step.layers.push_back(layer_stats(0, 4, 0, 0, std::vector<std::int64_t>(256, 1), {4, 4}, 0, 0));
+  metrics.record_step(step);
+  const std::string text = metrics.exposition();
+  EXPECT_EQ(text.find("capserve_moe_expert_tokens_total"), std::string::npos);
+  EXPECT_EQ(value(text, "capserve_moe_rank_tokens_total", {{"layer", "0"}, {"rank", "1"}}), 4);
+}
+
 TEST(ServerMetricsShape, RejectsBadShapes) {
   const std::vector<std::int64_t> twice{2, 2};
-  EXPECT_THROW(ServerMetrics(twice, 2, 1), std::invalid_argument);
+  EXPECT_THROW(ServerMetrics(twice, 2, 1, options()), std::invalid_argument);
   const std::vector<std::int64_t> layers{0};
-  EXPECT_THROW(ServerMetrics(layers, 2, 0), std::invalid_argument);
+  EXPECT_THROW(ServerMetrics(layers, 2, 0, options()), std::invalid_argument);
+  MetricsOptions unnamed = options();
+  unnamed.model_name.clear();
+  EXPECT_THROW(ServerMetrics(layers, 2, 1, unnamed), std::invalid_argument);
 }
 
 }  // namespace

@@ -1,0 +1,28 @@
+#pragma once
+// What every program prints for --version and capserve exports as capserve_build_info: one place, so that the
+// binaries of one build can never disagree about which build they are.
+#include <string>
+#include <string_view>
+
+#include <CLI/CLI.hpp>
+
+namespace capserve::runtime {
+
+struct BuildInfo {
+  std::string_view version;     // the project's version (CMakeLists.txt)
+  std::string_view git_commit;  // short hash of the checkout at build time, "+dirty" when it had changes
+  std::string_view build_type;  // CMAKE_BUILD_TYPE
+  bool cuda = false;            // built with the CUDA backend (--device cuda available where a GPU is)
+};
+
+[[nodiscard]] const BuildInfo& build_info();
+
+// "capserve-generate 0.1.0 (git 1a2b3c4d5e6f, Release, CUDA support: no)".
+[[nodiscard]] std::string version_line(std::string_view program);
+
+// The flags every program shares: --version (prints version_line and exits 0), and every option's default in
+// --help. Call right after creating the app, before adding options: CLI11 applies option defaults to options
+// created afterwards.
+void add_common_flags(CLI::App& app, std::string_view program);
+
+}  // namespace capserve::runtime

@@ -1,0 +1,66 @@
+"""The programs' command lines: --version on every binary (one version line, the same build for all), --help
+showing each option's default, and capserve --config refusing an unknown key or a wrongly typed value by name
+(exit code 2, nothing loaded)."""
+
+import json
+import os
+import re
+import subprocess
+import tempfile
+import unittest
+
+from capserve_e2e import BIN, LAUNCH, MODEL, NP, main
+
+VERSION = re.compile(r"^(\S+) (\d+\.\d+\.\d+ \(git \S+, \S+, CUDA support: (?:yes|no)\))$")
+
+
+def run(cmd, timeout=120):
+    return subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+
+
+class CliTest(unittest.TestCase):
+    def test_version_on_every_binary(self):
+        binaries = os.environ["CAPSERVE_CLI_BINARIES"].split(":")
+        self.assertGreaterEqual(len(binaries), 5)
+        builds = set()
+        for path in binaries:
+            with self.subTest(binary=os.path.basename(path)):
+                done = run([path, "--version"])
+                self.assertEqual(done.returncode, 0, done.stdout)
+                m = VERSION.match(done.stdout.strip())
+                self.assertIsNotNone(m, done.stdout)
+                self.assertEqual(m.group(1), os.path.basename(path))
+                builds.add(m.group(2))
+        self.assertEqual(len(builds), 1, builds)
+
+    def test_help_shows_defaults(self):
+        done = run([BIN, "--help"])
+        self.assertEqual(done.returncode, 0, done.stdout)
+        lines = {line.split()[0]: line for line in done.stdout.splitlines() if line.strip().startswith("--")}
+        for flag, default in (("--max-running", "64"), ("--kv-blocks", "1024"), ("--log-level", "info"),
+                              ("--batch-selector", "fcfs"), ("--capacity-factor", "inf")):
+            self.assertIn(flag, lines, done.stdout)
+            self.assertIn(default, lines[flag])
+
+    def config_refused(self, config):
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(config, f)
+        self.addCleanup(os.unlink, f.name)
+        done = run(["bash", LAUNCH, str(NP), BIN, "--model", MODEL, "--port", "0", "--metrics-port", "0",
+                    "--config", f.name])
+        self.assertEqual(done.returncode, 2, done.stdout)
+        self.assertNotIn("serving", done.stdout)
+        return done.stdout
+
+    def test_config_unknown_key_is_refused_by_name(self):
+        out = self.config_refused({"max-runing": 8})
+        self.assertIn('unknown key "max-runing" (did you mean "max-running"?)', out)
+
+    def test_config_wrong_type_is_refused_by_name(self):
+        self.assertIn('"max-running" must be an integer, got "eight"', self.config_refused({"max-running": "eight"}))
+        self.assertIn('"metrics-per-expert" is a flag: true or false, got 1',
+                      self.config_refused({"metrics-per-expert": 1}))
+
+
+if __name__ == "__main__":
+    main()
