@@ -16,12 +16,6 @@ constexpr std::string_view kWhitespace[] = {
     "\xe2\x80\xa9", "\xe2\x80\xaf", "\xe2\x81\x9f", "\xe3\x80\x80",
 };
 
-std::size_t leading_whitespace_size(std::string_view s) {
-  const auto* it = std::find_if(std::begin(kWhitespace), std::end(kWhitespace),
-                                [s](std::string_view w) { return s.starts_with(w); });
-  return it == std::end(kWhitespace) ? 0 : it->size();
-}
-
 std::size_t trailing_whitespace_size(std::string_view s) {
   const auto* it = std::find_if(std::begin(kWhitespace), std::end(kWhitespace),
                                 [s](std::string_view w) { return s.ends_with(w); });
@@ -30,10 +24,24 @@ std::size_t trailing_whitespace_size(std::string_view s) {
 
 }  // namespace
 
-std::string_view py_strip(std::string_view s) {
+std::size_t leading_whitespace_size(std::string_view s) {
+  const auto* it = std::find_if(std::begin(kWhitespace), std::end(kWhitespace),
+                                [s](std::string_view w) { return s.starts_with(w); });
+  return it == std::end(kWhitespace) ? 0 : it->size();
+}
+
+std::string_view py_lstrip(std::string_view s) {
   while (const std::size_t n = leading_whitespace_size(s)) s.remove_prefix(n);
+  return s;
+}
+
+std::string_view py_rstrip(std::string_view s) {
   while (const std::size_t n = trailing_whitespace_size(s)) s.remove_suffix(n);
   return s;
+}
+
+std::string_view py_strip(std::string_view s) {
+  return py_rstrip(py_lstrip(s));
 }
 
 std::string_view lstrip_newlines(std::string_view s) {

@@ -1,6 +1,7 @@
 #pragma once
 // The Python str methods the reference templates call on message contents, over UTF-8 text, so the renderers
 // reproduce them exactly (Jinja runs them as Python).
+#include <cstddef>
 #include <string_view>
 
 namespace capserve::runtime::chat {
@@ -8,6 +9,10 @@ namespace capserve::runtime::chat {
 // str.strip() with no argument: removes the characters for which str.isspace() is true, Unicode ones
 // included (U+00A0, U+2028, U+3000, ...). Bytes that are not valid UTF-8 are never whitespace.
 [[nodiscard]] std::string_view py_strip(std::string_view s);
+[[nodiscard]] std::string_view py_lstrip(std::string_view s);
+[[nodiscard]] std::string_view py_rstrip(std::string_view s);
+// The byte size of the whitespace character `s` starts with (str.isspace()), 0 when it starts with none.
+[[nodiscard]] std::size_t leading_whitespace_size(std::string_view s);
 
 // str.strip('\n'), str.lstrip('\n'), str.rstrip('\n').
 [[nodiscard]] std::string_view strip_newlines(std::string_view s);
