@@ -44,27 +44,4 @@ std::string_view py_strip(std::string_view s) {
   return py_rstrip(py_lstrip(s));
 }
 
-std::string_view lstrip_newlines(std::string_view s) {
-  const std::size_t start = s.find_first_not_of('\n');
-  return start == std::string_view::npos ? std::string_view() : s.substr(start);
-}
-
-std::string_view rstrip_newlines(std::string_view s) {
-  const std::size_t last = s.find_last_not_of('\n');
-  return last == std::string_view::npos ? std::string_view() : s.substr(0, last + 1);
-}
-
-std::string_view strip_newlines(std::string_view s) {
-  return rstrip_newlines(lstrip_newlines(s));
-}
-
-std::string_view before_first(std::string_view s, std::string_view sep) {
-  return s.substr(0, s.find(sep));
-}
-
-std::string_view after_last(std::string_view s, std::string_view sep) {
-  const std::size_t at = s.rfind(sep);
-  return at == std::string_view::npos ? s : s.substr(at + sep.size());
-}
-
 }  // namespace capserve::runtime::chat

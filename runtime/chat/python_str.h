@@ -1,6 +1,6 @@
 #pragma once
-// The Python str methods the reference templates call on message contents, over UTF-8 text, so the renderers
-// reproduce them exactly (Jinja runs them as Python).
+// Python's idea of whitespace (str.isspace()) over UTF-8 text, for the str methods and filters the Jinja
+// engine runs (jinja_strings.h) and for locating stripped message content in a rendered prompt.
 #include <cstddef>
 #include <string_view>
 
@@ -13,15 +13,5 @@ namespace capserve::runtime::chat {
 [[nodiscard]] std::string_view py_rstrip(std::string_view s);
 // The byte size of the whitespace character `s` starts with (str.isspace()), 0 when it starts with none.
 [[nodiscard]] std::size_t leading_whitespace_size(std::string_view s);
-
-// str.strip('\n'), str.lstrip('\n'), str.rstrip('\n').
-[[nodiscard]] std::string_view strip_newlines(std::string_view s);
-[[nodiscard]] std::string_view lstrip_newlines(std::string_view s);
-[[nodiscard]] std::string_view rstrip_newlines(std::string_view s);
-
-// s.split(sep)[0] and s.split(sep)[-1]: the text before the first and after the last `sep`, or all of `s`
-// when it has none.
-[[nodiscard]] std::string_view before_first(std::string_view s, std::string_view sep);
-[[nodiscard]] std::string_view after_last(std::string_view s, std::string_view sep);
 
 }  // namespace capserve::runtime::chat
