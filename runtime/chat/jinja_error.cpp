@@ -19,6 +19,8 @@ std::string_view error_class(ErrorKind kind) {
       return "TemplateSyntaxError";
     case ErrorKind::template_error:
       return "TemplateError";
+    case ErrorKind::runtime_error:
+      return "TemplateRuntimeError";
     case ErrorKind::undefined_error:
       return "UndefinedError";
     case ErrorKind::type_error:

@@ -10,6 +10,7 @@ namespace capserve::runtime::jinja {
 enum class ErrorKind {
   syntax_error,     // TemplateSyntaxError: the template does not parse
   template_error,   // TemplateError: raise_exception(message) in the template
+  runtime_error,    // TemplateRuntimeError: e.g. assigning an attribute of something not a namespace
   undefined_error,  // UndefinedError: using an undefined value beyond printing or testing it
   type_error,       // TypeError: e.g. None + "text", iterating over None
   value_error,      // ValueError: e.g. unpacking a pair into three names

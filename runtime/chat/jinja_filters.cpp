@@ -6,6 +6,7 @@
 #include <cstdlib>
 
 #include "runtime/chat/jinja_json.h"
+#include "runtime/chat/jinja_methods.h"
 #include "runtime/chat/jinja_operators.h"
 #include "runtime/chat/jinja_renderer.h"
 #include "runtime/chat/jinja_strings.h"
@@ -155,7 +156,7 @@ Value f_items(Renderer&, const Value& v, const Args&) {
   if (v.is_undefined()) return List{};
   if (!v.is_dict()) type_error("Can only get item pairs from a mapping.");
   List out;
-  for (const auto& [k, item] : v.dict().items) out.emplace_back(List{k, item});
+  for (const auto& [k, item] : v.dict().items) out.push_back(pair(k, item));
   return out;
 }
 
@@ -342,7 +343,7 @@ Value f_dictsort(Renderer&, const Value& v, const Args& args) {
     return reverse ? less(b.first, a.first) : less(a.first, b.first);
   });
   List out;
-  for (const auto& [key, entry] : keyed) out.emplace_back(List{entry->first, entry->second});
+  for (const auto& [key, entry] : keyed) out.push_back(pair(entry->first, entry->second));
   return out;
 }
 

@@ -166,7 +166,7 @@ Value dict_method(const Value& self, std::string_view name, const Args& args) {
   out.reserve(d.items.size());
   for (const auto& [k, v] : d.items) {
     if (name == "items") {
-      out.emplace_back(List{k, v});
+      out.push_back(pair(k, v));
     } else if (name == "keys") {
       out.emplace_back(k);
     } else {
@@ -192,6 +192,17 @@ Value list_method(const Value& self, std::string_view name, const Args& args) {
   append_repr(*item, shown);
   throw Error(ErrorKind::value_error, shown + " is not in list");
 }
+
+}  // namespace
+
+// (key, value) as the tuple dict.items() yields.
+Value pair(const Value& key, const Value& value) {
+  List p{key, value};
+  p.tuple = true;
+  return p;
+}
+
+namespace {
 
 struct BoundMethod final : Callable {
   BoundMethod(Value s, std::string n) : self(std::move(s)), method(std::move(n)) {}

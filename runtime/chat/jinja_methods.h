@@ -15,4 +15,7 @@ namespace capserve::runtime::jinja {
 // self.name as a value (a bound method), or nullopt when `self` has no such method.
 [[nodiscard]] std::optional<Value> bound_method(const Value& self, std::string_view name);
 
+// The (key, value) tuple of a dict's items().
+[[nodiscard]] Value pair(const Value& key, const Value& value);
+
 }  // namespace capserve::runtime::jinja

@@ -169,7 +169,7 @@ class Parser {
     }
     if (tag == "filter") {
       auto s = stmt(StmtKind::filter_block, line);
-      s->expr = parse_filters(nullptr);
+      s->expr = parse_filters(nullptr, /*leading_pipe=*/false);
       expect_block_end();
       s->body = parse_body({"endfilter"}, end);
       expect_block_end();
@@ -665,9 +665,9 @@ class Parser {
     return n;
   }
 
-  // One or more "| name(args)"; `operand` null for a filter block.
-  ExprPtr parse_filters(ExprPtr operand) {
-    while (skip_op("|")) {
+  // One or more "| name(args)" (the first without "|" in a filter block, whose `operand` is null).
+  ExprPtr parse_filters(ExprPtr operand, bool leading_pipe = true) {
+    for (bool first = true; (first && !leading_pipe) || skip_op("|"); first = false) {
       auto n = node(ExprKind::filter, cur().line);
       n->name = expect_name();
       while (skip_op(".")) {
@@ -720,6 +720,7 @@ class Parser {
       List l;
       l.reserve(n->args.size());
       for (const ExprPtr& a : n->args) l.push_back(a->value);
+      l.tuple = n->kind == ExprKind::tuple;
       n->value = std::move(l);
     }
     n->kind = ExprKind::literal;

@@ -189,7 +189,7 @@ void Renderer::render_set(const Stmt& s) {
   Value storage;
   const Value* target = lookup(s.targets[0], storage);
   if (!target->is_namespace())
-    fail(ErrorKind::template_error, "cannot assign attribute on non-namespace object");
+    fail(ErrorKind::runtime_error, "cannot assign attribute on non-namespace object");
   if (s.attr.starts_with('_')) {
     fail(ErrorKind::security_error,
          "Chat templates cannot store underscore-prefixed attributes on a namespace, "
@@ -583,6 +583,7 @@ Value Renderer::eval_node(const Expr& e) {
       List items;
       items.reserve(e.args.size());
       for (const ExprPtr& a : e.args) items.push_back(eval(*a));
+      items.tuple = e.kind == ExprKind::tuple;
       return items;
     }
     case ExprKind::dict: {

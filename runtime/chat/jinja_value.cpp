@@ -196,14 +196,16 @@ void append_repr(const Value& v, std::string& out) {
   if (v.is_string()) {
     append_string_repr(v.str(), out);
   } else if (v.is_list()) {
-    out += '[';
+    const List& l = v.list();
+    out += l.tuple ? '(' : '[';
     bool first = true;
-    for (const Value& item : v.list()) {
+    for (const Value& item : l) {
       if (!first) out += ", ";
       first = false;
       append_repr(item, out);
     }
-    out += ']';
+    if (l.tuple && l.size() == 1) out += ',';
+    out += l.tuple ? ')' : ']';
   } else if (v.is_dict()) {
     out += '{';
     bool first = true;

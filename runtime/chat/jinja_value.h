@@ -16,7 +16,11 @@
 namespace capserve::runtime::jinja {
 
 struct Value;
-using List = std::vector<Value>;
+// A Python list, or a tuple (printed with parentheses: dict.items() pairs, tuple literals).
+struct List : std::vector<Value> {
+  using std::vector<Value>::vector;
+  bool tuple = false;
+};
 struct Dict;
 struct Namespace;
 struct Callable;

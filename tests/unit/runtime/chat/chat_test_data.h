@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -22,6 +23,19 @@ inline std::filesystem::path chat_golden_path(std::string_view family) {
 inline std::filesystem::path shared_data_dir() {
   const char* env = std::getenv("CAPSERVE_SHARED_DATA_DIR");
   return env != nullptr ? std::filesystem::path(env) : std::filesystem::path(CAPSERVE_SHARED_DATA_DIR);
+}
+
+// The clock the Python goldens were rendered with: strftime_now() always sees 2025-01-15T10:30:00.
+inline std::tm frozen_now() {
+  std::tm t{};
+  t.tm_year = 2025 - 1900;
+  t.tm_mon = 0;
+  t.tm_mday = 15;
+  t.tm_hour = 10;
+  t.tm_min = 30;
+  t.tm_wday = 3;
+  t.tm_yday = 14;
+  return t;
 }
 
 inline std::filesystem::path shared_tokenizer_config(std::string_view model) {

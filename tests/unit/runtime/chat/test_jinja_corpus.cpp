@@ -14,17 +14,15 @@
 
 #include "runtime/chat/jinja_json.h"
 #include "runtime/chat/jinja_template.h"
+#include "tests/unit/runtime/chat/chat_test_data.h"
 
 namespace capserve::runtime::jinja {
 namespace {
 
 using Json = nlohmann::ordered_json;
 
-// CAPSERVE_SHARED_DATA_DIR in the environment overrides the ../shared/data beside the checkout (a worktree
-// elsewhere points it at the one shared copy).
 std::filesystem::path corpus_dir() {
-  const char* env = std::getenv("CAPSERVE_SHARED_DATA_DIR");
-  return std::filesystem::path(env != nullptr ? env : CAPSERVE_SHARED_DATA_DIR) / "chat_templates";
+  return runtime::testing::shared_data_dir() / "chat_templates";
 }
 
 std::vector<Json> read_jsonl(const std::filesystem::path& path) {
@@ -35,19 +33,6 @@ std::vector<Json> read_jsonl(const std::filesystem::path& path) {
     if (!line.empty()) records.push_back(Json::parse(line));
   }
   return records;
-}
-
-// The golden renderer's frozen clock: strftime_now() always sees 2025-01-15T10:30:00.
-std::tm frozen_now() {
-  std::tm t{};
-  t.tm_year = 2025 - 1900;
-  t.tm_mon = 0;
-  t.tm_mday = 15;
-  t.tm_hour = 10;
-  t.tm_min = 30;
-  t.tm_wday = 3;
-  t.tm_yday = 14;
-  return t;
 }
 
 bool applies(const Json& scenario, const std::string& source) {
@@ -95,7 +80,7 @@ TEST(JinjaCorpus, RendersLikePythonJinja2) {
   }
 
   RenderOptions options;
-  options.now = frozen_now;
+  options.now = runtime::testing::frozen_now;
   int rendered_ok = 0;
   int raised_ok = 0;
   int compared = 0;
