@@ -50,20 +50,27 @@ int main(int argc, char** argv) {
   int repeats = 3;
   app.add_option("--model", models, "directories with tokenizer.json and tokenizer_config.json")
       ->required()
-      ->check(CLI::ExistingDirectory);
+      ->check(CLI::ExistingDirectory)
+      ->allow_extra_args(false);
   app.add_option("--repeats", repeats, "timed passes (the fastest counts)")->check(CLI::PositiveNumber);
   app.add_option("files", files, "JSON-lines prompt files")->required()->check(CLI::ExistingFile);
   CLI11_PARSE(app, argc, argv);
 
   std::printf(
-      "| model | prompts | file | template parse ms | render us/prompt | tokenize us/prompt | "
+      "| model | prompts | file | template load ms | render us/prompt | tokenize us/prompt | "
       "render / tokenize | prompt bytes | tokens/prompt |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|\n");
   for (const fs::path model : models) {
     const capserve::runtime::Tokenizer tokenizer = capserve::runtime::Tokenizer::load(model);
-    const auto parse_start = Clock::now();
+    // Loading (read tokenizer_config.json, parse the JSON and the template) happens once per server start;
+    // the fastest of a few loads counts.
+    double parse_s = 1e30;
+    for (int pass = 0; pass <= repeats; ++pass) {
+      const auto start = Clock::now();
+      (void)capserve::runtime::ChatTemplate::load(model / "tokenizer_config.json");
+      parse_s = std::min(parse_s, seconds_since(start));
+    }
     const auto chat = capserve::runtime::ChatTemplate::load(model / "tokenizer_config.json");
-    const double parse_s = seconds_since(parse_start);
     for (const fs::path file : files) {
       const std::vector<std::string> users = read_user_messages(file);
       double best_render = 1e30;
