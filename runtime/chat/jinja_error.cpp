@@ -5,9 +5,10 @@
 namespace capserve::runtime::jinja {
 namespace {
 
-std::string describe(ErrorKind kind, const std::string& message, int line) {
+std::string describe(ErrorKind kind, const std::string& message, int line, const std::string& construct) {
   std::string out(error_class(kind));
   if (line > 0) out += " at template line " + std::to_string(line);
+  if (!construct.empty()) out += " in " + construct;
   return out + ": " + message;
 }
 
@@ -37,14 +38,15 @@ std::string_view error_class(ErrorKind kind) {
   return "Error";
 }
 
-Error::Error(ErrorKind kind, std::string message, int line)
-    : std::runtime_error(describe(kind, message, line)),
+Error::Error(ErrorKind kind, std::string message, int line, std::string construct)
+    : std::runtime_error(describe(kind, message, line, construct)),
       kind_(kind),
       message_(std::move(message)),
-      line_(line) {}
+      line_(line),
+      construct_(std::move(construct)) {}
 
-Error Error::at_line(int line) const {
-  return line_ > 0 ? *this : Error(kind_, message_, line);
+Error Error::at(int line, std::string construct) const {
+  return line_ > 0 ? *this : Error(kind_, message_, line, std::move(construct));
 }
 
 }  // namespace capserve::runtime::jinja

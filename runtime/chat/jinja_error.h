@@ -24,20 +24,23 @@ enum class ErrorKind {
 
 class Error : public std::runtime_error {
  public:
-  // `line` is the template line (1-based) of the construct that failed; 0 while not yet known.
-  Error(ErrorKind kind, std::string message, int line = 0);
+  // `line` is the template line (1-based) of the construct that failed, 0 while not yet known; `construct`
+  // names it ("filter 'tojson'", "{% for %}").
+  Error(ErrorKind kind, std::string message, int line = 0, std::string construct = {});
 
   [[nodiscard]] ErrorKind kind() const { return kind_; }
   [[nodiscard]] int line() const { return line_; }
   // The message as Python would give it, without the line.
   [[nodiscard]] const std::string& message() const { return message_; }
-  // The same error with `line` filled in where it was not known yet.
-  [[nodiscard]] Error at_line(int line) const;
+  [[nodiscard]] const std::string& construct() const { return construct_; }
+  // The same error with the line and construct filled in where they were not known yet.
+  [[nodiscard]] Error at(int line, std::string construct) const;
 
  private:
   ErrorKind kind_;
   std::string message_;
   int line_;
+  std::string construct_;
 };
 
 }  // namespace capserve::runtime::jinja

@@ -26,6 +26,67 @@ struct CallerFn final : Callable {
   int scope;
 };
 
+// What an error message calls the statement or expression that failed.
+std::string describe(const Stmt& s) {
+  switch (s.kind) {
+    case StmtKind::print:
+      return "{{ ... }}";
+    case StmtKind::if_:
+      return "{% if %}";
+    case StmtKind::for_:
+      return "{% for %}";
+    case StmtKind::set:
+    case StmtKind::set_block:
+      return "{% set %}";
+    case StmtKind::macro:
+      return "{% macro " + s.text + " %}";
+    case StmtKind::call_block:
+      return "{% call %}";
+    case StmtKind::generation:
+      return "{% generation %}";
+    case StmtKind::filter_block:
+      return "{% filter %}";
+    default:
+      return "template text";
+  }
+}
+
+std::string describe(const Expr& e) {
+  switch (e.kind) {
+    case ExprKind::name:
+      return "name '" + e.name + "'";
+    case ExprKind::attr:
+      return "attribute '" + e.name + "'";
+    case ExprKind::item:
+      return "subscript";
+    case ExprKind::slice:
+      return "slice";
+    case ExprKind::call: {
+      const Expr& callee = *e.args[0];
+      if (callee.kind == ExprKind::name || callee.kind == ExprKind::attr)
+        return "call of '" + callee.name + "'";
+      return "call";
+    }
+    case ExprKind::filter:
+      return "filter '" + e.name + "'";
+    case ExprKind::test:
+      return "test '" + e.name + "'";
+    case ExprKind::binary: {
+      static constexpr const char* kOps[] = {"+", "-", "*", "/", "//", "%", "**"};
+      return std::string("operator '") + kOps[static_cast<int>(e.op)] + "'";
+    }
+    case ExprKind::compare:
+      return "comparison";
+    case ExprKind::concat:
+      return "operator '~'";
+    case ExprKind::neg:
+    case ExprKind::pos:
+      return "unary operator";
+    default:
+      return "expression";
+  }
+}
+
 bool is_loop_name(const Expr& e) {
   return e.kind == ExprKind::name && e.name == "loop";
 }
@@ -137,7 +198,7 @@ Renderer::Flow Renderer::render_stmt(const Stmt& s) {
         return Flow::continue_;
     }
   } catch (const Error& e) {
-    if (e.line() == 0) throw e.at_line(s.line);
+    if (e.line() == 0) throw e.at(s.line, describe(s));
     throw;
   }
   return Flow::normal;
@@ -421,7 +482,7 @@ const Value* Renderer::eval_ref(const Expr& e, Value& storage) {
         const Value* obj = eval_ref(*e.args[0], object_storage);
         return get_attr(*obj, e.name, obj == &object_storage, storage);
       } catch (const Error& err) {
-        if (err.line() == 0) throw err.at_line(e.line);
+        if (err.line() == 0) throw err.at(e.line, describe(e));
         throw;
       }
     }
@@ -432,7 +493,7 @@ const Value* Renderer::eval_ref(const Expr& e, Value& storage) {
         const Value* obj = eval_ref(*e.args[0], object_storage);
         return get_item(*obj, key, obj == &object_storage, storage);
       } catch (const Error& err) {
-        if (err.line() == 0) throw err.at_line(e.line);
+        if (err.line() == 0) throw err.at(e.line, describe(e));
         throw;
       }
     }
@@ -468,7 +529,7 @@ Value Renderer::eval(const Expr& e) {
   try {
     return eval_node(e);
   } catch (const Error& err) {
-    if (err.line() == 0) throw err.at_line(e.line);
+    if (err.line() == 0) throw err.at(e.line, describe(e));
     throw;
   }
 }

@@ -139,14 +139,16 @@ TEST(ChatValidation, RejectionsNameTheTemplatesMessageAndLine) {
                       "not supported') }}\n"
                       "{% endif %}{{ m.content }}{% endfor %}"}});
   const std::string error = render_error(t, {{"user", "a"}, {"system", "s"}});
-  EXPECT_MENTIONS(error, "TemplateError at template line 3: System role not supported");
+  EXPECT_MENTIONS(error,
+                  "TemplateError at template line 3 in call of 'raise_exception': System role not supported");
   EXPECT_MENTIONS(render_error(t, {}), "no messages to render");
 }
 
 TEST(ChatValidation, TemplateBugsAreReportedNotCrashes) {
   const ChatTemplate none_plus_text =
       ChatTemplate::from_tokenizer_config(nlohmann::json{{"chat_template", "{{ none + 'x' }}"}});
-  EXPECT_MENTIONS(render_error(none_plus_text, {{"user", "u"}}), "TypeError at template line 1");
+  EXPECT_MENTIONS(render_error(none_plus_text, {{"user", "u"}}),
+                  "TypeError at template line 1 in operator '+'");
   const ChatTemplate missing = ChatTemplate::from_tokenizer_config(
       nlohmann::json{{"chat_template", "{{ messages[0].tool_calls.name }}"}});
   EXPECT_MENTIONS(render_error(missing, {{"user", "u"}}), "UndefinedError");
