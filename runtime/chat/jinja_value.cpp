@@ -358,9 +358,11 @@ std::vector<std::string_view> code_points(std::string_view s) {
   return out;
 }
 
+// Steps exactly as code_points does (invalid UTF-8 included), so that a count and an index agree.
 std::size_t code_point_count(std::string_view s) {
   std::size_t n = 0;
-  for (const char c : s) n += (static_cast<unsigned char>(c) & 0xC0) != 0x80 ? 1 : 0;
+  for (std::size_t i = 0; i < s.size(); ++n)
+    i += std::min(utf8_length(static_cast<unsigned char>(s[i])), s.size() - i);
   return n;
 }
 

@@ -85,5 +85,16 @@ TEST(JinjaEngine, RunawayTemplatesAreBounded) {
   EXPECT_THROW((void)Template("{{ " + deep + " }}"), Error);
 }
 
+// Message text is not checked for UTF-8 here: a lead byte that promises more bytes than follow counts as one
+// character with what follows it, for length and indexing alike (the fuzzer found them disagreeing).
+TEST(JinjaEngine, InvalidUtf8IndexesAsItCounts) {
+  Dict variables;
+  variables.set("s", std::string("\xf0"
+                                 "ab"));
+  EXPECT_EQ(Template("{{ s | length }}|{{ s[-1] == s }}|{{ s[1] is defined }}|{{ s[::-1] == s }}")
+                .render(variables),
+            "1|True|False|True");
+}
+
 }  // namespace
 }  // namespace capserve::runtime::jinja
