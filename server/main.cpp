@@ -29,7 +29,6 @@
 #include "parallel/mpi_world.h"
 #include "parallel/rank_heartbeat.h"
 #include "parallel/rank_hosts.h"
-#include "runtime/chat/chat_family.h"
 #include "runtime/cli/flag_checks.h"
 #include "runtime/cli/parallel_flags.h"
 #include "runtime/cli/proc_status.h"
@@ -143,7 +142,8 @@ void add_flags(CLI::App& app, Options& o) {
   app.add_flag("--allow-special-tokens-in-content", o.limits.special_tokens_in_content,
                "encode special-token text in chat messages as control tokens (default: as plain text)");
   app.add_option("--chat-template", o.chat_template,
-                 "force a chat template family (chatml, deepseek, deepseek_v2, llama2, mistral, tulu)");
+                 "a Jinja chat template file to use instead of the checkpoint's own")
+      ->check(CLI::ExistingFile);
   app.add_option("--batch-selector", o.strategy, "fcfs | greedy | power_of_d | lpt_balanced | random")
       ->check(CLI::IsMember({"fcfs", "greedy", "power_of_d", "lpt_balanced", "random"}))
       ->capture_default_str();
@@ -330,11 +330,11 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Engine& engine, server
   try {
     if (std::filesystem::exists(std::filesystem::path(o.model_dir) / "tokenizer.json")) {
       tokenizer = runtime::Tokenizer::load(o.model_dir);
-      std::optional<runtime::ChatFamily> forced;
-      if (!o.chat_template.empty()) forced = runtime::parse_family(o.chat_template);
+      std::optional<std::filesystem::path> template_file;
+      if (!o.chat_template.empty()) template_file = o.chat_template;
       const auto tokenizer_config = std::filesystem::path(o.model_dir) / "tokenizer_config.json";
       if (std::filesystem::exists(tokenizer_config))
-        chat = runtime::ChatTemplate::load(tokenizer_config, forced);
+        chat = runtime::ChatTemplate::load(tokenizer_config, template_file);
     }
     const runtime::BuildInfo& build = runtime::build_info();
     metrics = std::make_unique<server::ServerMetrics>(

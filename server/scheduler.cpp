@@ -3,9 +3,9 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <utility>
 #include <optional>
 #include <string_view>
+#include <utility>
 
 #include "runtime/kv_block_manager.h"
 #include "server/logging.h"

@@ -1,25 +1,26 @@
 #include "runtime/chat/chat_template.h"
 
 #include <fstream>
+#include <sstream>
 #include <utility>
-#include <vector>
 
 #include <nlohmann/json.hpp>
 
-#include "runtime/chat/renderers.h"
+#include "runtime/chat/python_str.h"
 #include "runtime/load_error.h"
 
 namespace capserve::runtime {
 namespace {
 
-using chat::Role;
-using chat::Turn;
+// The special tokens transformers passes to the template (its special_tokens_map's named ones).
+constexpr const char* kSpecialTokens[] = {"bos_token", "eos_token", "unk_token", "sep_token",
+                                          "pad_token", "cls_token", "mask_token"};
 
 [[noreturn]] void fail(std::string_view origin, const std::string& what) {
   throw LoadError(std::string(origin) + ": " + what);
 }
 
-// bos_token / eos_token: a plain string, an AddedToken object {"content": ...}, or null / absent.
+// A special token: a plain string, an AddedToken object {"content": ...}, or null / absent.
 std::optional<std::string> special_token(const nlohmann::json& config, const char* key,
                                          std::string_view origin) {
   const auto it = config.find(key);
@@ -34,7 +35,7 @@ std::optional<std::string> special_token(const nlohmann::json& config, const cha
 }
 
 // chat_template is one Jinja string, or a list of {"name", "template"} of which "default" is the chat one.
-std::optional<std::string> default_chat_template(const nlohmann::json& config, std::string_view origin) {
+std::optional<std::string> config_chat_template(const nlohmann::json& config, std::string_view origin) {
   const auto it = config.find("chat_template");
   if (it == config.end() || it->is_null()) return std::nullopt;
   if (it->is_string()) return it->get<std::string>();
@@ -53,80 +54,69 @@ std::optional<std::string> default_chat_template(const nlohmann::json& config, s
        "chat_template must be a string or a list of named templates, got " + std::string(it->type_name()));
 }
 
-ChatFamily detect(const nlohmann::json& config, std::string_view origin) {
-  const std::optional<std::string> source = default_chat_template(config, origin);
-  if (!source) {
-    fail(origin, "has no chat_template; force one of the supported families: " + supported_families());
-  }
-  const std::optional<ChatFamily> family = detect_family(*source);
-  if (!family) {
-    fail(origin,
-         "chat_template is none of the built-in chat templates; force one of the supported families: " +
-             supported_families());
-  }
-  return *family;
+std::string read_file(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw LoadError("cannot open " + path.string());
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
 }
 
-std::string required_token(const nlohmann::json& config, const char* key, ChatFamily family, bool used,
-                           std::string_view origin) {
-  std::optional<std::string> token = special_token(config, key, origin);
-  if (used && !token) {
-    fail(origin, std::string(key) + " is missing, and the " + std::string(family_name(family)) +
-                     " chat template needs it");
+// Where each message's content sits in `text`: searched in message order, each after the previous one;
+// templates that strip the content leave the stripped text.
+std::vector<TextRange> locate_contents(std::string_view text, std::span<const ChatMessage> messages) {
+  std::vector<TextRange> ranges;
+  std::size_t cursor = 0;
+  for (const ChatMessage& m : messages) {
+    for (const std::string_view candidate : {std::string_view(m.content), chat::py_strip(m.content)}) {
+      if (candidate.empty()) break;
+      const std::size_t at = text.find(candidate, cursor);
+      if (at == std::string_view::npos) continue;
+      ranges.push_back({at, at + candidate.size()});
+      cursor = at + candidate.size();
+      break;
+    }
   }
-  return token.value_or("");
-}
-
-std::optional<Role> parse_role(std::string_view role) {
-  if (role == "system") return Role::system;
-  if (role == "user") return Role::user;
-  if (role == "assistant") return Role::assistant;
-  return std::nullopt;
-}
-
-Status render_turns(ChatFamily family, const chat::Conversation& c, RenderedPrompt& out) {
-  switch (family) {
-    case ChatFamily::chatml:
-      return chat::render_chatml(c, out);
-    case ChatFamily::deepseek:
-      return chat::render_deepseek(c, out);
-    case ChatFamily::deepseek_v2:
-      return chat::render_deepseek_v2(c, out);
-    case ChatFamily::llama2:
-      return chat::render_llama2(c, out);
-    case ChatFamily::mistral:
-      return chat::render_mistral(c, out);
-    case ChatFamily::tulu:
-      return chat::render_tulu(c, out);
-  }
-  // Not reached: the switch covers every family, but a switch over an enum is not known to be exhaustive.
-  return Status::invalid_argument("unknown chat template family");
+  return ranges;
 }
 
 }  // namespace
 
-ChatTemplate::ChatTemplate(ChatFamily family, std::string bos_token, std::string eos_token)
-    : family_(family), bos_token_(std::move(bos_token)), eos_token_(std::move(eos_token)) {}
+ChatTemplate::ChatTemplate(std::string_view source, jinja::Dict special_tokens, std::string origin)
+    : special_tokens_(std::move(special_tokens)), origin_(std::move(origin)) {
+  try {
+    template_ = std::make_shared<const jinja::Template>(source);
+  } catch (const jinja::Error& e) {
+    fail(origin_, std::string("chat template: ") + e.what());
+  }
+}
 
 ChatTemplate ChatTemplate::load(const std::filesystem::path& tokenizer_config,
-                                std::optional<ChatFamily> forced) {
-  std::ifstream in(tokenizer_config);
-  if (!in) throw LoadError("cannot open " + tokenizer_config.string());
+                                const std::optional<std::filesystem::path>& override_file) {
   nlohmann::json config;
   try {
-    config = nlohmann::json::parse(in);
+    config = nlohmann::json::parse(read_file(tokenizer_config));
   } catch (const nlohmann::json::parse_error& e) {
     fail(tokenizer_config.string(), std::string("invalid JSON: ") + e.what());
   }
-  return from_tokenizer_config(config, forced, tokenizer_config.string());
+  if (override_file) return from_tokenizer_config(config, read_file(*override_file), override_file->string());
+  const std::filesystem::path beside = tokenizer_config.parent_path() / "chat_template.jinja";
+  if (std::filesystem::exists(beside))
+    return from_tokenizer_config(config, read_file(beside), beside.string());
+  return from_tokenizer_config(config, std::nullopt, tokenizer_config.string());
 }
 
 ChatTemplate ChatTemplate::from_tokenizer_config(const nlohmann::json& config,
-                                                 std::optional<ChatFamily> forced, std::string_view origin) {
+                                                 std::optional<std::string> source, std::string origin) {
   if (!config.is_object()) fail(origin, "must be a JSON object");
-  const ChatFamily family = forced ? *forced : detect(config, origin);
-  return {family, required_token(config, "bos_token", family, family_uses_bos(family), origin),
-          required_token(config, "eos_token", family, family_uses_eos(family), origin)};
+  if (!source) source = config_chat_template(config, origin);
+  if (!source) fail(origin, "has no chat_template; give one with --chat-template FILE.jinja");
+  jinja::Dict tokens;
+  for (const char* key : kSpecialTokens) {
+    if (std::optional<std::string> token = special_token(config, key, origin))
+      tokens.set(key, std::move(*token));
+  }
+  return {*source, std::move(tokens), std::move(origin)};
 }
 
 Status ChatTemplate::render(std::span<const ChatMessage> messages, bool add_generation_prompt,
@@ -140,23 +130,27 @@ Status ChatTemplate::render(std::span<const ChatMessage> messages, bool add_gene
 Status ChatTemplate::render(std::span<const ChatMessage> messages, bool add_generation_prompt,
                             RenderedPrompt& out) const {
   out = {};
-  const std::string who = std::string(family_name(family_)) + " chat template: ";
-  if (messages.empty()) return Status::invalid_argument(who + "no messages to render");
-  std::vector<Turn> turns;
-  turns.reserve(messages.size());
-  for (std::size_t i = 0; i < messages.size(); ++i) {
-    const std::optional<Role> role = parse_role(messages[i].role);
-    if (!role) {
-      return Status::invalid_argument(who + "message " + std::to_string(i) + ": unknown role '" +
-                                      messages[i].role + "'; supported roles: system, user, assistant");
-    }
-    turns.push_back({*role, messages[i].content});
+  if (messages.empty()) return Status::invalid_argument("chat template: no messages to render");
+  jinja::Dict context = special_tokens_;
+  jinja::List list;
+  list.reserve(messages.size());
+  for (const ChatMessage& m : messages) {
+    jinja::Dict message;
+    message.items.reserve(2);
+    message.items.emplace_back("role", m.role);
+    message.items.emplace_back("content", m.content);
+    list.emplace_back(std::move(message));
   }
-  const chat::Conversation conversation{turns, add_generation_prompt, bos_token_, eos_token_};
-  if (Status s = render_turns(family_, conversation, out); !s.ok()) {
-    out = {};
-    return Status::invalid_argument(who + s.message());
+  context.set("messages", std::move(list));
+  context.set("tools", jinja::None{});
+  context.set("documents", jinja::None{});
+  context.set("add_generation_prompt", add_generation_prompt);
+  try {
+    out.text = template_->render(context);
+  } catch (const jinja::Error& e) {
+    return Status::invalid_argument(std::string("chat template: ") + e.what());
   }
+  out.content = locate_contents(out.text, messages);
   return {};
 }
 

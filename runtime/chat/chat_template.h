@@ -1,10 +1,10 @@
 #pragma once
-// Built-in chat-template renderers. A ChatTemplate renders a system/user/assistant conversation into the
-// prompt text the model was trained on, byte for byte what Hugging Face's Jinja chat_template renders
-// (tests/fixtures/chat holds goldens rendered by Jinja2 with transformers' settings), without a Jinja
-// interpreter. Conversations the real template rejects with raise_exception are rejected here too, with the
-// template's message and the index of the offending message.
+// A checkpoint's own chat template. A ChatTemplate renders a conversation into the prompt text the model was
+// trained on by running the checkpoint's Jinja chat_template (runtime/chat/jinja_template.h) exactly as
+// transformers' apply_chat_template does, with the checkpoint's special tokens. A conversation the template
+// rejects (its raise_exception, or any error) fails with the template's message and line.
 #include <filesystem>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -13,14 +13,14 @@
 
 #include <nlohmann/json_fwd.hpp>
 
-#include "runtime/chat/chat_family.h"
+#include "runtime/chat/jinja_template.h"
 #include "runtime/status.h"
 #include "runtime/text_range.h"
 
 namespace capserve::runtime {
 
 struct ChatMessage {
-  std::string role;  // "system", "user" or "assistant"
+  std::string role;  // "system", "user", "assistant", or any role the template knows
   std::string content;
 };
 
@@ -30,47 +30,42 @@ struct ChatMessage {
 struct RenderedPrompt {
   std::string text;
   std::vector<TextRange> content;  // in order, not overlapping
-
-  RenderedPrompt& append(std::string_view markup) {
-    text.append(markup);
-    return *this;
-  }
-  RenderedPrompt& append_content(std::string_view message_text) {
-    if (!message_text.empty()) content.push_back({text.size(), text.size() + message_text.size()});
-    text.append(message_text);
-    return *this;
-  }
 };
 
-// Immutable once built: render may be called from many threads at once.
+// Immutable once built (the template is parsed once): render may be called from many threads at once.
 class ChatTemplate {
  public:
-  // The tokens are the literal bos_token / eos_token strings; unused ones may be empty.
-  ChatTemplate(ChatFamily family, std::string bos_token, std::string eos_token);
+  // `source` is the Jinja template; `special_tokens` the named tokens it sees (bos_token, eos_token, ...).
+  // Throws LoadError naming `origin` and the line when the template does not parse.
+  ChatTemplate(std::string_view source, jinja::Dict special_tokens, std::string origin);
 
-  // Reads tokenizer_config.json and detects the family from its chat_template, unless `forced` names it.
-  // Throws LoadError: unreadable file, no or unrecognised chat_template (listing the supported families), or
-  // a bos_token/eos_token the family needs that is missing or malformed.
-  [[nodiscard]] static ChatTemplate load(const std::filesystem::path& tokenizer_config,
-                                         std::optional<ChatFamily> forced = std::nullopt);
-  // The same from a parsed tokenizer_config.json; `origin` names it in error messages.
+  // The chat template of the checkpoint whose tokenizer_config.json is `tokenizer_config`: `override_file`
+  // when given (--chat-template), else chat_template.jinja beside it, else the config's chat_template (a
+  // string, or a list of named templates of which "default" is the chat one). Throws LoadError: unreadable
+  // files, no chat template, a malformed special token, a template that does not parse.
+  [[nodiscard]] static ChatTemplate load(
+      const std::filesystem::path& tokenizer_config,
+      const std::optional<std::filesystem::path>& override_file = std::nullopt);
+  // The same from a parsed tokenizer_config.json (its chat_template, unless `source` is given); `origin`
+  // names it in error messages.
   [[nodiscard]] static ChatTemplate from_tokenizer_config(const nlohmann::json& config,
-                                                          std::optional<ChatFamily> forced = std::nullopt,
-                                                          std::string_view origin = "tokenizer_config.json");
-
-  [[nodiscard]] ChatFamily family() const { return family_; }
+                                                          std::optional<std::string> source = std::nullopt,
+                                                          std::string origin = "tokenizer_config.json");
 
   // Replaces `out` with the rendered prompt; add_generation_prompt appends the opening of an assistant turn
-  // where the template has one. invalid_argument for an empty conversation, an unknown role or a conversation
-  // the template rejects, naming the message index.
+  // where the template has one. invalid_argument (and no output) for an empty conversation or one the
+  // template rejects.
   Status render(std::span<const ChatMessage> messages, bool add_generation_prompt, std::string& out) const;
-  // The same, with the content ranges.
+  // The same, with the content ranges: each message's content (or, where the template strips it, its
+  // stripped text) found in order in the rendered text. The search is by text, so content the template
+  // transforms otherwise is not covered, and content that repeats the markup just before it may be matched
+  // there instead.
   Status render(std::span<const ChatMessage> messages, bool add_generation_prompt, RenderedPrompt& out) const;
 
  private:
-  ChatFamily family_;
-  std::string bos_token_;
-  std::string eos_token_;
+  std::shared_ptr<const jinja::Template> template_;
+  jinja::Dict special_tokens_;
+  std::string origin_;
 };
 
 }  // namespace capserve::runtime

@@ -16,12 +16,6 @@ constexpr std::string_view kWhitespace[] = {
     "\xe2\x80\xa9", "\xe2\x80\xaf", "\xe2\x81\x9f", "\xe3\x80\x80",
 };
 
-std::size_t leading_whitespace_size(std::string_view s) {
-  const auto* it = std::find_if(std::begin(kWhitespace), std::end(kWhitespace),
-                                [s](std::string_view w) { return s.starts_with(w); });
-  return it == std::end(kWhitespace) ? 0 : it->size();
-}
-
 std::size_t trailing_whitespace_size(std::string_view s) {
   const auto* it = std::find_if(std::begin(kWhitespace), std::end(kWhitespace),
                                 [s](std::string_view w) { return s.ends_with(w); });
@@ -30,33 +24,24 @@ std::size_t trailing_whitespace_size(std::string_view s) {
 
 }  // namespace
 
-std::string_view py_strip(std::string_view s) {
+std::size_t leading_whitespace_size(std::string_view s) {
+  const auto* it = std::find_if(std::begin(kWhitespace), std::end(kWhitespace),
+                                [s](std::string_view w) { return s.starts_with(w); });
+  return it == std::end(kWhitespace) ? 0 : it->size();
+}
+
+std::string_view py_lstrip(std::string_view s) {
   while (const std::size_t n = leading_whitespace_size(s)) s.remove_prefix(n);
+  return s;
+}
+
+std::string_view py_rstrip(std::string_view s) {
   while (const std::size_t n = trailing_whitespace_size(s)) s.remove_suffix(n);
   return s;
 }
 
-std::string_view lstrip_newlines(std::string_view s) {
-  const std::size_t start = s.find_first_not_of('\n');
-  return start == std::string_view::npos ? std::string_view() : s.substr(start);
-}
-
-std::string_view rstrip_newlines(std::string_view s) {
-  const std::size_t last = s.find_last_not_of('\n');
-  return last == std::string_view::npos ? std::string_view() : s.substr(0, last + 1);
-}
-
-std::string_view strip_newlines(std::string_view s) {
-  return rstrip_newlines(lstrip_newlines(s));
-}
-
-std::string_view before_first(std::string_view s, std::string_view sep) {
-  return s.substr(0, s.find(sep));
-}
-
-std::string_view after_last(std::string_view s, std::string_view sep) {
-  const std::size_t at = s.rfind(sep);
-  return at == std::string_view::npos ? s : s.substr(at + sep.size());
+std::string_view py_strip(std::string_view s) {
+  return py_rstrip(py_lstrip(s));
 }
 
 }  // namespace capserve::runtime::chat

@@ -14,7 +14,6 @@
 #include <nlohmann/json.hpp>
 
 #include "parallel/mpi_world.h"
-#include "runtime/chat/chat_family.h"
 #include "runtime/chat/chat_template.h"
 #include "runtime/cli/flag_checks.h"
 #include "runtime/cli/parallel_flags.h"
@@ -54,7 +53,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> input_ids;
   std::vector<std::string> prompts_text;
   std::string system;
-  std::string chat_family;
+  std::string chat_template_file;
   bool chat = false;
   std::string dump_logits;
   std::string moe_stats;
@@ -78,8 +77,9 @@ int main(int argc, char** argv) {
   app.add_flag("--chat", chat, "wrap each --prompt as a user turn in the model's chat template")
       ->needs(prompt_opt);
   app.add_option("--system", system, "system message for --chat")->needs("--chat");
-  app.add_option("--chat-template", chat_family,
-                 "force a chat template family (chatml, deepseek, deepseek_v2, llama2, mistral, tulu)")
+  app.add_option("--chat-template", chat_template_file,
+                 "a Jinja chat template file to use instead of the checkpoint's own")
+      ->check(CLI::ExistingFile)
       ->needs("--chat");
   app.add_option("--max-new-tokens", params.max_new_tokens, "tokens to generate")
       ->check(runtime::at_least(0));
@@ -132,10 +132,10 @@ int main(int argc, char** argv) {
       tokenizer = runtime::Tokenizer::load(model_dir);
       std::optional<runtime::ChatTemplate> chat_template;
       if (chat) {
-        std::optional<runtime::ChatFamily> forced;
-        if (!chat_family.empty()) forced = runtime::parse_family(chat_family);
-        chat_template =
-            runtime::ChatTemplate::load(std::filesystem::path(model_dir) / "tokenizer_config.json", forced);
+        std::optional<std::filesystem::path> template_file;
+        if (!chat_template_file.empty()) template_file = chat_template_file;
+        chat_template = runtime::ChatTemplate::load(std::filesystem::path(model_dir) / "tokenizer_config.json",
+                                                    template_file);
       }
       for (const std::string& prompt : prompts_text) {
         std::string text = prompt;

@@ -3,6 +3,8 @@
 // tools/gen_chat_goldens.py) and the real tokenizer_config.json files in ../shared/data/tokenizers.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -16,8 +18,28 @@ inline std::filesystem::path chat_golden_path(std::string_view family) {
   return std::filesystem::path(CAPSERVE_FIXTURES_DIR) / "chat" / (std::string(family) + ".json");
 }
 
+// ../shared/data beside the checkout, or CAPSERVE_SHARED_DATA_DIR from the environment (a worktree elsewhere
+// points it at the one shared copy).
+inline std::filesystem::path shared_data_dir() {
+  const char* env = std::getenv("CAPSERVE_SHARED_DATA_DIR");
+  return env != nullptr ? std::filesystem::path(env) : std::filesystem::path(CAPSERVE_SHARED_DATA_DIR);
+}
+
+// The clock the Python goldens were rendered with: strftime_now() always sees 2025-01-15T10:30:00.
+inline std::tm frozen_now() {
+  std::tm t{};
+  t.tm_year = 2025 - 1900;
+  t.tm_mon = 0;
+  t.tm_mday = 15;
+  t.tm_hour = 10;
+  t.tm_min = 30;
+  t.tm_wday = 3;
+  t.tm_yday = 14;
+  return t;
+}
+
 inline std::filesystem::path shared_tokenizer_config(std::string_view model) {
-  return std::filesystem::path(CAPSERVE_SHARED_DATA_DIR) / "tokenizers" / model / "tokenizer_config.json";
+  return shared_data_dir() / "tokenizers" / model / "tokenizer_config.json";
 }
 
 // Parses a JSON file; a missing file fails the test with a message saying what it is and where it comes from.

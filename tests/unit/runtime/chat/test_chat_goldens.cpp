@@ -1,5 +1,6 @@
-// Every conversation Jinja2 rendered with the real templates (tests/fixtures/chat) renders byte for byte the
-// same, and every conversation the template rejected is rejected with the template's message.
+// Every conversation Jinja2 rendered with the reference templates of six families (tests/fixtures/chat)
+// renders byte for byte the same through ChatTemplate, and every conversation the template rejected is
+// rejected with the template's message.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -24,9 +25,8 @@ class ChatGoldens : public ::testing::TestWithParam<const char*> {};
 TEST_P(ChatGoldens, MatchJinjaRendering) {
   const nlohmann::json golden = testing::read_test_json(testing::chat_golden_path(GetParam()));
   ASSERT_TRUE(golden.contains("cases"));
-  // The golden file reads like a tokenizer_config.json, so this also detects the family from the template.
+  // The golden file reads like a tokenizer_config.json: its chat_template and special tokens.
   const ChatTemplate chat_template = ChatTemplate::from_tokenizer_config(golden);
-  ASSERT_EQ(family_name(chat_template.family()), GetParam());
 
   const nlohmann::json& cases = golden.at("cases");
   EXPECT_GE(cases.size(), 50U);

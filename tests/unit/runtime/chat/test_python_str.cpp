@@ -1,4 +1,4 @@
-// The Python str semantics the renderers rely on, checked against what CPython returns.
+// The Python str semantics the Jinja engine relies on, checked against what CPython returns.
 #include <gtest/gtest.h>
 
 #include "runtime/chat/python_str.h"
@@ -21,21 +21,6 @@ TEST(PythonStr, StripKeepsWhatPythonKeeps) {
   EXPECT_EQ(py_strip(std::string_view("\0x\0", 3)), std::string_view("\0x\0", 3));
   // Invalid UTF-8 is left alone rather than misread.
   EXPECT_EQ(py_strip("\x85x\xa0"), "\x85x\xa0");
-}
-
-TEST(PythonStr, NewlineStrips) {
-  EXPECT_EQ(strip_newlines("\n\n a \n\n"), " a ");
-  EXPECT_EQ(lstrip_newlines("\n\na\n"), "a\n");
-  EXPECT_EQ(rstrip_newlines("\na\n\n"), "\na");
-  EXPECT_EQ(strip_newlines("\n\n"), "");
-}
-
-TEST(PythonStr, SplitFirstAndLastPiece) {
-  EXPECT_EQ(before_first("a</think>b</think>c", "</think>"), "a");
-  EXPECT_EQ(after_last("a</think>b</think>c", "</think>"), "c");
-  EXPECT_EQ(after_last("a</think>", "</think>"), "");
-  EXPECT_EQ(before_first("none", "</think>"), "none");
-  EXPECT_EQ(after_last("none", "</think>"), "none");
 }
 
 }  // namespace

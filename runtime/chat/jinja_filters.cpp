@@ -1,0 +1,675 @@
+#include "runtime/chat/jinja_filters.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstdlib>
+
+#include "runtime/chat/jinja_json.h"
+#include "runtime/chat/jinja_methods.h"
+#include "runtime/chat/jinja_operators.h"
+#include "runtime/chat/jinja_renderer.h"
+#include "runtime/chat/jinja_strings.h"
+
+namespace capserve::runtime::jinja {
+namespace {
+
+[[noreturn]] void type_error(std::string message) {
+  throw Error(ErrorKind::type_error, std::move(message));
+}
+
+bool flag(const Args& args, std::size_t index, std::string_view name, bool fallback) {
+  const Value* v = args.get(index, name);
+  return v == nullptr ? fallback : truthy(*v);
+}
+
+// Jinja's soft_str: str(value), Undefined as "".
+std::string text(const Value& v) {
+  return to_str(v);
+}
+
+// item[part] for each dotted part of `attribute`, as Jinja's make_attrgetter does.
+Value attribute_of(const Value& item, const std::string& attribute) {
+  Value current = item;
+  std::size_t start = 0;
+  while (start <= attribute.size()) {
+    const std::size_t dot = std::min(attribute.find('.', start), attribute.size());
+    const std::string_view part = std::string_view(attribute).substr(start, dot - start);
+    require_defined(current);
+    Value next = Undefined{object_description(current) + " has no attribute '" + std::string(part) + "'"};
+    std::int64_t index = 0;
+    const bool numeric =
+        std::from_chars(part.data(), part.data() + part.size(), index).ptr == part.data() + part.size() &&
+        !part.empty();
+    if (current.is_dict()) {
+      if (const Value* v = current.dict().find(part)) next = *v;
+    } else if (current.is_namespace()) {
+      if (const Value* v = current.ns().attrs.find(part)) next = *v;
+    } else if (current.is_list() && numeric && index >= 0 &&
+               static_cast<std::size_t>(index) < current.list().size()) {
+      next = current.list()[static_cast<std::size_t>(index)];
+    }
+    current = std::move(next);
+    start = dot + 1;
+  }
+  return current;
+}
+
+const std::string& attribute_arg(const Args& args, std::size_t index, std::string_view filter) {
+  const Value* a = args.get(index, "attribute");
+  if (a == nullptr || !a->is_string()) type_error(std::string(filter) + "() needs an attribute name");
+  return a->str();
+}
+
+// Jinja's ignore_case for sorting: strings compare lower-cased unless case_sensitive.
+Value sort_key(const Value& v, bool case_sensitive) {
+  if (!case_sensitive && v.is_string()) return py_lower(v.str());
+  return v;
+}
+
+Value f_tojson(Renderer&, const Value& v, const Args& args) {
+  JsonOptions o;
+  o.ensure_ascii = flag(args, 0, "ensure_ascii", false);
+  if (const Value* indent = args.get(1, "indent"); indent != nullptr && !indent->is_none()) {
+    if (indent->is_string()) {
+      o.indent = indent->str();
+    } else if (indent->is_int() || indent->is_bool()) {
+      o.indent = std::string(static_cast<std::size_t>(std::max<std::int64_t>(indent->as_int(), 0)), ' ');
+    } else {
+      type_error("indent must be an int or a str");
+    }
+    o.item_separator = ",";
+  }
+  if (const Value* separators = args.get(2, "separators"); separators != nullptr && !separators->is_none()) {
+    if (!separators->is_list() || separators->list().size() != 2 || !separators->list()[0].is_string() ||
+        !separators->list()[1].is_string()) {
+      type_error("separators must be a pair of strings");
+    }
+    o.item_separator = separators->list()[0].str();
+    o.key_separator = separators->list()[1].str();
+  }
+  o.sort_keys = flag(args, 3, "sort_keys", false);
+  std::string out;
+  append_json(v, o, out);
+  return out;
+}
+
+Value f_length(Renderer&, const Value& v, const Args&) {
+  return static_cast<std::int64_t>(length(v));
+}
+
+Value f_trim(Renderer&, const Value& v, const Args& args) {
+  const Value* chars = args.get(0, "chars");
+  std::optional<std::string> set;
+  if (chars != nullptr && !chars->is_none()) set = text(*chars);
+  return std::string(py_strip_chars(text(v), set, true, true));
+}
+
+Value f_string(Renderer&, const Value& v, const Args&) {
+  return text(v);
+}
+Value f_upper(Renderer&, const Value& v, const Args&) {
+  return py_upper(text(v));
+}
+Value f_lower(Renderer&, const Value& v, const Args&) {
+  return py_lower(text(v));
+}
+Value f_capitalize(Renderer&, const Value& v, const Args&) {
+  return py_capitalize(text(v));
+}
+
+// Jinja's title filter: upper-cases the first character of each word, words split at whitespace, "-", and
+// opening brackets; lower-cases the rest.
+Value f_title(Renderer&, const Value& v, const Args&) {
+  std::string s = text(v);
+  bool word_start = true;
+  for (char& c : s) {
+    const auto u = static_cast<unsigned char>(c);
+    if (std::string_view(" \t\n\r\f\v-({[<").find(c) != std::string_view::npos) {
+      word_start = true;
+      continue;
+    }
+    c = static_cast<char>(word_start ? std::toupper(u) : std::tolower(u));
+    word_start = false;
+  }
+  return s;
+}
+
+Value f_default(Renderer&, const Value& v, const Args& args) {
+  const bool boolean = flag(args, 1, "boolean", false);
+  if (v.is_undefined() || (boolean && !truthy(v))) {
+    const Value* fallback = args.get(0, "default_value");
+    return fallback != nullptr ? *fallback : Value(std::string());
+  }
+  return v;
+}
+
+Value f_safe(Renderer&, const Value& v, const Args&) {
+  return text(v);
+}
+
+Value f_list(Renderer&, const Value& v, const Args&) {
+  return iterate(v);
+}
+
+Value f_items(Renderer&, const Value& v, const Args&) {
+  if (v.is_undefined()) return List{};
+  if (!v.is_dict()) type_error("Can only get item pairs from a mapping.");
+  List out;
+  for (const auto& [k, item] : v.dict().items) out.push_back(pair(k, item));
+  return out;
+}
+
+Value f_join(Renderer& r, const Value& v, const Args& args) {
+  const Value* sep = args.get(0, "d");
+  const std::string separator = sep == nullptr ? std::string() : text(*sep);
+  const Value* attribute = args.get(1, "attribute");
+  std::string out;
+  bool first = true;
+  for (const auto items = iterate(v); const Value& item : *items) {
+    if (!first) out += separator;
+    first = false;
+    if (attribute != nullptr && attribute->is_string()) {
+      append_str(attribute_of(item, attribute->str()), out);
+    } else {
+      append_str(item, out);
+    }
+    r.check_size(out.size());
+  }
+  return out;
+}
+
+Value f_first(Renderer&, const Value& v, const Args&) {
+  const std::shared_ptr<const List> items = iterate(v);
+  if (items->empty()) return Undefined{"No first item, sequence was empty."};
+  return items->front();
+}
+
+Value f_last(Renderer&, const Value& v, const Args&) {
+  const std::shared_ptr<const List> items = iterate(v);
+  if (items->empty()) return Undefined{"No last item, sequence was empty."};
+  return items->back();
+}
+
+Value f_reverse(Renderer&, const Value& v, const Args&) {
+  if (v.is_string()) {
+    std::vector<std::string_view> cps = code_points(v.str());
+    std::string out;
+    for (auto it = cps.rbegin(); it != cps.rend(); ++it) out += *it;
+    return out;
+  }
+  List items = *iterate(v);
+  std::reverse(items.begin(), items.end());
+  return items;
+}
+
+Value f_indent(Renderer&, const Value& v, const Args& args) {
+  const Value* width = args.get(0, "width");
+  std::string indentation = "    ";
+  if (width != nullptr) {
+    if (width->is_string()) {
+      indentation = width->str();
+    } else if (width->is_int() || width->is_bool()) {
+      indentation.assign(static_cast<std::size_t>(std::max<std::int64_t>(width->as_int(), 0)), ' ');
+    } else {
+      type_error("indent width must be an int or a str");
+    }
+  }
+  const bool first = flag(args, 1, "first", false);
+  const bool blank = flag(args, 2, "blank", false);
+  const std::string s = text(v) + "\n";
+  const std::vector<std::string_view> lines = py_splitlines(s);
+  std::string out;
+  for (std::size_t i = 0; i < lines.size(); ++i) {
+    if (i > 0) {
+      out += '\n';
+      if (blank || !lines[i].empty()) out += indentation;
+    }
+    out += lines[i];
+  }
+  if (first) out.insert(0, indentation);
+  return out;
+}
+
+Value f_replace(Renderer&, const Value& v, const Args& args) {
+  const Value* old = args.get(0, "old");
+  const Value* replacement = args.get(1, "new");
+  if (old == nullptr || replacement == nullptr) type_error("replace() needs old and new");
+  const Value* count = args.get(2, "count");
+  return py_replace(text(v), text(*old), text(*replacement),
+                    count == nullptr || count->is_none() ? -1 : count->as_int());
+}
+
+Value f_int(Renderer&, const Value& v, const Args& args) {
+  const Value* fallback = args.get(0, "default");
+  const Value dflt = fallback != nullptr ? *fallback : Value(0);
+  if (v.is_int() || v.is_bool()) return v.as_int();
+  if (v.is_float())
+    return std::isfinite(v.as_double()) ? Value(static_cast<std::int64_t>(v.as_double())) : dflt;
+  if (v.is_string()) {
+    const std::string s(py_strip_chars(v.str(), std::nullopt, true, true));
+    std::int64_t i = 0;
+    const char* begin = s.data() + (s.starts_with('+') ? 1 : 0);
+    if (!s.empty() && std::from_chars(begin, s.data() + s.size(), i).ptr == s.data() + s.size()) return i;
+    char* end = nullptr;
+    const double d = std::strtod(s.c_str(), &end);
+    if (!s.empty() && end == s.c_str() + s.size() && std::isfinite(d)) return static_cast<std::int64_t>(d);
+  }
+  return dflt;
+}
+
+Value f_float(Renderer&, const Value& v, const Args& args) {
+  const Value* fallback = args.get(0, "default");
+  const Value dflt = fallback != nullptr ? *fallback : Value(0.0);
+  if (v.is_number()) return v.as_double();
+  if (v.is_string()) {
+    const std::string s(py_strip_chars(v.str(), std::nullopt, true, true));
+    char* end = nullptr;
+    const double d = std::strtod(s.c_str(), &end);
+    if (!s.empty() && end == s.c_str() + s.size()) return d;
+  }
+  return dflt;
+}
+
+Value f_abs(Renderer&, const Value& v, const Args&) {
+  require_defined(v);
+  if (v.is_float()) return std::fabs(v.as_double());
+  if (v.is_int() || v.is_bool()) return v.as_int() < 0 ? -v.as_int() : v.as_int();
+  type_error("bad operand type for abs(): '" + std::string(type_name(v)) + "'");
+}
+
+Value f_round(Renderer&, const Value& v, const Args& args) {
+  require_defined(v);
+  if (!v.is_number()) type_error("type " + std::string(type_name(v)) + " doesn't define __round__ method");
+  const Value* precision = args.get(0, "precision");
+  const std::int64_t digits = precision == nullptr ? 0 : precision->as_int();
+  const Value* method = args.get(1, "method");
+  const std::string how = method == nullptr ? "common" : text(*method);
+  const double scale = std::pow(10.0, static_cast<double>(digits));
+  const double x = v.as_double() * scale;
+  double rounded = 0;
+  if (how == "common") {
+    rounded = std::nearbyint(x);  // round-half-even, as Python's round()
+  } else if (how == "ceil") {
+    rounded = std::ceil(x);
+  } else if (how == "floor") {
+    rounded = std::floor(x);
+  } else {
+    throw Error(ErrorKind::template_error, "method must be 'common', 'ceil' or 'floor'");
+  }
+  return rounded / scale;
+}
+
+Value f_escape(Renderer&, const Value& v, const Args&) {
+  std::string out;
+  for (const char c : text(v)) {
+    switch (c) {
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&#34;";
+        break;
+      case '\'':
+        out += "&#39;";
+        break;
+      default:
+        out += c;
+    }
+  }
+  return out;
+}
+
+Value f_dictsort(Renderer&, const Value& v, const Args& args) {
+  if (!v.is_dict()) {
+    require_defined(v);
+    type_error("You can only sort by either 'key' or 'value'");
+  }
+  const bool case_sensitive = flag(args, 0, "case_sensitive", false);
+  const Value* by = args.get(1, "by");
+  const bool by_value = by != nullptr && by->is_string() && by->str() == "value";
+  const bool reverse = flag(args, 2, "reverse", false);
+  std::vector<std::pair<Value, const std::pair<Value, Value>*>> keyed;
+  for (const auto& entry : v.dict().items) {
+    keyed.emplace_back(sort_key(by_value ? entry.second : entry.first, case_sensitive), &entry);
+  }
+  std::stable_sort(keyed.begin(), keyed.end(), [&](const auto& a, const auto& b) {
+    return reverse ? less(b.first, a.first) : less(a.first, b.first);
+  });
+  List out;
+  for (const auto& [key, entry] : keyed) out.push_back(pair(entry->first, entry->second));
+  return out;
+}
+
+Value f_sort(Renderer&, const Value& v, const Args& args) {
+  const bool reverse = flag(args, 0, "reverse", false);
+  const bool case_sensitive = flag(args, 1, "case_sensitive", false);
+  const Value* attribute = args.get(2, "attribute");
+  List items = *iterate(v);
+  std::vector<std::pair<Value, std::size_t>> keyed;
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    const Value key =
+        attribute != nullptr && attribute->is_string() ? attribute_of(items[i], attribute->str()) : items[i];
+    keyed.emplace_back(sort_key(key, case_sensitive), i);
+  }
+  std::stable_sort(keyed.begin(), keyed.end(), [&](const auto& a, const auto& b) {
+    return reverse ? less(b.first, a.first) : less(a.first, b.first);
+  });
+  List out;
+  for (const auto& [key, i] : keyed) out.push_back(items[i]);
+  return out;
+}
+
+Value f_unique(Renderer&, const Value& v, const Args& args) {
+  const bool case_sensitive = flag(args, 0, "case_sensitive", false);
+  List out;
+  List seen;
+  for (const auto items = iterate(v); const Value& item : *items) {
+    Value key = sort_key(item, case_sensitive);
+    if (std::none_of(seen.begin(), seen.end(), [&](const Value& s) { return equals(s, key); })) {
+      seen.push_back(std::move(key));
+      out.push_back(item);
+    }
+  }
+  return out;
+}
+
+// select / reject / selectattr / rejectattr: keep the items whose (attribute's) test result is `keep`.
+Value select_items(Renderer& r, const Value& v, const Args& args, bool by_attribute, bool keep) {
+  std::size_t next = 0;
+  std::string attribute;
+  if (by_attribute) attribute = attribute_arg(args, next++, keep ? "selectattr" : "rejectattr");
+  TestFn test = nullptr;
+  if (next < args.positional.size()) {
+    const Value& name = args.positional[next++];
+    if (!name.is_string()) type_error("the test name must be a string");
+    test = find_test(name.str());
+    if (test == nullptr) throw Error(ErrorKind::template_error, "No test named '" + name.str() + "'.");
+  }
+  Args test_args;
+  test_args.positional.assign(args.positional.begin() + static_cast<std::ptrdiff_t>(next),
+                              args.positional.end());
+  List out;
+  for (const auto items = iterate(v); const Value& item : *items) {
+    const Value subject = by_attribute ? attribute_of(item, attribute) : item;
+    const bool passed = test != nullptr ? test(r, subject, test_args) : truthy(subject);
+    if (passed == keep) out.push_back(item);
+  }
+  return out;
+}
+
+Value f_select(Renderer& r, const Value& v, const Args& a) {
+  return select_items(r, v, a, false, true);
+}
+Value f_reject(Renderer& r, const Value& v, const Args& a) {
+  return select_items(r, v, a, false, false);
+}
+Value f_selectattr(Renderer& r, const Value& v, const Args& a) {
+  return select_items(r, v, a, true, true);
+}
+Value f_rejectattr(Renderer& r, const Value& v, const Args& a) {
+  return select_items(r, v, a, true, false);
+}
+
+Value f_map(Renderer& r, const Value& v, const Args& args) {
+  List out;
+  const Value* attribute = args.get(args.positional.size(), "attribute");
+  if (args.positional.empty() && attribute != nullptr) {
+    if (!attribute->is_string()) type_error("map(attribute=...) needs a string");
+    const Value* fallback = args.get(args.positional.size(), "default");
+    for (const auto items = iterate(v); const Value& item : *items) {
+      Value value = attribute_of(item, attribute->str());
+      out.push_back(value.is_undefined() && fallback != nullptr ? *fallback : std::move(value));
+    }
+    return out;
+  }
+  if (args.positional.empty() || !args.positional[0].is_string())
+    type_error("map() needs a filter name or attribute=");
+  const FilterFn filter = find_filter(args.positional[0].str());
+  if (filter == nullptr)
+    throw Error(ErrorKind::template_error, "No filter named '" + args.positional[0].str() + "'.");
+  Args filter_args;
+  filter_args.positional.assign(args.positional.begin() + 1, args.positional.end());
+  filter_args.keyword = args.keyword;
+  for (const auto items = iterate(v); const Value& item : *items) out.push_back(filter(r, item, filter_args));
+  return out;
+}
+
+Value f_sum(Renderer&, const Value& v, const Args& args) {
+  const Value* attribute = args.get(0, "attribute");
+  const Value* start = args.get(1, "start");
+  Value total = start != nullptr ? *start : Value(0);
+  for (const auto items = iterate(v); const Value& item : *items) {
+    total = binary_op(
+        BinaryOp::add, total,
+        attribute != nullptr && attribute->is_string() ? attribute_of(item, attribute->str()) : item,
+        std::size_t{1} << 30);
+  }
+  return total;
+}
+
+Value f_wordcount(Renderer&, const Value& v, const Args&) {
+  std::int64_t n = 0;
+  bool in_word = false;
+  for (const char c : text(v)) {
+    const bool word = std::isalnum(static_cast<unsigned char>(c)) != 0 || c == '_' ||
+                      (static_cast<unsigned char>(c) >= 0x80);
+    if (word && !in_word) ++n;
+    in_word = word;
+  }
+  return n;
+}
+
+// ---- tests ----
+
+bool t_defined(Renderer&, const Value& v, const Args&) {
+  return !v.is_undefined();
+}
+bool t_undefined(Renderer&, const Value& v, const Args&) {
+  return v.is_undefined();
+}
+bool t_none(Renderer&, const Value& v, const Args&) {
+  return v.is_none();
+}
+bool t_string(Renderer&, const Value& v, const Args&) {
+  return v.is_string();
+}
+bool t_mapping(Renderer&, const Value& v, const Args&) {
+  return v.is_dict();
+}
+bool t_iterable(Renderer&, const Value& v, const Args&) {
+  return v.is_string() || v.is_list() || v.is_dict() || v.is_undefined();
+}
+bool t_sequence(Renderer&, const Value& v, const Args&) {
+  return v.is_string() || v.is_list() || v.is_dict() || v.is_undefined();
+}
+bool t_number(Renderer&, const Value& v, const Args&) {
+  return v.is_number();
+}
+bool t_integer(Renderer&, const Value& v, const Args&) {
+  return v.is_int();
+}
+bool t_float(Renderer&, const Value& v, const Args&) {
+  return v.is_float();
+}
+bool t_boolean(Renderer&, const Value& v, const Args&) {
+  return v.is_bool();
+}
+bool t_true(Renderer&, const Value& v, const Args&) {
+  return v.is_bool() && v.as_int() != 0;
+}
+bool t_false(Renderer&, const Value& v, const Args&) {
+  return v.is_bool() && v.as_int() == 0;
+}
+bool t_callable(Renderer&, const Value& v, const Args&) {
+  return v.is_callable();
+}
+bool t_escaped(Renderer&, const Value&, const Args&) {
+  return false;
+}
+
+const Value& other(const Args& args, std::string_view test) {
+  const Value* v = args.get(0, "other");
+  if (v == nullptr) type_error("the '" + std::string(test) + "' test needs an argument");
+  return *v;
+}
+
+bool t_eq(Renderer&, const Value& v, const Args& a) {
+  return compare(CompareOp::eq, v, other(a, "eq"));
+}
+bool t_ne(Renderer&, const Value& v, const Args& a) {
+  return compare(CompareOp::ne, v, other(a, "ne"));
+}
+bool t_lt(Renderer&, const Value& v, const Args& a) {
+  return compare(CompareOp::lt, v, other(a, "lt"));
+}
+bool t_le(Renderer&, const Value& v, const Args& a) {
+  return compare(CompareOp::le, v, other(a, "le"));
+}
+bool t_gt(Renderer&, const Value& v, const Args& a) {
+  return compare(CompareOp::gt, v, other(a, "gt"));
+}
+bool t_ge(Renderer&, const Value& v, const Args& a) {
+  return compare(CompareOp::ge, v, other(a, "ge"));
+}
+bool t_in(Renderer&, const Value& v, const Args& a) {
+  return contains(other(a, "in"), v);
+}
+bool t_sameas(Renderer&, const Value& v, const Args& a) {
+  const Value& o = other(a, "sameas");
+  if (v.v.index() != o.v.index()) return false;
+  if (v.is_list()) return &v.list() == &o.list();
+  if (v.is_dict()) return &v.dict() == &o.dict();
+  return equals(v, o);
+}
+bool t_odd(Renderer&, const Value& v, const Args&) {
+  require_defined(v);
+  if (!v.is_int() && !v.is_bool()) type_error("the 'odd' test needs an integer");
+  return v.as_int() % 2 != 0;
+}
+bool t_even(Renderer& r, const Value& v, const Args& a) {
+  return !t_odd(r, v, a);
+}
+bool t_divisibleby(Renderer&, const Value& v, const Args& a) {
+  const Value& d = other(a, "divisibleby");
+  const Value rem = binary_op(BinaryOp::mod, v, d, 0);
+  return rem.as_double() == 0;
+}
+bool t_lower(Renderer&, const Value& v, const Args&) {
+  return v.is_string() && py_lower(v.str()) == v.str();
+}
+bool t_upper(Renderer&, const Value& v, const Args&) {
+  return v.is_string() && py_upper(v.str()) == v.str();
+}
+
+struct NamedFilter {
+  std::string_view name;
+  FilterFn fn;
+};
+struct NamedTest {
+  std::string_view name;
+  TestFn fn;
+};
+
+constexpr NamedFilter kFilters[] = {
+    {"tojson", f_tojson},
+    {"length", f_length},
+    {"count", f_length},
+    {"trim", f_trim},
+    {"string", f_string},
+    {"upper", f_upper},
+    {"lower", f_lower},
+    {"capitalize", f_capitalize},
+    {"title", f_title},
+    {"default", f_default},
+    {"d", f_default},
+    {"safe", f_safe},
+    {"list", f_list},
+    {"items", f_items},
+    {"join", f_join},
+    {"first", f_first},
+    {"last", f_last},
+    {"reverse", f_reverse},
+    {"indent", f_indent},
+    {"replace", f_replace},
+    {"int", f_int},
+    {"float", f_float},
+    {"abs", f_abs},
+    {"round", f_round},
+    {"escape", f_escape},
+    {"e", f_escape},
+    {"dictsort", f_dictsort},
+    {"sort", f_sort},
+    {"unique", f_unique},
+    {"select", f_select},
+    {"reject", f_reject},
+    {"selectattr", f_selectattr},
+    {"rejectattr", f_rejectattr},
+    {"map", f_map},
+    {"sum", f_sum},
+    {"wordcount", f_wordcount},
+};
+
+constexpr NamedTest kTests[] = {
+    {"defined", t_defined},
+    {"undefined", t_undefined},
+    {"none", t_none},
+    {"string", t_string},
+    {"mapping", t_mapping},
+    {"iterable", t_iterable},
+    {"sequence", t_sequence},
+    {"number", t_number},
+    {"integer", t_integer},
+    {"float", t_float},
+    {"boolean", t_boolean},
+    {"true", t_true},
+    {"false", t_false},
+    {"callable", t_callable},
+    {"escaped", t_escaped},
+    {"eq", t_eq},
+    {"equalto", t_eq},
+    {"==", t_eq},
+    {"ne", t_ne},
+    {"!=", t_ne},
+    {"lt", t_lt},
+    {"lessthan", t_lt},
+    {"<", t_lt},
+    {"le", t_le},
+    {"<=", t_le},
+    {"gt", t_gt},
+    {"greaterthan", t_gt},
+    {">", t_gt},
+    {"ge", t_ge},
+    {">=", t_ge},
+    {"in", t_in},
+    {"sameas", t_sameas},
+    {"odd", t_odd},
+    {"even", t_even},
+    {"divisibleby", t_divisibleby},
+    {"lower", t_lower},
+    {"upper", t_upper},
+};
+
+}  // namespace
+
+FilterFn find_filter(std::string_view name) {
+  for (const NamedFilter& f : kFilters) {
+    if (f.name == name) return f.fn;
+  }
+  return nullptr;
+}
+
+TestFn find_test(std::string_view name) {
+  for (const NamedTest& t : kTests) {
+    if (t.name == name) return t.fn;
+  }
+  return nullptr;
+}
+
+}  // namespace capserve::runtime::jinja

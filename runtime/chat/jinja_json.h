@@ -1,0 +1,26 @@
+#pragma once
+// JSON in and out of template values: template inputs from JSON documents (key order kept), and the tojson
+// filter exactly as Python's json.dumps writes it (transformers replaces Jinja's HTML-safe tojson with it).
+#include <optional>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "runtime/chat/jinja_value.h"
+
+namespace capserve::runtime::jinja {
+
+[[nodiscard]] Value from_json(const nlohmann::ordered_json& json);
+
+struct JsonOptions {
+  std::optional<std::string> indent;  // nullopt: one line; else each level is indented by this string
+  std::string item_separator = ", ";
+  std::string key_separator = ": ";
+  bool sort_keys = false;
+  bool ensure_ascii = false;
+};
+
+// json.dumps(value, ...); TypeError for a value JSON cannot hold (Undefined, a namespace, a function).
+void append_json(const Value& value, const JsonOptions& options, std::string& out);
+
+}  // namespace capserve::runtime::jinja
