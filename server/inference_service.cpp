@@ -85,9 +85,9 @@ void fill_final(const RequestEvent& e, Message& m) {
 
 SamplingInput sampling_input(const v1::SamplingOptions& s) {
   SamplingInput in;
-  in.temperature = s.temperature();
-  in.top_p = s.top_p();
-  in.top_k = s.top_k();
+  if (s.has_temperature()) in.temperature = s.temperature();
+  if (s.has_top_p()) in.top_p = s.top_p();
+  if (s.has_top_k()) in.top_k = s.top_k();
   in.max_tokens = s.max_tokens();
   in.seed = s.seed();
   in.stop.assign(s.stop().begin(), s.stop().end());
@@ -150,8 +150,7 @@ IntakeResult InferenceService::make_chat(grpc::ServerContext* context, const v1:
           intake_.sampling(sampling_input(request.sampling()), static_cast<std::int64_t>(ids.size()), true,
                            "sampling.", params, stops))
     return bad;
-  std::string id =
-      request.request_id().empty() ? "req-" + std::to_string(next_request_++) : request.request_id();
+  std::string id = request.request_id().empty() ? generate_request_id("req-") : request.request_id();
   out = std::make_shared<Request>(std::move(id), std::move(ids), std::move(params), std::move(stops), true,
                                   steady_deadline(*context), context->peer());
   return std::nullopt;
@@ -169,8 +168,7 @@ IntakeResult InferenceService::make_generate(grpc::ServerContext* context, const
           intake_.sampling(sampling_input(request.sampling()), static_cast<std::int64_t>(ids.size()), false,
                            "sampling.", params, stops))
     return bad;
-  std::string id =
-      request.request_id().empty() ? "req-" + std::to_string(next_request_++) : request.request_id();
+  std::string id = request.request_id().empty() ? generate_request_id("req-") : request.request_id();
   out = std::make_shared<Request>(std::move(id), std::move(ids), std::move(params), std::move(stops), false,
                                   steady_deadline(*context), context->peer());
   return std::nullopt;

@@ -3,7 +3,6 @@
 // (naming the field and the limit), hands it to the scheduler, then relays its events to the client until the
 // single terminal status. A client that goes away cancels its request, whose sequence the engine frees at
 // the next step.
-#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -49,7 +48,6 @@ class InferenceService final : public capserve::v1::Inference::Service {
 
   RequestIntake& intake_;
   capserve::v1::ServerInfo info_;
-  std::atomic<std::uint64_t> next_request_{1};
 };
 
 }  // namespace capserve::server

@@ -75,6 +75,7 @@ struct Options {
   server::ServiceLimits limits;
   runtime::ParallelFlags parallel;
   std::string chat_template;
+  std::string generation_defaults = "model";
   double step_timeout_s = 60;
   bool metrics_per_expert = false;
   std::string log_level = "info";
@@ -144,6 +145,11 @@ void add_flags(CLI::App& app, Options& o) {
   app.add_option("--chat-template", o.chat_template,
                  "a Jinja chat template file to use instead of the checkpoint's own")
       ->check(CLI::ExistingFile);
+  app.add_option("--generation-defaults", o.generation_defaults,
+                 "what a request's unset temperature / top_p / top_k take: model (the checkpoint's "
+                 "generation_config.json, as vLLM) or none (greedy, no filter)")
+      ->check(CLI::IsMember({"model", "none"}))
+      ->capture_default_str();
   app.add_option("--batch-selector", o.strategy, "fcfs | greedy | power_of_d | lpt_balanced | random")
       ->check(CLI::IsMember({"fcfs", "greedy", "power_of_d", "lpt_balanced", "random"}))
       ->capture_default_str();
@@ -587,6 +593,7 @@ int main(int argc, char** argv) {
   o.limits.max_context = o.scheduler.max_context;
   o.limits.vocab_size = config.vocab_size;
   o.limits.eos_token_ids = config.eos_token_ids;
+  if (o.generation_defaults == "model") o.limits.generation_defaults = config.generation;
   o.limits.model_id =
       o.model_id.empty() ? std::filesystem::path(o.model_dir).filename().string() : o.model_id;
   runtime::Engine& engine = *engine_storage;

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <random>
 #include <utility>
 
 #include <spdlog/spdlog.h>
@@ -103,6 +105,19 @@ void RateLimitedLog::log(const std::string& line) {
   }
 }
 
+std::string generate_request_id(std::string_view prefix) {
+  thread_local std::mt19937_64 rng{[] {
+    std::random_device device;
+    return (static_cast<std::uint64_t>(device()) << 32) ^ device();
+  }()};
+  char hex[25];
+  const std::uint64_t hi = rng();
+  const std::uint64_t lo = rng();
+  std::snprintf(hex, sizeof hex, "%08x%016llx", static_cast<unsigned>(hi >> 32),
+                static_cast<unsigned long long>(lo));
+  return std::string(prefix) + hex;
+}
+
 RequestIntake::RequestIntake(Scheduler& scheduler, const runtime::Tokenizer* tokenizer,
                              std::optional<runtime::ChatTemplate> chat_template, ServiceLimits limits,
                              ServerMetrics* metrics)
@@ -184,15 +199,19 @@ IntakeResult RequestIntake::token_prompt(std::span<const std::int32_t> ids, cons
 IntakeResult RequestIntake::sampling(const SamplingInput& s, std::int64_t prompt_tokens, bool text,
                                      const std::string& prefix, runtime::SamplingParams& params,
                                      std::vector<std::string>& stops) const {
-  if (!std::isfinite(s.temperature) || s.temperature < 0)
+  const runtime::GenerationDefaults& defaults = limits_.generation_defaults;
+  const double temperature = s.temperature.value_or(defaults.temperature.value_or(0.0F));
+  const double top_p = s.top_p.value_or(defaults.top_p.value_or(1.0F));
+  const std::int64_t top_k = s.top_k.value_or(defaults.top_k.value_or(0));
+  if (!std::isfinite(temperature) || temperature < 0)
     return invalid(prefix + "temperature: must be a finite number >= 0 (0 is greedy), got " +
-                       std::to_string(s.temperature),
+                       std::to_string(temperature),
                    prefix + "temperature");
-  if (!std::isfinite(s.top_p) || s.top_p < 0 || s.top_p > 1)
-    return invalid(prefix + "top_p: must be in [0, 1] (0 or 1: off), got " + std::to_string(s.top_p),
+  if (!std::isfinite(top_p) || top_p < 0 || top_p > 1)
+    return invalid(prefix + "top_p: must be in [0, 1] (0 or 1: off), got " + std::to_string(top_p),
                    prefix + "top_p");
-  if (s.top_k < 0 || s.top_k > limits_.vocab_size)
-    return invalid(prefix + "top_k: " + std::to_string(s.top_k) + " is outside [0, the vocabulary size " +
+  if (top_k < 0 || top_k > limits_.vocab_size)
+    return invalid(prefix + "top_k: " + std::to_string(top_k) + " is outside [0, the vocabulary size " +
                        std::to_string(limits_.vocab_size) + "]",
                    prefix + "top_k");
   if (s.top_logprobs < 0 || s.top_logprobs > runtime::kMaxTopLogprobs)
@@ -240,9 +259,9 @@ IntakeResult RequestIntake::sampling(const SamplingInput& s, std::int64_t prompt
                          std::to_string(limits_.vocab_size) + ")",
                      prefix + "stop_token_ids");
   }
-  params.temperature = static_cast<float>(s.temperature);
-  params.top_p = s.top_p == 0 ? 1.0F : static_cast<float>(s.top_p);
-  params.top_k = static_cast<std::int32_t>(s.top_k);
+  params.temperature = static_cast<float>(temperature);
+  params.top_p = top_p == 0 ? 1.0F : static_cast<float>(top_p);
+  params.top_k = static_cast<std::int32_t>(top_k);
   params.seed = s.seed;
   params.max_new_tokens = std::min(max_tokens, limits_.max_context - prompt_tokens);
   params.logprobs = s.logprobs;

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "runtime/chat/chat_template.h"
+#include "runtime/generation_config.h"
 #include "runtime/sampler.h"
 #include "runtime/tokenizer/tokenizer.h"
 #include "server/request.h"
@@ -41,6 +42,8 @@ struct ServiceLimits {
   // by default it is tokenized as plain text, so a message cannot forge turns.
   bool special_tokens_in_content = false;
   std::vector<std::int32_t> eos_token_ids;
+  // The sampling defaults of requests that leave a field unset (generation_config.json, as vLLM).
+  runtime::GenerationDefaults generation_defaults;
 };
 
 // Why a request is refused; the codes are gRPC's, which the HTTP API maps onto its statuses.
@@ -67,11 +70,13 @@ using IntakeResult = std::optional<IntakeError>;
 const char* code_name(IntakeCode code);
 
 // The sampling fields of a request, whatever its wire format.
+// Unset temperature / top_p / top_k take the checkpoint's generation_config.json defaults
+// (ServiceLimits::generation_defaults), else greedy and no filter.
 struct SamplingInput {
-  double temperature = 0;
-  double top_p = 0;  // 0 or 1: off
-  std::int64_t top_k = 0;
-  std::int64_t max_tokens = 0;  // 0: the server's default
+  std::optional<double> temperature;
+  std::optional<double> top_p;        // 0 or 1: off
+  std::optional<std::int64_t> top_k;  // 0: off
+  std::int64_t max_tokens = 0;        // 0: the server's default
   std::uint64_t seed = 0;
   std::vector<std::string> stop;
   std::vector<std::int32_t> stop_token_ids;
@@ -94,6 +99,10 @@ class RateLimitedLog {
   Clock::time_point last_{};
   std::int64_t suppressed_ = 0;
 };
+
+// `prefix` + 96 random bits as 24 hex digits: a request id that does not repeat across restarts, unlike a
+// counter (HTTP: "chatcmpl-" / "cmpl-", gRPC: "req-").
+std::string generate_request_id(std::string_view prefix);
 
 class RequestIntake {
  public:

@@ -6,6 +6,7 @@
 #include <memory>
 #include <optional>
 #include <random>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -15,20 +16,6 @@ namespace {
 using json = nlohmann::json;
 
 constexpr std::string_view kJson = "application/json";
-
-// 96 random bits as 24 hex digits: ids that do not repeat across restarts, unlike a counter.
-std::string random_hex96() {
-  thread_local std::mt19937_64 rng{[] {
-    std::random_device device;
-    return (static_cast<std::uint64_t>(device()) << 32) ^ device();
-  }()};
-  char out[25];
-  const std::uint64_t hi = rng();
-  const std::uint64_t lo = rng();
-  std::snprintf(out, sizeof out, "%08x%016llx", static_cast<unsigned>(hi >> 32),
-                static_cast<unsigned long long>(lo));
-  return out;
-}
 
 std::uint64_t random_seed() {
   thread_local std::mt19937_64 rng{std::random_device{}()};
@@ -98,6 +85,22 @@ std::optional<FieldError> read_int(const json& body, const char* name, std::int6
   return std::nullopt;
 }
 
+// A field the request may leave unset (then the server's default applies).
+template <typename T>
+std::optional<FieldError> read_optional(const json& body, const char* name, std::optional<T>& out) {
+  const auto it = body.find(name);
+  if (it == body.end() || it->is_null()) return std::nullopt;
+  T value{};
+  std::optional<FieldError> e;
+  if constexpr (std::is_same_v<T, double>) {
+    e = read_number(body, name, value);
+  } else {
+    e = read_int(body, name, value);
+  }
+  if (!e) out = value;
+  return e;
+}
+
 std::optional<FieldError> read_bool(const json& body, const char* name, bool& out) {
   const auto it = body.find(name);
   if (it == body.end() || it->is_null()) return std::nullopt;
@@ -108,9 +111,9 @@ std::optional<FieldError> read_bool(const json& body, const char* name, bool& ou
 
 // The sampling fields common to both endpoints; `seeded` says whether the client chose the seed.
 std::optional<FieldError> read_sampling(const json& body, bool chat, SamplingInput& s, bool& seeded) {
-  if (auto e = read_number(body, "temperature", s.temperature)) return e;
-  if (auto e = read_number(body, "top_p", s.top_p)) return e;
-  if (auto e = read_int(body, "top_k", s.top_k)) return e;
+  if (auto e = read_optional(body, "temperature", s.temperature)) return e;
+  if (auto e = read_optional(body, "top_p", s.top_p)) return e;
+  if (auto e = read_optional(body, "top_k", s.top_k)) return e;
   if (s.top_k == -1) s.top_k = 0;  // vLLM's "off"
   std::int64_t max_tokens = 0;
   if (auto e = read_int(body, "max_tokens", max_tokens)) return e;
@@ -662,7 +665,7 @@ Response OpenAiApi::completions(const IncomingRequest& in, bool chat) {
   if (auto e = client_request_id(client_id))
     return intake_response(intake_.refuse({IntakeCode::invalid_argument, e->message, e->param}));
   const std::string id =
-      client_id.empty() ? (chat ? "chatcmpl-" : "cmpl-") + random_hex96() : std::string(client_id);
+      client_id.empty() ? generate_request_id(chat ? "chatcmpl-" : "cmpl-") : std::string(client_id);
   auto with_id = [&](Response r) {
     r.headers.emplace_back("X-Request-Id", id);
     return r;

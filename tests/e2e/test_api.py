@@ -64,6 +64,11 @@ class ApiTest(ServerTestCase):
         self.assertEqual(chunks[-1].finish_reason, reply.finish_reason)
         self.assertEqual(chunks[-1].usage, reply.usage)
         self.assertEqual(chunks[-1].moe, reply.moe)
+        # Without a client id the server makes one that does not repeat across restarts (not a counter).
+        ids = {self.stub.Chat(chat_request("Hi", max_tokens=1), timeout=120).request_id for _ in range(3)}
+        self.assertEqual(len(ids), 3)
+        for generated in ids:
+            self.assertRegex(generated, r"^req-[0-9a-f]{24}$")
 
     def test_generate(self):
         request = pb.GenerateRequest(input_ids=[5, 17, 42, 99, 7], sampling=pb.SamplingOptions(max_tokens=12,

@@ -1,0 +1,54 @@
+// The shared intake's sampling fields: a request's unset temperature / top_p / top_k take the checkpoint's
+// generation_config.json defaults; a set field (0 included) is the request's own.
+#include "server/request_intake.h"
+
+#include <gtest/gtest.h>
+
+#include "tests/unit/server/tiny_tokenizer.h"
+
+namespace capserve::server {
+namespace {
+
+class RequestIntakeTest : public testing::Test {
+ protected:
+  RequestIntakeTest() : tokenizer_(load_tiny_tokenizer()), scheduler_({}, 1, &tokenizer_, nullptr, nullptr) {}
+
+  runtime::SamplingParams sampled(const runtime::GenerationDefaults& defaults, const SamplingInput& in) {
+    ServiceLimits limits;
+    limits.model_id = "tiny";
+    limits.vocab_size = tokenizer_.vocab_size();
+    limits.generation_defaults = defaults;
+    RequestIntake intake(scheduler_, &tokenizer_, std::nullopt, limits, nullptr);
+    runtime::SamplingParams params;
+    std::vector<std::string> stops;
+    EXPECT_FALSE(intake.sampling(in, 4, true, "", params, stops).has_value());
+    return params;
+  }
+
+  runtime::Tokenizer tokenizer_;
+  Scheduler scheduler_;
+};
+
+TEST_F(RequestIntakeTest, UnsetSamplingFieldsTakeTheModelsDefaults) {
+  const runtime::GenerationDefaults qwen3{0.6F, 0.95F, 20, {}};
+  const runtime::SamplingParams unset = sampled(qwen3, {});
+  EXPECT_FLOAT_EQ(unset.temperature, 0.6F);
+  EXPECT_FLOAT_EQ(unset.top_p, 0.95F);
+  EXPECT_EQ(unset.top_k, 20);
+
+  SamplingInput greedy;
+  greedy.temperature = 0.0;
+  greedy.top_k = 0;
+  const runtime::SamplingParams set = sampled(qwen3, greedy);
+  EXPECT_EQ(set.temperature, 0.0F);
+  EXPECT_EQ(set.top_k, 0);
+  EXPECT_FLOAT_EQ(set.top_p, 0.95F);
+
+  const runtime::SamplingParams none = sampled({}, {});
+  EXPECT_EQ(none.temperature, 0.0F);
+  EXPECT_EQ(none.top_p, 1.0F);
+  EXPECT_EQ(none.top_k, 0);
+}
+
+}  // namespace
+}  // namespace capserve::server
