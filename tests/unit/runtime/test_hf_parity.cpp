@@ -107,6 +107,26 @@ TEST_P(HfParity, ExpertLoadCountsEveryAssignmentOfTheStep) {
   }
 }
 
+// The batch selector's predictor runs every architecture's router (DeepSeek-V3's correction bias and groups
+// included): each token adds its top_k experts to each MoE layer's counts, and repeating the tokens doubles
+// them.
+TEST_P(HfParity, RouterDryRunCountsTopKExpertsPerTokenAndLayer) {
+  const auto ids = ref_["prompts"][3]["input_ids"].get<std::vector<std::int32_t>>();
+  const runtime::ModelConfig& c = model_->config();
+  const auto layers = static_cast<std::int64_t>(model_->moe_layers().size());
+  std::vector<std::int64_t> counts(static_cast<std::size_t>(layers * c.num_experts), 0);
+  engine_->router_dry_run(ids, layers, counts);
+  for (std::int64_t l = 0; l < layers; ++l) {
+    std::int64_t total = 0;
+    for (std::int64_t e = 0; e < c.num_experts; ++e)
+      total += counts[static_cast<std::size_t>(l * c.num_experts + e)];
+    EXPECT_EQ(total, static_cast<std::int64_t>(ids.size()) * c.top_k) << "MoE layer " << l;
+  }
+  std::vector<std::int64_t> twice = counts;
+  engine_->router_dry_run(ids, layers, twice);
+  for (std::size_t i = 0; i < counts.size(); ++i) EXPECT_EQ(twice[i], 2 * counts[i]);
+}
+
 INSTANTIATE_TEST_SUITE_P(Fixtures, HfParity, ::testing::ValuesIn(testing::fixture_model_names()),
                          [](const auto& info) { return info.param; });
 
