@@ -3,8 +3,9 @@
 
     tools/with_capserve.py [--build DIR] [--model DIR] [--np N] [--counts FILE] -- COMMAND [ARGS...]
 
-capserve starts on N ranks (deploy/launch.sh) with --http-port 0; COMMAND runs (through bash -c, so it may use
-the variables) with CAPSERVE_HTTP_PORT, CAPSERVE_BASE_URL (http://127.0.0.1:PORT/v1) and CAPSERVE_MODEL_ID set.
+capserve starts on N ranks (deploy/launch.sh) with --http-port 0; COMMAND runs (a single argument through
+bash -c, so it may use the variables) with CAPSERVE_HTTP_PORT, CAPSERVE_BASE_URL (http://127.0.0.1:PORT/v1)
+and CAPSERVE_MODEL_ID set.
 Before and after it, /metrics is read: --counts FILE gets the server's finished requests by finish_reason and its
 refused ones (capserve_request_errors_total) that COMMAND caused, as JSON, so a benchmark client's own request
 count can be checked against the server's. Exit status: COMMAND's, or 1 when the server failed.
@@ -22,7 +23,8 @@ import time
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-START_LINE = re.compile(r"capserve: serving (\S+) on \S+:\d+, metrics on port (\d+), \d+ ranks.*HTTP API on port (\d+)")
+START_LINE = re.compile(
+    r"capserve: serving (\S+) on \S+:\d+, metrics on port (\d+), \d+ ranks.*HTTP API on port (\d+)")
 SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$")
 LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
@@ -93,8 +95,9 @@ def main():
         before = counters(found["metrics"])
         env = dict(os.environ, CAPSERVE_HTTP_PORT=str(found["http"]), CAPSERVE_MODEL_ID=found["model"],
                    CAPSERVE_BASE_URL=f"http://127.0.0.1:{found['http']}/v1")
-        rc = subprocess.run(["bash", "-c", " ".join(command) if len(command) == 1 else 'exec "$@"', "bash",
-                             *command], env=env).returncode
+        # One argument is a shell command line (it may use the variables); more are a program and its arguments.
+        argv = ["bash", "-c", command[0]] if len(command) == 1 else command
+        rc = subprocess.run(argv, env=env).returncode
         after = counters(found["metrics"])
         counts = {"finished": delta(after[0], before[0]), "refused": delta(after[1], before[1])}
         counts["finished_total"] = sum(counts["finished"].values())

@@ -23,8 +23,8 @@ EOT = "<|endoftext|>"
 
 
 def tokenize(build, model, text):
-    out = subprocess.run([os.path.join(build, "runtime/tokenizer/capserve-tokenize"), "--tokenizer", model], input=text,
-                         check=True, capture_output=True, text=True, timeout=120).stdout
+    out = subprocess.run([os.path.join(build, "runtime/tokenizer/capserve-tokenize"), "--tokenizer", model],
+                         input=text, check=True, capture_output=True, text=True, timeout=120).stdout
     return [int(t) for t in out.split()]
 
 

@@ -34,9 +34,11 @@ mkdir -p "$out"
 cd "$root"  # the tasks' data_files are relative to the repository root
 
 # The lm-eval command line, as run (the URL and model name come from the server just started).
+model_args="model=\$CAPSERVE_MODEL_ID,base_url=\$CAPSERVE_BASE_URL/completions,tokenizer_backend=huggingface"
+model_args+=",tokenizer=deploy/models/capserve-moe-tiny,tokenized_requests=True,num_concurrent=2,max_length=1024"
 cat >"$work/client.sh" <<CLIENT
 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 exec "$bin/lm_eval" --model local-completions \\
-  --model_args "model=\$CAPSERVE_MODEL_ID,base_url=\$CAPSERVE_BASE_URL/completions,tokenizer_backend=huggingface,tokenizer=deploy/models/capserve-moe-tiny,tokenized_requests=True,num_concurrent=2,max_length=1024" \\
+  --model_args "$model_args" \\
   --include_path tools/eval/lm_eval_tasks --tasks capserve_lambada_books,capserve_gsm8k_local --limit $limit \\
   --log_samples --output_path "$work/lm_eval"
 CLIENT
