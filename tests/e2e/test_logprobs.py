@@ -1,12 +1,15 @@
 """Token log-probabilities through the gRPC API on 2 ranks: Generate's sampled tokens score what log_softmax of
 capserve-generate's dumped logits gives them (1e-4), prompt log-probabilities of the same tokens agree with the
-decode-time ones, Chat's entries spell its text chunk by chunk, and out-of-range requests are refused."""
+decode-time ones, prompt log-probabilities through gRPC and through the HTTP API's echo (what lm-eval's
+local-completions model sums) equal capserve-eval-heldout's, Chat's entries spell its text chunk by chunk, and
+out-of-range requests are refused."""
 
 import json
 import math
 import os
 import subprocess
 import tempfile
+import urllib.request
 
 import grpc
 import numpy as np
@@ -16,6 +19,9 @@ from capserve_e2e import MODEL, ServerTestCase, chat_request, main, pb
 PROMPT = [5, 17, 300, 42, 7, 99, 1000, 3]
 NEW = 12
 TOP = 5
+TEXT = ("The mixture of experts routes every token to a few of its experts, so a model can hold many parameters and "
+        "still spend little compute on each token it reads or writes.")
+WINDOW = 24
 
 
 def log_softmax(row):
@@ -89,30 +95,49 @@ class LogprobsTest(ServerTestCase):
             if not any("\ufffd" in e.token for e in c.logprobs):
                 self.assertEqual("".join(e.token for e in c.logprobs), c.delta, "a chunk's entries")
 
-    def test_prompt_logprobs_equal_capserve_eval_heldout_for_the_same_text(self):
-        # capserve-eval-heldout scores windows of `window` text tokens after <|endoftext|> (id 0); with
-        # --heldout-fraction 1 its text is the file after its first line.
-        text = ("The mixture of experts routes every token to a few of its experts, so a model can hold many "
-                "parameters and still spend little compute on each token it reads or writes.")
-        window = 24
+    def heldout_window(self):
+        """capserve-eval-heldout's figures for the first `window` text tokens of TEXT, and those token ids.
+
+        It scores windows of `window` text tokens after <|endoftext|> (id 0); with --heldout-fraction 1 its text
+        is the file after its first line."""
         with tempfile.TemporaryDirectory() as tmp:
             with open(os.path.join(tmp, "doc.txt"), "w") as f:
-                f.write("header\n" + text + "\n")
+                f.write("header\n" + TEXT + "\n")
             out = os.path.join(tmp, "eval.json")
             subprocess.run([os.environ["CAPSERVE_EVAL_HELDOUT"], "--model", MODEL, "--corpus", tmp, "--domains",
-                            "doc", "--window", str(window), "--max-windows", "1", "--batch-windows", "1",
+                            "doc", "--window", str(WINDOW), "--max-windows", "1", "--batch-windows", "1",
                             "--heldout-fraction", "1", "--threads", "1", "--json", out],
                            check=True, capture_output=True, timeout=120)
             with open(out) as f:
                 figures = json.load(f)["domains"]["doc"]
-            ids = subprocess.run([os.environ["CAPSERVE_TOKENIZE"], "--tokenizer", MODEL], input=text + "\n",
+            ids = subprocess.run([os.environ["CAPSERVE_TOKENIZE"], "--tokenizer", MODEL], input=TEXT + "\n",
                                  check=True, capture_output=True, text=True, timeout=60).stdout.split()
-        self.assertEqual(figures["tokens"], window)
-        self.assertGreater(len(ids), window + 4, "the window lies inside the text")
-        chunks = self.generate([0] + [int(t) for t in ids[:window]], 1, prompt_logprobs=True)
+        self.assertEqual(figures["tokens"], WINDOW)
+        self.assertGreater(len(ids), WINDOW + 4, "the window lies inside the text")
+        return figures, [int(t) for t in ids[:WINDOW]]
+
+    def test_prompt_logprobs_equal_capserve_eval_heldout_for_the_same_text(self):
+        figures, ids = self.heldout_window()
+        chunks = self.generate([0] + ids, 1, prompt_logprobs=True)
         entries = chunks[0].prompt_logprobs
-        self.assertEqual(len(entries), window)
+        self.assertEqual(len(entries), WINDOW)
         self.assertAlmostEqual(-sum(e.logprob for e in entries), figures["total_nll"], delta=1e-4)
+
+    def test_http_echo_logprobs_equal_capserve_eval_heldout_for_the_same_text(self):
+        # What lm-eval's local-completions model asks for a log-likelihood: the prompt as token ids, echo,
+        # logprobs, max_tokens 1; the prompt's entries (the first null) sum to its log-likelihood.
+        figures, ids = self.heldout_window()
+        body = json.dumps({"model": self.server.model_id, "prompt": [0] + ids, "echo": True, "logprobs": 1,
+                           "max_tokens": 1, "temperature": 0}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{self.server.http_port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            logprobs = json.load(r)["choices"][0]["logprobs"]
+        self.assertEqual(len(logprobs["token_logprobs"]), WINDOW + 2, "the prompt's entries and the new token's")
+        self.assertIsNone(logprobs["token_logprobs"][0])
+        prompt = logprobs["token_logprobs"][1:WINDOW + 1]
+        self.assertEqual(len(prompt), WINDOW)
+        self.assertAlmostEqual(-sum(prompt), figures["total_nll"], delta=1e-4)
 
     def test_out_of_range_requests_are_refused(self):
         for options, field in [(dict(logprobs=True, top_logprobs=21), "sampling.top_logprobs: must be in [0, 20]"),

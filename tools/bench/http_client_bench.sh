@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# A standard benchmark client, NVIDIA aiperf (pinned in tools/bench/requirements-aiperf.txt, venv
+# tools/.venv-bench), against CapServe's OpenAI-compatible HTTP API, unmodified:
+#   tools/bench/http_client_bench.sh [--requests N] [--concurrency C] [--isl T] [--osl T] [--out DIR]
+# capserve starts on 2 ranks with the default model (tools/with_capserve.py, --http-port 0); aiperf sends N
+# streaming chat completions (synthetic prompts of T tokens made with the model's own tokenizer, T output tokens,
+# C at a time, no warmup); then the requests the server counted in /metrics (capserve_requests_total, and
+# capserve_request_errors_total for refused ones) must equal aiperf's completed request count and aiperf must
+# report no errors; the script fails otherwise. aiperf's report (profile_export_aiperf.{json,csv}), the server's
+# counts and the exact command go to --out (default tools/results/http_client_bench_aiperf/). Needs the build's
+# server/capserve (build/, or CAPSERVE_BUILD_DIR) and PyPI for the first run.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+requests=100 concurrency=8 isl=64 osl=32
+out="$root/tools/results/http_client_bench_aiperf"
+while (($# > 0)); do
+  case "$1" in
+    --requests) requests="$2" ;;
+    --concurrency) concurrency="$2" ;;
+    --isl) isl="$2" ;;
+    --osl) osl="$2" ;;
+    --out) out="$2" ;;
+    *) echo "usage: $0 [--requests N] [--concurrency C] [--isl T] [--osl T] [--out DIR]" >&2; exit 2 ;;
+  esac
+  shift 2
+done
+build="${CAPSERVE_BUILD_DIR:-$root/build}"
+bin="$(bash "$root/tools/bench/setup_aiperf.sh")"
+model="$root/deploy/models/capserve-moe-tiny"
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+mkdir -p "$out"
+
+# The aiperf command line, as run (the URL and model name come from the server just started).
+cat >"$work/client.sh" <<CLIENT
+exec "$bin/aiperf" profile --model "\$CAPSERVE_MODEL_ID" --url "http://127.0.0.1:\$CAPSERVE_HTTP_PORT" \\
+  --endpoint-type chat --streaming --tokenizer "$model" \\
+  --request-count $requests --concurrency $concurrency \\
+  --isl $isl --isl-stddev 0 --osl $osl --osl-stddev 0 --extra-inputs ignore_eos:true \\
+  --random-seed 0 --ui simple --artifact-dir "$work/aiperf"
+CLIENT
+python3 "$root/tools/with_capserve.py" --build "$build" --model "$model" \
+  --counts "$work/server_counts.json" -- bash "$work/client.sh" 2>&1 | tee "$work/run.log"
+report="$(find "$work/aiperf" -name profile_export_aiperf.json | head -1)"
+[[ -n "$report" ]] || { echo "http_client_bench: aiperf wrote no profile_export_aiperf.json" >&2; exit 1; }
+cp "$report" "${report%.json}.csv" "$work/server_counts.json" "$out/"
+{
+  echo "# tools/bench/http_client_bench.sh --requests $requests --concurrency $concurrency --isl $isl --osl $osl"
+  echo "# ran this aiperf command against capserve on 2 ranks started by tools/with_capserve.py:"
+  sed -e "s#$root/##g" -e "s#$work/aiperf#ARTIFACT_DIR#" "$work/client.sh"
+} >"$out/command.sh"
+python3 - "$out" "$requests" <<'CHECK'
+import json, sys
+out, wanted = sys.argv[1], int(sys.argv[2])
+report = json.load(open(f"{out}/profile_export_aiperf.json"))
+server = json.load(open(f"{out}/server_counts.json"))
+sent = int(report["request_count"]["avg"])
+completed = int(report["completed_request_count"]["avg"])
+counted = server["finished_total"] + sum(server["refused"].values())
+errors = report["error_summary"]
+summary = {"aiperf_request_count": sent, "aiperf_completed_request_count": completed, "aiperf_errors": errors,
+           "server_requests_total": server["finished_total"], "server_refused": server["refused"],
+           "requests_per_s": report["request_throughput"]["avg"],
+           "output_tokens_per_s": report["output_token_throughput"]["avg"]}
+json.dump(summary, open(f"{out}/summary.json", "w"), indent=1)
+print("http_client_bench: aiperf sent", sent, "and completed", completed, "requests; the server counted", counted)
+if sent != wanted or completed != sent or errors or counted != sent:
+    sys.exit("http_client_bench: FAILED: the counts differ or aiperf saw errors")
+print("http_client_bench: OK")
+CHECK
