@@ -86,18 +86,21 @@ std::vector<TextRange> locate_contents(std::string_view text, std::span<const Ch
   return ranges;
 }
 
-// transformers' continue_final_message: the prompt ends where the last message's content does (its stripped
-// text's last occurrence, plus its trailing whitespace where the template kept it).
+// transformers' continue_final_message: the prompt ends where the last message's content does, at the last
+// occurrence of its stripped text, with the trailing whitespace only where the template kept the content
+// whole.
 Status cut_after_final_message(const ChatMessage& final_message, RenderedPrompt& prompt) {
-  const std::string_view content = final_message.content ? std::string_view(*final_message.content) : "";
+  if (!final_message.content)
+    return Status::invalid_argument("continue_final_message: the final message has no text content");
+  const std::string_view content = *final_message.content;
   const std::string_view stripped = chat::py_strip(content);
-  const std::size_t at = stripped.empty() ? std::string::npos : prompt.text.rfind(stripped);
+  const std::size_t at = prompt.text.rfind(stripped);
   if (at == std::string::npos)
     return Status::invalid_argument(
         "continue_final_message: the final message's content does not appear in the rendered prompt");
-  const std::string_view kept = chat::py_lstrip(content);
+  const std::size_t kept = chat::py_lstrip(content).size();
   const std::size_t end =
-      std::string_view(prompt.text).substr(at, kept.size()) == kept ? at + kept.size() : at + stripped.size();
+      std::string_view(prompt.text).substr(at, kept) == content ? at + kept : at + stripped.size();
   prompt.text.resize(end);
   std::erase_if(prompt.content, [end](const TextRange& r) { return r.begin >= end; });
   for (TextRange& r : prompt.content) r.end = std::min(r.end, end);

@@ -83,11 +83,19 @@ def token_count(text):
     return count + len(rest.replace("\0", "").encode())
 
 
-def render(template, messages, tools=None, **kwargs):
-    """apply_chat_template(tokenize=False) as the corpus' render_goldens.py mirrors it."""
-    return make_env(datetime.now()).from_string(template).render(
-        messages=messages, tools=tools, documents=None, add_generation_prompt=True,
-        **{"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", **kwargs})
+def render(template, messages, tools=None, add_generation_prompt=True, continue_final_message=False):
+    """apply_chat_template(tokenize=False) as the corpus' render_goldens.py mirrors it, and transformers' cut
+    after the final message for continue_final_message."""
+    rendered = make_env(datetime.now()).from_string(template).render(
+        messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
+        eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    if not continue_final_message:
+        return rendered
+    final = messages[-1]["content"]
+    at = rendered.rindex(final.strip())
+    if rendered[at:at + len(final.lstrip())] == final:
+        return rendered[:at + len(final.lstrip())]
+    return rendered[:at + len(final.strip())]
 
 
 def _load_openai():
@@ -165,6 +173,19 @@ class CheckpointTemplate(Qwen15Checkpoint):
         status, body = self.http_chat({"messages": messages, "max_tokens": 1})
         self.assertEqual(status, 200, body)
         self.assertEqual(body["usage"]["prompt_tokens"], token_count(expected))
+
+
+    def test_continue_final_message(self):
+        messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "  The answer is"}]
+        expected = render(self.qwen15, messages, add_generation_prompt=False, continue_final_message=True)
+        self.assertTrue(expected.endswith("<|im_start|>assistant\n  The answer is"), expected)
+        status, body = self.http_chat({"messages": messages, "max_tokens": 1, "add_generation_prompt": False,
+                                       "continue_final_message": True})
+        self.assertEqual(status, 200, body)
+        self.assertEqual(body["usage"]["prompt_tokens"], token_count(expected))
+        status, body = self.http_chat({"messages": messages, "max_tokens": 1, "continue_final_message": True})
+        self.assertEqual(status, 400, body)
+        self.assertIn("needs add_generation_prompt false", body["error"]["message"])
 
 
 class OverrideTemplateWithTools(Qwen15Checkpoint):

@@ -168,9 +168,17 @@ TEST(ChatInputs, ContinueFinalMessageEndsAfterItsContent) {
   EXPECT_EQ(prompt.text, "<|user|>Hi<|end|><|assistant|>The answer is");
   ASSERT_EQ(prompt.content.size(), 2U);
   EXPECT_EQ(prompt.content[1].end, prompt.text.size());
-  const std::vector<ChatMessage> empty_last = {{"user", "Hi"}, {"assistant", ""}};
-  EXPECT_FALSE(
-      t.render(empty_last, {.add_generation_prompt = false, .continue_final_message = true}, prompt).ok());
+  // Leading whitespace: transformers keeps only the stripped text.
+  const ChatTemplate verbatim = inline_template("{% for m in messages %}[{{ m.content }}]{% endfor %}");
+  const ChatInputs continuing{.add_generation_prompt = false, .continue_final_message = true};
+  ASSERT_TRUE(verbatim.render({{{"user", "Hi"}, {"assistant", " go on "}}}, continuing, prompt).ok());
+  EXPECT_EQ(prompt.text, "[Hi][ go on");
+  ASSERT_TRUE(verbatim.render({{{"user", "Hi"}, {"assistant", "go on "}}}, continuing, prompt).ok());
+  EXPECT_EQ(prompt.text, "[Hi][go on ");
+  const std::vector<ChatMessage> no_text = {{"user", "Hi"}, {"assistant", std::nullopt}};
+  EXPECT_FALSE(t.render(no_text, continuing, prompt).ok());
+  const ChatTemplate drops = inline_template("{% for m in messages %}{{ m.role }}{% endfor %}");
+  EXPECT_FALSE(drops.render(messages, continuing, prompt).ok());
 }
 
 }  // namespace
