@@ -6,9 +6,9 @@ and a tokenizer_config.json whose chat_template is Qwen1.5's ChatML template fro
 (../shared/data/chat_templates), the one that adds "You are a helpful assistant" when there is no system
 message. The expected prompt is rendered by Python Jinja2 set up as transformers does (the corpus'
 render_goldens.py) and counted with the tokenizer's rule (one id per special token, one per byte otherwise):
-usage.prompt_tokens must equal it. A second server runs with --chat-template FILE.jinja (Qwen2.5's tool-aware
-template) and shows the override is used; the openai client and gRPC send tools, assistant tool_calls and tool
-messages to it."""
+usage.prompt_tokens must equal it. A second server runs with --chat-template FILE.jinja (a Qwen3 template that
+knows tools and enable_thinking) and shows the override is used; the openai client and gRPC send tools,
+assistant tool_calls, tool messages and chat_template_kwargs to it."""
 
 import json
 import os
@@ -83,12 +83,12 @@ def token_count(text):
     return count + len(rest.replace("\0", "").encode())
 
 
-def render(template, messages, tools=None, add_generation_prompt=True, continue_final_message=False):
-    """apply_chat_template(tokenize=False) as the corpus' render_goldens.py mirrors it, and transformers' cut
-    after the final message for continue_final_message."""
+def render(template, messages, tools=None, add_generation_prompt=True, continue_final_message=False, **kwargs):
+    """apply_chat_template(tokenize=False, **kwargs) as the corpus' render_goldens.py mirrors it, and
+    transformers' cut after the final message for continue_final_message."""
     rendered = make_env(datetime.now()).from_string(template).render(
         messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
-        eos_token="<|im_end|>", pad_token="<|endoftext|>")
+        **{"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", **kwargs})
     if not continue_final_message:
         return rendered
     final = messages[-1]["content"]
@@ -133,10 +133,10 @@ class Qwen15Checkpoint(unittest.TestCase):
                   "pad_token": "<|endoftext|>", "chat_template": cls.qwen15}
         with open(os.path.join(cls.model_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
             json.dump(config, f)
-        cls.qwen25 = corpus_template("qwen2.5-instruct")
-        cls.override = os.path.join(cls.tmp.name, "qwen2.5-tools.jinja")
+        cls.qwen3 = corpus_template("qwen3-trl-training")
+        cls.override = os.path.join(cls.tmp.name, "qwen3-tools.jinja")
         with open(cls.override, "w", encoding="utf-8") as f:
-            f.write(cls.qwen25)
+            f.write(cls.qwen3)
         cls.server = Server(*cls.FLAGS(cls), model=cls.model_dir)
         cls.addClassCleanup(cls.server.stop)
         cls.server.start()
@@ -193,7 +193,7 @@ class OverrideTemplateWithTools(Qwen15Checkpoint):
 
     def test_the_override_is_used(self):
         messages = [{"role": "user", "content": "Hi"}]
-        expected = render(self.qwen25, messages)
+        expected = render(self.qwen3, messages)
         self.assertNotEqual(token_count(expected), token_count(render(self.qwen15, messages)))
         status, body = self.http_chat({"messages": messages, "max_tokens": 1})
         self.assertEqual(status, 200, body)
@@ -206,16 +206,28 @@ class OverrideTemplateWithTools(Qwen15Checkpoint):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.server.http_port}/v1", api_key="unused")
         for scenario in ["e1_tool_call_hf_style", "e2_tool_call_openai_style"]:
             messages, tools = corpus_scenario(scenario)
-            expected = render(self.qwen25, messages, tools)
+            expected = render(self.qwen3, messages, tools)
             self.assertIn("<tool_call>", expected)
             self.assertIn("get_current_weather", expected)
             reply = client.chat.completions.create(model=self.server.model_id, messages=messages, tools=tools,
                                                    tool_choice="auto", max_tokens=1)
             self.assertEqual(reply.usage.prompt_tokens, token_count(expected), scenario)
 
+    def test_chat_template_kwargs_reach_the_template(self):
+        openai = _load_openai()
+        if openai is None:
+            self.skipTest("the openai client could not be installed (is PyPI reachable?)")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.server.http_port}/v1", api_key="unused")
+        messages = [{"role": "user", "content": "Hi"}]
+        expected = render(self.qwen3, messages, enable_thinking=False)
+        self.assertNotEqual(token_count(expected), token_count(render(self.qwen3, messages)))
+        reply = client.chat.completions.create(model=self.server.model_id, messages=messages, max_tokens=1,
+                                               extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        self.assertEqual(reply.usage.prompt_tokens, token_count(expected))
+
     def test_grpc_carries_tools_tool_calls_and_kwargs(self):
         messages, tools = corpus_scenario("e2_tool_call_openai_style")
-        expected = render(self.qwen25, messages, tools)
+        expected = render(self.qwen3, messages, tools, enable_thinking=False)
         request = pb.ChatRequest(tools=utf8(json.dumps(tools)), chat_template_kwargs=b'{"enable_thinking": false}',
                                  sampling=pb.SamplingOptions(max_tokens=1))
         for m in messages:
