@@ -7,6 +7,7 @@
 #include <cctype>
 #include <filesystem>
 #include <fstream>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -82,6 +83,10 @@ struct Case {
   const char* template_id;
   const char* scenario;
 };
+
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.template_id << " / " << c.scenario;
+}
 
 class ChatToolsGolden : public ::testing::TestWithParam<Case> {};
 
