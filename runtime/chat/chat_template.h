@@ -25,8 +25,8 @@ namespace capserve::runtime {
 struct ChatMessage {
   std::string role;  // "system", "user", "assistant", "tool", or any role the template knows
   std::optional<std::string> content;  // nullopt: no "content" key unless `fields` holds one (e.g. null)
-  nlohmann::ordered_json fields =
-      nlohmann::ordered_json::object();  // further keys; never role or content text
+  // Further keys (an object); a "role", or a "content" beside text content, is not passed on.
+  nlohmann::ordered_json fields = nlohmann::ordered_json::object();
 };
 
 // A message as OpenAI's chat API sends it: role, content as a string, null, absent or a list of text parts
@@ -50,7 +50,8 @@ struct ChatInputs {
 
 // A rendered prompt and which of its bytes are message content rather than template markup: the tokenizer
 // keeps special tokens out of the content (Tokenizer::encode's plain_text), so that a message cannot forge
-// the template's control tokens.
+// the template's control tokens. Only text content is covered: the server refuses tool calls, tools and
+// kwargs that spell a special token (server/request_intake.cpp).
 struct RenderedPrompt {
   std::string text;
   std::vector<TextRange> content;  // in order, not overlapping
