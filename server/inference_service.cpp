@@ -141,9 +141,35 @@ IntakeResult InferenceService::make_chat(grpc::ServerContext* context, const v1:
   if (IntakeResult bad = intake_.check_request_id(request.request_id(), "request_id")) return bad;
   std::vector<runtime::ChatMessage> messages;
   messages.reserve(static_cast<std::size_t>(request.messages_size()));
-  for (const v1::ChatMessage& m : request.messages()) messages.push_back({m.role(), m.content()});
+  for (int i = 0; i < request.messages_size(); ++i) {
+    const v1::ChatMessage& m = request.messages(i);
+    const std::string at = "messages[" + std::to_string(i) + "]";
+    runtime::ChatMessage message{m.role(), m.content()};
+    if (!m.tool_calls().empty()) {
+      nlohmann::ordered_json calls;
+      if (IntakeResult bad = parse_json_field(m.tool_calls(), at + ".tool_calls", calls)) return bad;
+      message.fields["tool_calls"] = std::move(calls);
+      if (m.content().empty()) {
+        message.content.reset();
+        message.fields["content"] = nullptr;
+      }
+    }
+    if (!m.tool_call_id().empty()) message.fields["tool_call_id"] = m.tool_call_id();
+    if (!m.name().empty()) message.fields["name"] = m.name();
+    messages.push_back(std::move(message));
+  }
+  runtime::ChatInputs inputs;
+  if (request.has_add_generation_prompt()) inputs.add_generation_prompt = request.add_generation_prompt();
+  if (!request.tools().empty()) {
+    if (IntakeResult bad = parse_json_field(request.tools(), "tools", inputs.tools)) return bad;
+  }
+  if (!request.chat_template_kwargs().empty()) {
+    if (IntakeResult bad =
+            parse_json_field(request.chat_template_kwargs(), "chat_template_kwargs", inputs.kwargs))
+      return bad;
+  }
   std::vector<std::int32_t> ids;
-  if (IntakeResult bad = intake_.chat_prompt(messages, "messages", ids)) return bad;
+  if (IntakeResult bad = intake_.chat_prompt(messages, inputs, "messages", ids)) return bad;
   runtime::SamplingParams params;
   std::vector<std::string> stops;
   if (IntakeResult bad =

@@ -33,7 +33,98 @@ std::string peer_address(const std::string& peer) {
   return colon > 4 ? peer.substr(0, colon) : peer;
 }
 
+// The message keys beyond role and content that the APIs define, in OpenAI's shapes; other keys pass through
+// to the template unchecked, as transformers passes them.
+IntakeResult check_message_fields(const nlohmann::ordered_json& fields, const std::string& at) {
+  for (const char* key : {"tool_call_id", "name"}) {
+    const auto it = fields.find(key);
+    if (it == fields.end()) continue;
+    if (!it->is_string()) return invalid(at + "." + key + ": must be a string", at + "." + key);
+    if (IntakeResult bad = check_utf8(it->get_ref<const std::string&>(), at + "." + key)) return bad;
+  }
+  const auto calls = fields.find("tool_calls");
+  if (calls == fields.end() || calls->is_null()) return std::nullopt;
+  const std::string where = at + ".tool_calls";
+  if (!calls->is_array()) return invalid(where + ": must be a list of tool calls", where);
+  for (std::size_t i = 0; i < calls->size(); ++i) {
+    const nlohmann::ordered_json& call = (*calls)[i];
+    const std::string c = where + "[" + std::to_string(i) + "]";
+    if (!call.is_object()) return invalid(c + ": must be an object", where);
+    if (const auto id = call.find("id"); id != call.end() && !id->is_string())
+      return invalid(c + ".id: must be a string", where);
+    if (const auto type = call.find("type"); type != call.end() && *type != "function")
+      return invalid(c + ".type: must be \"function\"", where);
+    const auto function = call.find("function");
+    if (function == call.end() || !function->is_object())
+      return invalid(c + ".function: required, an object with name and arguments", where);
+    if (const auto name = function->find("name"); name == function->end() || !name->is_string())
+      return invalid(c + ".function.name: required, a string", where);
+    if (const auto args = function->find("arguments");
+        args != function->end() && !args->is_string() && !args->is_object())
+      return invalid(c + ".function.arguments: must be a JSON string or an object", where);
+  }
+  return std::nullopt;
+}
+
+// tools: absent, or OpenAI function tools {"type": "function", "function": {"name": ..., ...}}.
+IntakeResult check_tools(const nlohmann::ordered_json& tools) {
+  if (tools.is_null()) return std::nullopt;
+  if (!tools.is_array()) return invalid("tools: must be a list of tools", "tools");
+  for (std::size_t i = 0; i < tools.size(); ++i) {
+    const nlohmann::ordered_json& tool = tools[i];
+    const std::string at = "tools[" + std::to_string(i) + "]";
+    if (!tool.is_object()) return invalid(at + ": must be an object", "tools");
+    if (const auto type = tool.find("type"); type == tool.end() || *type != "function")
+      return invalid(at + ".type: must be \"function\"", "tools");
+    const auto function = tool.find("function");
+    if (function == tool.end() || !function->is_object())
+      return invalid(at + ".function: required, an object", "tools");
+    if (const auto name = function->find("name"); name == function->end() || !name->is_string())
+      return invalid(at + ".function.name: required, a string", "tools");
+  }
+  return std::nullopt;
+}
+
+// Client strings that the template renders as markup (tool calls, tools, template kwargs) lie outside the
+// content ranges in which the tokenizer keeps special tokens plain text: one that spells a special token
+// would forge it, so it is refused (keys too: templates dump argument objects whole).
+IntakeResult check_no_special_tokens(const runtime::Tokenizer& tokenizer, const nlohmann::ordered_json& value,
+                                     const std::string& field) {
+  const auto spells_special = [&](const std::string& text) {
+    std::vector<std::int32_t> ids;
+    return tokenizer.encode(text, false, ids).ok() &&
+           std::ranges::any_of(ids, [&](std::int32_t id) { return tokenizer.is_special(id); });
+  };
+  if (value.is_string()) {
+    if (spells_special(value.get_ref<const std::string&>()))
+      return invalid(field + ": " + excerpt(value.get_ref<const std::string&>()) +
+                         " spells a special token of the model",
+                     field);
+  } else if (value.is_object()) {
+    for (const auto& [key, item] : value.items()) {
+      if (spells_special(key))
+        return invalid(field + ": the key " + excerpt(key) + " spells a special token of the model", field);
+      if (IntakeResult bad = check_no_special_tokens(tokenizer, item, field)) return bad;
+    }
+  } else if (value.is_array()) {
+    for (const nlohmann::ordered_json& item : value) {
+      if (IntakeResult bad = check_no_special_tokens(tokenizer, item, field)) return bad;
+    }
+  }
+  return std::nullopt;
+}
+
 }  // namespace
+
+IntakeResult parse_json_field(std::string_view text, const std::string& field, nlohmann::ordered_json& out) {
+  if (IntakeResult bad = check_utf8(text, field)) return bad;
+  try {
+    out = nlohmann::ordered_json::parse(text);
+  } catch (const nlohmann::json::parse_error& e) {
+    return invalid(field + ": not valid JSON (" + e.what() + ")", field);
+  }
+  return std::nullopt;
+}
 
 const char* code_name(IntakeCode code) {
   switch (code) {
@@ -145,7 +236,8 @@ IntakeResult RequestIntake::check_request_id(std::string_view id, const std::str
 }
 
 IntakeResult RequestIntake::chat_prompt(std::span<const runtime::ChatMessage> messages,
-                                        const std::string& field, std::vector<std::int32_t>& ids) const {
+                                        const runtime::ChatInputs& inputs, const std::string& field,
+                                        std::vector<std::int32_t>& ids) const {
   if (tokenizer_ == nullptr || !chat_template_)
     return IntakeError{IntakeCode::failed_precondition,
                        "this model has no tokenizer or chat template; send token ids instead", field};
@@ -154,12 +246,27 @@ IntakeResult RequestIntake::chat_prompt(std::span<const runtime::ChatMessage> me
     const runtime::ChatMessage& m = messages[i];
     const std::string at = field + "[" + std::to_string(i) + "]";
     if (IntakeResult bad = check_utf8(m.role, at + ".role")) return bad;
-    if (m.role != "system" && m.role != "user" && m.role != "assistant")
-      return invalid(at + ".role: " + excerpt(m.role) + " is not system, user or assistant", at + ".role");
-    if (IntakeResult bad = check_utf8(m.content, at + ".content")) return bad;
+    if (m.role != "system" && m.role != "user" && m.role != "assistant" && m.role != "tool")
+      return invalid(at + ".role: " + excerpt(m.role) + " is not system, user, assistant or tool",
+                     at + ".role");
+    if (m.content) {
+      if (IntakeResult bad = check_utf8(*m.content, at + ".content")) return bad;
+    }
+    if (IntakeResult bad = check_message_fields(m.fields, at)) return bad;
+    if (!limits_.special_tokens_in_content) {
+      if (IntakeResult bad = check_no_special_tokens(*tokenizer_, m.fields, at)) return bad;
+    }
+  }
+  if (IntakeResult bad = check_tools(inputs.tools)) return bad;
+  if (!inputs.kwargs.is_object())
+    return invalid("chat_template_kwargs: must be an object", "chat_template_kwargs");
+  if (!limits_.special_tokens_in_content) {
+    if (IntakeResult bad = check_no_special_tokens(*tokenizer_, inputs.tools, "tools")) return bad;
+    if (IntakeResult bad = check_no_special_tokens(*tokenizer_, inputs.kwargs, "chat_template_kwargs"))
+      return bad;
   }
   runtime::RenderedPrompt prompt;
-  if (runtime::Status s = chat_template_->render(messages, true, prompt); !s.ok())
+  if (runtime::Status s = chat_template_->render(messages, inputs, prompt); !s.ok())
     return invalid(field + ": " + s.message(), field);
   // Only the template's markup yields special tokens, unless the server allows them in content too.
   const std::span<const runtime::TextRange> plain_text =

@@ -118,9 +118,11 @@ class RequestIntake {
   [[nodiscard]] IntakeResult check_model(std::string_view model) const;
   // A client-chosen request id: bounded, UTF-8 (`field` names it).
   [[nodiscard]] IntakeResult check_request_id(std::string_view id, const std::string& field) const;
-  // Renders `messages` through the chat template and tokenizes them; `field` names the messages array.
+  // Checks `messages` and `inputs` (roles, UTF-8, tool_calls / tool_call_id / name, the tools list, kwargs),
+  // renders them through the chat template and tokenizes them; `field` names the messages array.
   [[nodiscard]] IntakeResult chat_prompt(std::span<const runtime::ChatMessage> messages,
-                                         const std::string& field, std::vector<std::int32_t>& ids) const;
+                                         const runtime::ChatInputs& inputs, const std::string& field,
+                                         std::vector<std::int32_t>& ids) const;
   // A text prompt, tokenized as the model's tokenizer does (with its BOS where it adds one).
   [[nodiscard]] IntakeResult text_prompt(std::string_view text, const std::string& field,
                                          std::vector<std::int32_t>& ids) const;
@@ -166,6 +168,10 @@ class RequestIntake {
   std::unordered_map<std::string, std::int64_t> peer_requests_;  // in flight, by client address
   RateLimitedLog refusal_log_{std::chrono::seconds(1)};
 };
+
+// A JSON document sent as a string field (gRPC's tools, tool_calls, template kwargs): UTF-8 and valid JSON,
+// object keys kept in the client's order (templates show them in that order).
+IntakeResult parse_json_field(std::string_view text, const std::string& field, nlohmann::ordered_json& out);
 
 // Client text inside an error message: at most `limit` bytes of it (cut on a character boundary), quoted.
 std::string excerpt(std::string_view text, std::size_t limit = 64);

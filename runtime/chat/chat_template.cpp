@@ -1,11 +1,13 @@
 #include "runtime/chat/chat_template.h"
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 #include <utility>
 
 #include <nlohmann/json.hpp>
 
+#include "runtime/chat/jinja_json.h"
 #include "runtime/chat/python_str.h"
 #include "runtime/load_error.h"
 
@@ -15,6 +17,9 @@ namespace {
 // The special tokens transformers passes to the template (its special_tokens_map's named ones).
 constexpr const char* kSpecialTokens[] = {"bos_token", "eos_token", "unk_token", "sep_token",
                                           "pad_token", "cls_token", "mask_token"};
+
+// The variables apply_chat_template sets itself, which template kwargs may not name.
+constexpr const char* kReservedVariables[] = {"messages", "tools", "documents", "add_generation_prompt"};
 
 [[noreturn]] void fail(std::string_view origin, const std::string& what) {
   throw LoadError(std::string(origin) + ": " + what);
@@ -68,7 +73,8 @@ std::vector<TextRange> locate_contents(std::string_view text, std::span<const Ch
   std::vector<TextRange> ranges;
   std::size_t cursor = 0;
   for (const ChatMessage& m : messages) {
-    for (const std::string_view candidate : {std::string_view(m.content), chat::py_strip(m.content)}) {
+    if (!m.content) continue;
+    for (const std::string_view candidate : {std::string_view(*m.content), chat::py_strip(*m.content)}) {
       if (candidate.empty()) break;
       const std::size_t at = text.find(candidate, cursor);
       if (at == std::string_view::npos) continue;
@@ -80,7 +86,58 @@ std::vector<TextRange> locate_contents(std::string_view text, std::span<const Ch
   return ranges;
 }
 
+// transformers' continue_final_message: the prompt ends where the last message's content does, at the last
+// occurrence of its stripped text, with the trailing whitespace only where the template kept the content
+// whole.
+Status cut_after_final_message(const ChatMessage& final_message, RenderedPrompt& prompt) {
+  if (!final_message.content)
+    return Status::invalid_argument("continue_final_message: the final message has no text content");
+  const std::string_view content = *final_message.content;
+  const std::string_view stripped = chat::py_strip(content);
+  const std::size_t at = prompt.text.rfind(stripped);
+  if (at == std::string::npos)
+    return Status::invalid_argument(
+        "continue_final_message: the final message's content does not appear in the rendered prompt");
+  const std::size_t kept = chat::py_lstrip(content).size();
+  const std::size_t end =
+      std::string_view(prompt.text).substr(at, kept) == content ? at + kept : at + stripped.size();
+  prompt.text.resize(end);
+  std::erase_if(prompt.content, [end](const TextRange& r) { return r.begin >= end; });
+  for (TextRange& r : prompt.content) r.end = std::min(r.end, end);
+  return {};
+}
+
 }  // namespace
+
+std::optional<std::string> message_from_json(const nlohmann::ordered_json& json, ChatMessage& out) {
+  out = {};
+  if (!json.is_object()) return ": must be an object";
+  const auto role = json.find("role");
+  if (role == json.end() || !role->is_string()) return ".role: required, a string";
+  out.role = role->get<std::string>();
+  if (out.role == "developer") out.role = "system";
+  for (const auto& [key, value] : json.items()) {
+    if (key == "role") continue;
+    if (key != "content" || value.is_null()) {
+      out.fields[key] = value;
+    } else if (value.is_string()) {
+      out.content = value.get<std::string>();
+    } else if (value.is_array()) {
+      std::string text;
+      for (const nlohmann::ordered_json& part : value) {
+        const auto part_text = part.is_object() ? part.find("text") : part.end();
+        if (!part.is_object() || part.value("type", "") != "text" || part_text == part.end() ||
+            !part_text->is_string())
+          return R"(.content: only text parts ({"type": "text", "text": ...}) are supported)";
+        text += part_text->get<std::string>();
+      }
+      out.content = std::move(text);
+    } else {
+      return ".content: must be a string or a list of text parts";
+    }
+  }
+  return std::nullopt;
+}
 
 ChatTemplate::ChatTemplate(std::string_view source, jinja::Dict special_tokens, std::string origin)
     : special_tokens_(std::move(special_tokens)), origin_(std::move(origin)) {
@@ -119,38 +176,57 @@ ChatTemplate ChatTemplate::from_tokenizer_config(const nlohmann::json& config,
   return {*source, std::move(tokens), std::move(origin)};
 }
 
-Status ChatTemplate::render(std::span<const ChatMessage> messages, bool add_generation_prompt,
+Status ChatTemplate::render(std::span<const ChatMessage> messages, const ChatInputs& inputs,
                             std::string& out) const {
   RenderedPrompt prompt;
-  Status status = render(messages, add_generation_prompt, prompt);
+  Status status = render(messages, inputs, prompt);
   out = std::move(prompt.text);
   return status;
 }
 
-Status ChatTemplate::render(std::span<const ChatMessage> messages, bool add_generation_prompt,
+Status ChatTemplate::render(std::span<const ChatMessage> messages, const ChatInputs& inputs,
                             RenderedPrompt& out) const {
   out = {};
   if (messages.empty()) return Status::invalid_argument("chat template: no messages to render");
+  if (!inputs.kwargs.is_object())
+    return Status::invalid_argument("chat template kwargs: must be an object, got " +
+                                    std::string(inputs.kwargs.type_name()));
+  if (!inputs.tools.is_null() && !inputs.tools.is_array())
+    return Status::invalid_argument("tools: must be a list, got " + std::string(inputs.tools.type_name()));
+  // apply_chat_template passes these itself; Python refuses a second value for them.
+  for (const char* reserved : kReservedVariables) {
+    if (inputs.kwargs.contains(reserved))
+      return Status::invalid_argument(std::string("chat template kwargs: ") + reserved +
+                                      " cannot be set as a template kwarg");
+  }
   jinja::Dict context = special_tokens_;
+  for (const auto& [key, value] : inputs.kwargs.items()) context.set(key, jinja::from_json(value));
   jinja::List list;
   list.reserve(messages.size());
   for (const ChatMessage& m : messages) {
     jinja::Dict message;
-    message.items.reserve(2);
+    message.items.reserve(2 + m.fields.size());
     message.items.emplace_back("role", m.role);
-    message.items.emplace_back("content", m.content);
+    if (m.content) message.items.emplace_back("content", *m.content);
+    if (m.fields.is_object()) {
+      for (const auto& [key, value] : m.fields.items()) {
+        if (key == "role" || (m.content && key == "content")) continue;
+        message.set(key, jinja::from_json(value));
+      }
+    }
     list.emplace_back(std::move(message));
   }
   context.set("messages", std::move(list));
-  context.set("tools", jinja::None{});
+  context.set("tools", inputs.tools.is_null() ? jinja::Value(jinja::None{}) : jinja::from_json(inputs.tools));
   context.set("documents", jinja::None{});
-  context.set("add_generation_prompt", add_generation_prompt);
+  context.set("add_generation_prompt", inputs.add_generation_prompt);
   try {
     out.text = template_->render(context);
   } catch (const jinja::Error& e) {
     return Status::invalid_argument(std::string("chat template: ") + e.what());
   }
   out.content = locate_contents(out.text, messages);
+  if (inputs.continue_final_message) return cut_after_final_message(messages.back(), out);
   return {};
 }
 

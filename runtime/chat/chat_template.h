@@ -11,7 +11,7 @@
 #include <string_view>
 #include <vector>
 
-#include <nlohmann/json_fwd.hpp>
+#include <nlohmann/json.hpp>
 
 #include "runtime/chat/jinja_template.h"
 #include "runtime/status.h"
@@ -19,14 +19,39 @@
 
 namespace capserve::runtime {
 
+// One message as the template sees it: a dict of role, content (when it is text) and the message's other
+// keys in the order the client sent them (tool_calls with their arguments as given, tool_call_id, name, a
+// null or absent content, ...), as transformers' apply_chat_template passes a message dict.
 struct ChatMessage {
-  std::string role;  // "system", "user", "assistant", or any role the template knows
-  std::string content;
+  std::string role;  // "system", "user", "assistant", "tool", or any role the template knows
+  std::optional<std::string> content;  // nullopt: no "content" key unless `fields` holds one (e.g. null)
+  // Further keys (an object); a "role", or a "content" beside text content, is not passed on.
+  nlohmann::ordered_json fields = nlohmann::ordered_json::object();
+};
+
+// A message as OpenAI's chat API sends it: role, content as a string, null, absent or a list of text parts
+// (joined), every other key kept as sent; "developer" is OpenAI's newer name for system. Returns what is
+// wrong (".role: required, a string", ...) for a message it cannot read.
+[[nodiscard]] std::optional<std::string> message_from_json(const nlohmann::ordered_json& json,
+                                                           ChatMessage& out);
+
+// What the template sees besides the messages and the special tokens, as apply_chat_template passes it.
+struct ChatInputs {
+  bool add_generation_prompt = true;
+  // The prompt ends right after the last message's content, so the model continues that message (a
+  // prefilled assistant turn), as apply_chat_template's continue_final_message.
+  bool continue_final_message = false;
+  // null: None; else the list of tool schemas (OpenAI function objects) as sent.
+  nlohmann::ordered_json tools = nullptr;
+  // Further template variables (enable_thinking, chat_template_kwargs): an object. They override the special
+  // tokens; messages, tools, documents and add_generation_prompt are not theirs to set.
+  nlohmann::ordered_json kwargs = nlohmann::ordered_json::object();
 };
 
 // A rendered prompt and which of its bytes are message content rather than template markup: the tokenizer
 // keeps special tokens out of the content (Tokenizer::encode's plain_text), so that a message cannot forge
-// the template's control tokens.
+// the template's control tokens. Only text content is covered: the server refuses tool calls, tools and
+// kwargs that spell a special token (server/request_intake.cpp).
 struct RenderedPrompt {
   std::string text;
   std::vector<TextRange> content;  // in order, not overlapping
@@ -53,14 +78,14 @@ class ChatTemplate {
                                                           std::string origin = "tokenizer_config.json");
 
   // Replaces `out` with the rendered prompt; add_generation_prompt appends the opening of an assistant turn
-  // where the template has one. invalid_argument (and no output) for an empty conversation or one the
-  // template rejects.
-  Status render(std::span<const ChatMessage> messages, bool add_generation_prompt, std::string& out) const;
+  // where the template has one. invalid_argument (and no output) for an empty conversation, one the
+  // template rejects, or kwargs that are not an object or name a reserved variable.
+  Status render(std::span<const ChatMessage> messages, const ChatInputs& inputs, std::string& out) const;
   // The same, with the content ranges: each message's content (or, where the template strips it, its
   // stripped text) found in order in the rendered text. The search is by text, so content the template
   // transforms otherwise is not covered, and content that repeats the markup just before it may be matched
   // there instead.
-  Status render(std::span<const ChatMessage> messages, bool add_generation_prompt, RenderedPrompt& out) const;
+  Status render(std::span<const ChatMessage> messages, const ChatInputs& inputs, RenderedPrompt& out) const;
 
  private:
   std::shared_ptr<const jinja::Template> template_;

@@ -134,8 +134,8 @@ int main(int argc, char** argv) {
       if (chat) {
         std::optional<std::filesystem::path> template_file;
         if (!chat_template_file.empty()) template_file = chat_template_file;
-        chat_template = runtime::ChatTemplate::load(std::filesystem::path(model_dir) / "tokenizer_config.json",
-                                                    template_file);
+        chat_template = runtime::ChatTemplate::load(
+            std::filesystem::path(model_dir) / "tokenizer_config.json", template_file);
       }
       for (const std::string& prompt : prompts_text) {
         std::string text = prompt;
@@ -143,7 +143,7 @@ int main(int argc, char** argv) {
           std::vector<runtime::ChatMessage> messages;
           if (!system.empty()) messages.push_back({"system", system});
           messages.push_back({"user", prompt});
-          if (runtime::Status s = chat_template->render(messages, true, text); !s.ok())
+          if (runtime::Status s = chat_template->render(messages, {}, text); !s.ok())
             throw runtime::LoadError(s.message());
         }
         // A rendered chat prompt already carries its special tokens as text.

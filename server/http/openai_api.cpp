@@ -14,6 +14,7 @@ namespace capserve::server::http {
 namespace {
 
 using json = nlohmann::json;
+using ordered_json = nlohmann::ordered_json;
 
 constexpr std::string_view kJson = "application/json";
 
@@ -251,39 +252,50 @@ struct CompletionLogprobs {
   }
 };
 
-// Chat messages: content as a string or a list of text parts; "developer" is OpenAI's newer name for system.
-std::optional<FieldError> read_messages(const json& body, std::vector<runtime::ChatMessage>& messages) {
+// Chat messages (runtime::message_from_json), in the client's key order (`body` is parsed keeping it);
+// request_intake checks the keys the API defines.
+std::optional<FieldError> read_messages(const ordered_json& body,
+                                        std::vector<runtime::ChatMessage>& messages) {
   const auto it = body.find("messages");
   if (it == body.end() || !it->is_array())
     return FieldError{"messages: required, a list of messages", "messages"};
   for (std::size_t i = 0; i < it->size(); ++i) {
-    const json& m = (*it)[i];
-    const std::string at = "messages[" + std::to_string(i) + "]";
-    if (!m.is_object()) return FieldError{at + ": must be an object", "messages"};
-    const auto role = m.find("role");
-    if (role == m.end() || !role->is_string())
-      return FieldError{at + ".role: required, a string", "messages"};
-    runtime::ChatMessage message{role->get<std::string>(), {}};
-    if (message.role == "developer") message.role = "system";
-    const auto content = m.find("content");
-    if (content == m.end() || content->is_null()) {
-      // an assistant turn without text (e.g. tool calls elsewhere): empty content
-    } else if (content->is_string()) {
-      message.content = content->get<std::string>();
-    } else if (content->is_array()) {
-      for (const json& part : *content) {
-        if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
-            !part["text"].is_string())
-          return FieldError{
-              at + ".content: only text parts ({\"type\": \"text\", \"text\": ...}) are supported",
-              "messages"};
-        message.content += part["text"].get<std::string>();
-      }
-    } else {
-      return FieldError{at + ".content: must be a string or a list of text parts", "messages"};
-    }
+    runtime::ChatMessage message;
+    if (std::optional<std::string> error = runtime::message_from_json((*it)[i], message))
+      return FieldError{"messages[" + std::to_string(i) + "]" + *error, "messages"};
     messages.push_back(std::move(message));
   }
+  return std::nullopt;
+}
+
+// What the chat template sees besides the messages: tools, chat_template_kwargs (vLLM), add_generation_prompt
+// and continue_final_message (vLLM's top-level fields). tool_choice is accepted and checked only: the server
+// does not constrain generation to a tool call.
+std::optional<FieldError> read_chat_inputs(const json& body, const ordered_json& ordered,
+                                           runtime::ChatInputs& inputs) {
+  if (const auto it = ordered.find("tools"); it != ordered.end() && !it->is_null()) {
+    if (!it->is_array()) return FieldError{"tools: must be a list of tools", "tools"};
+    inputs.tools = *it;
+  }
+  if (const auto it = body.find("tool_choice"); it != body.end() && !it->is_null()) {
+    if (it->is_string()) {
+      if (*it != "none" && *it != "auto" && *it != "required")
+        return FieldError{"tool_choice: must be \"none\", \"auto\", \"required\" or a named function",
+                          "tool_choice"};
+    } else if (!it->is_object() || it->value("type", "") != "function") {
+      return FieldError{"tool_choice: must be \"none\", \"auto\", \"required\" or a named function",
+                        "tool_choice"};
+    }
+  }
+  if (const auto it = ordered.find("chat_template_kwargs"); it != ordered.end() && !it->is_null()) {
+    if (!it->is_object())
+      return FieldError{"chat_template_kwargs: must be an object", "chat_template_kwargs"};
+    inputs.kwargs = *it;
+  }
+  if (auto e = read_bool(body, "add_generation_prompt", inputs.add_generation_prompt)) return e;
+  if (auto e = read_bool(body, "continue_final_message", inputs.continue_final_message)) return e;
+  if (inputs.continue_final_message && inputs.add_generation_prompt)
+    return FieldError{"continue_final_message: needs add_generation_prompt false", "continue_final_message"};
   return std::nullopt;
 }
 
@@ -709,10 +721,14 @@ Response OpenAiApi::completions(const IncomingRequest& in, bool chat) {
   std::vector<std::vector<std::int32_t>> prompts;
   std::vector<std::string> echoes;
   if (chat) {
+    // Parsed again keeping key order: templates show tool schemas and arguments in the client's order.
+    const ordered_json ordered = ordered_json::parse(in.body, nullptr, false);
     std::vector<runtime::ChatMessage> messages;
-    if (auto e = read_messages(body, messages)) return refuse(*e);
+    if (auto e = read_messages(ordered, messages)) return refuse(*e);
+    runtime::ChatInputs inputs;
+    if (auto e = read_chat_inputs(body, ordered, inputs)) return refuse(*e);
     std::vector<std::int32_t> ids;
-    if (IntakeResult bad = intake_.chat_prompt(messages, "messages", ids))
+    if (IntakeResult bad = intake_.chat_prompt(messages, inputs, "messages", ids))
       return with_id(intake_response(intake_.refuse(std::move(*bad))));
     prompts.push_back(std::move(ids));
   } else {

@@ -121,10 +121,11 @@ class Server:
     FLAGS...`.
 
     `launch_args` are launch.sh's host options (a job across hosts); `connect_host` is where rank 0's gRPC and
-    /metrics ports are reached from this process."""
+    /metrics ports are reached from this process; `model` a checkpoint directory other than CAPSERVE_MODEL."""
 
-    def __init__(self, *flags, start_timeout=180, np=NP, launch_args=(), connect_host="127.0.0.1"):
+    def __init__(self, *flags, start_timeout=180, np=NP, launch_args=(), connect_host="127.0.0.1", model=MODEL):
         self.flags = list(flags)
+        self.model = model
         self.start_timeout = start_timeout
         self.np = np
         self.launch_args = list(launch_args)
@@ -135,7 +136,7 @@ class Server:
         self.ranks = {}  # rank -> pid
 
     def start(self):
-        cmd = ["bash", LAUNCH, *self.launch_args, str(self.np), BIN, "--model", MODEL, "--port", "0",
+        cmd = ["bash", LAUNCH, *self.launch_args, str(self.np), BIN, "--model", self.model, "--port", "0",
                "--metrics-port", "0", "--http-port", "0", "--threads", "1", *self.flags]
         print("e2e: starting", " ".join(cmd), file=sys.stderr, flush=True)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -88,7 +88,7 @@ int main(int argc, char** argv) {
           const std::vector<capserve::runtime::ChatMessage> messages = {
               {"system", "You are a careful assistant. Answer step by step."}, {"user", user}};
           auto start = Clock::now();
-          if (!chat.render(messages, true, prompt).ok()) return 1;
+          if (!chat.render(messages, {}, prompt).ok()) return 1;
           render_s += seconds_since(start);
           start = Clock::now();
           if (!tokenizer.encode(prompt.text, false, ids, prompt.content).ok()) return 1;

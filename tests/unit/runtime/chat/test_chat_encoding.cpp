@@ -22,7 +22,7 @@ class ChatEncodingTest : public testing::Test {
 
   std::vector<std::int32_t> encode(const std::vector<ChatMessage>& messages, bool content_is_plain) {
     RenderedPrompt prompt;
-    EXPECT_TRUE(template_.render(messages, true, prompt).ok());
+    EXPECT_TRUE(template_.render(messages, {}, prompt).ok());
     std::vector<std::int32_t> ids;
     const Status status = tokenizer_.encode(prompt.text, false, ids,
                                             content_is_plain ? prompt.content : std::span<const TextRange>());

@@ -33,8 +33,8 @@ TEST_P(ChatGoldens, MatchJinjaRendering) {
   for (const nlohmann::json& c : cases) {
     SCOPED_TRACE(c.at("name").get<std::string>());
     std::string out;
-    const Status status =
-        chat_template.render(messages_of(c), c.at("add_generation_prompt").get<bool>(), out);
+    const Status status = chat_template.render(
+        messages_of(c), {.add_generation_prompt = c.at("add_generation_prompt").get<bool>()}, out);
     if (c.contains("error")) {
       ASSERT_FALSE(status.ok()) << "rendered " << out;
       EXPECT_NE(status.message().find(c.at("error").get<std::string>()), std::string::npos)

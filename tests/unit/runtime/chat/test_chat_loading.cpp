@@ -47,14 +47,14 @@ class ScratchDir {
 
 std::string render(const ChatTemplate& t, const std::vector<ChatMessage>& messages, bool generation = true) {
   std::string out;
-  const Status s = t.render(messages, generation, out);
+  const Status s = t.render(messages, {.add_generation_prompt = generation}, out);
   EXPECT_TRUE(s.ok()) << s.message();
   return out;
 }
 
 std::string render_error(const ChatTemplate& t, const std::vector<ChatMessage>& messages) {
   std::string out = "untouched";
-  const Status s = t.render(messages, true, out);
+  const Status s = t.render(messages, {}, out);
   EXPECT_FALSE(s.ok());
   EXPECT_EQ(out, "") << "a failed render leaves no partial prompt";
   return s.message();
@@ -161,7 +161,7 @@ TEST(ChatValidation, ContentRangesCoverEachMessageInOrder) {
   const ChatTemplate t = ChatTemplate::from_tokenizer_config(nlohmann::json{
       {"chat_template", "{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</s>{% endfor %}"}});
   RenderedPrompt prompt;
-  ASSERT_TRUE(t.render({{{"user", " hello "}, {"assistant", "hello"}}}, true, prompt).ok());
+  ASSERT_TRUE(t.render({{{"user", " hello "}, {"assistant", "hello"}}}, {}, prompt).ok());
   EXPECT_EQ(prompt.text, "<user>hello</s><assistant>hello</s>");
   ASSERT_EQ(prompt.content.size(), 2U);
   EXPECT_EQ(prompt.content[0].begin, 6U);  // the stripped text of " hello "

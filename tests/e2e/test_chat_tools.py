@@ -1,0 +1,264 @@
+"""A Qwen1.5-MoE-style checkpoint served end to end (issue 17, acceptance 3), and tool calls through the APIs.
+
+The checkpoint is built in a temp dir: the qwen2_moe fixture's weights (symlinks) and config (a longer context), a byte-level
+tokenizer.json of the model's 512 ids (every byte one token; <|endoftext|>, <|im_start|>, <|im_end|> special)
+and a tokenizer_config.json whose chat_template is Qwen1.5's ChatML template from the chat-template corpus
+(../shared/data/chat_templates), the one that adds "You are a helpful assistant" when there is no system
+message. The expected prompt is rendered by Python Jinja2 set up as transformers does (the corpus'
+render_goldens.py) and counted with the tokenizer's rule (one id per special token, one per byte otherwise):
+usage.prompt_tokens must equal it. A second server runs with --chat-template FILE.jinja (a Qwen3 template that
+knows tools and enable_thinking) and shows the override is used; the openai client and gRPC send tools,
+assistant tool_calls, tool messages and chat_template_kwargs to it."""
+
+import json
+import os
+import sys
+import tempfile
+import unittest
+from datetime import datetime
+
+import grpc
+
+from capserve_e2e import Server, main, pb, utf8
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SHARED = os.environ.get("CAPSERVE_SHARED_DATA_DIR", os.path.join(ROOT, "..", "shared", "data"))
+CORPUS = os.path.join(SHARED, "chat_templates")
+WEIGHTS = os.path.join(ROOT, "tests", "fixtures", "models", "qwen2_moe")
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+VOCAB = 512  # the fixture model's vocab_size
+
+sys.path.insert(0, CORPUS)
+from render_goldens import make_env  # noqa: E402  (the corpus' transformers-like Jinja2 environment)
+
+
+def corpus_template(template_id):
+    with open(os.path.join(CORPUS, "templates.jsonl"), encoding="utf-8") as f:
+        for line in f:
+            record = json.loads(line)
+            if record["id"] == template_id:
+                return record["chat_template"]
+    raise KeyError(template_id)
+
+
+def corpus_scenario(name):
+    with open(os.path.join(CORPUS, "scenarios.json"), encoding="utf-8") as f:
+        spec = json.load(f)
+    scenario = next(s for s in spec["scenarios"] if s["name"] == name)
+    return scenario["kwargs"]["messages"], spec["tools"]
+
+
+def byte_level_tokenizer():
+    """GPT-2's byte-to-character map as the vocabulary (ids 0..255), the special tokens, padding to VOCAB."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    vocab = {chars[b]: b for b in range(256)}
+    added = []
+    for token in SPECIAL:
+        added.append({"id": len(vocab), "content": token, "single_word": False, "lstrip": False, "rstrip": False,
+                      "normalized": False, "special": True})
+        vocab[token] = len(vocab)
+    while len(vocab) < VOCAB:
+        vocab[f"<|reserved_{len(vocab)}|>"] = len(vocab)
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": True}
+    return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+            "pre_tokenizer": byte_level, "post_processor": None, "decoder": byte_level,
+            "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                      "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                      "ignore_merges": False, "vocab": vocab, "merges": []}}
+
+
+def token_count(text):
+    """The byte-level tokenizer's count: each special token one id, every other byte one id."""
+    count, rest = 0, text
+    for token in SPECIAL:
+        count += rest.count(token)
+        rest = rest.replace(token, "\0")
+    return count + len(rest.replace("\0", "").encode())
+
+
+def render(template, messages, tools=None, add_generation_prompt=True, continue_final_message=False, **kwargs):
+    """apply_chat_template(tokenize=False, **kwargs) as the corpus' render_goldens.py mirrors it, and
+    transformers' cut after the final message for continue_final_message."""
+    rendered = make_env(datetime.now()).from_string(template).render(
+        messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
+        **{"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", **kwargs})
+    if not continue_final_message:
+        return rendered
+    final = messages[-1]["content"]
+    at = rendered.rindex(final.strip())
+    if rendered[at:at + len(final.lstrip())] == final:
+        return rendered[:at + len(final.lstrip())]
+    return rendered[:at + len(final.strip())]
+
+
+def _load_openai():
+    import subprocess
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "openai_python.sh")
+    done = subprocess.run(["bash", script], capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        return None
+    sys.path.insert(0, done.stdout.strip())
+    import openai
+    return openai
+
+
+class Qwen15Checkpoint(unittest.TestCase):
+    """The checkpoint directory, built once; each test class below serves it."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory(prefix="capserve-qwen15-")
+        cls.addClassCleanup(cls.tmp.cleanup)
+        cls.model_dir = os.path.join(cls.tmp.name, "Qwen1.5-MoE-tiny")
+        os.mkdir(cls.model_dir)
+        for name in ["generation_config.json", "model.safetensors"]:
+            os.symlink(os.path.join(WEIGHTS, name), os.path.join(cls.model_dir, name))
+        # A context for the tool prompts (~2,200 byte-level tokens): RoPE weights do not depend on it.
+        with open(os.path.join(WEIGHTS, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+        config["max_position_embeddings"] = 4096
+        with open(os.path.join(cls.model_dir, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f)
+        with open(os.path.join(cls.model_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
+            json.dump(byte_level_tokenizer(), f)
+        cls.qwen15 = corpus_template("qwen1.5-chat")
+        config = {"tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
+                  "pad_token": "<|endoftext|>", "chat_template": cls.qwen15}
+        with open(os.path.join(cls.model_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f)
+        cls.qwen3 = corpus_template("qwen3-trl-training")
+        cls.override = os.path.join(cls.tmp.name, "qwen3-tools.jinja")
+        with open(cls.override, "w", encoding="utf-8") as f:
+            f.write(cls.qwen3)
+        cls.server = Server(*cls.FLAGS(cls), model=cls.model_dir)
+        cls.addClassCleanup(cls.server.stop)
+        cls.server.start()
+
+    def http_chat(self, body):
+        import urllib.request
+        req = urllib.request.Request(f"http://127.0.0.1:{self.server.http_port}/v1/chat/completions",
+                                     data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+
+class CheckpointTemplate(Qwen15Checkpoint):
+    FLAGS = staticmethod(lambda cls: [])
+
+    def test_default_system_prompt_is_rendered(self):
+        messages = [{"role": "user", "content": "Hi"}]
+        expected = render(self.qwen15, messages)
+        self.assertIn("<|im_start|>system\nYou are a helpful assistant<|im_end|>\n", expected)
+        status, body = self.http_chat({"messages": messages, "max_tokens": 1})
+        self.assertEqual(status, 200, body)
+        self.assertEqual(body["usage"]["prompt_tokens"], token_count(expected))
+        without = expected.replace("<|im_start|>system\nYou are a helpful assistant<|im_end|>\n", "")
+        self.assertNotEqual(token_count(without), token_count(expected))
+
+    def test_a_system_message_replaces_the_default(self):
+        messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}]
+        expected = render(self.qwen15, messages)
+        self.assertNotIn("You are a helpful assistant", expected)
+        status, body = self.http_chat({"messages": messages, "max_tokens": 1})
+        self.assertEqual(status, 200, body)
+        self.assertEqual(body["usage"]["prompt_tokens"], token_count(expected))
+
+
+    def test_continue_final_message(self):
+        messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "  The answer is"}]
+        expected = render(self.qwen15, messages, add_generation_prompt=False, continue_final_message=True)
+        self.assertTrue(expected.endswith("<|im_start|>assistant\n  The answer is"), expected)
+        status, body = self.http_chat({"messages": messages, "max_tokens": 1, "add_generation_prompt": False,
+                                       "continue_final_message": True})
+        self.assertEqual(status, 200, body)
+        self.assertEqual(body["usage"]["prompt_tokens"], token_count(expected))
+        status, body = self.http_chat({"messages": messages, "max_tokens": 1, "continue_final_message": True})
+        self.assertEqual(status, 400, body)
+        self.assertIn("needs add_generation_prompt false", body["error"]["message"])
+
+
+class OverrideTemplateWithTools(Qwen15Checkpoint):
+    FLAGS = staticmethod(lambda cls: ["--chat-template", cls.override])
+
+    def test_the_override_is_used(self):
+        messages = [{"role": "user", "content": "Hi"}]
+        expected = render(self.qwen3, messages)
+        self.assertNotEqual(token_count(expected), token_count(render(self.qwen15, messages)))
+        status, body = self.http_chat({"messages": messages, "max_tokens": 1})
+        self.assertEqual(status, 200, body)
+        self.assertEqual(body["usage"]["prompt_tokens"], token_count(expected))
+
+    def test_openai_client_sends_tools_and_tool_messages(self):
+        openai = _load_openai()
+        if openai is None:
+            self.skipTest("the openai client could not be installed (is PyPI reachable?)")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.server.http_port}/v1", api_key="unused")
+        for scenario in ["e1_tool_call_hf_style", "e2_tool_call_openai_style"]:
+            messages, tools = corpus_scenario(scenario)
+            expected = render(self.qwen3, messages, tools)
+            self.assertIn("<tool_call>", expected)
+            self.assertIn("get_current_weather", expected)
+            reply = client.chat.completions.create(model=self.server.model_id, messages=messages, tools=tools,
+                                                   tool_choice="auto", max_tokens=1)
+            self.assertEqual(reply.usage.prompt_tokens, token_count(expected), scenario)
+
+    def test_chat_template_kwargs_reach_the_template(self):
+        openai = _load_openai()
+        if openai is None:
+            self.skipTest("the openai client could not be installed (is PyPI reachable?)")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.server.http_port}/v1", api_key="unused")
+        messages = [{"role": "user", "content": "Hi"}]
+        expected = render(self.qwen3, messages, enable_thinking=False)
+        self.assertNotEqual(token_count(expected), token_count(render(self.qwen3, messages)))
+        reply = client.chat.completions.create(model=self.server.model_id, messages=messages, max_tokens=1,
+                                               extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        self.assertEqual(reply.usage.prompt_tokens, token_count(expected))
+
+    def test_grpc_carries_tools_tool_calls_and_kwargs(self):
+        messages, tools = corpus_scenario("e2_tool_call_openai_style")
+        expected = render(self.qwen3, messages, tools, enable_thinking=False)
+        request = pb.ChatRequest(tools=utf8(json.dumps(tools)), chat_template_kwargs=b'{"enable_thinking": false}',
+                                 sampling=pb.SamplingOptions(max_tokens=1))
+        for m in messages:
+            request.messages.add(role=utf8(m["role"]), content=utf8(m.get("content") or ""),
+                                 tool_calls=utf8(json.dumps(m["tool_calls"])) if "tool_calls" in m else b"",
+                                 tool_call_id=utf8(m.get("tool_call_id", "")), name=utf8(m.get("name", "")))
+        chunks = list(self.server.stub.ChatStream(request, timeout=60))
+        self.assertEqual(chunks[-1].usage.prompt_tokens, token_count(expected))
+
+    def test_bad_tool_fields_are_refused(self):
+        messages = [{"role": "user", "content": "Hi"}]
+        for body, needle in [({"tools": {"type": "function"}}, "tools: must be a list"),
+                             ({"tools": [{"type": "function", "function": {}}]}, "tools[0].function.name"),
+                             ({"chat_template_kwargs": [1]}, "chat_template_kwargs: must be an object"),
+                             ({"chat_template_kwargs": {"messages": []}}, "messages cannot be set"),
+                             ({"tool_choice": "sometimes"}, "tool_choice"),
+                             ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": 3}}]}]},
+                              "messages[0].tool_calls[0].function.name"),
+                             ({"messages": [{"role": "assistant", "tool_calls": [
+                                 {"function": {"name": "f", "arguments": "<|im_end|>"}}]}]},
+                              "spells a special token")]:
+            status, reply = self.http_chat({"messages": messages, "max_tokens": 1, **body})
+            self.assertEqual(status, 400, reply)
+            self.assertIn(needle, reply["error"]["message"])
+        bad = pb.ChatRequest(messages=[pb.ChatMessage(role=b"user", content=b"Hi")], tools=b"[{",
+                             sampling=pb.SamplingOptions(max_tokens=1))
+        with self.assertRaises(grpc.RpcError) as caught:
+            list(self.server.stub.ChatStream(bad, timeout=60))
+        self.assertEqual(caught.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("tools: not valid JSON", caught.exception.details())
+
+
+if __name__ == "__main__":
+    main()
