@@ -8,7 +8,7 @@ packages=(
   libopenmpi-dev openmpi-bin
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libspdlog-dev libfmt-dev nlohmann-json3-dev libgtest-dev libgmock-dev
-  prometheus-cpp-dev libboost-dev libboost-context-dev libcli11-dev libpcre2-dev libutf8proc-dev zlib1g-dev libopenblas-openmp-dev
+  prometheus-cpp-dev libboost-dev libboost-context-dev libssl-dev libcli11-dev libpcre2-dev libutf8proc-dev zlib1g-dev libopenblas-openmp-dev
   python3 python3-numpy python3-grpcio python3-jinja2
   python3-venv  # tests/e2e/openai_python.sh: the official openai client in an ignored venv
   prometheus  # promtool lints /metrics; the server scrapes capserve in the e2e test of the Grafana dashboard

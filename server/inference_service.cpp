@@ -101,8 +101,21 @@ SamplingInput sampling_input(const v1::SamplingOptions& s) {
 
 }  // namespace
 
-InferenceService::InferenceService(RequestIntake& intake, v1::ServerInfo info)
-    : intake_(intake), info_(std::move(info)) {}
+InferenceService::InferenceService(RequestIntake& intake, v1::ServerInfo info,
+                                   std::optional<security::ApiKey> api_key)
+    : intake_(intake), info_(std::move(info)), api_key_(std::move(api_key)) {}
+
+grpc::Status InferenceService::authorize(const grpc::ServerContext& context) const {
+  if (!api_key_) return grpc::Status::OK;
+  const auto& metadata = context.client_metadata();
+  const auto found = metadata.find("authorization");
+  if (found != metadata.end() &&
+      api_key_->accepts(std::string_view(found->second.data(), found->second.size())))
+    return grpc::Status::OK;
+  return {grpc::StatusCode::UNAUTHENTICATED,
+          found == metadata.end() ? "missing API key: send the metadata 'authorization: Bearer KEY'"
+                                  : "invalid API key"};
+}
 
 grpc::Status InferenceService::status_of(const IntakeError& error) {
   return {grpc_code(error.code), error.message};
@@ -110,6 +123,7 @@ grpc::Status InferenceService::status_of(const IntakeError& error) {
 
 grpc::Status InferenceService::enter(const grpc::ServerContext& context,
                                      std::optional<RequestIntake::PeerSlot>& slot) {
+  if (grpc::Status s = authorize(context); !s.ok()) return s;
   if (IntakeResult refused = intake_.enter(context.peer(), slot)) return status_of(*refused);
   return grpc::Status::OK;
 }
@@ -273,14 +287,16 @@ grpc::Status InferenceService::Generate(grpc::ServerContext* context, const v1::
   }
 }
 
-grpc::Status InferenceService::ListModels(grpc::ServerContext*, const v1::ListModelsRequest*,
+grpc::Status InferenceService::ListModels(grpc::ServerContext* context, const v1::ListModelsRequest*,
                                           v1::ListModelsResponse* response) {
+  if (grpc::Status s = authorize(*context); !s.ok()) return s;
   *response->add_models() = info_.model();
   return grpc::Status::OK;
 }
 
-grpc::Status InferenceService::GetServerInfo(grpc::ServerContext*, const v1::GetServerInfoRequest*,
+grpc::Status InferenceService::GetServerInfo(grpc::ServerContext* context, const v1::GetServerInfoRequest*,
                                              v1::ServerInfo* response) {
+  if (grpc::Status s = authorize(*context); !s.ok()) return s;
   *response = info_;
   return grpc::Status::OK;
 }

@@ -10,12 +10,15 @@
 
 #include "capserve/v1/inference.grpc.pb.h"
 #include "server/request_intake.h"
+#include "server/security/api_key.h"
 
 namespace capserve::server {
 
 class InferenceService final : public capserve::v1::Inference::Service {
  public:
-  InferenceService(RequestIntake& intake, capserve::v1::ServerInfo info);
+  // With `api_key`, every call must carry the metadata `authorization: Bearer KEY` (else UNAUTHENTICATED).
+  InferenceService(RequestIntake& intake, capserve::v1::ServerInfo info,
+                   std::optional<security::ApiKey> api_key = std::nullopt);
 
   grpc::Status Chat(grpc::ServerContext* context, const capserve::v1::ChatRequest* request,
                     capserve::v1::ChatResponse* response) override;
@@ -37,6 +40,7 @@ class InferenceService final : public capserve::v1::Inference::Service {
   // A refusal as a gRPC status.
   static grpc::Status status_of(const IntakeError& error);
   grpc::Status submit(const std::shared_ptr<Request>& request);
+  grpc::Status authorize(const grpc::ServerContext& context) const;
   grpc::Status enter(const grpc::ServerContext& context, std::optional<RequestIntake::PeerSlot>& slot);
   // Waits for the request's next event, cancelling it when the client has gone.
   RequestEvent next_event(grpc::ServerContext* context, Request& request);
@@ -48,6 +52,7 @@ class InferenceService final : public capserve::v1::Inference::Service {
 
   RequestIntake& intake_;
   capserve::v1::ServerInfo info_;
+  std::optional<security::ApiKey> api_key_;
 };
 
 }  // namespace capserve::server

@@ -45,6 +45,8 @@
 #include "server/rank_worker.h"
 #include "server/request_intake.h"
 #include "server/scheduler.h"
+#include "server/security/api_key.h"
+#include "server/security/tls_credentials.h"
 #include "server/server_metrics.h"
 #include "server/step_plan.h"
 #include "server/step_watchdog.h"
@@ -62,6 +64,7 @@ extern "C" void on_stop_signal(int) {
 struct Options {
   std::string model_dir;
   std::string host = "0.0.0.0";
+  std::string metrics_host;  // empty: --host
   int port = 50051;
   int metrics_port = 9400;
   int http_port = 8000;
@@ -80,6 +83,9 @@ struct Options {
   bool metrics_per_expert = false;
   std::string log_level = "info";
   std::string log_format = "text";
+  server::security::TlsFiles tls;
+  std::string api_key;
+  std::string api_key_file;
 };
 
 // What each rank's backend allocated, gathered to rank 0 for the start-up lines.
@@ -96,10 +102,15 @@ void add_flags(CLI::App& app, Options& o) {
   app.add_option(
       "--model-id,--served-model-name", o.model_id,
       "the model's name in the API and the metrics' model_name label (default: the directory name)");
-  app.add_option("--host", o.host,
-                 "listen address of gRPC, the HTTP API and /metrics (0.0.0.0: every IPv4 interface, :: every "
-                 "interface, 127.0.0.1: this machine only)")
+  app.add_option(
+         "--host", o.host,
+         "listen address of gRPC, the HTTP API and /metrics (unless --metrics-host) (0.0.0.0: every IPv4 "
+         "interface, :: every interface, 127.0.0.1: this machine only)")
       ->capture_default_str();
+  app.add_option(
+      "--metrics-host", o.metrics_host,
+      "listen address of the /metrics port when it differs from --host (e.g. 127.0.0.1 for a local "
+      "scraper while the API listens on 0.0.0.0)");
   app.add_option("--port", o.port, "gRPC port (0: any free port, printed at start)")
       ->check(port_range)
       ->capture_default_str();
@@ -186,6 +197,20 @@ void add_flags(CLI::App& app, Options& o) {
           std::vector<std::string>(std::begin(server::kLogLevels), std::end(server::kLogLevels))));
   app.add_option("--log-format", o.log_format, "text | json (one JSON object per line)")
       ->check(CLI::IsMember({"text", "json"}));
+  auto* cert =
+      app.add_option("--tls-cert", o.tls.cert,
+                     "PEM certificate chain: TLS on gRPC, the HTTP API and /metrics (with --tls-key)");
+  auto* key = app.add_option("--tls-key", o.tls.key, "PEM private key of --tls-cert");
+  cert->needs(key);
+  key->needs(cert);
+  app.add_option("--tls-client-ca", o.tls.client_ca,
+                 "PEM CA bundle: clients must present a certificate it signed (mutual TLS)")
+      ->needs(cert);
+  auto* api_key = app.add_option("--api-key", o.api_key,
+                                 "require 'Authorization: Bearer KEY' on HTTP (but /health and the /metrics "
+                                 "port) and gRPC (visible in ps: prefer --api-key-file)");
+  app.add_option("--api-key-file", o.api_key_file, "read the API key from this file's first line")
+      ->excludes(api_key);
   app.set_config("--config", "",
                  "JSON file of flags (keys = long flag names); command-line flags override it");
   app.config_formatter(std::make_shared<server::JsonConfig>(app));
@@ -264,8 +289,12 @@ void log_startup_summary(const Options& o, const runtime::Model& model, const ca
   spdlog::info("scheduler: max_running={} max_batched_tokens={} max_queue={} max_context={}; selector {}",
                o.scheduler.max_running, o.scheduler.max_batched_tokens, o.scheduler.max_queue,
                o.scheduler.max_context, info.batch_selector());
-  spdlog::info("listening: gRPC at {}; metrics (/metrics) at {}", grpc_address,
-               host_port(o.host, metrics_port));
+  spdlog::info("listening: gRPC at {}; metrics (/metrics) at {}; {}; {}", grpc_address,
+               host_port(o.metrics_host.empty() ? o.host : o.metrics_host, metrics_port),
+               o.tls.cert.empty()        ? "plain TCP (no TLS)"
+               : o.tls.client_ca.empty() ? "TLS"
+                                         : "TLS with client certificates",
+               o.api_key.empty() && o.api_key_file.empty() ? "no API key" : "API key required");
 }
 
 // Rank 0: the front end, the scheduler and the step loop's driving side. Every rank learns whether the front
@@ -352,8 +381,16 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Engine& engine, server
                                .git_commit = std::string(build.git_commit),
                                .build_type = std::string(build.build_type),
                                .device = o.device});
+    std::shared_ptr<const server::security::TlsCredentials> tls;
+    if (!o.tls.cert.empty())
+      tls = std::make_shared<const server::security::TlsCredentials>(
+          server::security::load_tls_credentials(o.tls));
+    std::optional<server::security::ApiKey> api_key;
+    if (!o.api_key.empty()) api_key.emplace(o.api_key);
+    if (!o.api_key_file.empty()) api_key = server::security::ApiKey::from_file(o.api_key_file);
     metrics_http = std::make_unique<server::http::Server>(
-        server::http::Options{.host = o.host, .port = o.metrics_port},
+        server::http::Options{
+            .host = o.metrics_host.empty() ? o.host : o.metrics_host, .port = o.metrics_port, .tls = tls},
         std::map<std::string, server::http::Route, std::less<>>{
             {"/metrics", [&metrics] {
                return server::http::Response{200, "text/plain; version=0.0.4; charset=utf-8",
@@ -363,7 +400,7 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Engine& engine, server
         o.scheduler, world.size(), tokenizer ? &*tokenizer : nullptr, predictor, metrics.get());
     intake = std::make_unique<server::RequestIntake>(*scheduler, tokenizer ? &*tokenizer : nullptr, chat,
                                                      o.limits, metrics.get());
-    service = std::make_unique<server::InferenceService>(*intake, info);
+    service = std::make_unique<server::InferenceService>(*intake, info, api_key);
     if (o.http_port >= 0) {
       openai = std::make_unique<server::http::OpenAiApi>(
           *intake, server::http::OpenAiOptions{.version = info.version(),
@@ -372,6 +409,10 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Engine& engine, server
       routes.emplace("/metrics", [&metrics] {
         return server::http::Response{200, "text/plain; version=0.0.4; charset=utf-8", metrics->exposition()};
       });
+      // /metrics on the API's port sits on the public address, so it takes the key too; the metrics port
+      // stays open for scrapers (bind it to a private address with --metrics-host).
+      if (api_key)
+        server::http::require_api_key(routes, std::make_shared<const server::security::ApiKey>(*api_key));
       // Streams hold a connection each but no thread: two I/O threads serve hundreds of them.
       api_http = std::make_unique<server::http::Server>(
           server::http::Options{.host = o.host,
@@ -382,7 +423,8 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Engine& engine, server
                                 .write_timeout = std::chrono::seconds(30),
                                 .max_header_bytes = 16 * 1024,
                                 .max_body_bytes = 4 * 1024 * 1024,
-                                .error_response = server::http::server_error_response},
+                                .error_response = server::http::server_error_response,
+                                .tls = tls},
           std::move(routes));
     }
     grpc::EnableDefaultHealthCheckService(true);
@@ -391,7 +433,16 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Engine& engine, server
     // gRPC sets SO_REUSEPORT by default, so a second server on a busy port would start and take half of the
     // new connections; a port in use must be an error instead.
     builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-    builder.AddListeningPort(host_port(o.host, o.port), grpc::InsecureServerCredentials(), &bound_port);
+    std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
+    if (tls) {
+      grpc::SslServerCredentialsOptions ssl(tls->client_ca_pem.empty()
+                                                ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+                                                : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+      ssl.pem_root_certs = tls->client_ca_pem;
+      ssl.pem_key_cert_pairs.push_back({tls->private_key_pem, tls->cert_chain_pem});
+      credentials = grpc::SslServerCredentials(ssl);
+    }
+    builder.AddListeningPort(host_port(o.host, o.port), credentials, &bound_port);
     builder.RegisterService(service.get());
     grpc_server = builder.BuildAndStart();
     if (!grpc_server || bound_port == 0) {

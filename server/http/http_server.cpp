@@ -4,10 +4,13 @@
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/post.hpp>
+#include <boost/asio/ssl/context.hpp>
+#include <boost/asio/ssl/stream.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/strand.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
+#include <boost/beast/ssl/ssl_stream.hpp>
 
 #include <array>
 #include <atomic>
@@ -35,6 +38,7 @@ using Routes = std::map<std::string, Route, std::less<>>;
 struct Shared {
   Options options;
   Routes routes;
+  std::shared_ptr<asio::ssl::context> tls;  // null: plain TCP
   std::atomic<std::size_t> connections{0};
 };
 
@@ -48,9 +52,19 @@ std::string describe(const std::string& host, int port) {
   return (ipv6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
 }
 
-class Session : public std::enable_shared_from_this<Session> {
+using PlainStream = beast::tcp_stream;
+using TlsStream = beast::ssl_stream<beast::tcp_stream>;
+
+// One connection, over plain TCP or TLS: the same state machine, with TLS's handshake first. Every deadline
+// is on the TCP layer; the handshake and the first request share one read deadline, so TLS gives a slowloris
+// client no extra time.
+template <typename Stream>
+class Session : public std::enable_shared_from_this<Session<Stream>> {
  public:
-  Session(tcp::socket&& socket, Shared& shared) : stream_(std::move(socket)), shared_(shared) {}
+  Session(tcp::socket&& socket, Shared& shared) requires std::is_same_v<Stream, PlainStream>
+      : stream_(std::move(socket)), shared_(shared) {}
+  Session(tcp::socket&& socket, Shared& shared) requires std::is_same_v<Stream, TlsStream>
+      : stream_(std::move(socket), *shared.tls), shared_(shared) {}
   ~Session() {
     if (producer_ && !produced_) producer_->abandon();  // e.g. the server stops: its requests are cancelled
     shared_.connections.fetch_sub(1);
@@ -59,17 +73,31 @@ class Session : public std::enable_shared_from_this<Session> {
   Session& operator=(const Session&) = delete;
 
   void start() {
-    asio::dispatch(stream_.get_executor(), [self = shared_from_this()] { self->read(); });
+    asio::dispatch(stream_.get_executor(), [self = this->shared_from_this()] {
+      if constexpr (std::is_same_v<Stream, TlsStream>) {
+        self->lowest().expires_after(self->shared_.options.read_timeout);
+        self->stream_.async_handshake(asio::ssl::stream_base::server, [self](beast::error_code ec) {
+          if (ec) return self->close();  // not TLS, no client certificate under mTLS, or too slow
+          self->read(false);             // the first request must arrive within the handshake's deadline
+        });
+      } else {
+        self->read();
+      }
+    });
   }
 
  private:
-  void read() {
+  beast::tcp_stream& lowest() { return beast::get_lowest_layer(stream_); }
+
+  // `restart_deadline` false: the deadline already running (the TLS handshake's) covers the request too.
+  void read(bool restart_deadline = true) {
     parser_.emplace();
     parser_->header_limit(shared_.options.max_header_bytes);
     parser_->body_limit(shared_.options.max_body_bytes);
-    stream_.expires_after(shared_.options.read_timeout);
-    bhttp::async_read(stream_, buffer_, *parser_,
-                      [self = shared_from_this()](beast::error_code ec, std::size_t) { self->on_read(ec); });
+    if (restart_deadline) lowest().expires_after(shared_.options.read_timeout);
+    bhttp::async_read(
+        stream_, buffer_, *parser_,
+        [self = this->shared_from_this()](beast::error_code ec, std::size_t) { self->on_read(ec); });
   }
 
   void on_read(const beast::error_code& ec) {
@@ -116,9 +144,9 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   // The client's address in gRPC's notation, so that per-address limits count both APIs alike.
-  std::string peer() const {
+  std::string peer() {
     beast::error_code ec;
-    const tcp::endpoint remote = stream_.socket().remote_endpoint(ec);
+    const tcp::endpoint remote = lowest().socket().remote_endpoint(ec);
     if (ec) return "unknown";
     const auto address = remote.address();
     const std::string port = std::to_string(remote.port());
@@ -166,9 +194,9 @@ class Session : public std::enable_shared_from_this<Session> {
       whole_ = std::move(response);
       whole_version_ = version;
     }
-    stream_.expires_never();
+    lowest().expires_never();
     watch_client();
-    producer_->start([weak = weak_from_this()] {
+    producer_->start([weak = this->weak_from_this()] {
       if (auto self = weak.lock()) self->wake();
     });
     pump();
@@ -176,7 +204,7 @@ class Session : public std::enable_shared_from_this<Session> {
 
   void wake() {
     if (wake_posted_.exchange(true)) return;
-    asio::post(stream_.get_executor(), [self = shared_from_this()] {
+    asio::post(stream_.get_executor(), [self = this->shared_from_this()] {
       self->wake_posted_.store(false);
       self->pump();
     });
@@ -186,7 +214,7 @@ class Session : public std::enable_shared_from_this<Session> {
   // means it went away, which abandons the producer (cancelling its requests) at once.
   void watch_client() {
     stream_.async_read_some(asio::buffer(discarded_),
-                            [self = shared_from_this()](beast::error_code ec, std::size_t) {
+                            [self = this->shared_from_this()](beast::error_code ec, std::size_t) {
                               if (!ec) return self->watch_client();
                               if (!self->produced_) self->abandon();
                               self->close();
@@ -227,9 +255,9 @@ class Session : public std::enable_shared_from_this<Session> {
       res.keep_alive(false);
       auto owned = std::make_shared<bhttp::response<bhttp::string_body>>(std::move(res));
       writing_ = true;
-      stream_.expires_after(shared_.options.write_timeout);
+      lowest().expires_after(shared_.options.write_timeout);
       bhttp::async_write(stream_, *owned,
-                         [self = shared_from_this(), owned](beast::error_code ec, std::size_t) {
+                         [self = this->shared_from_this(), owned](beast::error_code ec, std::size_t) {
                            self->writing_ = false;
                            if (ec) return self->close();
                            self->finish_production();
@@ -250,9 +278,9 @@ class Session : public std::enable_shared_from_this<Session> {
     writing_ = true;
     out_.swap(pending_out_);
     pending_out_.clear();
-    stream_.expires_after(shared_.options.write_timeout);
+    lowest().expires_after(shared_.options.write_timeout);
     asio::async_write(stream_, asio::buffer(out_),
-                      [self = shared_from_this(), last = produced_](beast::error_code ec, std::size_t) {
+                      [self = this->shared_from_this(), last = produced_](beast::error_code ec, std::size_t) {
                         self->writing_ = false;
                         self->out_.clear();
                         if (ec) {
@@ -268,9 +296,9 @@ class Session : public std::enable_shared_from_this<Session> {
   // when it does, or the timer after a second.
   void finish_production() {
     beast::error_code ignored;
-    stream_.socket().shutdown(tcp::socket::shutdown_send, ignored);
+    lowest().socket().shutdown(tcp::socket::shutdown_send, ignored);
     linger_timer_.expires_after(std::chrono::seconds(1));
-    linger_timer_.async_wait([self = shared_from_this()](beast::error_code ec) {
+    linger_timer_.async_wait([self = this->shared_from_this()](beast::error_code ec) {
       if (!ec) self->close();
     });
   }
@@ -280,13 +308,14 @@ class Session : public std::enable_shared_from_this<Session> {
     response.set(bhttp::field::server, "capserve");
     response.keep_alive(keep_alive);
     auto owned = std::make_shared<bhttp::response<Body>>(std::move(response));
-    stream_.expires_after(shared_.options.write_timeout);
-    bhttp::async_write(stream_, *owned,
-                       [self = shared_from_this(), owned, keep_alive](beast::error_code ec, std::size_t) {
-                         if (ec) return self->close();
-                         if (!keep_alive) return self->linger();
-                         self->read();
-                       });
+    lowest().expires_after(shared_.options.write_timeout);
+    bhttp::async_write(
+        stream_, *owned,
+        [self = this->shared_from_this(), owned, keep_alive](beast::error_code ec, std::size_t) {
+          if (ec) return self->close();
+          if (!keep_alive) return self->linger();
+          self->read();
+        });
   }
 
   // After the last answer: stop sending, then read and discard what the client still sends (e.g. the rest of
@@ -294,14 +323,14 @@ class Session : public std::enable_shared_from_this<Session> {
   // that can destroy the answer before the client reads it.
   void linger() {
     beast::error_code ignored;
-    stream_.socket().shutdown(tcp::socket::shutdown_send, ignored);
-    stream_.expires_after(std::chrono::seconds(1));
+    lowest().socket().shutdown(tcp::socket::shutdown_send, ignored);
+    lowest().expires_after(std::chrono::seconds(1));
     discard();
   }
 
   void discard() {
     stream_.async_read_some(asio::buffer(discarded_),
-                            [self = shared_from_this()](beast::error_code ec, std::size_t) {
+                            [self = this->shared_from_this()](beast::error_code ec, std::size_t) {
                               if (ec) return self->close();
                               self->discard();
                             });
@@ -312,11 +341,11 @@ class Session : public std::enable_shared_from_this<Session> {
     closed_ = true;
     linger_timer_.cancel();
     beast::error_code ignored;
-    stream_.socket().shutdown(tcp::socket::shutdown_both, ignored);
-    stream_.close();
+    lowest().socket().shutdown(tcp::socket::shutdown_both, ignored);
+    lowest().close();
   }
 
-  beast::tcp_stream stream_;
+  Stream stream_;
   beast::flat_buffer buffer_;
   std::optional<bhttp::request_parser<bhttp::string_body>> parser_;
   std::array<char, 4096> discarded_{};
@@ -365,7 +394,10 @@ struct Server::Impl {
         socket.close(ignored);
       } else {
         shared.connections.fetch_add(1);
-        std::make_shared<Session>(std::move(socket), shared)->start();
+        if (shared.tls)
+          std::make_shared<Session<TlsStream>>(std::move(socket), shared)->start();
+        else
+          std::make_shared<Session<PlainStream>>(std::move(socket), shared)->start();
       }
       accept();
     });
@@ -404,6 +436,7 @@ Server::Server(Options options, Routes routes) : impl_(std::make_unique<Impl>())
   if (m.acceptor.listen(asio::socket_base::max_listen_connections, ec); ec) fail(ec);
   m.port = m.acceptor.local_endpoint().port();
 
+  if (options.tls) m.shared.tls = security::make_server_tls_context(*options.tls);
   m.shared.options = std::move(options);
   m.shared.routes = std::move(routes);
   m.accept();

@@ -19,6 +19,8 @@
 #include <utility>
 #include <vector>
 
+#include "server/security/tls_credentials.h"
+
 namespace capserve::server::http {
 
 // The body of a response that is not ready when its handler returns. All calls but wake's come on the
@@ -84,6 +86,9 @@ struct Options {
   // The answer to a request the server refuses itself (unknown path 404, method 405, head 431, body 413,
   // malformed 400); unset: plain text.
   std::function<Response(unsigned status, std::string_view message)> error_response = {};
+  // Serve HTTPS with these (checked) credentials; null: plain HTTP. The TLS handshake must complete within
+  // read_timeout, like the request after it.
+  std::shared_ptr<const security::TlsCredentials> tls = {};
 };
 
 class Server {

@@ -633,6 +633,23 @@ Response server_error_response(unsigned status, std::string_view message) {
   return error_response(status, message, "invalid_request_error", {}, code == nullptr ? "" : code);
 }
 
+void require_api_key(std::map<std::string, Route, std::less<>>& routes,
+                     std::shared_ptr<const security::ApiKey> key) {
+  for (auto& [path, route] : routes) {
+    if (path == "/health") continue;
+    route.handler = [key, handler = std::move(route.handler)](const IncomingRequest& in) {
+      if (key->accepts(in.header("authorization"))) return handler(in);
+      Response refused = error_response(401,
+                                        in.header("authorization").empty()
+                                            ? "missing API key: send the header 'Authorization: Bearer KEY'"
+                                            : "incorrect API key provided",
+                                        "invalid_request_error", {}, "invalid_api_key");
+      refused.headers.emplace_back("WWW-Authenticate", "Bearer");
+      return refused;
+    };
+  }
+}
+
 OpenAiApi::OpenAiApi(RequestIntake& intake, OpenAiOptions options)
     : intake_(intake),
       options_(std::move(options)),

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -16,6 +17,7 @@
 
 #include "server/http/http_server.h"
 #include "server/request_intake.h"
+#include "server/security/api_key.h"
 
 namespace capserve::server::http {
 
@@ -32,6 +34,12 @@ Response error_response(unsigned status, std::string_view message, std::string_v
 // The server's own refusals (unknown path, method, oversized head or body, malformed HTTP) in OpenAI's shape:
 // Options::error_response of the API's port.
 Response server_error_response(unsigned status, std::string_view message);
+
+// Puts every route but /health behind the key: a request without `Authorization: Bearer KEY` gets 401 in
+// OpenAI's shape (code "invalid_api_key") and a WWW-Authenticate header. /health stays open because load
+// balancers and orchestrators probe it without credentials, and it tells nothing but up or down.
+void require_api_key(std::map<std::string, Route, std::less<>>& routes,
+                     std::shared_ptr<const security::ApiKey> key);
 
 class OpenAiApi {
  public:

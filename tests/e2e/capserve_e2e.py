@@ -123,9 +123,14 @@ class Server:
     `launch_args` are launch.sh's host options (a job across hosts); `connect_host` is where rank 0's gRPC and
     /metrics ports are reached from this process; `model` a checkpoint directory other than CAPSERVE_MODEL."""
 
-    def __init__(self, *flags, start_timeout=180, np=NP, launch_args=(), connect_host="127.0.0.1", model=MODEL):
+    def __init__(self, *flags, start_timeout=180, np=NP, launch_args=(), connect_host="127.0.0.1", model=MODEL,
+                 grpc_credentials=None, metrics_ssl_context=None):
+        """`grpc_credentials` (grpc.ssl_channel_credentials) and `metrics_ssl_context` (an ssl.SSLContext) reach a
+        server started with --tls-cert."""
         self.flags = list(flags)
         self.model = model
+        self.grpc_credentials = grpc_credentials
+        self.metrics_ssl_context = metrics_ssl_context
         self.start_timeout = start_timeout
         self.np = np
         self.launch_args = list(launch_args)
@@ -161,7 +166,8 @@ class Server:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"capserve did not start (exit {self.proc.poll()}):\n" + "".join(self.log[-40:]))
         self.address = f"{self.connect_host}:{self.port}"
-        self.channel = grpc.insecure_channel(self.address)
+        self.channel = (grpc.secure_channel(self.address, self.grpc_credentials) if self.grpc_credentials
+                        else grpc.insecure_channel(self.address))
         grpc.channel_ready_future(self.channel).result(timeout=30)
         self.stub = pb_grpc.InferenceStub(self.channel)
         self._health = self.channel.unary_unary("/grpc.health.v1.Health/Check",
@@ -178,7 +184,9 @@ class Server:
         return HealthCheckResponse.DESCRIPTOR.enum_types_by_name["ServingStatus"].values_by_number[status].name
 
     def metrics_text(self):
-        with urllib.request.urlopen(f"http://{self.connect_host}:{self.metrics_port}/metrics", timeout=10) as r:
+        scheme = "https" if self.metrics_ssl_context else "http"
+        with urllib.request.urlopen(f"{scheme}://{self.connect_host}:{self.metrics_port}/metrics", timeout=10,
+                                    context=self.metrics_ssl_context) as r:
             return r.read().decode()
 
     def metrics(self):
