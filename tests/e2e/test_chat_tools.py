@@ -20,6 +20,7 @@ from datetime import datetime
 import grpc
 
 from capserve_e2e import Server, main, pb, utf8
+from test_openai_api import OPENAI_MISSING, openai
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHARED = os.environ.get("CAPSERVE_SHARED_DATA_DIR", os.path.join(ROOT, "..", "shared", "data"))
@@ -96,17 +97,6 @@ def render(template, messages, tools=None, add_generation_prompt=True, continue_
     if rendered[at:at + len(final.lstrip())] == final:
         return rendered[:at + len(final.lstrip())]
     return rendered[:at + len(final.strip())]
-
-
-def _load_openai():
-    import subprocess
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "openai_python.sh")
-    done = subprocess.run(["bash", script], capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:
-        return None
-    sys.path.insert(0, done.stdout.strip())
-    import openai
-    return openai
 
 
 class Qwen15Checkpoint(unittest.TestCase):
@@ -200,9 +190,8 @@ class OverrideTemplateWithTools(Qwen15Checkpoint):
         self.assertEqual(body["usage"]["prompt_tokens"], token_count(expected))
 
     def test_openai_client_sends_tools_and_tool_messages(self):
-        openai = _load_openai()
         if openai is None:
-            self.skipTest("the openai client could not be installed (is PyPI reachable?)")
+            self.skipTest(OPENAI_MISSING)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.server.http_port}/v1", api_key="unused")
         for scenario in ["e1_tool_call_hf_style", "e2_tool_call_openai_style"]:
             messages, tools = corpus_scenario(scenario)
@@ -214,9 +203,8 @@ class OverrideTemplateWithTools(Qwen15Checkpoint):
             self.assertEqual(reply.usage.prompt_tokens, token_count(expected), scenario)
 
     def test_chat_template_kwargs_reach_the_template(self):
-        openai = _load_openai()
         if openai is None:
-            self.skipTest("the openai client could not be installed (is PyPI reachable?)")
+            self.skipTest(OPENAI_MISSING)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.server.http_port}/v1", api_key="unused")
         messages = [{"role": "user", "content": "Hi"}]
         expected = render(self.qwen3, messages, enable_thinking=False)

@@ -25,7 +25,7 @@ while (($# > 0)); do
   shift 2
 done
 build="${CAPSERVE_BUILD_DIR:-$root/build}"
-bin="$(bash "$root/tools/bench/setup_aiperf.sh")"
+bin="$(bash "$root/tools/setup_venv.sh" .venv-bench tools/bench/requirements-aiperf.txt)"
 model="$root/deploy/models/capserve-moe-tiny"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT

@@ -26,7 +26,7 @@ while (($# > 0)); do
   shift 2
 done
 build="${CAPSERVE_BUILD_DIR:-$root/build}"
-bin="$(bash "$root/tools/eval/setup_lm_eval.sh")"
+bin="$(bash "$root/tools/setup_venv.sh" .venv-lmeval tools/eval/requirements-lm-eval.txt)"
 python3 "$root/tools/eval/make_lm_eval_data.py"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
