@@ -187,7 +187,9 @@ Status ChatTemplate::render(std::span<const ChatMessage> messages, const ChatInp
   for (const ChatMessage& m : messages) {
     jinja::Dict message;
     message.items.reserve(2 + m.fields.size());
-    message.items.emplace_back("role", jinja::client_str(m.role));
+    // The role is template text: templates build control tokens from it ('<|' + role + '|>'), and the
+    // server passes only the roles it knows (server/request_intake.cpp).
+    message.items.emplace_back("role", m.role);
     if (m.content) message.items.emplace_back("content", jinja::client_str(*m.content));
     if (m.fields.is_object()) {
       for (const auto& [key, value] : m.fields.items()) {

@@ -49,7 +49,7 @@ struct ChatInputs {
 };
 
 // A rendered prompt and which of its bytes came from the client rather than from the template: message
-// content and roles, every other message key (tool calls with their arguments, names, ids), tools and
+// content, every other message key (tool calls with their arguments, names, ids), tools and
 // template kwargs. The template engine carries that mark through every operation a template applies to the
 // client's strings (jinja_value.h), so the bytes are known, not searched for. The tokenizer keeps special
 // tokens out of them (Tokenizer::encode's plain_text), so that a client cannot forge the template's control

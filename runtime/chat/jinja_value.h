@@ -39,8 +39,8 @@ struct Undefined {
 };
 struct None {};
 
-// A Python str and the bytes of it that came from the client (message content and roles, tool calls, tool
-// schemas, template kwargs), which must never become special tokens. Template text has no client bytes and
+// A Python str and the bytes of it that came from the client (message content, tool calls, tool schemas,
+// template kwargs), which must never become special tokens. Template text has no client bytes and
 // pays nothing: `client` stays empty and unallocated.
 struct Str {
   std::string text;

@@ -124,7 +124,7 @@ TEST(JinjaEngine, ClientBytesKeepTheirMarkThroughOperations) {
       {"<|m|>{{ c }}<|m|>", "<|m|>[ <|u|>a|b\nz ]<|m|>"},
       {"{{ '<|m|>' ~ d ~ '<|m|>' }}", "<|m|>[xy]<|m|>"},
       {"{{ '<|m|>' + d + '<|m|>' }}", "<|m|>[xy]<|m|>"},
-      {"{{ ('<|m|> ' ~ c) | trim }}", "<|m|> [<|u|>a|b\nz]"},
+      {"{{ ('<|m|> ' ~ c) | trim }}", "<|m|> [ <|u|>a|b\nz]"},
       {"{{ c.strip() }}|{{ c.lstrip() }}|{{ c.rstrip(' z\n') }}", "[<|u|>a|b\nz]|[<|u|>a|b\nz ]|[ <|u|>a|b]"},
       {"{{ c.split('|')[2] }}/{{ c.split() | join('+') }}", "[>a]/[<|u|>a|b]+[z]"},
       {"{{ c.rsplit('|', 1)[0] }}", "[ <|u|>a]"},
