@@ -85,9 +85,9 @@ IntakeResult check_tools(const nlohmann::ordered_json& tools) {
   return std::nullopt;
 }
 
-// Client strings that the template renders as markup (tool calls, tools, template kwargs) lie outside the
-// content ranges in which the tokenizer keeps special tokens plain text: one that spells a special token
-// would forge it, so it is refused (keys too: templates dump argument objects whole).
+// Client strings other than message text (tool calls, tools, template kwargs) that spell a special token are
+// refused (keys too), as the API documents. The renderer marks them as the client's bytes like message text
+// (RenderedPrompt::content), so this is a second line: such text could not become a control token anyway.
 IntakeResult check_no_special_tokens(const runtime::Tokenizer& tokenizer, const nlohmann::ordered_json& value,
                                      const std::string& field) {
   const auto spells_special = [&](const std::string& text) {

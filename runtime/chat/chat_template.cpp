@@ -67,25 +67,6 @@ std::string read_file(const std::filesystem::path& path) {
   return text.str();
 }
 
-// Where each message's content sits in `text`: searched in message order, each after the previous one;
-// templates that strip the content leave the stripped text.
-std::vector<TextRange> locate_contents(std::string_view text, std::span<const ChatMessage> messages) {
-  std::vector<TextRange> ranges;
-  std::size_t cursor = 0;
-  for (const ChatMessage& m : messages) {
-    if (!m.content) continue;
-    for (const std::string_view candidate : {std::string_view(*m.content), chat::py_strip(*m.content)}) {
-      if (candidate.empty()) break;
-      const std::size_t at = text.find(candidate, cursor);
-      if (at == std::string_view::npos) continue;
-      ranges.push_back({at, at + candidate.size()});
-      cursor = at + candidate.size();
-      break;
-    }
-  }
-  return ranges;
-}
-
 // transformers' continue_final_message: the prompt ends where the last message's content does, at the last
 // occurrence of its stripped text, with the trailing whitespace only where the template kept the content
 // whole.
@@ -206,8 +187,10 @@ Status ChatTemplate::render(std::span<const ChatMessage> messages, const ChatInp
   for (const ChatMessage& m : messages) {
     jinja::Dict message;
     message.items.reserve(2 + m.fields.size());
+    // The role is template text: templates build control tokens from it ('<|' + role + '|>'), and the
+    // server passes only the roles it knows (server/request_intake.cpp).
     message.items.emplace_back("role", m.role);
-    if (m.content) message.items.emplace_back("content", *m.content);
+    if (m.content) message.items.emplace_back("content", jinja::client_str(*m.content));
     if (m.fields.is_object()) {
       for (const auto& [key, value] : m.fields.items()) {
         if (key == "role" || (m.content && key == "content")) continue;
@@ -221,11 +204,12 @@ Status ChatTemplate::render(std::span<const ChatMessage> messages, const ChatInp
   context.set("documents", jinja::None{});
   context.set("add_generation_prompt", inputs.add_generation_prompt);
   try {
-    out.text = template_->render(context);
+    jinja::Str rendered = template_->render(context);
+    out.text = std::move(rendered.text);
+    out.content = std::move(rendered.client);
   } catch (const jinja::Error& e) {
     return Status::invalid_argument(std::string("chat template: ") + e.what());
   }
-  out.content = locate_contents(out.text, messages);
   if (inputs.continue_final_message) return cut_after_final_message(messages.back(), out);
   return {};
 }

@@ -48,13 +48,15 @@ struct ChatInputs {
   nlohmann::ordered_json kwargs = nlohmann::ordered_json::object();
 };
 
-// A rendered prompt and which of its bytes are message content rather than template markup: the tokenizer
-// keeps special tokens out of the content (Tokenizer::encode's plain_text), so that a message cannot forge
-// the template's control tokens. Only text content is covered: the server refuses tool calls, tools and
-// kwargs that spell a special token (server/request_intake.cpp).
+// A rendered prompt and which of its bytes came from the client rather than from the template: message
+// content, every other message key (tool calls with their arguments, names, ids), tools and
+// template kwargs. The template engine carries that mark through every operation a template applies to the
+// client's strings (jinja_value.h), so the bytes are known, not searched for. The tokenizer keeps special
+// tokens out of them (Tokenizer::encode's plain_text), so that a client cannot forge the template's control
+// tokens.
 struct RenderedPrompt {
   std::string text;
-  std::vector<TextRange> content;  // in order, not overlapping
+  std::vector<TextRange> content;  // the client's bytes: in order, not overlapping
 };
 
 // Immutable once built (the template is parsed once): render may be called from many threads at once.
@@ -81,10 +83,7 @@ class ChatTemplate {
   // where the template has one. invalid_argument (and no output) for an empty conversation, one the
   // template rejects, or kwargs that are not an object or name a reserved variable.
   Status render(std::span<const ChatMessage> messages, const ChatInputs& inputs, std::string& out) const;
-  // The same, with the content ranges: each message's content (or, where the template strips it, its
-  // stripped text) found in order in the rendered text. The search is by text, so content the template
-  // transforms otherwise is not covered, and content that repeats the markup just before it may be matched
-  // there instead.
+  // The same, with the client's bytes of the prompt.
   Status render(std::span<const ChatMessage> messages, const ChatInputs& inputs, RenderedPrompt& out) const;
 
  private:

@@ -28,6 +28,22 @@ std::string text(const Value& v) {
   return to_str(v);
 }
 
+// A filter's str result made from `v` by a mapping that keeps every byte in place (ASCII case mapping): the
+// marks of a str stay where they were; the text of any other value is the client's if it came from them.
+Str same_places(const Value& v, std::string (*map)(std::string_view)) {
+  Str s = to_marked_str(v);
+  s.text = map(s.text);
+  return s;
+}
+
+// Whether any argument of a filter holds client bytes.
+bool args_from_client(const Args& args) {
+  return std::any_of(args.positional.begin(), args.positional.end(),
+                     [](const Value& a) { return from_client(a); }) ||
+         std::any_of(args.keyword.begin(), args.keyword.end(),
+                     [](const auto& a) { return from_client(a.second); });
+}
+
 // item[part] for each dotted part of `attribute`, as Jinja's make_attrgetter does.
 Value attribute_of(const Value& item, const std::string& attribute) {
   Value current = item;
@@ -91,7 +107,8 @@ Value f_tojson(Renderer&, const Value& v, const Args& args) {
   o.sort_keys = flag(args, 3, "sort_keys", false);
   std::string out;
   append_json(v, o, out);
-  return out;
+  // JSON escapes and reorders the text: it is the client's as a whole if any of it was.
+  return client_str(std::move(out), from_client(v) || args_from_client(args));
 }
 
 Value f_length(Renderer&, const Value& v, const Args&) {
@@ -102,26 +119,28 @@ Value f_trim(Renderer&, const Value& v, const Args& args) {
   const Value* chars = args.get(0, "chars");
   std::optional<std::string> set;
   if (chars != nullptr && !chars->is_none()) set = text(*chars);
-  return std::string(py_strip_chars(text(v), set, true, true));
+  const Str s = to_marked_str(v);
+  return substr(s, py_strip_chars(s.text, set, true, true));
 }
 
 Value f_string(Renderer&, const Value& v, const Args&) {
-  return text(v);
+  return to_marked_str(v);
 }
 Value f_upper(Renderer&, const Value& v, const Args&) {
-  return py_upper(text(v));
+  return same_places(v, py_upper);
 }
 Value f_lower(Renderer&, const Value& v, const Args&) {
-  return py_lower(text(v));
+  return same_places(v, py_lower);
 }
 Value f_capitalize(Renderer&, const Value& v, const Args&) {
-  return py_capitalize(text(v));
+  return same_places(v, py_capitalize);
 }
 
 // Jinja's title filter: upper-cases the first character of each word, words split at whitespace, "-", and
 // opening brackets; lower-cases the rest.
 Value f_title(Renderer&, const Value& v, const Args&) {
-  std::string s = text(v);
+  Str marked = to_marked_str(v);
+  std::string& s = marked.text;
   bool word_start = true;
   for (char& c : s) {
     const auto u = static_cast<unsigned char>(c);
@@ -132,7 +151,7 @@ Value f_title(Renderer&, const Value& v, const Args&) {
     c = static_cast<char>(word_start ? std::toupper(u) : std::tolower(u));
     word_start = false;
   }
-  return s;
+  return marked;
 }
 
 Value f_default(Renderer&, const Value& v, const Args& args) {
@@ -145,7 +164,7 @@ Value f_default(Renderer&, const Value& v, const Args& args) {
 }
 
 Value f_safe(Renderer&, const Value& v, const Args&) {
-  return text(v);
+  return to_marked_str(v);
 }
 
 Value f_list(Renderer&, const Value& v, const Args&) {
@@ -162,19 +181,19 @@ Value f_items(Renderer&, const Value& v, const Args&) {
 
 Value f_join(Renderer& r, const Value& v, const Args& args) {
   const Value* sep = args.get(0, "d");
-  const std::string separator = sep == nullptr ? std::string() : text(*sep);
+  const Str separator = sep == nullptr ? Str() : to_marked_str(*sep);
   const Value* attribute = args.get(1, "attribute");
-  std::string out;
+  Str out;
   bool first = true;
   for (const auto items = iterate(v); const Value& item : *items) {
-    if (!first) out += separator;
+    if (!first) append(out, separator);
     first = false;
     if (attribute != nullptr && attribute->is_string()) {
       append_str(attribute_of(item, attribute->str()), out);
     } else {
       append_str(item, out);
     }
-    r.check_size(out.size());
+    r.check_size(out.text.size());
   }
   return out;
 }
@@ -194,8 +213,8 @@ Value f_last(Renderer&, const Value& v, const Args&) {
 Value f_reverse(Renderer&, const Value& v, const Args&) {
   if (v.is_string()) {
     std::vector<std::string_view> cps = code_points(v.str());
-    std::string out;
-    for (auto it = cps.rbegin(); it != cps.rend(); ++it) out += *it;
+    Str out;
+    for (auto it = cps.rbegin(); it != cps.rend(); ++it) append(out, substr(v.marked(), *it));
     return out;
   }
   List items = *iterate(v);
@@ -205,29 +224,33 @@ Value f_reverse(Renderer&, const Value& v, const Args&) {
 
 Value f_indent(Renderer&, const Value& v, const Args& args) {
   const Value* width = args.get(0, "width");
-  std::string indentation = "    ";
+  Str indentation{"    ", {}};
   if (width != nullptr) {
     if (width->is_string()) {
-      indentation = width->str();
+      indentation = width->marked();
     } else if (width->is_int() || width->is_bool()) {
-      indentation.assign(static_cast<std::size_t>(std::max<std::int64_t>(width->as_int(), 0)), ' ');
+      indentation.text.assign(static_cast<std::size_t>(std::max<std::int64_t>(width->as_int(), 0)), ' ');
     } else {
       type_error("indent width must be an int or a str");
     }
   }
   const bool first = flag(args, 1, "first", false);
   const bool blank = flag(args, 2, "blank", false);
-  const std::string s = text(v) + "\n";
-  const std::vector<std::string_view> lines = py_splitlines(s);
-  std::string out;
+  Str s = to_marked_str(v);
+  append(s, "\n");
+  const std::vector<std::string_view> lines = py_splitlines(s.text);
+  Str out;
+  if (first) append(out, indentation);
   for (std::size_t i = 0; i < lines.size(); ++i) {
     if (i > 0) {
-      out += '\n';
-      if (blank || !lines[i].empty()) out += indentation;
+      // Each line break becomes "\n", the client's where the break it replaces was.
+      const char* const break_at = lines[i - 1].data() + lines[i - 1].size();
+      const Str line_break = substr(s, std::string_view(break_at, lines[i].data() - break_at));
+      append(out, client_str("\n", !line_break.client.empty()));
+      if (blank || !lines[i].empty()) append(out, indentation);
     }
-    out += lines[i];
+    append(out, substr(s, lines[i]));
   }
-  if (first) out.insert(0, indentation);
   return out;
 }
 
@@ -236,7 +259,7 @@ Value f_replace(Renderer&, const Value& v, const Args& args) {
   const Value* replacement = args.get(1, "new");
   if (old == nullptr || replacement == nullptr) type_error("replace() needs old and new");
   const Value* count = args.get(2, "count");
-  return py_replace(text(v), text(*old), text(*replacement),
+  return py_replace(to_marked_str(v), text(*old), to_marked_str(*replacement),
                     count == nullptr || count->is_none() ? -1 : count->as_int());
 }
 
@@ -323,7 +346,7 @@ Value f_escape(Renderer&, const Value& v, const Args&) {
         out += c;
     }
   }
-  return out;
+  return client_str(std::move(out), from_client(v));
 }
 
 Value f_dictsort(Renderer&, const Value& v, const Args& args) {

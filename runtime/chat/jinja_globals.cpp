@@ -117,7 +117,8 @@ struct StrftimeNow final : Callable {
       const std::size_t n = std::strftime(out.data(), out.size(), format->str().c_str(), &now);
       if (n > 0) {
         out.resize(n);
-        return out;
+        return client_str(std::move(out),
+                          from_client(*format));  // a client's format writes the client's text
       }
       out.resize(out.size() * 4);
     }

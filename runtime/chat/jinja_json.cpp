@@ -190,7 +190,7 @@ Value from_json_at(const nlohmann::ordered_json& json, int depth) {
     case nlohmann::ordered_json::value_t::number_float:
       return json.get<double>();
     case nlohmann::ordered_json::value_t::string:
-      return json.get<std::string>();
+      return client_str(json.get<std::string>());
     case nlohmann::ordered_json::value_t::array: {
       List l;
       l.reserve(json.size());
@@ -200,7 +200,8 @@ Value from_json_at(const nlohmann::ordered_json& json, int depth) {
     case nlohmann::ordered_json::value_t::object: {
       Dict d;
       d.items.reserve(json.size());
-      for (const auto& [k, item] : json.items()) d.items.emplace_back(k, from_json_at(item, depth + 1));
+      for (const auto& [k, item] : json.items())
+        d.items.emplace_back(client_str(k), from_json_at(item, depth + 1));
       return d;
     }
     default:

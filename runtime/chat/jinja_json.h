@@ -10,6 +10,8 @@
 
 namespace capserve::runtime::jinja {
 
+// A request's JSON (tools, tool calls, template kwargs) as template values: every str in it, dict keys
+// included, is the client's.
 [[nodiscard]] Value from_json(const nlohmann::ordered_json& json);
 
 struct JsonOptions {

@@ -84,17 +84,20 @@ bool affix_match(const std::string& s, const Value& affix, bool prefix) {
   return one(affix);
 }
 
-Value str_method(const std::string& s, std::string_view name, const Args& args) {
+// Every str a method returns is made of the receiver's and the arguments' bytes, each keeping its client
+// mark; case mapping is per ASCII byte, so the marks stay where they were.
+Value str_method(const Str& self, std::string_view name, const Args& args) {
+  const std::string& s = self.text;
   const Value* a0 = args.get(0, "");
   if (name == "strip" || name == "lstrip" || name == "rstrip") {
     const std::optional<std::string> chars = optional_str(args.get(0, "chars"), name);
-    return Value(std::string(py_strip_chars(s, chars, name != "rstrip", name != "lstrip")));
+    return substr(self, py_strip_chars(s, chars, name != "rstrip", name != "lstrip"));
   }
   if (name == "split" || name == "rsplit") {
     List parts;
-    for (std::string& p : py_split(s, optional_str(args.get(0, "sep"), name),
-                                   int_arg(args.get(1, "maxsplit"), -1), name == "rsplit")) {
-      parts.emplace_back(std::move(p));
+    for (const std::string_view p : py_split(s, optional_str(args.get(0, "sep"), name),
+                                             int_arg(args.get(1, "maxsplit"), -1), name == "rsplit")) {
+      parts.emplace_back(substr(self, p));
     }
     return parts;
   }
@@ -103,13 +106,14 @@ Value str_method(const std::string& s, std::string_view name, const Args& args) 
     return affix_match(s, *a0, name == "startswith");
   }
   if (name == "replace") {
-    return py_replace(s, str_arg(args.get(0, "old"), name), str_arg(args.get(1, "new"), name),
+    str_arg(args.get(1, "new"), name);
+    return py_replace(self, str_arg(args.get(0, "old"), name), args.get(1, "new")->marked(),
                       int_arg(args.get(2, "count"), -1));
   }
-  if (name == "upper") return py_upper(s);
-  if (name == "lower") return py_lower(s);
-  if (name == "title") return py_title(s);
-  if (name == "capitalize") return py_capitalize(s);
+  if (name == "upper") return Str{py_upper(s), self.client};
+  if (name == "lower") return Str{py_lower(s), self.client};
+  if (name == "title") return Str{py_title(s), self.client};
+  if (name == "capitalize") return Str{py_capitalize(s), self.client};
   if (name == "find" || name == "rfind") {
     const std::string& sub = str_arg(a0, name);
     const std::size_t at = name == "find" ? s.find(sub) : s.rfind(sub);
@@ -125,20 +129,20 @@ Value str_method(const std::string& s, std::string_view name, const Args& args) 
   }
   if (name == "join") {
     if (a0 == nullptr) type_error("join() takes exactly one argument (0 given)");
-    std::string out;
+    Str out;
     bool first = true;
     for (const auto items = iterate(*a0); const Value& item : *items) {
       if (!item.is_string())
         type_error("sequence item: expected str instance, " + std::string(type_name(item)) + " found");
-      if (!first) out += s;
+      if (!first) append(out, self);
       first = false;
-      out += item.str();
+      append(out, item.marked());
     }
     return out;
   }
   if (name == "splitlines") {
     List lines;
-    for (const std::string_view line : py_splitlines(s)) lines.emplace_back(line);
+    for (const std::string_view line : py_splitlines(s)) lines.emplace_back(substr(self, line));
     return lines;
   }
   if (name == "isdigit") return all_chars(s, ::isdigit);
@@ -223,7 +227,7 @@ std::optional<Value> call_method(const Value& self, std::string_view name, const
     case Kind::safe:
       break;
   }
-  if (self.is_string()) return str_method(self.str(), name, args);
+  if (self.is_string()) return str_method(self.marked(), name, args);
   if (self.is_dict()) return dict_method(self, name, args);
   return list_method(self, name, args);
 }

@@ -26,9 +26,9 @@ Value repeat(const Value& seq, std::int64_t times, std::size_t max_size) {
   const auto n = static_cast<std::size_t>(std::max<std::int64_t>(times, 0));
   if (seq.is_string()) {
     check(seq.str().size() * n, max_size);
-    std::string out;
-    out.reserve(seq.str().size() * n);
-    for (std::size_t i = 0; i < n; ++i) out += seq.str();
+    Str out;
+    out.text.reserve(seq.str().size() * n);
+    for (std::size_t i = 0; i < n; ++i) append(out, seq.marked());
     return out;
   }
   check(seq.list().size() * n, max_size);
@@ -65,7 +65,9 @@ Value binary_op(BinaryOp op, const Value& a, const Value& b, std::size_t max_siz
       if (nums) return a.as_double() + b.as_double();
       if (a.is_string() && b.is_string()) {
         check(a.str().size() + b.str().size(), max_size);
-        return a.str() + b.str();
+        Str out = a.marked();
+        append(out, b.marked());
+        return out;
       }
       if (a.is_list() && b.is_list()) {
         check(a.list().size() + b.list().size(), max_size);
@@ -115,7 +117,7 @@ Value binary_op(BinaryOp op, const Value& a, const Value& b, std::size_t max_siz
       }
       return std::floor(a.as_double() / b.as_double());
     case BinaryOp::mod:
-      if (a.is_string()) return percent_format(a.str(), b);
+      if (a.is_string()) return percent_format(a.marked(), b);
       if (!nums) unsupported("%", a, b);
       if (b.as_double() == 0) throw Error(ErrorKind::zero_division, "integer division or modulo by zero");
       if (ints) {
@@ -204,8 +206,15 @@ Value slice(const Value& obj, const Value* start, const Value* stop, const Value
   const std::int64_t from = none_start ? (forward ? 0 : n - 1) : clamp(slice_index(start), forward);
   const std::int64_t to = none_stop ? (forward ? n : -1) : clamp(slice_index(stop), forward);
   if (obj.is_string()) {
-    std::string out;
-    for (std::int64_t i = from; forward ? i < to : i > to; i += st) out += chars[static_cast<std::size_t>(i)];
+    if (st == 1) {
+      if (from >= to) return std::string();
+      const std::string_view first = chars[static_cast<std::size_t>(from)];
+      const std::string_view last = chars[static_cast<std::size_t>(to - 1)];
+      return substr(obj.marked(), std::string_view(first.data(), last.data() + last.size() - first.data()));
+    }
+    Str out;
+    for (std::int64_t i = from; forward ? i < to : i > to; i += st)
+      append(out, substr(obj.marked(), chars[static_cast<std::size_t>(i)]));
     return out;
   }
   List out;
@@ -214,7 +223,8 @@ Value slice(const Value& obj, const Value* start, const Value* stop, const Value
   return out;
 }
 
-std::string percent_format(const std::string& format, const Value& args) {
+Str percent_format(const Str& marked_format, const Value& args) {
+  const std::string& format = marked_format.text;
   std::vector<Value> items;
   if (args.is_list()) {
     items = args.list();
@@ -222,16 +232,18 @@ std::string percent_format(const std::string& format, const Value& args) {
     items.push_back(args);
   }
   std::size_t next = 0;
-  std::string out;
+  Str out;
   for (std::size_t i = 0; i < format.size(); ++i) {
     if (format[i] != '%') {
-      out += format[i];
+      const std::size_t end = std::min(format.find('%', i), format.size());
+      append(out, substr(marked_format, std::string_view(format).substr(i, end - i)));
+      i = end - 1;
       continue;
     }
     if (++i >= format.size()) throw Error(ErrorKind::value_error, "incomplete format");
     const char conv = format[i];
     if (conv == '%') {
-      out += '%';
+      append(out, substr(marked_format, std::string_view(format).substr(i, 1)));
       continue;
     }
     if (next >= items.size()) type_error("not enough arguments for format string");
@@ -239,16 +251,18 @@ std::string percent_format(const std::string& format, const Value& args) {
     if (conv == 's') {
       append_str(v, out);
     } else if (conv == 'r') {
-      append_repr(v, out);
+      std::string repr;
+      append_repr(v, repr);
+      append(out, client_str(std::move(repr), from_client(v)));
     } else if (conv == 'd' || conv == 'i') {
       if (!v.is_number())
         type_error("%d format: a real number is required, not " + std::string(type_name(v)));
-      out += std::to_string(v.is_float() ? static_cast<std::int64_t>(v.as_double()) : v.as_int());
+      append(out, std::to_string(v.is_float() ? static_cast<std::int64_t>(v.as_double()) : v.as_int()));
     } else if (conv == 'f') {
       if (!v.is_number()) type_error("must be real number, not " + std::string(type_name(v)));
       char buf[64];
       std::snprintf(buf, sizeof buf, "%.6f", v.as_double());
-      out += buf;
+      append(out, std::string_view(buf));
     } else {
       throw Error(ErrorKind::value_error, std::string("unsupported format character '") + conv + "'");
     }

@@ -15,7 +15,8 @@ namespace capserve::runtime::jinja {
 [[nodiscard]] bool contains(const Value& container, const Value& item);
 // Python obj[start:stop:step] on a str or list; null bounds are None.
 [[nodiscard]] Value slice(const Value& obj, const Value* start, const Value* stop, const Value* step);
-// Python "format" % args (printf-style) for the conversions templates use: %s %r %d %i %f %%.
-[[nodiscard]] std::string percent_format(const std::string& format, const Value& args);
+// Python "format" % args (printf-style) for the conversions templates use: %s %r %d %i %f %%. The format's
+// text and each %s keep their client marks; a %r of client data is the client's.
+[[nodiscard]] Str percent_format(const Str& format, const Value& args);
 
 }  // namespace capserve::runtime::jinja

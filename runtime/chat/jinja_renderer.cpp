@@ -97,7 +97,7 @@ Undefined no_attribute(const Value& obj, std::string_view attr) {
 
 }  // namespace
 
-Renderer::Renderer(const Dict& context, const RenderOptions& options, std::string& out)
+Renderer::Renderer(const Dict& context, const RenderOptions& options, Str& out)
     : context_(context), options_(options), target_(&out) {
   frames_.reserve(16);
   push_frame(-1);
@@ -124,7 +124,13 @@ void Renderer::check_size(std::size_t bytes) const {
 void Renderer::write(std::string_view text) {
   produced_ += text.size();
   check_size(produced_);
-  target_->append(text);
+  append(*target_, text);
+}
+
+void Renderer::write(const Str& text) {
+  produced_ += text.text.size();
+  check_size(produced_);
+  append(*target_, text);
 }
 
 void Renderer::render(const Body& body) {
@@ -149,11 +155,9 @@ Renderer::Flow Renderer::render_stmt(const Stmt& s) {
         Value storage;
         const Value* v = eval_ref(*s.expr, storage);
         if (v->is_string()) {
-          write(v->str());
+          write(v->marked());
         } else {
-          std::string text;
-          append_str(*v, text);
-          write(text);
+          write(to_marked_str(*v));
         }
         return Flow::normal;
       }
@@ -181,7 +185,7 @@ Renderer::Flow Renderer::render_stmt(const Stmt& s) {
         const auto* macro = fn.is_callable() ? dynamic_cast<const MacroFn*>(&fn.callable()) : nullptr;
         if (macro == nullptr) fail(ErrorKind::type_error, "a call block needs a macro to call");
         const Value v = call_macro(macro->macro, args, std::make_shared<const CallerFn>(s, top_));
-        write(v.str());
+        write(v.marked());
         return Flow::normal;
       }
       case StmtKind::generation:
@@ -189,7 +193,7 @@ Renderer::Flow Renderer::render_stmt(const Stmt& s) {
         return Flow::normal;
       case StmtKind::filter_block: {
         const Value v = apply_filters(*s.expr, capture(s.body, top_, {}));
-        write(to_str(v));
+        write(to_marked_str(v));
         return Flow::normal;
       }
       case StmtKind::break_:
@@ -287,10 +291,9 @@ void Renderer::bind_targets(const std::vector<std::string>& targets, const Value
   for (std::size_t i = 0; i < targets.size(); ++i) assign(targets[i], (*items)[i]);
 }
 
-std::string Renderer::capture(const Body& body, int parent,
-                              std::vector<std::pair<std::string_view, Value>> vars) {
-  std::string buffer;
-  std::string* const saved_target = std::exchange(target_, &buffer);
+Str Renderer::capture(const Body& body, int parent, std::vector<std::pair<std::string_view, Value>> vars) {
+  Str buffer;
+  Str* const saved_target = std::exchange(target_, &buffer);
   const int saved_top = top_;
   push_frame(parent);
   frames_.back().vars = std::move(vars);
@@ -333,7 +336,7 @@ Value Renderer::call_macro(const Stmt& macro, const Args& args, std::shared_ptr<
   auto vars = bind_params(macro, args);
   if (caller) vars.emplace_back("caller", Value(std::move(caller)));
   ++call_depth_;
-  std::string text = capture(macro.body, 0, std::move(vars));
+  Str text = capture(macro.body, 0, std::move(vars));
   --call_depth_;
   return text;
 }
@@ -344,7 +347,7 @@ Value Renderer::call_caller(const Stmt& block, int scope, const Args& args) {
   }
   auto vars = bind_params(block, args);
   ++call_depth_;
-  std::string text = capture(block.body, scope, std::move(vars));
+  Str text = capture(block.body, scope, std::move(vars));
   --call_depth_;
   return text;
 }
@@ -448,7 +451,7 @@ const Value* Renderer::get_item(const Value& obj, const Value& key, bool tempora
     if (i < 0) i += n;
     if (i >= 0 && i < n) {
       if (obj.is_string()) {
-        storage = Value(code_points(obj.str())[static_cast<std::size_t>(i)]);
+        storage = substr(obj.marked(), code_points(obj.str())[static_cast<std::size_t>(i)]);
         return &storage;
       }
       found = &obj.list()[static_cast<std::size_t>(i)];
@@ -659,11 +662,11 @@ Value Renderer::eval_node(const Expr& e) {
       return d;
     }
     case ExprKind::concat: {
-      std::string out;
+      Str out;
       for (const ExprPtr& a : e.args) {
         Value storage;
         append_str(*eval_ref(*a, storage), out);
-        check_size(out.size());
+        check_size(out.text.size());
       }
       return out;
     }

@@ -26,7 +26,8 @@ struct RenderOptions {
 
 class Renderer {
  public:
-  Renderer(const Dict& context, const RenderOptions& options, std::string& out);
+  // Renders onto `out`, whose client ranges collect the bytes that came from client strs.
+  Renderer(const Dict& context, const RenderOptions& options, Str& out);
 
   // Renders `body` in the current scope onto the output.
   void render(const Body& body);
@@ -63,7 +64,7 @@ class Renderer {
   Flow render_for(const Stmt& s);
   void render_set(const Stmt& s);
   // Renders `body` in a new scope (parented by `parent`, holding `vars`) into a string.
-  std::string capture(const Body& body, int parent, std::vector<std::pair<std::string_view, Value>> vars);
+  Str capture(const Body& body, int parent, std::vector<std::pair<std::string_view, Value>> vars);
   // The filter chain `f` (whose innermost operand is null) applied to `operand`.
   Value apply_filters(const Expr& f, Value operand);
   std::vector<std::pair<std::string_view, Value>> bind_params(const Stmt& callee, const Args& args);
@@ -84,13 +85,14 @@ class Renderer {
   Value loop_attr(const LoopState& loop, std::string_view attr) const;
   void assign(std::string_view name, Value value);
   void bind_targets(const std::vector<std::string>& targets, const Value& value);
-  void write(std::string_view text);
+  void write(std::string_view text);  // template text
+  void write(const Str& text);
   int push_frame(int parent, const LoopState* loop = nullptr);
   void pop_frame(int saved_top);
 
   const Dict& context_;
   const RenderOptions& options_;
-  std::string* target_;       // where write() goes: out_, or a macro's or block's capture buffer
+  Str* target_;               // where write() goes: out_, or a macro's or block's capture buffer
   std::size_t produced_ = 0;  // bytes written anywhere, for the output bound
   std::vector<Frame> frames_;
   int top_ = -1;

@@ -83,9 +83,9 @@ std::string_view py_strip_chars(std::string_view s, const std::optional<std::str
   return s.substr(from, to - from);
 }
 
-std::vector<std::string> py_split(std::string_view s, const std::optional<std::string>& sep,
-                                  std::int64_t maxsplit, bool from_right) {
-  std::vector<std::string> parts;
+std::vector<std::string_view> py_split(std::string_view s, const std::optional<std::string>& sep,
+                                       std::int64_t maxsplit, bool from_right) {
+  std::vector<std::string_view> parts;
   if (sep && sep->empty()) throw Error(ErrorKind::value_error, "empty separator");
   if (sep) {
     if (!from_right) {
@@ -159,20 +159,20 @@ std::vector<std::string_view> py_splitlines(std::string_view s) {
   return lines;
 }
 
-std::string py_replace(std::string_view s, std::string_view old, std::string_view replacement,
-                       std::int64_t count) {
-  std::string out;
+Str py_replace(const Str& marked, std::string_view old, const Str& replacement, std::int64_t count) {
+  const std::string_view s = marked.text;
+  Str out;
   if (old.empty()) {
     // Python inserts the replacement before every character and at the end.
     std::int64_t done = 0;
     for (const std::string_view c : code_points(s)) {
       if (count < 0 || done < count) {
-        out += replacement;
+        append(out, replacement);
         ++done;
       }
-      out += c;
+      append(out, substr(marked, c));
     }
-    if (count < 0 || done < count) out += replacement;
+    if (count < 0 || done < count) append(out, replacement);
     return out;
   }
   std::size_t start = 0;
@@ -180,12 +180,12 @@ std::string py_replace(std::string_view s, std::string_view old, std::string_vie
   while (count < 0 || done < count) {
     const std::size_t at = s.find(old, start);
     if (at == std::string_view::npos) break;
-    out.append(s.substr(start, at - start));
-    out.append(replacement);
+    append(out, substr(marked, s.substr(start, at - start)));
+    append(out, replacement);
     start = at + old.size();
     ++done;
   }
-  out.append(s.substr(start));
+  append(out, substr(marked, s.substr(start)));
   return out;
 }
 

@@ -7,6 +7,8 @@
 #include <string_view>
 #include <vector>
 
+#include "runtime/chat/jinja_value.h"
+
 namespace capserve::runtime::jinja {
 
 [[nodiscard]] std::string py_upper(std::string_view s);
@@ -17,13 +19,15 @@ namespace capserve::runtime::jinja {
 // str.strip / lstrip / rstrip with `chars` (a set of characters) or, when nullopt, Unicode whitespace.
 [[nodiscard]] std::string_view py_strip_chars(std::string_view s, const std::optional<std::string>& chars,
                                               bool left, bool right);
-// str.split / str.rsplit: sep nullopt splits on runs of whitespace; maxsplit < 0 is unlimited.
-[[nodiscard]] std::vector<std::string> py_split(std::string_view s, const std::optional<std::string>& sep,
-                                                std::int64_t maxsplit, bool from_right);
+// str.split / str.rsplit: sep nullopt splits on runs of whitespace; maxsplit < 0 is unlimited. The parts
+// are views into `s`.
+[[nodiscard]] std::vector<std::string_view> py_split(std::string_view s,
+                                                     const std::optional<std::string>& sep,
+                                                     std::int64_t maxsplit, bool from_right);
 // str.splitlines() without keepends.
 [[nodiscard]] std::vector<std::string_view> py_splitlines(std::string_view s);
-// str.replace(old, new, count) with count < 0 meaning all.
-[[nodiscard]] std::string py_replace(std::string_view s, std::string_view old, std::string_view replacement,
-                                     std::int64_t count);
+// str.replace(old, new, count) with count < 0 meaning all; the kept bytes of `s` and each copy of
+// `replacement` keep their client marks.
+[[nodiscard]] Str py_replace(const Str& s, std::string_view old, const Str& replacement, std::int64_t count);
 
 }  // namespace capserve::runtime::jinja

@@ -6,8 +6,8 @@ namespace capserve::runtime::jinja {
 
 Template::Template(std::string_view source) : body_(std::make_shared<const Body>(parse_template(source))) {}
 
-std::string Template::render(const Dict& context, const RenderOptions& options) const {
-  std::string out;
+Str Template::render(const Dict& context, const RenderOptions& options) const {
+  Str out;
   Renderer renderer(context, options, out);
   renderer.render(*body_);
   return out;

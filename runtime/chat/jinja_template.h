@@ -17,9 +17,10 @@ class Template {
   // Throws Error(syntax_error) naming the line.
   explicit Template(std::string_view source);
 
-  // The template rendered with `context` as its variables. Throws Error with the Python exception class
-  // Jinja2 raises (raise_exception: template_error) and the template line; LimitError past `options`' bounds.
-  [[nodiscard]] std::string render(const Dict& context, const RenderOptions& options = {}) const;
+  // The template rendered with `context` as its variables, and which of its bytes came from client strs in
+  // the context. Throws Error with the Python exception class Jinja2 raises (raise_exception:
+  // template_error) and the template line; LimitError past `options`' bounds.
+  [[nodiscard]] Str render(const Dict& context, const RenderOptions& options = {}) const;
 
  private:
   std::shared_ptr<const Body> body_;

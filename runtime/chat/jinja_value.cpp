@@ -1,5 +1,6 @@
 #include "runtime/chat/jinja_value.h"
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
@@ -45,7 +46,45 @@ std::size_t utf8_length(unsigned char lead) {
   return 1;  // an invalid lead byte counts as one character of its own
 }
 
+// Marks [begin, end) of out.text as the client's, merging with a range that ends where it begins.
+void mark(Str& out, std::size_t begin, std::size_t end) {
+  if (begin == end) return;
+  if (!out.client.empty() && out.client.back().end == begin) {
+    out.client.back().end = end;
+  } else {
+    out.client.push_back({begin, end});
+  }
+}
+
 }  // namespace
+
+Str client_str(std::string text, bool from_client) {
+  Str out{std::move(text), {}};
+  if (from_client) mark(out, 0, out.text.size());
+  return out;
+}
+
+void append(Str& out, std::string_view piece) {
+  out.text.append(piece);
+}
+
+void append(Str& out, const Str& piece) {
+  const std::size_t shift = out.text.size();
+  for (const TextRange& r : piece.client) mark(out, shift + r.begin, shift + r.end);
+  out.text.append(piece.text);
+}
+
+Str substr(const Str& s, std::string_view part) {
+  if (part.empty()) return {};  // also a default view, which points nowhere in s
+  const auto begin = static_cast<std::size_t>(part.data() - s.text.data());
+  const std::size_t end = begin + part.size();
+  Str out{std::string(part), {}};
+  auto r = std::partition_point(s.client.begin(), s.client.end(),
+                                [begin](const TextRange& range) { return range.end <= begin; });
+  for (; r != s.client.end() && r->begin < end; ++r)
+    mark(out, std::max(r->begin, begin) - begin, std::min(r->end, end) - begin);
+  return out;
+}
 
 Value::Value(Dict d) : v(std::make_shared<const Dict>(std::move(d))) {}
 
@@ -266,6 +305,43 @@ std::string to_str(const Value& v) {
   return out;
 }
 
+void append_str(const Value& v, Str& out) {
+  if (v.is_string()) {
+    append(out, v.marked());
+    return;
+  }
+  const std::size_t begin = out.text.size();
+  append_str(v, out.text);
+  if (from_client(v)) mark(out, begin, out.text.size());
+}
+
+Str to_marked_str(const Value& v) {
+  if (v.is_string()) return v.marked();
+  Str out;
+  append_str(v, out);
+  return out;
+}
+
+bool from_client(const Value& v) {
+  const auto dict_from_client = [](const Dict& d) {
+    return std::any_of(d.items.begin(), d.items.end(),
+                       [](const auto& item) { return from_client(item.first) || from_client(item.second); });
+  };
+  switch (v.v.index()) {
+    case 5:
+      return !v.marked().client.empty();
+    case 6:
+      return std::any_of(v.list().begin(), v.list().end(),
+                         [](const Value& item) { return from_client(item); });
+    case 7:
+      return dict_from_client(v.dict());
+    case 8:
+      return dict_from_client(v.ns().attrs);
+    default:
+      return false;
+  }
+}
+
 bool equals(const Value& a, const Value& b) {
   if (a.is_number() && b.is_number()) {
     if (a.is_float() || b.is_float()) return a.as_double() == b.as_double();
@@ -340,7 +416,7 @@ std::shared_ptr<const List> iterate(const Value& v) {
     out->reserve(v.dict().items.size());
     for (const auto& [k, value] : v.dict().items) out->emplace_back(k);
   } else if (v.is_string()) {
-    for (const std::string_view c : code_points(v.str())) out->emplace_back(c);
+    for (const std::string_view c : code_points(v.str())) out->emplace_back(substr(v.marked(), c));
   } else if (!v.is_undefined()) {
     type_error("'" + std::string(type_name(v)) + "' object is not iterable");
   }

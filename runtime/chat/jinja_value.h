@@ -3,6 +3,9 @@
 // None, bool, int, float, str, list (tuples too), dict (insertion-ordered), Jinja's Undefined, namespace
 // objects and callables. Lists and dicts are immutable once built (the environment is an
 // ImmutableSandboxedEnvironment), so they are shared rather than copied; only a namespace mutates.
+// A str also knows which of its bytes came from the client (Str::client), so that the rendered prompt says
+// which bytes the tokenizer must encode as plain text: every operation that builds a str from others keeps
+// that mark per byte, or marks the whole result as the client's where it cannot (fail closed).
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -12,6 +15,7 @@
 #include <vector>
 
 #include "runtime/chat/jinja_error.h"
+#include "runtime/text_range.h"
 
 namespace capserve::runtime::jinja {
 
@@ -35,8 +39,24 @@ struct Undefined {
 };
 struct None {};
 
+// A Python str and the bytes of it that came from the client (message content, tool calls, tool schemas,
+// template kwargs), which must never become special tokens. Template text has no client bytes and
+// pays nothing: `client` stays empty and unallocated.
+struct Str {
+  std::string text;
+  std::vector<TextRange> client;  // sorted, disjoint, non-empty, never adjacent (adjacent ones are merged)
+};
+
+// `text` wholly the client's (or wholly template text when `from_client` is false).
+[[nodiscard]] Str client_str(std::string text, bool from_client = true);
+// Appends `piece` (template text, or a str with its client bytes) to `out`.
+void append(Str& out, std::string_view piece);
+void append(Str& out, const Str& piece);
+// The bytes of `s` that `part` (a view into s.text) spans, with their marks.
+[[nodiscard]] Str substr(const Str& s, std::string_view part);
+
 struct Value {
-  std::variant<Undefined, None, bool, std::int64_t, double, std::string, std::shared_ptr<const List>,
+  std::variant<Undefined, None, bool, std::int64_t, double, Str, std::shared_ptr<const List>,
                std::shared_ptr<const Dict>, std::shared_ptr<Namespace>, std::shared_ptr<const Callable>>
       v;
 
@@ -47,9 +67,11 @@ struct Value {
   Value(std::int64_t i) : v(i) {}
   Value(int i) : v(std::int64_t{i}) {}
   Value(double d) : v(d) {}
-  Value(std::string s) : v(std::move(s)) {}
-  Value(std::string_view s) : v(std::string(s)) {}
-  Value(const char* s) : v(std::string(s)) {}
+  // Template text: a str without client bytes.
+  Value(std::string s) : v(Str{std::move(s), {}}) {}
+  Value(std::string_view s) : v(Str{std::string(s), {}}) {}
+  Value(const char* s) : v(Str{std::string(s), {}}) {}
+  Value(Str s) : v(std::move(s)) {}
   Value(List l) : v(std::make_shared<const List>(std::move(l))) {}
   Value(Dict d);
   Value(std::shared_ptr<const List> l) : v(std::move(l)) {}
@@ -63,7 +85,7 @@ struct Value {
   [[nodiscard]] bool is_int() const { return std::holds_alternative<std::int64_t>(v); }
   [[nodiscard]] bool is_float() const { return std::holds_alternative<double>(v); }
   [[nodiscard]] bool is_number() const { return is_int() || is_float() || is_bool(); }
-  [[nodiscard]] bool is_string() const { return std::holds_alternative<std::string>(v); }
+  [[nodiscard]] bool is_string() const { return std::holds_alternative<Str>(v); }
   [[nodiscard]] bool is_list() const { return std::holds_alternative<std::shared_ptr<const List>>(v); }
   [[nodiscard]] bool is_dict() const { return std::holds_alternative<std::shared_ptr<const Dict>>(v); }
   [[nodiscard]] bool is_namespace() const { return std::holds_alternative<std::shared_ptr<Namespace>>(v); }
@@ -71,7 +93,9 @@ struct Value {
     return std::holds_alternative<std::shared_ptr<const Callable>>(v);
   }
 
-  [[nodiscard]] const std::string& str() const { return std::get<std::string>(v); }
+  [[nodiscard]] const std::string& str() const { return std::get<Str>(v).text; }
+  // The str with its client marks.
+  [[nodiscard]] const Str& marked() const { return std::get<Str>(v); }
   [[nodiscard]] const List& list() const { return *std::get<std::shared_ptr<const List>>(v); }
   [[nodiscard]] const Dict& dict() const { return *std::get<std::shared_ptr<const Dict>>(v); }
   [[nodiscard]] Namespace& ns() const { return *std::get<std::shared_ptr<Namespace>>(v); }
@@ -127,6 +151,13 @@ void require_defined(const Value& v);
 // Python str(v) (Undefined prints as ""), appended to `out`.
 void append_str(const Value& v, std::string& out);
 [[nodiscard]] std::string to_str(const Value& v);
+// The same with client marks: a str keeps its own; any other value's text is the client's as a whole when
+// anything in it came from the client (a list or dict printed whole).
+void append_str(const Value& v, Str& out);
+[[nodiscard]] Str to_marked_str(const Value& v);
+// Whether any str in `v` (in a list, dict or namespace too) holds client bytes: the text an operation
+// derives from `v` without keeping marks per byte (tojson, repr, escape) is then the client's.
+[[nodiscard]] bool from_client(const Value& v);
 // Python repr(v).
 void append_repr(const Value& v, std::string& out);
 // Python repr(float): the shortest string that reads back as the same double.

@@ -85,12 +85,12 @@ void render_template(std::string_view data) {
     bool first_ok = true;
     bool second_ok = true;
     try {
-      first = compiled->render(context, o);
+      first = compiled->render(context, o).text;
     } catch (const jinja::Error&) {
       first_ok = false;
     }
     try {
-      second = compiled->render(context, o);
+      second = compiled->render(context, o).text;
     } catch (const jinja::Error&) {
       second_ok = false;
     }

@@ -1,6 +1,7 @@
 #pragma once
 // Where the chat-template tests find their data: the Jinja goldens (tests/fixtures/chat, written by
-// tools/gen_chat_goldens.py) and the real tokenizer_config.json files in ../shared/data/tokenizers.
+// tools/gen_chat_goldens.py), the real tokenizers in ../shared/data/tokenizers and the template corpus in
+// ../shared/data/chat_templates.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -11,6 +12,8 @@
 #include <string_view>
 
 #include <nlohmann/json.hpp>
+
+#include "runtime/chat/chat_template.h"
 
 namespace capserve::runtime::testing {
 
@@ -52,6 +55,37 @@ inline nlohmann::json read_test_json(const std::filesystem::path& path) {
     return nlohmann::json::object();
   }
   return nlohmann::json::parse(in);
+}
+
+// The real template corpus with its Python Jinja2 renders.
+inline std::filesystem::path corpus_dir() {
+  return shared_data_dir() / "chat_templates";
+}
+
+// The record whose "id" is `id` in one of the corpus' JSON-lines files, or with `scenario` the render of
+// template `id` in that scenario (null when none).
+inline nlohmann::ordered_json find_record(const std::string& file, const std::string& id,
+                                          const std::string& scenario = "") {
+  std::ifstream in(corpus_dir() / file);
+  EXPECT_TRUE(in) << "cannot open " << corpus_dir() / file
+                  << " (set CAPSERVE_SHARED_DATA_DIR to the shared data folder)";
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty()) continue;
+    nlohmann::ordered_json record = nlohmann::ordered_json::parse(line);
+    if (scenario.empty() ? record.at("id") == id
+                         : record.at("template_id") == id && record.at("scenario") == scenario)
+      return record;
+  }
+  return nullptr;
+}
+
+// A corpus template as a checkpoint ships it: a tokenizer_config.json with its chat_template and special
+// tokens.
+inline ChatTemplate corpus_template(const std::string& id) {
+  const nlohmann::ordered_json record = find_record("templates.jsonl", id);
+  nlohmann::json config = nlohmann::json::parse(record.at("special_tokens").dump());
+  config["chat_template"] = record.at("chat_template");
+  return ChatTemplate::from_tokenizer_config(config, std::nullopt, id);
 }
 
 }  // namespace capserve::runtime::testing

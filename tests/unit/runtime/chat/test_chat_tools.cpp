@@ -21,32 +21,9 @@ namespace {
 
 using Json = nlohmann::ordered_json;
 
-std::filesystem::path corpus_dir() {
-  return testing::shared_data_dir() / "chat_templates";
-}
-
-// The record of `key` == `value` in a JSON-lines file (null when none).
-Json find_record(const std::string& file, const std::string& id, const std::string& scenario = "") {
-  std::ifstream in(corpus_dir() / file);
-  EXPECT_TRUE(in) << "cannot open " << corpus_dir() / file
-                  << " (set CAPSERVE_SHARED_DATA_DIR to the shared data folder)";
-  for (std::string line; std::getline(in, line);) {
-    if (line.empty()) continue;
-    Json record = Json::parse(line);
-    if (scenario.empty() ? record.at("id") == id
-                         : record.at("template_id") == id && record.at("scenario") == scenario)
-      return record;
-  }
-  return nullptr;
-}
-
-// The template as a checkpoint ships it: a tokenizer_config.json with its chat_template and special tokens.
-ChatTemplate corpus_template(const std::string& id) {
-  const Json record = find_record("templates.jsonl", id);
-  nlohmann::json config = nlohmann::json::parse(record.at("special_tokens").dump());
-  config["chat_template"] = record.at("chat_template");
-  return ChatTemplate::from_tokenizer_config(config, std::nullopt, id);
-}
+using testing::corpus_dir;
+using testing::corpus_template;
+using testing::find_record;
 
 // The scenario's kwargs as an API request carries them: messages, tools, add_generation_prompt, and the rest
 // as chat_template_kwargs.

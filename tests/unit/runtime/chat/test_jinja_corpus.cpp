@@ -21,9 +21,7 @@ namespace {
 
 using Json = nlohmann::ordered_json;
 
-std::filesystem::path corpus_dir() {
-  return runtime::testing::shared_data_dir() / "chat_templates";
-}
+using runtime::testing::corpus_dir;
 
 std::vector<Json> read_jsonl(const std::filesystem::path& path) {
   std::ifstream in(path);
@@ -109,7 +107,7 @@ TEST(JinjaCorpus, RendersLikePythonJinja2) {
       std::string error_class_name;
       std::string error_text;
       try {
-        output = compiled->render(context_for(t, scenario, spec.at("tools")), options);
+        output = compiled->render(context_for(t, scenario, spec.at("tools")), options).text;
       } catch (const Error& e) {
         error_class_name = std::string(error_class(e.kind()));
         error_text = e.what();

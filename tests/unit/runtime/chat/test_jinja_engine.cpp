@@ -29,8 +29,9 @@ TEST(JinjaEngine, FeatureCasesMatchPythonJinja2) {
     std::string output;
     std::string error;
     try {
-      output =
-          Template(c.at("template").get<std::string>()).render(from_json(c.at("variables")).dict(), options);
+      output = Template(c.at("template").get<std::string>())
+                   .render(from_json(c.at("variables")).dict(), options)
+                   .text;
     } catch (const Error& e) {
       error = std::string(error_class(e.kind()));
       output = e.what();
@@ -92,8 +93,63 @@ TEST(JinjaEngine, InvalidUtf8IndexesAsItCounts) {
   variables.set("s", std::string("\xf0"
                                  "ab"));
   EXPECT_EQ(Template("{{ s | length }}|{{ s[-1] == s }}|{{ s[1] is defined }}|{{ s[::-1] == s }}")
-                .render(variables),
+                .render(variables)
+                .text,
             "1|True|False|True");
+}
+
+// The rendered text with the client's bytes in [brackets].
+std::string marked_render(std::string_view source, const Dict& variables) {
+  const Str out = Template(source).render(variables);
+  std::string shown;
+  std::size_t at = 0;
+  for (const TextRange& r : out.client) {
+    shown.append(out.text, at, r.begin - at)
+        .append("[")
+        .append(out.text, r.begin, r.end - r.begin)
+        .append("]");
+    at = r.end;
+  }
+  return shown.append(out.text, at);
+}
+
+// Issue 24: which bytes came from the client is carried through every operation on strs, not searched for
+// afterwards; where an operation rewrites the text, its result is the client's as a whole (never markup).
+TEST(JinjaEngine, ClientBytesKeepTheirMarkThroughOperations) {
+  Dict variables;
+  variables.set("c", client_str(" <|u|>a|b\nz "));
+  variables.set("d", client_str("xy"));
+  variables.set("n", from_json(nlohmann::ordered_json{{"k", "<|v|>"}, {"i", 1}}));
+  const std::pair<const char*, const char*> cases[] = {
+      {"<|m|>{{ c }}<|m|>", "<|m|>[ <|u|>a|b\nz ]<|m|>"},
+      {"{{ '<|m|>' ~ d ~ '<|m|>' }}", "<|m|>[xy]<|m|>"},
+      {"{{ '<|m|>' + d + '<|m|>' }}", "<|m|>[xy]<|m|>"},
+      {"{{ ('<|m|> ' ~ c) | trim }}", "<|m|> [ <|u|>a|b\nz]"},
+      {"{{ c.strip() }}|{{ c.lstrip() }}|{{ c.rstrip(' z\n') }}", "[<|u|>a|b\nz]|[<|u|>a|b\nz ]|[ <|u|>a|b]"},
+      {"{{ c.split('|')[2] }}/{{ c.split() | join('+') }}", "[>a]/[<|u|>a|b]+[z]"},
+      {"{{ c.rsplit('|', 1)[0] }}", "[ <|u|>a]"},
+      {"{{ c.splitlines() | join('<|m|>') }}", "[ <|u|>a|b]<|m|>[z ]"},
+      {"{{ c[1:6] }}/{{ c[0] }}/{{ d[::-1] }}/{{ d | reverse }}", "[<|u|>]/[ ]/[yx]/[yx]"},
+      {"{{ d | upper }}/{{ d.title() }}/{{ ('<|m|>' ~ d) | capitalize }}", "[XY]/[Xy]/<|m|>[xy]"},
+      {"{{ c.replace('a', '<|m|>') }}", "[ <|u|>]<|m|>[|b\nz ]"},
+      {"{{ c | replace('|', d) }}", "[ <xyuxy>axyb\nz ]"},
+      {"{{ '<|m|>'.join([d, d]) }}/{{ [d, 'e'] | join(d) }}", "[xy]<|m|>[xy]/[xyxy]e"},
+      {"{{ '<|m|>%s<|m|>' % d }}{{ d * 2 }}", "<|m|>[xy]<|m|>[xyxy]"},
+      {"{% for ch in d %}<{{ ch }}>{% endfor %}{{ d | list | join('.') }}", "<[x]><[y]>[x].[y]"},
+      {"{% macro m(x) %}<|m|>{{ x }}{% endmacro %}{{ m(d) }}", "<|m|>[xy]"},
+      {"{% set b %}<|m|>{{ d }}{% endset %}{{ b }}/{% filter upper %}{{ d }}<|m|>{% endfilter %}",
+       "<|m|>[xy]/[XY]<|M|>"},
+      {"{{ ('<|m|>\n' ~ d ~ '\n' ~ d) | indent(2, true) }}", "  <|m|>\n  [xy]\n  [xy]"},
+      {"{{ n | tojson }}/{{ n.k }}/{{ n }}",
+       "[{\"k\": \"<|v|>\", \"i\": 1}]/[<|v|>]/[{'k': '<|v|>', 'i': 1}]"},
+      {"{{ d | escape }}/{{ d | string }}/{{ undefined_name | default(d) }}", "[xy]/[xy]/[xy]"},
+      {"{% for k, v in n.items() %}{{ k }}={{ v }};{% endfor %}", "[k]=[<|v|>];[i]=1;"},
+      {"{{ '<|m|>' | upper }}{{ 'a' ~ 1 }}", "<|M|>a1"},
+  };
+  for (const auto& [source, expected] : cases) {
+    SCOPED_TRACE(source);
+    EXPECT_EQ(marked_render(source, variables), expected);
+  }
 }
 
 }  // namespace
