@@ -50,9 +50,12 @@ class DepthScan {
     for (int i = 0; i < shown; ++i) {
       const Level& level = levels_[i];
       if (level.array) {
-        out += "[" + std::to_string(level.next_index - 1) + "]";
+        out += '[';
+        out += std::to_string(level.next_index - 1);
+        out += ']';
       } else {
-        out += (i == 0 ? "" : ".") + level.key;
+        if (i > 0) out += '.';
+        out += level.key;
       }
     }
     if (depth_ - 1 > kPathComponents) out += "...";

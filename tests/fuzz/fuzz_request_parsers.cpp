@@ -66,7 +66,7 @@ struct Server {
   server::RequestIntake intake{scheduler, &tokenizer, load_template(), limits(tokenizer), nullptr};
   server::http::OpenAiApi api{intake, {}};
   std::map<std::string, server::http::Route, std::less<>> routes = api.routes();
-  server::InferenceService grpc{intake, {}};
+  server::InferenceService service{intake, {}};
 
   Server() { scheduler.drain(); }
 
@@ -115,7 +115,7 @@ void grpc_chat(std::string_view data) {
   }
   grpc::ServerContext context;
   capserve::v1::ChatResponse response;
-  const grpc::Status status = instance().grpc.Chat(&context, &request, &response);
+  const grpc::Status status = instance().service.Chat(&context, &request, &response);
   check(status.error_code() == grpc::StatusCode::INVALID_ARGUMENT ||
         status.error_code() == grpc::StatusCode::UNAVAILABLE);
   check(!status.error_message().empty());
