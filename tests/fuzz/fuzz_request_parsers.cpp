@@ -5,8 +5,9 @@
 //
 // Build and run (clang; a 30 s smoke run from the committed seeds):
 //   configure with -DCMAKE_CXX_COMPILER=clang++ -DCAPSERVE_FUZZ=ON, build the fuzz_request_parsers target,
-//   then build-fuzz/tests/fuzz/fuzz_request_parsers -max_total_time=30 tests/fuzz/corpus/request_parsers
-// (a copy of the seed folder keeps new inputs out of the repository).
+//   then (the copy keeps new inputs out of the repository)
+//   cp -r tests/fuzz/corpus/request_parsers /tmp/rp && build-fuzz/tests/fuzz/fuzz_request_parsers
+//   -max_total_time=30 /tmp/rp
 //
 // Input: byte 0 picks the mode. 0: the rest is a chat completions body; 1: a completions body; 2: a gRPC
 // chat, the rest split at 0xFF bytes into tools, chat_template_kwargs, the tool_calls of an assistant message
