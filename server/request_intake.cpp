@@ -9,6 +9,7 @@
 #include <spdlog/spdlog.h>
 
 #include "runtime/tokenizer/utf8.h"
+#include "server/client_json.h"
 
 namespace capserve::server {
 namespace {
@@ -118,12 +119,7 @@ IntakeResult check_no_special_tokens(const runtime::Tokenizer& tokenizer, const 
 
 IntakeResult parse_json_field(std::string_view text, const std::string& field, nlohmann::ordered_json& out) {
   if (IntakeResult bad = check_utf8(text, field)) return bad;
-  try {
-    out = nlohmann::ordered_json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
-    return invalid(field + ": not valid JSON (" + e.what() + ")", field);
-  }
-  return std::nullopt;
+  return parse_client_json(text, field, out);
 }
 
 const char* code_name(IntakeCode code) {

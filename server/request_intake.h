@@ -169,8 +169,9 @@ class RequestIntake {
   RateLimitedLog refusal_log_{std::chrono::seconds(1)};
 };
 
-// A JSON document sent as a string field (gRPC's tools, tool_calls, template kwargs): UTF-8 and valid JSON,
-// object keys kept in the client's order (templates show them in that order).
+// A JSON document sent as a string field (gRPC's tools, tool_calls, template kwargs): UTF-8 (the error names
+// the first bad byte's offset), then parse_client_json (server/client_json.h: valid JSON within the depth
+// limit), object keys kept in the client's order (templates show them in that order).
 IntakeResult parse_json_field(std::string_view text, const std::string& field, nlohmann::ordered_json& out);
 
 // Client text inside an error message: at most `limit` bytes of it (cut on a character boundary), quoted.

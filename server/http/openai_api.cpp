@@ -10,6 +10,8 @@
 #include <utility>
 #include <vector>
 
+#include "server/client_json.h"
+
 namespace capserve::server::http {
 namespace {
 
@@ -703,8 +705,9 @@ Response OpenAiApi::completions(const IncomingRequest& in, bool chat) {
     return with_id(intake_response(intake_.refuse({IntakeCode::invalid_argument, e.message, e.param})));
   };
 
-  const json body = json::parse(in.body, nullptr, false);
-  if (body.is_discarded()) return refuse({"the request body is not valid JSON", ""});
+  json body;
+  if (IntakeResult bad = parse_client_json(in.body, "", body))
+    return with_id(intake_response(intake_.refuse(std::move(*bad))));
   if (!body.is_object()) return refuse({"the request body must be a JSON object", ""});
 
   std::string model = intake_.limits().model_id;
@@ -739,7 +742,9 @@ Response OpenAiApi::completions(const IncomingRequest& in, bool chat) {
   std::vector<std::string> echoes;
   if (chat) {
     // Parsed again keeping key order: templates show tool schemas and arguments in the client's order.
-    const ordered_json ordered = ordered_json::parse(in.body, nullptr, false);
+    ordered_json ordered;
+    if (IntakeResult bad = parse_client_json(in.body, "", ordered))
+      return with_id(intake_response(intake_.refuse(std::move(*bad))));
     std::vector<runtime::ChatMessage> messages;
     if (auto e = read_messages(ordered, messages)) return refuse(*e);
     runtime::ChatInputs inputs;

@@ -1,9 +1,12 @@
-"""Hardening of the request path (issue 12), each case as reported: stop strings splitting UTF-8 characters in a
-stream, a tiny temperature, requests that can never fit, invalid UTF-8 in request text, special tokens typed in a
-message, unbounded request fields and one client opening many streams. Every refusal names its field or limit and is
-counted in capserve_request_errors_total."""
+"""Hardening of the request path (issues 12 and 24), each case as reported: stop strings splitting UTF-8 characters
+in a stream, a tiny temperature, requests that can never fit, invalid UTF-8 in request text, special tokens typed in
+a message, unbounded request fields, deeply nested JSON and one client opening many streams. Every refusal names its
+field or limit and is counted in capserve_request_errors_total."""
 
+import json
 import threading
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -103,6 +106,67 @@ class RequestHardeningTest(ServerTestCase):
             with self.subTest(field=field):
                 details = self.refusal(lambda: list(self.stub.ChatStream(request, timeout=30)))
                 self.assertTrue(details.startswith(field + ":"), details)
+
+    def http_chat(self, body):
+        """POSTs `body` (bytes) to /v1/chat/completions; the status and the decoded answer."""
+        req = urllib.request.Request(f"http://127.0.0.1:{self.server.http_port}/v1/chat/completions", data=body,
+                                     method="POST", headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def test_deeply_nested_json_is_refused_naming_the_field(self):
+        """Issue 24: JSON nesting ~87,000 objects (an unknown key or a message key over HTTP, gRPC tools,
+        chat_template_kwargs or tool_calls) killed rank 0 with SIGSEGV; 300 levels reached the template engine's
+        depth error: HTTP 500 / gRPC UNKNOWN, neither counted nor logged. Each is now a counted, logged
+        INVALID_ARGUMENT / 400 naming the field, and the server goes on serving."""
+        def objects(levels):
+            return '{"a":' * levels + "1" + "}" * levels
+
+        def tool(levels):
+            return '[{"type": "function", "function": {"name": "f", "parameters": ' + objects(levels) + "}}]"
+
+        def call(levels):
+            return '[{"type": "function", "function": {"name": "f", "arguments": ' + objects(levels) + "}}]"
+
+        hi = [message("user", "Hi")]
+        grpc_cases = [
+            ("tools", pb.ChatRequest(messages=hi, tools=tool(300).encode())),
+            ("tools", pb.ChatRequest(messages=hi, tools=tool(100_000).encode())),
+            ("chat_template_kwargs", pb.ChatRequest(messages=hi, chat_template_kwargs=objects(100_000).encode())),
+            ("messages[1].tool_calls", pb.ChatRequest(messages=hi + [
+                pb.ChatMessage(role=b"assistant", tool_calls=call(100_000).encode())])),
+        ]
+        user = '"messages": [{"role": "user", "content": "Hi"}]'
+        http_cases = [
+            ("x", '{"x": ' + objects(100_000) + ", " + user + "}"),
+            ("messages", '{"messages": [{"role": "user", "content": "Hi", "extra": ' + objects(100_000) + "}]}"),
+            ("tools", '{"tools": ' + tool(300) + ", " + user + "}"),
+            ("chat_template_kwargs", "{" + user + ', "chat_template_kwargs": {"k": ' + objects(300) + "}}"),
+        ]
+        before = self.errors("INVALID_ARGUMENT")
+        log_lines = len(self.server.log)
+        for field, request in grpc_cases:
+            with self.subTest(field=field):
+                details = self.refusal(lambda: self.stub.Chat(request, timeout=30))
+                self.assertTrue(details.startswith(field), details)
+                self.assertIn("deeper than 64 levels", details)
+        for param, body in http_cases:
+            with self.subTest(param=param):
+                status, reply = self.http_chat(body.encode())
+                self.assertEqual(status, 400, reply)
+                self.assertEqual(reply["error"]["param"], param, reply)
+                self.assertIn("deeper than 64 levels", reply["error"]["message"])
+        self.assertEqual(self.errors("INVALID_ARGUMENT") - before, len(grpc_cases) + len(http_cases))
+        self.wait_for(lambda: any("refused a request: INVALID_ARGUMENT" in line and "deeper than 64 levels" in line
+                                  for line in self.server.log[log_lines:]), 30, "the refusal's log line")
+        # Still serving, over both APIs.
+        self.assertTrue(self.stub.Chat(chat_request("After", max_tokens=2), timeout=60).usage.completion_tokens)
+        status, reply = self.http_chat(json.dumps({"messages": [{"role": "user", "content": "After"}],
+                                                   "max_tokens": 2}).encode())
+        self.assertEqual(status, 200, reply)
 
     def test_one_client_cannot_take_every_slot(self):
         before = self.errors("RESOURCE_EXHAUSTED")

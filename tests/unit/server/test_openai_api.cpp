@@ -146,6 +146,44 @@ TEST_F(OpenAiApiTest, BadInputGetsAnOpenAiErrorNamingTheField) {
   EXPECT_EQ(json::parse(too_long.body)["error"]["code"], "context_length_exceeded");
 }
 
+// Issue 24: a body nesting ~87,000 objects in an unknown key, followed by another key, killed the process
+// with SIGSEGV inside ordered_json::parse (recursive copies as the outer object grew); 300 levels in tools
+// reached the template engine's depth error, which escaped as HTTP 500. Both are 400s naming the field,
+// counted like every refusal, for both endpoints.
+TEST_F(OpenAiApiTest, DeeplyNestedBodiesAreRefusedNamingTheField) {
+  const auto objects = [](int levels) {
+    std::string out;
+    for (int i = 0; i < levels; ++i) out += R"({"a":)";
+    return out + "1" + std::string(levels, '}');
+  };
+  const std::string hi = R"("messages": [{"role": "user", "content": "hi"}])";
+  struct Case {
+    std::string path, body, param;
+  };
+  const std::vector<Case> cases{
+      {"/v1/chat/completions", R"({"x": )" + objects(100000) + ", " + hi + "}", "x"},
+      {"/v1/chat/completions",
+       R"({"tools": [{"type": "function", "function": {"name": "f", "parameters": )" + objects(300) +
+           "}}], " + hi + "}",
+       "tools"},
+      {"/v1/chat/completions", "{" + hi + R"(, "chat_template_kwargs": {"k": )" + objects(300) + "}}",
+       "chat_template_kwargs"},
+      {"/v1/chat/completions",
+       R"({"messages": [{"role": "user", "content": "hi", "extra": )" + objects(100000) + "}]}", "messages"},
+      {"/v1/completions", R"({"prompt": [1], "x": )" + objects(100000) + "}", "x"},
+  };
+  for (const Case& c : cases) {
+    const Response r = call(c.path, c.body);
+    ASSERT_EQ(r.status, 400) << c.param << " -> " << r.body;
+    const json error = json::parse(r.body).at("error");
+    EXPECT_EQ(error.at("param"), c.param) << r.body;
+    EXPECT_NE(error.at("message").get<std::string>().find("deeper than 64 levels"), std::string::npos)
+        << r.body;
+  }
+  // The server goes on: the same endpoint answers a normal request.
+  EXPECT_EQ(call("/v1/completions", R"({"prompt": [1, 2]})").status, 200);
+}
+
 TEST_F(OpenAiApiTest, RequestIdsComeFromTheClientOrAreRandom) {
   const Response mine = call("/v1/completions", R"({"prompt": [1, 2]})", {{"X-Request-Id", "abc-1"}});
   EXPECT_EQ(header(mine, "X-Request-Id"), "abc-1");

@@ -1,0 +1,173 @@
+// The depth-bounded parser of client JSON (server/client_json.h) and its use by the shared intake: the limit
+// exact, a refusal naming the field, a deep document refused before anything is built (at the depth of the
+// issue-24 crash too), and every accepted document within what the chat template engine renders.
+#include "server/client_json.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <string>
+
+#include "tests/unit/server/tiny_tokenizer.h"
+
+namespace capserve::server {
+namespace {
+
+using json = nlohmann::json;
+using ordered_json = nlohmann::ordered_json;
+
+std::string nested_arrays(int levels, const std::string& inner = "1") {
+  return std::string(levels, '[') + inner + std::string(levels, ']');
+}
+
+// {"a": {"a": ... inner ...}}: `levels` objects.
+std::string nested_objects(int levels, const std::string& inner = "1") {
+  std::string out;
+  for (int i = 0; i < levels; ++i) out += R"({"a":)";
+  return out + inner + std::string(levels, '}');
+}
+
+template <typename Json>
+void expect_limit_exact(const std::string& what, std::string (*nested)(int, const std::string&)) {
+  Json out;
+  EXPECT_FALSE(parse_client_json(nested(kMaxClientJsonDepth, "1"), "f", out).has_value()) << what;
+  EXPECT_FALSE(out.is_null()) << what;
+  Json untouched = 7;
+  const IntakeResult refused = parse_client_json(nested(kMaxClientJsonDepth + 1, "1"), "f", untouched);
+  ASSERT_TRUE(refused.has_value()) << what;
+  EXPECT_EQ(refused->code, IntakeCode::invalid_argument);
+  EXPECT_EQ(refused->param, "f");
+  EXPECT_NE(refused->message.find("deeper than 64 levels"), std::string::npos) << refused->message;
+  EXPECT_EQ(untouched, 7) << what;
+}
+
+TEST(ClientJson, TheDepthLimitIsExactForArraysAndObjects) {
+  expect_limit_exact<json>("arrays", nested_arrays);
+  expect_limit_exact<ordered_json>("arrays", nested_arrays);
+  expect_limit_exact<json>("objects", nested_objects);
+  expect_limit_exact<ordered_json>("objects", nested_objects);
+  // Scalars and empty containers count their own level only.
+  json out;
+  EXPECT_FALSE(parse_client_json("3", "f", out).has_value());
+  EXPECT_FALSE(parse_client_json(nested_arrays(kMaxClientJsonDepth - 1, "[]"), "f", out).has_value());
+  EXPECT_TRUE(parse_client_json(nested_arrays(kMaxClientJsonDepth, "{}"), "f", out).has_value());
+  // Siblings do not add up: depth is nesting, not the number of containers.
+  std::string wide = "[";
+  for (int i = 0; i < 1000; ++i) wide += nested_arrays(kMaxClientJsonDepth - 1) + ",";
+  wide += "1]";
+  EXPECT_FALSE(parse_client_json(wide, "f", out).has_value());
+}
+
+TEST(ClientJson, BracketsInsideStringsAreText) {
+  ordered_json out;
+  const std::string text = "[\"" + std::string(200000, '[') + std::string(200000, '{') + "\"]";
+  ASSERT_FALSE(parse_client_json(text, "f", out).has_value());
+  EXPECT_EQ(out[0].get_ref<const std::string&>().size(), 400000U);
+}
+
+// The issue-24 crash: a deep object in an unknown key before another key (ordered_json copied the deep value
+// recursively when the outer object grew) killed rank 0 with SIGSEGV. 200k levels are refused at level 65.
+TEST(ClientJson, AVeryDeepDocumentIsRefusedQuicklyBeforeAnythingIsBuilt) {
+  const std::string body = R"({"x":)" + nested_objects(200000) + R"(,"messages":[]})";
+  const auto start = std::chrono::steady_clock::now();
+  ordered_json ordered;
+  const IntakeResult refused = parse_client_json(body, "", ordered);
+  json plain;
+  const IntakeResult refused_plain = parse_client_json(nested_arrays(200000), "tools", plain);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_TRUE(refused.has_value());
+  EXPECT_EQ(refused->param, "x");
+  EXPECT_EQ(refused->message, "x.a.a.a...: JSON nests deeper than 64 levels of arrays and objects");
+  EXPECT_TRUE(ordered.is_null());
+  ASSERT_TRUE(refused_plain.has_value());
+  EXPECT_EQ(refused_plain->message,
+            "tools[0][0][0][0]...: JSON nests deeper than 64 levels of arrays and objects");
+  // The scan stops at level 65 of 200k: microseconds; the bound only guards against a full parse.
+  EXPECT_LT(seconds, 1.0);
+}
+
+TEST(ClientJson, ErrorsNameTheFieldAndThePath) {
+  json body;
+  const std::string deep_call = R"({"model":"m","messages":[{"role":"assistant","tool_calls":[)" +
+                                nested_objects(kMaxClientJsonDepth) + "]}]}";
+  IntakeResult e = parse_client_json(deep_call, "", body);
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->param, "messages");
+  EXPECT_EQ(e->message.rfind("messages[0].tool_calls[0]...: JSON nests deeper", 0), 0U) << e->message;
+
+  // A body that is not an object names the body.
+  e = parse_client_json(nested_arrays(kMaxClientJsonDepth + 1), "", body);
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->param, "");
+  EXPECT_EQ(e->message.rfind("the request body[0][0][0][0]...: ", 0), 0U) << e->message;
+
+  // A long key is cut in the message.
+  const std::string key(1000, 'k');
+  e = parse_client_json("{\"" + key + "\":" + nested_arrays(kMaxClientJsonDepth) + "}", "", body);
+  ASSERT_TRUE(e.has_value());
+  EXPECT_LT(e->message.size(), 200U) << e->message;
+
+  // Syntax errors keep nlohmann's words and position.
+  ordered_json field;
+  e = parse_client_json(R"({"a": [1, 2}")", "chat_template_kwargs", field);
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->param, "chat_template_kwargs");
+  EXPECT_EQ(e->message.rfind("chat_template_kwargs: not valid JSON (", 0), 0U) << e->message;
+  e = parse_client_json("{} {}", "", body);
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->message.rfind("the request body: not valid JSON (", 0), 0U) << e->message;
+  EXPECT_TRUE(parse_client_json("", "", body).has_value());
+}
+
+TEST(ClientJson, KeysKeepTheClientsOrder) {
+  ordered_json out;
+  ASSERT_FALSE(parse_client_json(R"({"z": 1, "a": {"y": 2, "b": 3}})", "f", out).has_value());
+  EXPECT_EQ(out.dump(), R"({"z":1,"a":{"y":2,"b":3}})");
+}
+
+// Every document the parser accepts renders through the template engine (whose tojson and value conversion
+// stop at 256 levels); before, a 300-level tools list was accepted and the template's ValueError escaped the
+// intake as an HTTP 500 / gRPC UNKNOWN.
+TEST(ClientJson, EveryAcceptedDocumentRendersAndDeeperOnesAreTheClientsError) {
+  const runtime::Tokenizer tokenizer = load_tiny_tokenizer();
+  Scheduler scheduler({}, 1, &tokenizer, nullptr, nullptr);
+  ServiceLimits limits;
+  limits.model_id = "tiny";
+  limits.vocab_size = tokenizer.vocab_size();
+  runtime::ChatTemplate chat_template(
+      "{{ messages | tojson }}{{ tools | tojson(indent=1) }}{{ deep | tojson }}{{ {'w': [messages, tools]} | "
+      "tojson }}",
+      {}, "test");
+  RequestIntake intake(scheduler, &tokenizer, std::move(chat_template), limits, nullptr);
+
+  // The deepest documents each gRPC field accepts.
+  const std::string tool = R"({"type":"function","function":{"name":"f","parameters":)";
+  runtime::ChatInputs inputs;
+  ASSERT_FALSE(
+      parse_json_field("[" + tool + nested_objects(kMaxClientJsonDepth - 3) + "}}]", "tools", inputs.tools));
+  ASSERT_FALSE(parse_json_field(R"({"deep":)" + nested_arrays(kMaxClientJsonDepth - 1) + "}",
+                                "chat_template_kwargs", inputs.kwargs));
+  runtime::ChatMessage call{"assistant", "", ordered_json::object()};
+  ordered_json calls;
+  ASSERT_FALSE(parse_json_field(R"([{"type":"function","function":{"name":"f","arguments":)" +
+                                    nested_objects(kMaxClientJsonDepth - 3) + "}}]",
+                                "messages[1].tool_calls", calls));
+  call.fields["tool_calls"] = std::move(calls);
+  const std::vector<runtime::ChatMessage> messages{{"user", "hi", ordered_json::object()}, std::move(call)};
+  std::vector<std::int32_t> ids;
+  const IntakeResult rendered = intake.chat_prompt(messages, inputs, "messages", ids);
+  EXPECT_FALSE(rendered.has_value()) << rendered->message;
+  EXPECT_FALSE(ids.empty());
+
+  // Past the template engine's own limit: refused at the parser, naming the field.
+  ordered_json tools;
+  const IntakeResult refused = parse_json_field("[" + tool + nested_objects(300) + "}}]", "tools", tools);
+  ASSERT_TRUE(refused.has_value());
+  EXPECT_EQ(refused->code, IntakeCode::invalid_argument);
+  EXPECT_EQ(refused->param, "tools");
+  EXPECT_EQ(refused->message.rfind("tools[0].function.parameters.a...: JSON nests deeper than 64", 0), 0U)
+      << refused->message;
+}
+
+}  // namespace
+}  // namespace capserve::server
