@@ -3,7 +3,10 @@
 #include <algorithm>
 #include <array>
 #include <cstddef>
+#include <memory>
+#include <unordered_map>
 #include <utility>
+#include <vector>
 
 namespace capserve::server {
 namespace {
@@ -114,10 +117,115 @@ IntakeResult scan(std::string_view text, const std::string& field) {
   return invalid(name + scan.path() + limit, field);
 }
 
-template <typename Json>
-IntakeResult parse(std::string_view text, const std::string& field, Json& out) {
+// Builds an ordered_json in time linear in the document. nlohmann's own parser inserts each key through
+// ordered_map::operator[], a linear search of the object, so one object of n keys costs n² (a tool schema of
+// 60k properties: tens of seconds). Here a key is appended, and only a repeated key (JSON allows them; the
+// last value wins at the first one's place, as nlohmann and Python's json do) needs a search: a scan in a
+// small object, a hash index built once an object grows past kIndexFrom keys.
+class OrderedBuilder {
+ public:
+  using json = nlohmann::ordered_json;
+
+  explicit OrderedBuilder(json& root) : root_(root) {}
+
+  bool null() { return add(nullptr); }
+  bool boolean(bool v) { return add(v); }
+  bool number_integer(json::number_integer_t v) { return add(v); }
+  bool number_unsigned(json::number_unsigned_t v) { return add(v); }
+  bool number_float(json::number_float_t v, const json::string_t& /*text*/) { return add(v); }
+  bool string(json::string_t& v) { return add(std::move(v)); }
+  bool binary(json::binary_t& v) { return add(json::binary(std::move(v))); }
+  bool start_object(std::size_t /*size*/) { return open(json::object()); }
+  bool start_array(std::size_t /*size*/) { return open(json::array()); }
+  bool key(json::string_t& k) {
+    open_.back().key = std::move(k);
+    return true;
+  }
+  bool end_object() { return close(); }
+  bool end_array() { return close(); }
+  bool parse_error(std::size_t /*position*/, const std::string& /*token*/,
+                   const nlohmann::detail::exception& /*e*/) {
+    return false;  // not reached: the depth scan has read the same document
+  }
+
+ private:
+  static constexpr std::size_t kIndexFrom = 16;
+  using Pairs = json::object_t::Container;
+
+  // An array or object being filled. Pointers into parents stay valid: a parent gets no new element while a
+  // child is open.
+  struct Open {
+    json* node = nullptr;
+    std::string key;  // objects: the key of the value that comes next
+    std::unique_ptr<std::unordered_map<std::string, std::size_t>> index;  // objects past kIndexFrom keys
+  };
+
+  // Places `v` in the open container (or as the root); returns where it went.
+  json* place(json&& v) {
+    if (open_.empty()) {
+      root_ = std::move(v);
+      return &root_;
+    }
+    Open& o = open_.back();
+    if (o.node->is_array()) {
+      auto& array = o.node->get_ref<json::array_t&>();
+      array.push_back(std::move(v));
+      return &array.back();
+    }
+    // The object's pairs as the vector they are, past ordered_map's searching insert.
+    auto& object = static_cast<Pairs&>(o.node->get_ref<json::object_t&>());
+    if (const std::size_t at = find(o, object); at != object.size()) {
+      object[at].second = std::move(v);
+      return &object[at].second;
+    }
+    object.emplace_back(o.key, std::move(v));
+    if (o.index != nullptr) {
+      o.index->emplace(std::move(o.key), object.size() - 1);
+    } else if (object.size() > kIndexFrom) {
+      o.index = std::make_unique<std::unordered_map<std::string, std::size_t>>();
+      for (std::size_t i = 0; i < object.size(); ++i) o.index->emplace(object[i].first, i);
+    }
+    return &object.back().second;
+  }
+  // The index of the open object's current key among its keys, or its size when the key is new.
+  static std::size_t find(const Open& o, const Pairs& object) {
+    if (o.index != nullptr) {
+      const auto it = o.index->find(o.key);
+      return it == o.index->end() ? object.size() : it->second;
+    }
+    for (std::size_t i = 0; i < object.size(); ++i)
+      if (object[i].first == o.key) return i;
+    return object.size();
+  }
+  bool add(json&& v) {
+    place(std::move(v));
+    return true;
+  }
+  bool open(json&& empty) {
+    open_.push_back({place(std::move(empty)), {}, nullptr});
+    return true;
+  }
+  bool close() {
+    open_.pop_back();
+    return true;
+  }
+
+  json& root_;
+  std::vector<Open> open_;
+};
+
+IntakeResult parse(std::string_view text, const std::string& field, nlohmann::json& out) {
   if (IntakeResult bad = scan(text, field)) return bad;
-  out = Json::parse(text);  // cannot fail: the scan read the same document
+  out = nlohmann::json::parse(text);  // cannot fail: the scan read the same document
+  return std::nullopt;
+}
+
+IntakeResult parse(std::string_view text, const std::string& field, nlohmann::ordered_json& out) {
+  if (IntakeResult bad = scan(text, field)) return bad;
+  nlohmann::ordered_json built;
+  OrderedBuilder builder(built);
+  nlohmann::ordered_json::sax_parse(text, &builder);  // cannot fail: the scan read the same document
+  out = std::move(built);
   return std::nullopt;
 }
 
