@@ -7,6 +7,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <stop_token>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -79,13 +80,16 @@ class ChatTemplate {
 
   // Replaces `out` with the rendered prompt; add_generation_prompt appends the opening of an assistant turn
   // where the template has one. invalid_argument (and no output) for an empty conversation, one the
-  // template rejects, or kwargs that are not an object or name a reserved variable.
-  Status render(std::span<const ChatMessage> messages, const ChatInputs& inputs, std::string& out) const;
+  // template rejects, or kwargs that are not an object or name a reserved variable. A requested `stop` ends
+  // the render early with an error (the client that asked for it has gone).
+  Status render(std::span<const ChatMessage> messages, const ChatInputs& inputs, std::string& out,
+                std::stop_token stop = {}) const;
   // The same, with the content ranges: each message's content (or, where the template strips it, its
   // stripped text) found in order in the rendered text. The search is by text, so content the template
   // transforms otherwise is not covered, and content that repeats the markup just before it may be matched
   // there instead.
-  Status render(std::span<const ChatMessage> messages, const ChatInputs& inputs, RenderedPrompt& out) const;
+  Status render(std::span<const ChatMessage> messages, const ChatInputs& inputs, RenderedPrompt& out,
+                std::stop_token stop = {}) const;
 
  private:
   std::shared_ptr<const jinja::Template> template_;

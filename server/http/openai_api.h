@@ -35,7 +35,8 @@ Response error_response(unsigned status, std::string_view message, std::string_v
 // Options::error_response of the API's port.
 Response server_error_response(unsigned status, std::string_view message);
 
-// Puts every route but /health behind the key: a request without `Authorization: Bearer KEY` gets 401 in
+// Puts every route but /health behind the key (Route::admit): a request without `Authorization: Bearer KEY`
+// gets 401 in
 // OpenAI's shape (code "invalid_api_key") and a WWW-Authenticate header. /health stays open because load
 // balancers and orchestrators probe it without credentials, and it tells nothing but up or down.
 void require_api_key(std::map<std::string, Route, std::less<>>& routes,
