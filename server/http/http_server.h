@@ -92,7 +92,7 @@ struct Options {
   // The threads that run POST handlers, and how many requests may wait for one; a request beyond that is
   // answered 503 at once instead of waiting behind unbounded work.
   int workers = 2;
-  std::size_t max_queued_requests = 32;
+  std::size_t max_queued_requests = 256;
   // A request (head and body) must arrive within this from the moment the server starts waiting for it; the
   // same bound closes a keep-alive connection that stays idle. Slowloris clients are cut off by it.
   std::chrono::milliseconds read_timeout{10'000};

@@ -630,7 +630,9 @@ Response error_response(unsigned status, std::string_view message, std::string_v
 
 Response server_error_response(unsigned status, std::string_view message) {
   const char* code = status == 404 ? "not_found" : status == 405 ? "method_not_allowed" : nullptr;
-  return error_response(status, message, "invalid_request_error", {}, code == nullptr ? "" : code);
+  // 503: the workers' queue is full or the server drains, as the intake's own 503 says.
+  return error_response(status, message, status == 503 ? "service_unavailable" : "invalid_request_error", {},
+                        code == nullptr ? "" : code);
 }
 
 void require_api_key(std::map<std::string, Route, std::less<>>& routes,

@@ -81,22 +81,22 @@ class Client {
       out.append(buf, static_cast<std::size_t>(n));
     }
   }
-  // The bytes that arrive within `wait` (the connection stays open).
-  std::string read_for(std::chrono::milliseconds wait) {
-    std::string out;
+  // A response head (and whatever came with it) once it is complete, or "" when `wait` passes first; the
+  // connection stays open and a later call goes on from what arrived.
+  std::string read_head(std::chrono::milliseconds wait) {
     char buf[4096];
     const auto until = std::chrono::steady_clock::now() + wait;
-    while (std::chrono::steady_clock::now() < until) {
+    while (head_.find("\r\n\r\n") == std::string::npos && std::chrono::steady_clock::now() < until) {
       const ssize_t n = ::recv(fd_, buf, sizeof buf, MSG_DONTWAIT);
       if (n > 0) {
-        out.append(buf, static_cast<std::size_t>(n));
+        head_.append(buf, static_cast<std::size_t>(n));
       } else if (n == 0) {
         break;
       } else {
-        std::this_thread::sleep_for(5ms);
+        std::this_thread::sleep_for(2ms);
       }
     }
-    return out;
+    return head_.find("\r\n\r\n") == std::string::npos ? "" : std::exchange(head_, {});
   }
   // One answer on a kept-alive connection: the head and Content-Length bytes of body.
   std::string read_response() {
@@ -126,6 +126,7 @@ class Client {
 
  private:
   int fd_;
+  std::string head_;  // read_head's bytes so far
 };
 
 int status_of(const std::string& response) {
@@ -356,6 +357,7 @@ class HttpProducerTest : public ::testing::Test {
     o.host = "127.0.0.1";
     o.io_threads = 1;  // every stream on one thread: none holds it
     o.read_timeout = 500ms;
+    o.max_connections_per_peer = 255;  // hundreds of streams from this one address
     return o;
   }
   std::shared_ptr<FedProducer> next(unsigned status = 200) {
@@ -595,7 +597,7 @@ TEST_F(HttpHardeningTest, TransferEncodingOtherThanChunkedIsRefusedAndNothingIsS
 TEST_F(HttpHardeningTest, ExpectContinueIsAnsweredBeforeTheBodyOnlyWhenTheHeadIsAccepted) {
   Client c(server_.port());
   ASSERT_TRUE(c.send("POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nExpect: 100-continue\r\n\r\n"));
-  const std::string interim = c.read_for(1000ms);
+  const std::string interim = c.read_head(1000ms);
   EXPECT_EQ(interim, "HTTP/1.1 100 Continue\r\n\r\n");
   ASSERT_TRUE(c.send("abc"));
   const std::string final_answer = c.read_all();
@@ -667,18 +669,30 @@ TEST(HttpWorkers, AFullQueueRefusesAtOnceAndStopReachesTheHandler) {
                        ++stopped;
                        return Response{200, "text/plain", "stopped\n"};
                      })}});
-  const std::string request = "POST /wait HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n";
+  const std::string request =
+      "POST /wait HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
   auto running = std::make_unique<Client>(server.port());
   ASSERT_TRUE(running->send(request));
   for (int i = 0; i < 500 && started.load() < 1; ++i) std::this_thread::sleep_for(10ms);
   ASSERT_EQ(started.load(), 1);
-  Client queued(server.port());
-  ASSERT_TRUE(queued.send(request));
-  for (int i = 0; i < 50; ++i) std::this_thread::sleep_for(10ms);  // let it reach the queue
+  // Two more: one waits in the queue, the other finds it full and is refused at once.
+  Client first(server.port());
+  Client second(server.port());
+  ASSERT_TRUE(first.send(request));
+  ASSERT_TRUE(second.send(request));
+  std::string refused;
+  Client* queued = nullptr;
   const auto start = std::chrono::steady_clock::now();
-  const std::string refused = exchange(server.port(), request);
+  while (refused.empty() && std::chrono::steady_clock::now() - start < 5s) {
+    if (refused = first.read_head(5ms); !refused.empty()) {
+      queued = &second;
+    } else if (refused = second.read_head(5ms); !refused.empty()) {
+      queued = &first;
+    }
+  }
   EXPECT_EQ(status_of(refused), 503) << refused;
   EXPECT_LT(std::chrono::steady_clock::now() - start, 1s);
+  ASSERT_NE(queued, nullptr);
   // The running handler's client leaves: its stop is requested; the queued one then runs.
   running.reset();
   for (int i = 0; i < 500 && (stopped.load() < 1 || started.load() < 2); ++i)
@@ -687,7 +701,7 @@ TEST(HttpWorkers, AFullQueueRefusesAtOnceAndStopReachesTheHandler) {
   EXPECT_EQ(started.load(), 2);
   // Draining stops it too, and refuses new POSTs.
   server.cancel_pending();
-  EXPECT_EQ(body_of(queued.read_all()), "stopped\n");
+  EXPECT_EQ(body_of(queued->read_all()), "stopped\n");
   const std::string late = exchange(server.port(), request);
   EXPECT_EQ(status_of(late), 503) << late;
 }
