@@ -2,7 +2,11 @@
 // clean 4xx for every malformed or hostile request (the civetweb exposer it replaces died on any 404/405),
 // idle and slowloris sockets that neither block other clients nor stay open past the read deadline, a
 // connection limit, bind errors naming the address; responses from a Producer, whole or streamed in chunks,
-// many at once on one I/O thread, and a client that leaves abandons its producer at once.
+// many at once on one I/O thread, and a client that leaves abandons its producer at once. Hostile clients of
+// issue 24: request framing other than a final chunked refused (no smuggling), 100 Continue on an accepted
+// head only, unframed HTTP/1.0 streams, a stream cancelled once its client stops reading, a per-address
+// connection cap, POST handlers on a bounded worker pool whose stop is requested when the client leaves or
+// the server drains.
 #include "server/http/http_server.h"
 
 #include <arpa/inet.h>
