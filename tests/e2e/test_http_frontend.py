@@ -23,7 +23,7 @@ TEMPLATE = ("{% if spin is defined %}{% for i in range(spin) %}{% set x = 'a' * 
             "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 PER_PEER = 8
-CONNECTIONS_PER_PEER = 6
+CONNECTIONS_PER_PEER = 16  # above the slow POSTs and /health probes of one test at once
 
 
 def write_template():
