@@ -68,6 +68,7 @@ struct Options {
   int port = 50051;
   int metrics_port = 9400;
   int http_port = 8000;
+  std::size_t max_connections_per_peer = 64;  // on the HTTP API's port and the metrics port
   int threads = 0;
   std::string device = "cpu";
   std::string kv_dtype = "auto";
@@ -150,6 +151,11 @@ void add_flags(CLI::App& app, Options& o) {
   app.add_option("--max-requests-per-peer", o.limits.max_requests_per_peer,
                  "requests in flight from one client address before RESOURCE_EXHAUSTED (0: no limit)")
       ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  // Below the metrics port's 256 connections (and the API's 1024): one address cannot take them all.
+  app.add_option("--max-connections-per-peer", o.max_connections_per_peer,
+                 "HTTP connections (API and metrics ports) from one client address; more are closed at once")
+      ->check(CLI::Range(1, 255))
       ->capture_default_str();
   app.add_flag("--allow-special-tokens-in-content", o.limits.special_tokens_in_content,
                "encode special-token text in chat messages as control tokens (default: as plain text)");
@@ -389,8 +395,10 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Engine& engine, server
     if (!o.api_key.empty()) api_key.emplace(o.api_key);
     if (!o.api_key_file.empty()) api_key = server::security::ApiKey::from_file(o.api_key_file);
     metrics_http = std::make_unique<server::http::Server>(
-        server::http::Options{
-            .host = o.metrics_host.empty() ? o.host : o.metrics_host, .port = o.metrics_port, .tls = tls},
+        server::http::Options{.host = o.metrics_host.empty() ? o.host : o.metrics_host,
+                              .port = o.metrics_port,
+                              .max_connections_per_peer = o.max_connections_per_peer,
+                              .tls = tls},
         std::map<std::string, server::http::Route, std::less<>>{
             {"/metrics", [&metrics] {
                return server::http::Response{200, "text/plain; version=0.0.4; charset=utf-8",
@@ -419,6 +427,7 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Engine& engine, server
                                 .port = o.http_port,
                                 .io_threads = 2,
                                 .max_connections = 1024,
+                                .max_connections_per_peer = o.max_connections_per_peer,
                                 .read_timeout = std::chrono::seconds(10),
                                 .write_timeout = std::chrono::seconds(30),
                                 .max_header_bytes = 16 * 1024,
@@ -487,6 +496,7 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Engine& engine, server
       if (g_stop_requested.load() && !scheduler->draining()) {
         spdlog::info("capserve: draining (no new requests; running ones finish)");
         scheduler->drain();
+        if (api_http) api_http->cancel_pending();  // a render in progress would only be refused
         health.SetServingStatus(false);
       }
       if (scheduler->idle()) {

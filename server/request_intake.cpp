@@ -233,7 +233,7 @@ IntakeResult RequestIntake::check_request_id(std::string_view id, const std::str
 
 IntakeResult RequestIntake::chat_prompt(std::span<const runtime::ChatMessage> messages,
                                         const runtime::ChatInputs& inputs, const std::string& field,
-                                        std::vector<std::int32_t>& ids) const {
+                                        std::vector<std::int32_t>& ids, std::stop_token stop) const {
   if (tokenizer_ == nullptr || !chat_template_)
     return IntakeError{IntakeCode::failed_precondition,
                        "this model has no tokenizer or chat template; send token ids instead", field};
@@ -262,8 +262,12 @@ IntakeResult RequestIntake::chat_prompt(std::span<const runtime::ChatMessage> me
       return bad;
   }
   runtime::RenderedPrompt prompt;
-  if (runtime::Status s = chat_template_->render(messages, inputs, prompt); !s.ok())
+  if (runtime::Status s = chat_template_->render(messages, inputs, prompt, stop); !s.ok()) {
+    if (stop.stop_requested())
+      return IntakeError{
+          IntakeCode::cancelled, "the request was cancelled while its prompt was rendered", {}};
     return invalid(field + ": " + s.message(), field);
+  }
   // Only the template's markup yields special tokens, unless the server allows them in content too.
   const std::span<const runtime::TextRange> plain_text =
       limits_.special_tokens_in_content ? std::span<const runtime::TextRange>() : prompt.content;
@@ -395,27 +399,30 @@ IntakeResult RequestIntake::submit(const std::shared_ptr<Request>& request) {
 RequestIntake::PeerSlot::~PeerSlot() {
   std::lock_guard lock(intake_->peers_mutex_);
   const auto it = intake_->peer_requests_.find(peer_);
-  if (--it->second == 0) intake_->peer_requests_.erase(it);
+  if ((it->second -= count_) <= 0) intake_->peer_requests_.erase(it);
 }
 
-IntakeResult RequestIntake::enter(const std::string& peer, std::optional<PeerSlot>& slot) {
+IntakeResult RequestIntake::enter(const std::string& peer, std::optional<PeerSlot>& slot,
+                                  std::int64_t count) {
   std::string address = peer_address(peer);
   bool admitted = false;
   {
     std::lock_guard lock(peers_mutex_);
     std::int64_t& n = peer_requests_[address];
-    if (limits_.max_requests_per_peer <= 0 || n < limits_.max_requests_per_peer) {
-      ++n;
+    if (limits_.max_requests_per_peer <= 0 || n + count <= limits_.max_requests_per_peer) {
+      n += count;
       admitted = true;
+    } else if (n == 0) {
+      peer_requests_.erase(address);  // no entry for an address with nothing in flight
     }
   }
   if (!admitted)
     return refuse({IntakeCode::resource_exhausted,
-                   "too many requests in flight from " + address + ": the limit is " +
-                       std::to_string(limits_.max_requests_per_peer) +
+                   "too many requests in flight from " + address + ": " + std::to_string(count) +
+                       " more would exceed the limit of " + std::to_string(limits_.max_requests_per_peer) +
                        " per client address (--max-requests-per-peer); retry when one ends",
                    {}});
-  slot.emplace(*this, std::move(address));
+  slot.emplace(*this, std::move(address), count);
   return std::nullopt;
 }
 

@@ -10,6 +10,7 @@
 #include <mutex>
 #include <optional>
 #include <span>
+#include <stop_token>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -119,10 +120,11 @@ class RequestIntake {
   // A client-chosen request id: bounded, UTF-8 (`field` names it).
   [[nodiscard]] IntakeResult check_request_id(std::string_view id, const std::string& field) const;
   // Checks `messages` and `inputs` (roles, UTF-8, tool_calls / tool_call_id / name, the tools list, kwargs),
-  // renders them through the chat template and tokenizes them; `field` names the messages array.
+  // renders them through the chat template and tokenizes them; `field` names the messages array. A
+  // requested `stop` (the client has gone, the server drains) cancels the render: IntakeCode::cancelled.
   [[nodiscard]] IntakeResult chat_prompt(std::span<const runtime::ChatMessage> messages,
                                          const runtime::ChatInputs& inputs, const std::string& field,
-                                         std::vector<std::int32_t>& ids) const;
+                                         std::vector<std::int32_t>& ids, std::stop_token stop = {}) const;
   // A text prompt, tokenized as the model's tokenizer does (with its BOS where it adds one).
   [[nodiscard]] IntakeResult text_prompt(std::string_view text, const std::string& field,
                                          std::vector<std::int32_t>& ids) const;
@@ -135,10 +137,11 @@ class RequestIntake {
   // Hands the request to the scheduler (counted and logged when refused).
   [[nodiscard]] IntakeResult submit(const std::shared_ptr<Request>& request);
 
-  // One of a client address's in-flight slots, released on destruction.
+  // `count` of a client address's in-flight slots, released on destruction.
   class PeerSlot {
    public:
-    PeerSlot(RequestIntake& intake, std::string peer) : intake_(&intake), peer_(std::move(peer)) {}
+    PeerSlot(RequestIntake& intake, std::string peer, std::int64_t count)
+        : intake_(&intake), peer_(std::move(peer)), count_(count) {}
     PeerSlot(const PeerSlot&) = delete;
     PeerSlot& operator=(const PeerSlot&) = delete;
     ~PeerSlot();
@@ -146,10 +149,13 @@ class RequestIntake {
    private:
     RequestIntake* intake_;
     std::string peer_;
+    std::int64_t count_;
   };
-  // Takes a slot of `peer`'s address (gRPC notation, e.g. "ipv4:10.0.0.1:5000"), or refuses
-  // (resource_exhausted) when the address has --max-requests-per-peer requests in flight.
-  [[nodiscard]] IntakeResult enter(const std::string& peer, std::optional<PeerSlot>& slot);
+  // Takes `count` slots of `peer`'s address (gRPC notation, e.g. "ipv4:10.0.0.1:5000"), one per request the
+  // call submits (HTTP's n choices are n requests), or refuses (resource_exhausted) when they do not fit
+  // under --max-requests-per-peer beside the address's requests in flight.
+  [[nodiscard]] IntakeResult enter(const std::string& peer, std::optional<PeerSlot>& slot,
+                                   std::int64_t count = 1);
 
   // Counts a refusal in the error metrics, logs it (rate-limited) and returns it.
   IntakeError refuse(IntakeError error);

@@ -157,16 +157,16 @@ ChatTemplate ChatTemplate::from_tokenizer_config(const nlohmann::json& config,
   return {*source, std::move(tokens), std::move(origin)};
 }
 
-Status ChatTemplate::render(std::span<const ChatMessage> messages, const ChatInputs& inputs,
-                            std::string& out) const {
+Status ChatTemplate::render(std::span<const ChatMessage> messages, const ChatInputs& inputs, std::string& out,
+                            std::stop_token stop) const {
   RenderedPrompt prompt;
-  Status status = render(messages, inputs, prompt);
+  Status status = render(messages, inputs, prompt, std::move(stop));
   out = std::move(prompt.text);
   return status;
 }
 
 Status ChatTemplate::render(std::span<const ChatMessage> messages, const ChatInputs& inputs,
-                            RenderedPrompt& out) const {
+                            RenderedPrompt& out, std::stop_token stop) const {
   out = {};
   if (messages.empty()) return Status::invalid_argument("chat template: no messages to render");
   if (!inputs.kwargs.is_object())
@@ -203,8 +203,10 @@ Status ChatTemplate::render(std::span<const ChatMessage> messages, const ChatInp
   context.set("tools", inputs.tools.is_null() ? jinja::Value(jinja::None{}) : jinja::from_json(inputs.tools));
   context.set("documents", jinja::None{});
   context.set("add_generation_prompt", inputs.add_generation_prompt);
+  jinja::RenderOptions options;
+  options.stop = std::move(stop);
   try {
-    jinja::Str rendered = template_->render(context);
+    jinja::Str rendered = template_->render(context, options);
     out.text = std::move(rendered.text);
     out.content = std::move(rendered.client);
   } catch (const jinja::Error& e) {

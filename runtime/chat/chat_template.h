@@ -7,6 +7,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <stop_token>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -81,10 +82,13 @@ class ChatTemplate {
 
   // Replaces `out` with the rendered prompt; add_generation_prompt appends the opening of an assistant turn
   // where the template has one. invalid_argument (and no output) for an empty conversation, one the
-  // template rejects, or kwargs that are not an object or name a reserved variable.
-  Status render(std::span<const ChatMessage> messages, const ChatInputs& inputs, std::string& out) const;
+  // template rejects, or kwargs that are not an object or name a reserved variable. A requested `stop` ends
+  // the render early with an error (the client that asked for it has gone).
+  Status render(std::span<const ChatMessage> messages, const ChatInputs& inputs, std::string& out,
+                std::stop_token stop = {}) const;
   // The same, with the client's bytes of the prompt.
-  Status render(std::span<const ChatMessage> messages, const ChatInputs& inputs, RenderedPrompt& out) const;
+  Status render(std::span<const ChatMessage> messages, const ChatInputs& inputs, RenderedPrompt& out,
+                std::stop_token stop = {}) const;
 
  private:
   std::shared_ptr<const jinja::Template> template_;

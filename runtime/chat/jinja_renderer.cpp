@@ -115,10 +115,15 @@ void Renderer::pop_frame(int saved_top) {
 }
 
 void Renderer::check_size(std::size_t bytes) const {
+  check_stop();
   if (bytes > options_.max_output_bytes) {
     fail(ErrorKind::limit_error,
          "the rendered text would exceed " + std::to_string(options_.max_output_bytes) + " bytes");
   }
+}
+
+void Renderer::check_stop() const {
+  if (options_.stop.stop_requested()) fail(ErrorKind::limit_error, "the render was cancelled");
 }
 
 void Renderer::write(std::string_view text) {
@@ -231,6 +236,7 @@ Renderer::Flow Renderer::render_for(const Stmt& s) {
   if (items->empty()) return render_body(s.else_body);
   LoopState state{items.get(), 0};
   for (std::size_t i = 0; i < items->size(); ++i) {
+    check_stop();
     if (++loop_iterations_ > options_.max_loop_iterations) {
       fail(ErrorKind::limit_error,
            "the template ran more than " + std::to_string(options_.max_loop_iterations) + " loop iterations");

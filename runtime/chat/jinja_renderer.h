@@ -6,6 +6,7 @@
 #include <ctime>
 #include <functional>
 #include <memory>
+#include <stop_token>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -22,6 +23,9 @@ struct RenderOptions {
   std::size_t max_output_bytes = std::size_t{64} << 20;
   int max_call_depth = 100;
   std::size_t max_loop_iterations = 1'000'000;
+  // Cancels the render (LimitError) when requested, e.g. because the client that asked for it has gone;
+  // checked where the bounds are.
+  std::stop_token stop = {};
 };
 
 class Renderer {
@@ -42,7 +46,7 @@ class Renderer {
   [[nodiscard]] Value call(const Value& fn, Args& args);
 
   [[nodiscard]] const RenderOptions& options() const { return options_; }
-  // Raises LimitError when a value of `bytes` would exceed the output bound.
+  // Raises LimitError when a value of `bytes` would exceed the output bound, or the render is cancelled.
   void check_size(std::size_t bytes) const;
 
  private:
@@ -89,6 +93,8 @@ class Renderer {
   void write(const Str& text);
   int push_frame(int parent, const LoopState* loop = nullptr);
   void pop_frame(int saved_top);
+  // Raises LimitError once options_.stop is requested.
+  void check_stop() const;
 
   const Dict& context_;
   const RenderOptions& options_;

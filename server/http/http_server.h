@@ -13,6 +13,8 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
+#include <stop_token>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -49,17 +51,22 @@ struct Response {
   bool stream = false;
 };
 
-// What a POST handler sees of its request.
+// What a handler sees of its request.
 struct IncomingRequest {
   std::string_view body;
   std::string peer;  // the client's address as gRPC names it: "ipv4:127.0.0.1:5000", "ipv6:[::1]:5000"
   std::function<std::string_view(std::string_view name)> header;  // empty when absent
+  // Requested when the client has gone or the server drains or stops: long work should end early.
+  std::stop_token stop = {};
 };
 
 enum class Method { get, post };
 
-// One path's handler. GET routes also answer HEAD (the same head, no body). Handlers run on an I/O thread:
-// keep them short (a Producer waits instead). An exception becomes a 500 answer.
+// One path's handler. GET routes also answer HEAD (the same head, no body). GET handlers run on an I/O
+// thread: keep them short. POST handlers (parsing, validation, template rendering, tokenization: work that
+// can take seconds) run on the worker pool, so that they never hold up the I/O threads and the GET routes on
+// them; a POST's answer closes its connection. A response that waits on the engine is a Producer. An
+// exception becomes a 500 answer.
 struct Route {
   template <typename F>
   requires std::is_invocable_r_v<Response, F> Route(F get)
@@ -68,6 +75,9 @@ struct Route {
 
   Method method;
   std::function<Response(const IncomingRequest&)> handler;
+  // Checks the request's head (body empty) on the I/O thread before its body is read (e.g. the API key): an
+  // answer refuses the request, before any `100 Continue`. Must be cheap.
+  std::function<std::optional<Response>(const IncomingRequest&)> admit = {};
 };
 
 struct Options {
@@ -76,11 +86,22 @@ struct Options {
   int io_threads = 1;
   // Connections beyond this are closed as soon as they are accepted.
   std::size_t max_connections = 256;
+  // Connections from one client address beyond this are closed as soon as they are accepted, so that one
+  // address cannot take every connection; below max_connections (checked), 0: no per-address cap.
+  std::size_t max_connections_per_peer = 64;
+  // The threads that run POST handlers, and how many requests may wait for one; a request beyond that is
+  // answered 503 at once instead of waiting behind unbounded work.
+  int workers = 2;
+  std::size_t max_queued_requests = 256;
   // A request (head and body) must arrive within this from the moment the server starts waiting for it; the
   // same bound closes a keep-alive connection that stays idle. Slowloris clients are cut off by it.
   std::chrono::milliseconds read_timeout{10'000};
-  // A client that does not read its answer is cut off after this.
+  // A client that does not read its answer is cut off after this: no write may take longer.
   std::chrono::milliseconds write_timeout{10'000};
+  // A stream whose client reads too slowly is cancelled once this much of its output waits unsent (in the
+  // server and in the kernel's send buffer), long before the write deadline would notice: without it a
+  // stalled client holds its request to the end and megabytes of buffered output.
+  std::size_t max_unsent_bytes = std::size_t{1} << 20;
   std::uint32_t max_header_bytes = 8 * 1024;
   std::uint64_t max_body_bytes = 64 * 1024;
   // The answer to a request the server refuses itself (unknown path 404, method 405, head 431, body 413,
@@ -96,7 +117,7 @@ class Server {
   // Binds and starts serving `routes` (exact paths, e.g. "/metrics"). Throws std::runtime_error naming the
   // address when it cannot listen (in use, malformed, not local).
   Server(Options options, std::map<std::string, Route, std::less<>> routes);
-  // Stops accepting, closes every connection and joins the I/O threads.
+  // Stops accepting, cancels the POST handlers, closes every connection and joins the threads.
   ~Server();
   Server(const Server&) = delete;
   Server& operator=(const Server&) = delete;
@@ -105,6 +126,9 @@ class Server {
   [[nodiscard]] int port() const;
   // Connections open now (for tests and diagnostics).
   [[nodiscard]] std::size_t open_connections() const;
+  // The server drains: the POST handlers running or queued are cancelled (their stop is requested) and new
+  // ones are answered 503; GET routes and producers that already answer carry on.
+  void cancel_pending();
 
  private:
   struct Impl;

@@ -632,15 +632,18 @@ Response error_response(unsigned status, std::string_view message, std::string_v
 
 Response server_error_response(unsigned status, std::string_view message) {
   const char* code = status == 404 ? "not_found" : status == 405 ? "method_not_allowed" : nullptr;
-  return error_response(status, message, "invalid_request_error", {}, code == nullptr ? "" : code);
+  // 503: the workers' queue is full or the server drains, as the intake's own 503 says.
+  return error_response(status, message, status == 503 ? "service_unavailable" : "invalid_request_error", {},
+                        code == nullptr ? "" : code);
 }
 
 void require_api_key(std::map<std::string, Route, std::less<>>& routes,
                      std::shared_ptr<const security::ApiKey> key) {
   for (auto& [path, route] : routes) {
     if (path == "/health") continue;
-    route.handler = [key, handler = std::move(route.handler)](const IncomingRequest& in) {
-      if (key->accepts(in.header("authorization"))) return handler(in);
+    // Checked on the head, so that a client without the key gets no `100 Continue` and sends no body.
+    route.admit = [key](const IncomingRequest& in) -> std::optional<Response> {
+      if (key->accepts(in.header("authorization"))) return std::nullopt;
       Response refused = error_response(401,
                                         in.header("authorization").empty()
                                             ? "missing API key: send the header 'Authorization: Bearer KEY'"
@@ -750,8 +753,12 @@ Response OpenAiApi::completions(const IncomingRequest& in, bool chat) {
     runtime::ChatInputs inputs;
     if (auto e = read_chat_inputs(body, ordered, inputs)) return refuse(*e);
     std::vector<std::int32_t> ids;
-    if (IntakeResult bad = intake_.chat_prompt(messages, inputs, "messages", ids))
-      return with_id(intake_response(intake_.refuse(std::move(*bad))));
+    if (IntakeResult bad = intake_.chat_prompt(messages, inputs, "messages", ids, in.stop)) {
+      if (bad->code != IntakeCode::cancelled)
+        return with_id(intake_response(intake_.refuse(std::move(*bad))));
+      intake_.count_outcome(Outcome::cancelled);
+      return with_id(intake_response(*bad));
+    }
     prompts.push_back(std::move(ids));
   } else {
     std::vector<Prompt> raw;
@@ -776,8 +783,15 @@ Response OpenAiApi::completions(const IncomingRequest& in, bool chat) {
                        " exceed the limit of " + std::to_string(options_.max_choices) + " choices per call",
                    "n"});
 
+  // The client left (or the server drains) while the prompts were prepared: nothing reaches the scheduler.
+  if (in.stop.stop_requested()) {
+    intake_.count_outcome(Outcome::cancelled);
+    return with_id(intake_response({IntakeCode::cancelled, "the request was cancelled", {}}));
+  }
   auto completion = std::make_shared<Completion>(intake_, shape);
-  if (IntakeResult refused = intake_.enter(in.peer, completion->slot()))
+  // Every choice is a request in flight: a call takes one slot per choice.
+  if (IntakeResult refused =
+          intake_.enter(in.peer, completion->slot(), static_cast<std::int64_t>(prompts.size()) * n))
     return with_id(intake_response(*refused));
   const std::uint64_t base_seed = seeded ? sampling.seed : random_seed();
   std::vector<std::shared_ptr<Request>> requests;

@@ -31,11 +31,12 @@ struct OpenAiOptions {
 Response error_response(unsigned status, std::string_view message, std::string_view type,
                         std::string_view param = {}, std::string_view code = {});
 
-// The server's own refusals (unknown path, method, oversized head or body, malformed HTTP) in OpenAI's shape:
-// Options::error_response of the API's port.
+// The server's own refusals (unknown path, method, oversized head or body, malformed HTTP, no worker free,
+// draining) in OpenAI's shape: Options::error_response of the API's port.
 Response server_error_response(unsigned status, std::string_view message);
 
-// Puts every route but /health behind the key: a request without `Authorization: Bearer KEY` gets 401 in
+// Puts every route but /health behind the key (Route::admit): a request without `Authorization: Bearer KEY`
+// gets 401 in
 // OpenAI's shape (code "invalid_api_key") and a WWW-Authenticate header. /health stays open because load
 // balancers and orchestrators probe it without credentials, and it tells nothing but up or down.
 void require_api_key(std::map<std::string, Route, std::less<>>& routes,

@@ -27,7 +27,7 @@ MALFORMED_HTTP = [
     (b"POST /metrics HTTP/1.0\r\nContent-Length: 10000000\r\n\r\n" + b"b" * 100000, 413),
     (b"GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n", 400),
     (b"GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab", 400),
-    (b"POST /metrics HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400),
+    (b"POST /metrics HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 405),  # refused on its head
     (b"GET /metrics HTTP/1.1\r\nBad Header: x\r\n\r\n", 400),
     (b"GET /metrics HTTP/9\r\n\r\n", 400),
     (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03 a TLS client hello", 400),

@@ -86,6 +86,9 @@ def read_sse(sock, timeout=120):
 
 @unittest.skipIf(openai is None, OPENAI_MISSING)
 class OpenAiApiTest(ServerTestCase):
+    # Every stream of the concurrency test comes from this one address, beyond the default per-address cap (64).
+    FLAGS = ["--max-connections-per-peer", "255"]
+
     @classmethod
     def setUpClass(cls):
         super().setUpClass()

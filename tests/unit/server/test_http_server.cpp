@@ -2,7 +2,11 @@
 // clean 4xx for every malformed or hostile request (the civetweb exposer it replaces died on any 404/405),
 // idle and slowloris sockets that neither block other clients nor stay open past the read deadline, a
 // connection limit, bind errors naming the address; responses from a Producer, whole or streamed in chunks,
-// many at once on one I/O thread, and a client that leaves abandons its producer at once.
+// many at once on one I/O thread, and a client that leaves abandons its producer at once. Hostile clients of
+// issue 24: request framing other than a final chunked refused (no smuggling), 100 Continue on an accepted
+// head only, unframed HTTP/1.0 streams, a stream cancelled once its client stops reading, a per-address
+// connection cap, POST handlers on a bounded worker pool whose stop is requested when the client leaves or
+// the server drains.
 #include "server/http/http_server.h"
 
 #include <arpa/inet.h>
@@ -14,8 +18,10 @@
 
 #include <atomic>
 #include <chrono>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -25,14 +31,28 @@ namespace capserve::server::http {
 namespace {
 
 using namespace std::chrono_literals;
+using Routes = std::map<std::string, Route, std::less<>>;
 
 // A connected client socket to 127.0.0.1:port; closed on destruction.
 class Client {
  public:
-  explicit Client(int port) : fd_(::socket(AF_INET, SOCK_STREAM, 0)) {
+  // `from`: the local address to connect from (another loopback address is another client address);
+  // `receive_buffer`: a small one makes a client that does not read stall the server's writes soon.
+  explicit Client(int port, const char* from = nullptr, int receive_buffer = 0)
+      : fd_(::socket(AF_INET, SOCK_STREAM, 0)) {
     if (fd_ < 0) throw std::runtime_error("socket() failed");
     timeval tv{5, 0};  // no test waits longer than this for an answer
     ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    if (receive_buffer > 0) ::setsockopt(fd_, SOL_SOCKET, SO_RCVBUF, &receive_buffer, sizeof receive_buffer);
+    if (from != nullptr) {
+      sockaddr_in local{};
+      local.sin_family = AF_INET;
+      ::inet_pton(AF_INET, from, &local.sin_addr);
+      if (::bind(fd_, reinterpret_cast<const sockaddr*>(&local), sizeof local) != 0) {
+        ::close(fd_);
+        throw std::runtime_error(std::string("cannot bind to ") + from);
+      }
+    }
     sockaddr_in addr{};
     addr.sin_family = AF_INET;
     addr.sin_port = htons(static_cast<std::uint16_t>(port));
@@ -65,6 +85,23 @@ class Client {
       out.append(buf, static_cast<std::size_t>(n));
     }
   }
+  // A response head (and whatever came with it) once it is complete, or "" when `wait` passes first; the
+  // connection stays open and a later call goes on from what arrived.
+  std::string read_head(std::chrono::milliseconds wait) {
+    char buf[4096];
+    const auto until = std::chrono::steady_clock::now() + wait;
+    while (head_.find("\r\n\r\n") == std::string::npos && std::chrono::steady_clock::now() < until) {
+      const ssize_t n = ::recv(fd_, buf, sizeof buf, MSG_DONTWAIT);
+      if (n > 0) {
+        head_.append(buf, static_cast<std::size_t>(n));
+      } else if (n == 0) {
+        break;
+      } else {
+        std::this_thread::sleep_for(2ms);
+      }
+    }
+    return head_.find("\r\n\r\n") == std::string::npos ? "" : std::exchange(head_, {});
+  }
   // One answer on a kept-alive connection: the head and Content-Length bytes of body.
   std::string read_response() {
     std::string out;
@@ -93,6 +130,7 @@ class Client {
 
  private:
   int fd_;
+  std::string head_;  // read_head's bytes so far
 };
 
 int status_of(const std::string& response) {
@@ -184,7 +222,8 @@ TEST_F(HttpServerTest, EveryHostileRequestGetsACleanAnswer) {
       {"POST /metrics HTTP/1.0\r\nContent-Length: 2000\r\n\r\n" + big_body, 413},
       {"GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n", 400},
       {"GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab", 400},
-      {"POST /metrics HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400},
+      // Refused on its head: the route takes no POST (a malformed chunked body: HttpHardeningTest).
+      {"POST /metrics HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 405},
       {"GET /metrics HTTP/1.1\r\nBad Header Name: x\r\n\r\n", 400},
       {"GET /metrics HTTP/x.y\r\n\r\n", 400},
       {"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03 TLS client hello", 400},
@@ -227,6 +266,7 @@ TEST(HttpServerLimits, ConnectionsBeyondTheLimitAreClosed) {
   Options o;
   o.host = "127.0.0.1";
   o.max_connections = 2;
+  o.max_connections_per_peer = 0;  // both from one address here
   Server server(o, {{"/metrics", [] { return Response{200, "text/plain", "ok\n"}; }}});
   Client a(server.port());
   Client b(server.port());
@@ -321,6 +361,7 @@ class HttpProducerTest : public ::testing::Test {
     o.host = "127.0.0.1";
     o.io_threads = 1;  // every stream on one thread: none holds it
     o.read_timeout = 500ms;
+    o.max_connections_per_peer = 255;  // hundreds of streams from this one address
     return o;
   }
   std::shared_ptr<FedProducer> next(unsigned status = 200) {
@@ -425,6 +466,48 @@ TEST_F(HttpProducerTest, HundredsOfOpenStreamsShareOneThread) {
   }
 }
 
+// HTTP/1.0 has no chunked framing: the stream is the bare body, ended by closing the connection.
+TEST_F(HttpProducerTest, AnHttp10StreamIsUnframedAndEndsWithTheConnection) {
+  Client c(server_.port());
+  ASSERT_TRUE(c.send("POST /stream HTTP/1.0\r\nContent-Length: 2\r\n\r\nhi"));
+  const auto p = at(0);
+  p->feed("data: 1\n\n", false);
+  p->feed("data: 2\n\n", true);
+  const std::string response = c.read_all();
+  EXPECT_EQ(status_of(response), 200) << response;
+  EXPECT_EQ(response.find("Transfer-Encoding"), std::string::npos) << response;
+  EXPECT_EQ(body_of(response), "data: 1\n\ndata: 2\n\n") << response;
+}
+
+// A client that stops reading a stream: once its unsent output passes the bound (1 MiB by default), the
+// stream is cancelled, long before the write deadline (a minute here) would cut it.
+TEST(HttpStalledStream, AClientThatStopsReadingIsCancelledByItsBacklog) {
+  Options o;
+  o.host = "127.0.0.1";
+  o.write_timeout = 60s;
+  auto producer = std::make_shared<FedProducer>();
+  Server server(o, {{"/stream", Route(Method::post, [producer](const IncomingRequest&) {
+                       Response r{200, "text/event-stream", {}};
+                       r.producer = producer;
+                       r.stream = true;
+                       return r;
+                     })}});
+  Client stalled(server.port(), nullptr, 4096);
+  ASSERT_TRUE(stalled.send(kStreamRequest));
+  for (int i = 0; i < 300 && !producer->started(); ++i) std::this_thread::sleep_for(10ms);
+  ASSERT_TRUE(producer->started());
+  const std::string event = "data: " + std::string(64 * 1024, 'x') + "\n\n";
+  const auto start = std::chrono::steady_clock::now();
+  // Up to 64 MiB, fed as the server takes it; the client never reads.
+  for (int i = 0; i < 1024 && !producer->abandoned_.load(); ++i) {
+    producer->feed(event, false);
+    std::this_thread::sleep_for(2ms);
+  }
+  for (int i = 0; i < 500 && !producer->abandoned_.load(); ++i) std::this_thread::sleep_for(10ms);
+  EXPECT_TRUE(producer->abandoned_.load());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 20s);
+}
+
 TEST_F(HttpProducerTest, WrongMethodsAndErrorsUseTheConfiguredShape) {
   EXPECT_EQ(status_of(exchange(server_.port(), "GET /stream HTTP/1.0\r\n\r\n")), 405);
   const std::string allowed = exchange(server_.port(), "GET /stream HTTP/1.0\r\n\r\n");
@@ -438,6 +521,237 @@ TEST_F(HttpProducerTest, WrongMethodsAndErrorsUseTheConfiguredShape) {
   const std::string missing = exchange(json_errors.port(), "GET /x HTTP/1.0\r\n\r\n");
   EXPECT_EQ(status_of(missing), 404);
   EXPECT_EQ(body_of(missing), "{\"error\":\"not found\"}");
+}
+
+// Routes for the hostile-client tests: /metrics (GET), /echo (POST, answers its body) and /slow (POST, holds
+// its worker until released).
+class HttpHardeningTest : public ::testing::Test {
+ protected:
+  static Options options() {
+    Options o;
+    o.host = "127.0.0.1";
+    o.io_threads = 1;
+    o.read_timeout = 2000ms;
+    o.max_body_bytes = 1024;
+    return o;
+  }
+  ~HttpHardeningTest() override { release_.store(true); }
+
+  std::atomic<bool> release_{false};
+  std::atomic<int> slow_started_{0};
+  Server server_{options(),
+                 {{"/metrics",
+                   [] {
+                     return Response{200, "text/plain", "ok\n"};
+                   }},
+                  {"/echo", Route(Method::post,
+                                  [](const IncomingRequest& in) {
+                                    return Response{200, "text/plain", std::string(in.body)};
+                                  })},
+                  {"/slow", Route(Method::post, [this](const IncomingRequest&) {
+                     ++slow_started_;
+                     while (!release_.load()) std::this_thread::sleep_for(5ms);
+                     return Response{200, "text/plain", "slow\n"};
+                   })}}};
+};
+
+int count_answers(const std::string& bytes) {
+  int n = 0;
+  for (std::size_t at = bytes.find("HTTP/1."); at != std::string::npos; at = bytes.find("HTTP/1.", at + 1))
+    ++n;
+  return n;
+}
+
+// RFC 7230 §3.3.3: a Transfer-Encoding other than a final chunked alone cannot frame the body; taking it as
+// no body would parse the body as the next request (here a smuggled GET). Each gets one refusal and a close.
+TEST_F(HttpHardeningTest, TransferEncodingOtherThanChunkedIsRefusedAndNothingIsSmuggled) {
+  const std::string smuggled = "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n";
+  for (const std::string te : {"xchunked", "identity", "gzip", "chunked, identity",
+                               "chunked\r\nTransfer-Encoding: "
+                               "identity"}) {
+    const std::string response = exchange(
+        server_.port(), "POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: " + te + "\r\n\r\n" + smuggled);
+    EXPECT_EQ(status_of(response), 400) << te << "\n" << response;
+    EXPECT_EQ(count_answers(response), 1) << te << "\n" << response;
+  }
+  // Content codings are not decoded: refused rather than taken as the body.
+  const std::string gzip = exchange(
+      server_.port(),
+      "POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n");
+  EXPECT_EQ(status_of(gzip), 501) << gzip;
+  EXPECT_EQ(count_answers(gzip), 1) << gzip;
+  const std::string both =
+      exchange(server_.port(),
+               "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nTransfer-Encoding: "
+               "chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n" +
+                   smuggled);
+  EXPECT_EQ(status_of(both), 400) << both;
+  EXPECT_EQ(count_answers(both), 1) << both;
+  const std::string malformed =
+      exchange(server_.port(), "POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n");
+  EXPECT_EQ(status_of(malformed), 400) << malformed;
+  const std::string chunked =
+      exchange(server_.port(),
+               "POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n");
+  EXPECT_EQ(status_of(chunked), 200) << chunked;
+  EXPECT_EQ(body_of(chunked), "abc");
+}
+
+// curl sends `Expect: 100-continue` before a body over 1 KiB and waits a second for the interim answer.
+TEST_F(HttpHardeningTest, ExpectContinueIsAnsweredBeforeTheBodyOnlyWhenTheHeadIsAccepted) {
+  Client c(server_.port());
+  ASSERT_TRUE(c.send("POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nExpect: 100-continue\r\n\r\n"));
+  const std::string interim = c.read_head(5000ms);  // returns as soon as the head is in
+  EXPECT_EQ(interim, "HTTP/1.1 100 Continue\r\n\r\n");
+  ASSERT_TRUE(c.send("abc"));
+  const std::string final_answer = c.read_all();
+  EXPECT_EQ(status_of(final_answer), 200) << final_answer;
+  EXPECT_EQ(body_of(final_answer), "abc");
+  // A head refused as it stands gets its refusal and no 100.
+  const std::string too_big =
+      exchange(server_.port(),
+               "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\nExpect: 100-continue\r\n\r\n");
+  EXPECT_EQ(status_of(too_big), 413) << too_big;
+  EXPECT_EQ(too_big.find("100 Continue"), std::string::npos) << too_big;
+  const std::string other = exchange(
+      server_.port(), "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nExpect: coffee\r\n\r\nabc");
+  EXPECT_EQ(status_of(other), 417) << other;
+}
+
+// POST handlers run on workers: two that take their time hold no I/O thread (there is one), so GET routes
+// answer at once meanwhile.
+TEST_F(HttpHardeningTest, SlowPostHandlersDoNotHoldUpGetRoutes) {
+  Client a(server_.port());
+  Client b(server_.port());
+  ASSERT_TRUE(a.send("POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"));
+  ASSERT_TRUE(b.send("POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"));
+  for (int i = 0; i < 500 && slow_started_.load() < 2; ++i) std::this_thread::sleep_for(10ms);
+  ASSERT_EQ(slow_started_.load(), 2);
+  for (int i = 0; i < 5; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    const std::string metrics = exchange(server_.port(), "GET /metrics HTTP/1.0\r\n\r\n");
+    EXPECT_EQ(status_of(metrics), 200) << metrics;
+    EXPECT_LT(std::chrono::steady_clock::now() - start, 500ms);
+  }
+  release_.store(true);
+  EXPECT_EQ(body_of(a.read_all()), "slow\n");
+  EXPECT_EQ(body_of(b.read_all()), "slow\n");
+}
+
+TEST(HttpServerLimits, ConnectionsFromOneAddressBeyondItsCapAreClosed) {
+  Options o;
+  o.host = "127.0.0.1";
+  o.max_connections = 8;
+  o.max_connections_per_peer = 2;
+  Server server(o, {{"/metrics", [] { return Response{200, "text/plain", "ok\n"}; }}});
+  Client a(server.port());
+  Client b(server.port());
+  for (int i = 0; i < 100 && server.open_connections() < 2; ++i) std::this_thread::sleep_for(10ms);
+  ASSERT_EQ(server.open_connections(), 2U);
+  Client c(server.port());
+  EXPECT_TRUE(c.closed_within(2000ms));
+  // Another address still gets in.
+  Client other(server.port(), "127.0.0.2");
+  ASSERT_TRUE(other.send("GET /metrics HTTP/1.0\r\n\r\n"));
+  EXPECT_EQ(status_of(other.read_all()), 200);
+  // One address cannot be allowed every connection.
+  o.max_connections_per_peer = 8;
+  EXPECT_THROW(Server(o, {}), std::invalid_argument);
+}
+
+// The worker pool's queue is bounded: past it a POST is refused at once. A handler's stop is requested when
+// its client leaves and when the server drains (cancel_pending), which also refuses new POSTs.
+TEST(HttpWorkers, AFullQueueRefusesAtOnceAndStopReachesTheHandler) {
+  Options o;
+  o.host = "127.0.0.1";
+  o.workers = 1;
+  o.max_queued_requests = 1;
+  std::atomic<int> started{0}, stopped{0};
+  Server server(o, {{"/wait", Route(Method::post, [&](const IncomingRequest& in) {
+                       ++started;
+                       while (!in.stop.stop_requested()) std::this_thread::sleep_for(2ms);
+                       ++stopped;
+                       return Response{200, "text/plain", "stopped\n"};
+                     })}});
+  const std::string request =
+      "POST /wait HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+  auto running = std::make_unique<Client>(server.port());
+  ASSERT_TRUE(running->send(request));
+  for (int i = 0; i < 500 && started.load() < 1; ++i) std::this_thread::sleep_for(10ms);
+  ASSERT_EQ(started.load(), 1);
+  // Two more: one waits in the queue, the other finds it full and is refused at once.
+  Client first(server.port());
+  Client second(server.port());
+  ASSERT_TRUE(first.send(request));
+  ASSERT_TRUE(second.send(request));
+  std::string refused;
+  Client* queued = nullptr;
+  const auto start = std::chrono::steady_clock::now();
+  while (refused.empty() && std::chrono::steady_clock::now() - start < 5s) {
+    if (refused = first.read_head(5ms); !refused.empty()) {
+      queued = &second;
+    } else if (refused = second.read_head(5ms); !refused.empty()) {
+      queued = &first;
+    }
+  }
+  EXPECT_EQ(status_of(refused), 503) << refused;
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 1s);
+  ASSERT_NE(queued, nullptr);
+  // The running handler's client leaves: its stop is requested; the queued one then runs.
+  running.reset();
+  for (int i = 0; i < 500 && (stopped.load() < 1 || started.load() < 2); ++i)
+    std::this_thread::sleep_for(10ms);
+  EXPECT_EQ(stopped.load(), 1);
+  EXPECT_EQ(started.load(), 2);
+  // Draining stops it too, and refuses new POSTs.
+  server.cancel_pending();
+  EXPECT_EQ(body_of(queued->read_all()), "stopped\n");
+  const std::string late = exchange(server.port(), request);
+  EXPECT_EQ(status_of(late), 503) << late;
+}
+
+// Stopping the server does not wait for a handler that runs until stopped (a SIGTERM during a render).
+TEST(HttpWorkers, StoppingTheServerStopsARunningHandler) {
+  Options o;
+  o.host = "127.0.0.1";
+  std::atomic<bool> started{false};
+  auto server =
+      std::make_unique<Server>(o, Routes{{"/wait", Route(Method::post, [&](const IncomingRequest& in) {
+                                            started.store(true);
+                                            while (!in.stop.stop_requested())
+                                              std::this_thread::sleep_for(2ms);
+                                            return Response{200, "text/plain", ""};
+                                          })}});
+  Client c(server->port());
+  ASSERT_TRUE(c.send("POST /wait HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"));
+  for (int i = 0; i < 500 && !started.load(); ++i) std::this_thread::sleep_for(10ms);
+  ASSERT_TRUE(started.load());
+  const auto start = std::chrono::steady_clock::now();
+  server.reset();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 2s);
+}
+
+// An admission check (the API key) refuses on the head: no 100 Continue, no body read.
+TEST(HttpAdmission, ARefusedHeadGetsNoContinue) {
+  Options o;
+  o.host = "127.0.0.1";
+  Route echo(Method::post, [](const IncomingRequest& in) {
+    return Response{200, "text/plain", std::string(in.body)};
+  });
+  echo.admit = [](const IncomingRequest& in) -> std::optional<Response> {
+    if (in.header("authorization") == "Bearer k") return std::nullopt;
+    return Response{401, "text/plain", "no key\n"};
+  };
+  Server server(o, {{"/echo", echo}});
+  Client c(server.port());
+  ASSERT_TRUE(c.send("POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nExpect: 100-continue\r\n\r\n"));
+  const std::string refused = c.read_all();
+  EXPECT_EQ(status_of(refused), 401) << refused;
+  EXPECT_EQ(refused.find("100 Continue"), std::string::npos) << refused;
+  const std::string allowed =
+      exchange(server.port(),
+               "POST /echo HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\nContent-Length: 3\r\n\r\nabc");
+  EXPECT_EQ(body_of(allowed), "abc") << allowed;
 }
 
 }  // namespace

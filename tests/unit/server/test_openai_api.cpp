@@ -7,6 +7,7 @@
 
 #include <map>
 #include <regex>
+#include <stop_token>
 #include <string>
 
 #include "tests/unit/server/tiny_tokenizer.h"
@@ -264,6 +265,44 @@ TEST_F(OpenAiApiTest, AbandoningCancelsAndAFailureAnswersWithItsStatus) {
   // Draining now (fail_all stops admission): health and new requests say so.
   EXPECT_EQ(routes_.at("/health").handler({}).status, 503U);
   EXPECT_EQ(call("/v1/completions", R"({"prompt": [5]})").status, 503U);
+}
+
+// A call of n choices submits n requests: it takes n of its address's in-flight slots, and is refused when
+// they do not fit (n once bypassed --max-requests-per-peer: eight calls of n=64 filled the queue).
+TEST_F(OpenAiApiTest, EveryChoiceTakesAnInFlightSlotOfItsAddress) {
+  ServiceLimits l = limits(tokenizer_);
+  l.max_requests_per_peer = 4;
+  RequestIntake intake(scheduler_, &tokenizer_, std::nullopt, l, nullptr);
+  OpenAiApi api(intake, {.version = "1.2.3"});
+  auto routes = api.routes();
+  auto post = [&](const std::string& body, const std::string& peer) {
+    return routes.at("/v1/completions").handler({body, peer, [](std::string_view) {
+                                                   return std::string_view();
+                                                 }});
+  };
+  const Response eight = post(R"({"prompt": [5], "n": 8})", "ipv4:10.0.0.1:1000");
+  EXPECT_EQ(eight.status, 429U) << eight.body;
+  Response four = post(R"({"prompt": [5], "n": 4})", "ipv4:10.0.0.1:1001");
+  ASSERT_EQ(four.status, 200U) << four.body;
+  const Response one_more = post(R"({"prompt": [5]})", "ipv4:10.0.0.1:1002");
+  EXPECT_EQ(one_more.status, 429U) << one_more.body;
+  EXPECT_EQ(post(R"({"prompt": [5], "n": 4})", "ipv4:10.0.0.2:1000").status, 200U);  // another address
+  // The slots come back with the response.
+  four.producer->abandon();
+  four.producer.reset();
+  EXPECT_EQ(post(R"({"prompt": [5], "n": 2})", "ipv4:10.0.0.1:1003").status, 200U);
+}
+
+// A client that left while its request was prepared (or a draining server) submits nothing.
+TEST_F(OpenAiApiTest, AStoppedRequestIsNotSubmitted) {
+  std::stop_source gone;
+  gone.request_stop();
+  const std::string body = R"({"prompt": [5, 6]})";
+  const Response r = routes_.at("/v1/completions")
+                         .handler({body, "ipv4:127.0.0.1:5000",
+                                   [](std::string_view) { return std::string_view(); }, gone.get_token()});
+  EXPECT_EQ(r.status, 499U) << r.body;
+  EXPECT_TRUE(scheduler_.idle());
 }
 
 TEST_F(OpenAiApiTest, ModelsHealthAndVersion) {

@@ -5,10 +5,13 @@
 #include <gtest/gtest.h>
 
 #include <cctype>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <ostream>
+#include <stop_token>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -110,6 +113,36 @@ TEST(ChatInputs, KwargsOverrideSpecialTokensButNotReservedVariables) {
   }
   EXPECT_FALSE(t.render(messages, {.kwargs = Json::array()}, out).ok());
   EXPECT_FALSE(t.render(messages, {.tools = Json::object()}, out).ok());
+}
+
+// A render whose client has gone is cancelled at the renderer's next bound check, not run to its end.
+TEST(ChatInputs, ARequestedStopCancelsTheRender) {
+  // A loop of 999,999 iterations that builds a 1 MB string in each: minutes of work.
+  const ChatTemplate slow = inline_template(
+      "{% for i in range(999999) %}{% set x = 'a' * 1000000 %}{% endfor %}{{ messages[0].content }}");
+  const std::vector<ChatMessage> messages = {{"user", "hi"}};
+  std::string out;
+  std::stop_source stopped;
+  stopped.request_stop();
+  const Status at_once = slow.render(messages, {}, out, stopped.get_token());
+  ASSERT_FALSE(at_once.ok());
+  EXPECT_NE(at_once.message().find("cancelled"), std::string::npos) << at_once.message();
+
+  std::stop_source stop;
+  const auto start = std::chrono::steady_clock::now();
+  std::jthread canceller([&stop] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    stop.request_stop();
+  });
+  const Status midway = slow.render(messages, {}, out, stop.get_token());
+  EXPECT_FALSE(midway.ok());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  // Output alone is checked too.
+  EXPECT_FALSE(inline_template("{{ messages[0].content }}").render(messages, {}, out, stop.get_token()).ok());
+  std::stop_source unused;
+  ASSERT_TRUE(
+      inline_template("{{ messages[0].content }}").render(messages, {}, out, unused.get_token()).ok());
+  EXPECT_EQ(out, "hi");
 }
 
 TEST(ChatInputs, MessageKeysReachTheTemplateAsSent) {
