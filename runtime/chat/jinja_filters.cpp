@@ -1,6 +1,7 @@
 #include "runtime/chat/jinja_filters.h"
 
 #include <algorithm>
+#include <bit>
 #include <charconv>
 #include <cmath>
 #include <cstdlib>
@@ -67,14 +68,17 @@ Value sort_key(const Value& v, bool case_sensitive) {
   return v;
 }
 
-Value f_tojson(Renderer&, const Value& v, const Args& args) {
+Value f_tojson(Renderer& r, const Value& v, const Args& args) {
   JsonOptions o;
+  o.max_bytes = r.options().max_value_bytes;
   o.ensure_ascii = flag(args, 0, "ensure_ascii", false);
   if (const Value* indent = args.get(1, "indent"); indent != nullptr && !indent->is_none()) {
     if (indent->is_string()) {
       o.indent = indent->str();
     } else if (indent->is_int() || indent->is_bool()) {
-      o.indent = std::string(static_cast<std::size_t>(std::max<std::int64_t>(indent->as_int(), 0)), ' ');
+      const auto width = static_cast<std::size_t>(std::max<std::int64_t>(indent->as_int(), 0));
+      r.produce(width);
+      o.indent = std::string(width, ' ');
     } else {
       type_error("indent must be an int or a str");
     }
@@ -91,6 +95,7 @@ Value f_tojson(Renderer&, const Value& v, const Args& args) {
   o.sort_keys = flag(args, 3, "sort_keys", false);
   std::string out;
   append_json(v, o, out);
+  r.produce(out.size());
   return out;
 }
 
@@ -148,14 +153,17 @@ Value f_safe(Renderer&, const Value& v, const Args&) {
   return text(v);
 }
 
-Value f_list(Renderer&, const Value& v, const Args&) {
-  return iterate(v);
+Value f_list(Renderer& r, const Value& v, const Args&) {
+  return v.is_list() ? iterate(v) : r.items(v);
 }
 
-Value f_items(Renderer&, const Value& v, const Args&) {
+Value f_items(Renderer& r, const Value& v, const Args&) {
   if (v.is_undefined()) return List{};
   if (!v.is_dict()) type_error("Can only get item pairs from a mapping.");
+  // Each item is a pair: a list of two.
+  r.produce(Renderer::list_bytes(size_mul(v.dict().items.size(), 3), 0));
   List out;
+  out.reserve(v.dict().items.size());
   for (const auto& [k, item] : v.dict().items) out.push_back(pair(k, item));
   return out;
 }
@@ -164,53 +172,59 @@ Value f_join(Renderer& r, const Value& v, const Args& args) {
   const Value* sep = args.get(0, "d");
   const std::string separator = sep == nullptr ? std::string() : text(*sep);
   const Value* attribute = args.get(1, "attribute");
+  const std::shared_ptr<const List> items = r.items(v);
+  // The strings' share of the size first, so that joining them is refused before it is built.
+  std::size_t size = 0;
+  for (const Value& item : *items) {
+    size = size_add(size, size_add(separator.size(), item.is_string() ? item.str().size() : 0));
+  }
+  r.produce(size);
   std::string out;
+  out.reserve(size);
   bool first = true;
-  for (const auto items = iterate(v); const Value& item : *items) {
+  for (const Value& item : *items) {
     if (!first) out += separator;
     first = false;
     if (attribute != nullptr && attribute->is_string()) {
       append_str(attribute_of(item, attribute->str()), out);
     } else {
+      r.check_text(item);
       append_str(item, out);
     }
-    r.check_size(out.size());
+    if (out.size() > r.options().max_value_bytes) r.produce(out.size());
   }
   return out;
 }
 
-Value f_first(Renderer&, const Value& v, const Args&) {
-  const std::shared_ptr<const List> items = iterate(v);
+Value f_first(Renderer& r, const Value& v, const Args&) {
+  const std::shared_ptr<const List> items = v.is_list() ? iterate(v) : r.items(v);
   if (items->empty()) return Undefined{"No first item, sequence was empty."};
   return items->front();
 }
 
-Value f_last(Renderer&, const Value& v, const Args&) {
-  const std::shared_ptr<const List> items = iterate(v);
+Value f_last(Renderer& r, const Value& v, const Args&) {
+  const std::shared_ptr<const List> items = v.is_list() ? iterate(v) : r.items(v);
   if (items->empty()) return Undefined{"No last item, sequence was empty."};
   return items->back();
 }
 
-Value f_reverse(Renderer&, const Value& v, const Args&) {
-  if (v.is_string()) {
-    std::vector<std::string_view> cps = code_points(v.str());
-    std::string out;
-    for (auto it = cps.rbegin(); it != cps.rend(); ++it) out += *it;
-    return out;
-  }
-  List items = *iterate(v);
+Value f_reverse(Renderer& r, const Value& v, const Args&) {
+  if (v.is_string()) return slice(r, v, None{}, None{}, Value(-1));
+  List items = *r.items(v);
   std::reverse(items.begin(), items.end());
   return items;
 }
 
-Value f_indent(Renderer&, const Value& v, const Args& args) {
+Value f_indent(Renderer& r, const Value& v, const Args& args) {
   const Value* width = args.get(0, "width");
   std::string indentation = "    ";
   if (width != nullptr) {
     if (width->is_string()) {
       indentation = width->str();
     } else if (width->is_int() || width->is_bool()) {
-      indentation.assign(static_cast<std::size_t>(std::max<std::int64_t>(width->as_int(), 0)), ' ');
+      const auto n = static_cast<std::size_t>(std::max<std::int64_t>(width->as_int(), 0));
+      r.produce(n);
+      indentation.assign(n, ' ');
     } else {
       type_error("indent width must be an int or a str");
     }
@@ -219,6 +233,7 @@ Value f_indent(Renderer&, const Value& v, const Args& args) {
   const bool blank = flag(args, 2, "blank", false);
   const std::string s = text(v) + "\n";
   const std::vector<std::string_view> lines = py_splitlines(s);
+  r.produce(size_add(s.size(), size_mul(lines.size(), indentation.size())));
   std::string out;
   for (std::size_t i = 0; i < lines.size(); ++i) {
     if (i > 0) {
@@ -231,13 +246,13 @@ Value f_indent(Renderer&, const Value& v, const Args& args) {
   return out;
 }
 
-Value f_replace(Renderer&, const Value& v, const Args& args) {
+Value f_replace(Renderer& r, const Value& v, const Args& args) {
   const Value* old = args.get(0, "old");
   const Value* replacement = args.get(1, "new");
   if (old == nullptr || replacement == nullptr) type_error("replace() needs old and new");
   const Value* count = args.get(2, "count");
-  return py_replace(text(v), text(*old), text(*replacement),
-                    count == nullptr || count->is_none() ? -1 : count->as_int());
+  return replace(r, text(v), text(*old), text(*replacement),
+                 count == nullptr || count->is_none() ? -1 : count->as_int());
 }
 
 Value f_int(Renderer&, const Value& v, const Args& args) {
@@ -300,7 +315,9 @@ Value f_round(Renderer&, const Value& v, const Args& args) {
   return rounded / scale;
 }
 
-Value f_escape(Renderer&, const Value& v, const Args&) {
+Value f_escape(Renderer& r, const Value& v, const Args&) {
+  // At most 5 bytes ("&amp;") for each.
+  r.produce(size_mul(text(v).size(), 5));
   std::string out;
   for (const char c : text(v)) {
     switch (c) {
@@ -326,7 +343,7 @@ Value f_escape(Renderer&, const Value& v, const Args&) {
   return out;
 }
 
-Value f_dictsort(Renderer&, const Value& v, const Args& args) {
+Value f_dictsort(Renderer& r, const Value& v, const Args& args) {
   if (!v.is_dict()) {
     require_defined(v);
     type_error("You can only sort by either 'key' or 'value'");
@@ -335,6 +352,7 @@ Value f_dictsort(Renderer&, const Value& v, const Args& args) {
   const Value* by = args.get(1, "by");
   const bool by_value = by != nullptr && by->is_string() && by->str() == "value";
   const bool reverse = flag(args, 2, "reverse", false);
+  r.produce(Renderer::list_bytes(size_mul(v.dict().items.size(), 4), 0));
   std::vector<std::pair<Value, const std::pair<Value, Value>*>> keyed;
   for (const auto& entry : v.dict().items) {
     keyed.emplace_back(sort_key(by_value ? entry.second : entry.first, case_sensitive), &entry);
@@ -347,11 +365,14 @@ Value f_dictsort(Renderer&, const Value& v, const Args& args) {
   return out;
 }
 
-Value f_sort(Renderer&, const Value& v, const Args& args) {
+Value f_sort(Renderer& r, const Value& v, const Args& args) {
   const bool reverse = flag(args, 0, "reverse", false);
   const bool case_sensitive = flag(args, 1, "case_sensitive", false);
   const Value* attribute = args.get(2, "attribute");
-  List items = *iterate(v);
+  List items = *r.items(v);
+  r.produce(Renderer::list_bytes(size_mul(items.size(), 3), 0));
+  // n log n comparisons.
+  r.charge(items.size() * static_cast<std::uint64_t>(std::bit_width(items.size())));
   std::vector<std::pair<Value, std::size_t>> keyed;
   for (std::size_t i = 0; i < items.size(); ++i) {
     const Value key =
@@ -366,11 +387,13 @@ Value f_sort(Renderer&, const Value& v, const Args& args) {
   return out;
 }
 
-Value f_unique(Renderer&, const Value& v, const Args& args) {
+Value f_unique(Renderer& r, const Value& v, const Args& args) {
   const bool case_sensitive = flag(args, 0, "case_sensitive", false);
   List out;
   List seen;
-  for (const auto items = iterate(v); const Value& item : *items) {
+  for (const auto items = r.items(v); const Value& item : *items) {
+    // Each item is compared with every distinct one before it.
+    r.charge(seen.size());
     Value key = sort_key(item, case_sensitive);
     if (std::none_of(seen.begin(), seen.end(), [&](const Value& s) { return equals(s, key); })) {
       seen.push_back(std::move(key));
@@ -396,8 +419,9 @@ Value select_items(Renderer& r, const Value& v, const Args& args, bool by_attrib
   test_args.positional.assign(args.positional.begin() + static_cast<std::ptrdiff_t>(next),
                               args.positional.end());
   List out;
-  for (const auto items = iterate(v); const Value& item : *items) {
+  for (const auto items = r.items(v); const Value& item : *items) {
     const Value subject = by_attribute ? attribute_of(item, attribute) : item;
+    r.charge(work(subject) + work(test_args));
     const bool passed = test != nullptr ? test(r, subject, test_args) : truthy(subject);
     if (passed == keep) out.push_back(item);
   }
@@ -423,7 +447,7 @@ Value f_map(Renderer& r, const Value& v, const Args& args) {
   if (args.positional.empty() && attribute != nullptr) {
     if (!attribute->is_string()) type_error("map(attribute=...) needs a string");
     const Value* fallback = args.get(args.positional.size(), "default");
-    for (const auto items = iterate(v); const Value& item : *items) {
+    for (const auto items = r.items(v); const Value& item : *items) {
       Value value = attribute_of(item, attribute->str());
       out.push_back(value.is_undefined() && fallback != nullptr ? *fallback : std::move(value));
     }
@@ -437,19 +461,21 @@ Value f_map(Renderer& r, const Value& v, const Args& args) {
   Args filter_args;
   filter_args.positional.assign(args.positional.begin() + 1, args.positional.end());
   filter_args.keyword = args.keyword;
-  for (const auto items = iterate(v); const Value& item : *items) out.push_back(filter(r, item, filter_args));
+  for (const auto items = r.items(v); const Value& item : *items) {
+    r.charge(work(item) + work(filter_args));
+    out.push_back(filter(r, item, filter_args));
+  }
   return out;
 }
 
-Value f_sum(Renderer&, const Value& v, const Args& args) {
+Value f_sum(Renderer& r, const Value& v, const Args& args) {
   const Value* attribute = args.get(0, "attribute");
   const Value* start = args.get(1, "start");
   Value total = start != nullptr ? *start : Value(0);
-  for (const auto items = iterate(v); const Value& item : *items) {
+  for (const auto items = r.items(v); const Value& item : *items) {
     total = binary_op(
-        BinaryOp::add, total,
-        attribute != nullptr && attribute->is_string() ? attribute_of(item, attribute->str()) : item,
-        std::size_t{1} << 30);
+        r, BinaryOp::add, total,
+        attribute != nullptr && attribute->is_string() ? attribute_of(item, attribute->str()) : item);
   }
   return total;
 }
@@ -556,9 +582,9 @@ bool t_odd(Renderer&, const Value& v, const Args&) {
 bool t_even(Renderer& r, const Value& v, const Args& a) {
   return !t_odd(r, v, a);
 }
-bool t_divisibleby(Renderer&, const Value& v, const Args& a) {
+bool t_divisibleby(Renderer& r, const Value& v, const Args& a) {
   const Value& d = other(a, "divisibleby");
-  const Value rem = binary_op(BinaryOp::mod, v, d, 0);
+  const Value rem = binary_op(r, BinaryOp::mod, v, d);
   return rem.as_double() == 0;
 }
 bool t_lower(Renderer&, const Value& v, const Args&) {

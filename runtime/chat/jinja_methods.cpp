@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 
+#include "runtime/chat/jinja_renderer.h"
 #include "runtime/chat/jinja_strings.h"
 
 namespace capserve::runtime::jinja {
@@ -84,18 +85,25 @@ bool affix_match(const std::string& s, const Value& affix, bool prefix) {
   return one(affix);
 }
 
-Value str_method(const std::string& s, std::string_view name, const Args& args) {
+Value str_method(Renderer& r, const std::string& s, std::string_view name, const Args& args) {
   const Value* a0 = args.get(0, "");
   if (name == "strip" || name == "lstrip" || name == "rstrip") {
     const std::optional<std::string> chars = optional_str(args.get(0, "chars"), name);
     return Value(std::string(py_strip_chars(s, chars, name != "rstrip", name != "lstrip")));
   }
   if (name == "split" || name == "rsplit") {
+    // Split at most as often as a list within the value bound has room for, and refuse when more is left.
+    const std::size_t room = r.options().max_value_bytes / sizeof(Value);
+    const std::int64_t maxsplit = int_arg(args.get(1, "maxsplit"), -1);
+    const auto capped =
+        static_cast<std::int64_t>(maxsplit < 0 ? room : std::min(static_cast<std::size_t>(maxsplit), room));
+    std::vector<std::string> pieces =
+        py_split(s, optional_str(args.get(0, "sep"), name), capped, name == "rsplit");
+    const bool cut = pieces.size() > room && (maxsplit < 0 || maxsplit > capped);
+    r.produce(Renderer::list_bytes(cut ? SIZE_MAX : pieces.size(), s.size()));
     List parts;
-    for (std::string& p : py_split(s, optional_str(args.get(0, "sep"), name),
-                                   int_arg(args.get(1, "maxsplit"), -1), name == "rsplit")) {
-      parts.emplace_back(std::move(p));
-    }
+    parts.reserve(pieces.size());
+    for (std::string& p : pieces) parts.emplace_back(std::move(p));
     return parts;
   }
   if (name == "startswith" || name == "endswith") {
@@ -103,8 +111,8 @@ Value str_method(const std::string& s, std::string_view name, const Args& args) 
     return affix_match(s, *a0, name == "startswith");
   }
   if (name == "replace") {
-    return py_replace(s, str_arg(args.get(0, "old"), name), str_arg(args.get(1, "new"), name),
-                      int_arg(args.get(2, "count"), -1));
+    return replace(r, s, str_arg(args.get(0, "old"), name), str_arg(args.get(1, "new"), name),
+                   int_arg(args.get(2, "count"), -1));
   }
   if (name == "upper") return py_upper(s);
   if (name == "lower") return py_lower(s);
@@ -125,11 +133,18 @@ Value str_method(const std::string& s, std::string_view name, const Args& args) 
   }
   if (name == "join") {
     if (a0 == nullptr) type_error("join() takes exactly one argument (0 given)");
-    std::string out;
-    bool first = true;
-    for (const auto items = iterate(*a0); const Value& item : *items) {
+    const std::shared_ptr<const List> items = r.items(*a0);
+    std::size_t size = 0;
+    for (const Value& item : *items) {
       if (!item.is_string())
         type_error("sequence item: expected str instance, " + std::string(type_name(item)) + " found");
+      size = size_add(size, size_add(item.str().size(), s.size()));
+    }
+    r.produce(size);
+    std::string out;
+    out.reserve(size);
+    bool first = true;
+    for (const Value& item : *items) {
       if (!first) out += s;
       first = false;
       out += item.str();
@@ -137,6 +152,8 @@ Value str_method(const std::string& s, std::string_view name, const Args& args) 
     return out;
   }
   if (name == "splitlines") {
+    // At most one line per byte.
+    r.charge(work(Value(None{})) + s.size() / kBytesPerStep);
     List lines;
     for (const std::string_view line : py_splitlines(s)) lines.emplace_back(line);
     return lines;
@@ -151,7 +168,7 @@ Value str_method(const std::string& s, std::string_view name, const Args& args) 
   return has_alpha && py_lower(s) == s;  // islower
 }
 
-Value dict_method(const Value& self, std::string_view name, const Args& args) {
+Value dict_method(Renderer& r, const Value& self, std::string_view name, const Args& args) {
   const Dict& d = self.dict();
   if (name == "get") {
     const Value* key = args.get(0, "key");
@@ -162,6 +179,8 @@ Value dict_method(const Value& self, std::string_view name, const Args& args) {
     return fallback != nullptr ? *fallback : Value(None{});
   }
   if (name == "copy") return self;
+  // items() builds a pair (a list of two) per item.
+  r.produce(Renderer::list_bytes(size_mul(d.items.size(), name == "items" ? 3 : 1), 0));
   List out;
   out.reserve(d.items.size());
   for (const auto& [k, v] : d.items) {
@@ -206,7 +225,7 @@ namespace {
 
 struct BoundMethod final : Callable {
   BoundMethod(Value s, std::string n) : self(std::move(s)), method(std::move(n)) {}
-  Value call(Renderer&, Args& args) const override { return *call_method(self, method, args); }
+  Value call(Renderer& r, Args& args) const override { return *call_method(r, self, method, args); }
   std::string_view name() const override { return method; }
   Value self;
   std::string method;
@@ -214,7 +233,7 @@ struct BoundMethod final : Callable {
 
 }  // namespace
 
-std::optional<Value> call_method(const Value& self, std::string_view name, const Args& args) {
+std::optional<Value> call_method(Renderer& r, const Value& self, std::string_view name, const Args& args) {
   switch (method_kind(self, name)) {
     case Kind::none:
       return std::nullopt;
@@ -223,9 +242,17 @@ std::optional<Value> call_method(const Value& self, std::string_view name, const
     case Kind::safe:
       break;
   }
-  if (self.is_string()) return str_method(self.str(), name, args);
-  if (self.is_dict()) return dict_method(self, name, args);
+  // Every method looks through its operands at most a few times, except as charged where it does more.
+  r.charge(work(self) + work(args));
+  if (self.is_string()) return str_method(r, self.str(), name, args);
+  if (self.is_dict()) return dict_method(r, self, name, args);
   return list_method(self, name, args);
+}
+
+std::string replace(Renderer& r, std::string_view s, std::string_view old, std::string_view replacement,
+                    std::int64_t count) {
+  r.produce(py_replace_size(s, old, replacement, count));
+  return py_replace(s, old, replacement, count);
 }
 
 std::optional<Value> bound_method(const Value& self, std::string_view name) {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstdint>
 
 #include "runtime/chat/jinja_error.h"
 #include "runtime/chat/jinja_value.h"
@@ -187,6 +188,26 @@ std::string py_replace(std::string_view s, std::string_view old, std::string_vie
   }
   out.append(s.substr(start));
   return out;
+}
+
+std::size_t py_replace_size(std::string_view s, std::string_view old, std::string_view replacement,
+                            std::int64_t count) {
+  std::size_t matches = 0;
+  const auto limit = count < 0 ? SIZE_MAX : static_cast<std::size_t>(count);
+  if (old.empty()) {
+    matches = std::min(code_point_count(s) + 1, limit);
+  } else {
+    for (std::size_t at = s.find(old); at != std::string_view::npos && matches < limit;
+         at = s.find(old, at + old.size())) {
+      ++matches;
+    }
+  }
+  std::size_t grown = 0;
+  if (__builtin_mul_overflow(matches, replacement.size(), &grown) ||
+      __builtin_add_overflow(grown, s.size() - matches * old.size(), &grown)) {
+    return SIZE_MAX;
+  }
+  return grown;
 }
 
 }  // namespace capserve::runtime::jinja

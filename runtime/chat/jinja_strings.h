@@ -25,5 +25,8 @@ namespace capserve::runtime::jinja {
 // str.replace(old, new, count) with count < 0 meaning all.
 [[nodiscard]] std::string py_replace(std::string_view s, std::string_view old, std::string_view replacement,
                                      std::int64_t count);
+// The size py_replace's result will have, found without building it; SIZE_MAX when that overflows.
+[[nodiscard]] std::size_t py_replace_size(std::string_view s, std::string_view old,
+                                          std::string_view replacement, std::int64_t count);
 
 }  // namespace capserve::runtime::jinja
