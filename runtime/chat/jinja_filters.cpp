@@ -24,8 +24,9 @@ bool flag(const Args& args, std::size_t index, std::string_view name, bool fallb
   return v == nullptr ? fallback : truthy(*v);
 }
 
-// Jinja's soft_str: str(value), Undefined as "".
-std::string text(const Value& v) {
+// Jinja's soft_str: str(value), Undefined as "", within `r`'s bounds.
+std::string text(Renderer& r, const Value& v) {
+  r.check_text(v);
   return to_str(v);
 }
 
@@ -103,30 +104,30 @@ Value f_length(Renderer&, const Value& v, const Args&) {
   return static_cast<std::int64_t>(length(v));
 }
 
-Value f_trim(Renderer&, const Value& v, const Args& args) {
+Value f_trim(Renderer& r, const Value& v, const Args& args) {
   const Value* chars = args.get(0, "chars");
   std::optional<std::string> set;
-  if (chars != nullptr && !chars->is_none()) set = text(*chars);
-  return std::string(py_strip_chars(text(v), set, true, true));
+  if (chars != nullptr && !chars->is_none()) set = text(r, *chars);
+  return std::string(py_strip_chars(text(r, v), set, true, true));
 }
 
-Value f_string(Renderer&, const Value& v, const Args&) {
-  return text(v);
+Value f_string(Renderer& r, const Value& v, const Args&) {
+  return text(r, v);
 }
-Value f_upper(Renderer&, const Value& v, const Args&) {
-  return py_upper(text(v));
+Value f_upper(Renderer& r, const Value& v, const Args&) {
+  return py_upper(text(r, v));
 }
-Value f_lower(Renderer&, const Value& v, const Args&) {
-  return py_lower(text(v));
+Value f_lower(Renderer& r, const Value& v, const Args&) {
+  return py_lower(text(r, v));
 }
-Value f_capitalize(Renderer&, const Value& v, const Args&) {
-  return py_capitalize(text(v));
+Value f_capitalize(Renderer& r, const Value& v, const Args&) {
+  return py_capitalize(text(r, v));
 }
 
 // Jinja's title filter: upper-cases the first character of each word, words split at whitespace, "-", and
 // opening brackets; lower-cases the rest.
-Value f_title(Renderer&, const Value& v, const Args&) {
-  std::string s = text(v);
+Value f_title(Renderer& r, const Value& v, const Args&) {
+  std::string s = text(r, v);
   bool word_start = true;
   for (char& c : s) {
     const auto u = static_cast<unsigned char>(c);
@@ -149,8 +150,8 @@ Value f_default(Renderer&, const Value& v, const Args& args) {
   return v;
 }
 
-Value f_safe(Renderer&, const Value& v, const Args&) {
-  return text(v);
+Value f_safe(Renderer& r, const Value& v, const Args&) {
+  return text(r, v);
 }
 
 Value f_list(Renderer& r, const Value& v, const Args&) {
@@ -170,7 +171,7 @@ Value f_items(Renderer& r, const Value& v, const Args&) {
 
 Value f_join(Renderer& r, const Value& v, const Args& args) {
   const Value* sep = args.get(0, "d");
-  const std::string separator = sep == nullptr ? std::string() : text(*sep);
+  const std::string separator = sep == nullptr ? std::string() : text(r, *sep);
   const Value* attribute = args.get(1, "attribute");
   const std::shared_ptr<const List> items = r.items(v);
   // The strings' share of the size first, so that joining them is refused before it is built.
@@ -231,7 +232,7 @@ Value f_indent(Renderer& r, const Value& v, const Args& args) {
   }
   const bool first = flag(args, 1, "first", false);
   const bool blank = flag(args, 2, "blank", false);
-  const std::string s = text(v) + "\n";
+  const std::string s = text(r, v) + "\n";
   const std::vector<std::string_view> lines = py_splitlines(s);
   r.produce(size_add(s.size(), size_mul(lines.size(), indentation.size())));
   std::string out;
@@ -251,7 +252,7 @@ Value f_replace(Renderer& r, const Value& v, const Args& args) {
   const Value* replacement = args.get(1, "new");
   if (old == nullptr || replacement == nullptr) type_error("replace() needs old and new");
   const Value* count = args.get(2, "count");
-  return replace(r, text(v), text(*old), text(*replacement),
+  return replace(r, text(r, v), text(r, *old), text(r, *replacement),
                  count == nullptr || count->is_none() ? -1 : count->as_int());
 }
 
@@ -293,13 +294,13 @@ Value f_abs(Renderer&, const Value& v, const Args&) {
   type_error("bad operand type for abs(): '" + std::string(type_name(v)) + "'");
 }
 
-Value f_round(Renderer&, const Value& v, const Args& args) {
+Value f_round(Renderer& r, const Value& v, const Args& args) {
   require_defined(v);
   if (!v.is_number()) type_error("type " + std::string(type_name(v)) + " doesn't define __round__ method");
   const Value* precision = args.get(0, "precision");
   const std::int64_t digits = precision == nullptr ? 0 : precision->as_int();
   const Value* method = args.get(1, "method");
-  const std::string how = method == nullptr ? "common" : text(*method);
+  const std::string how = method == nullptr ? "common" : text(r, *method);
   const double scale = std::pow(10.0, static_cast<double>(digits));
   const double x = v.as_double() * scale;
   double rounded = 0;
@@ -317,9 +318,9 @@ Value f_round(Renderer&, const Value& v, const Args& args) {
 
 Value f_escape(Renderer& r, const Value& v, const Args&) {
   // At most 5 bytes ("&amp;") for each.
-  r.produce(size_mul(text(v).size(), 5));
+  r.produce(size_mul(text(r, v).size(), 5));
   std::string out;
-  for (const char c : text(v)) {
+  for (const char c : text(r, v)) {
     switch (c) {
       case '&':
         out += "&amp;";
@@ -480,10 +481,10 @@ Value f_sum(Renderer& r, const Value& v, const Args& args) {
   return total;
 }
 
-Value f_wordcount(Renderer&, const Value& v, const Args&) {
+Value f_wordcount(Renderer& r, const Value& v, const Args&) {
   std::int64_t n = 0;
   bool in_word = false;
-  for (const char c : text(v)) {
+  for (const char c : text(r, v)) {
     const bool word = std::isalnum(static_cast<unsigned char>(c)) != 0 || c == '_' ||
                       (static_cast<unsigned char>(c) >= 0x80);
     if (word && !in_word) ++n;

@@ -130,6 +130,7 @@ Value binary_op(Renderer& r, BinaryOp op, const Value& a, const Value& b) {
       return std::floor(a.as_double() / b.as_double());
     case BinaryOp::mod:
       if (a.is_string()) {
+        r.check_text(b);
         std::string out = percent_format(a.str(), b);
         r.produce(out.size());
         return out;

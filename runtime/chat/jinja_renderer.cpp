@@ -99,19 +99,28 @@ Undefined no_attribute(const Value& obj, std::string_view attr) {
   return {object_description(obj) + " has no attribute '" + std::string(attr) + "'"};
 }
 
+// Containers nested deeper than this (or containing themselves, through a namespace) are not printed:
+// printing recurses once per level.
+constexpr int kMaxPrintDepth = 256;
+
 // At least the bytes repr(v) has, counted up to `limit` only: a walk of O(limit) however large the text.
-std::size_t repr_floor(const Value& v, std::size_t limit) {
+std::size_t repr_floor(const Value& v, std::size_t limit, int depth) {
   if (v.is_string()) return v.str().size();
+  if (!v.is_list() && !v.is_dict() && !v.is_namespace()) return 1;
+  if (depth > kMaxPrintDepth) {
+    fail(ErrorKind::limit_error, "a value nests deeper than " + std::to_string(kMaxPrintDepth) +
+                                     " levels, or contains itself, and cannot be printed");
+  }
   std::size_t bytes = 2;
   if (v.is_list()) {
     for (const Value& item : v.list()) {
       if (bytes > limit) break;
-      bytes += 2 + repr_floor(item, limit - bytes);
+      bytes += 2 + repr_floor(item, limit - bytes, depth + 1);
     }
-  } else if (v.is_dict() || v.is_namespace()) {
+  } else {
     for (const auto& [key, item] : (v.is_dict() ? v.dict() : v.ns().attrs).items) {
       if (bytes > limit) break;
-      bytes += 4 + repr_floor(key, limit - bytes) + repr_floor(item, limit - bytes);
+      bytes += 4 + repr_floor(key, limit - bytes, depth + 1) + repr_floor(item, limit - bytes, depth + 1);
     }
   }
   return bytes;
@@ -183,7 +192,7 @@ std::shared_ptr<const List> Renderer::items(const Value& v) {
 
 void Renderer::check_text(const Value& v) {
   if (!v.is_list() && !v.is_dict() && !v.is_namespace()) return;
-  const std::size_t floor = repr_floor(v, options_.max_value_bytes);
+  const std::size_t floor = repr_floor(v, options_.max_value_bytes, 0);
   produce(floor > options_.max_value_bytes ? floor : 0);
 }
 

@@ -84,7 +84,7 @@ Figures measure(const char* name, F&& run) {
   const auto start = Clock::now();
   run();
   Figures f{std::chrono::duration<double>(Clock::now() - start).count(), g_peak.load() - base};
-  std::printf("[budget] %-28s %8.3f s  peak +%7.1f MiB\n", name, f.seconds,
+  std::printf("[budget] %-36s %8.3f s  peak +%7.1f MiB\n", name, f.seconds,
               static_cast<double>(f.peak_bytes) / (1 << 20));
   return f;
 }
@@ -114,6 +114,12 @@ constexpr HostileCase kHostile[] = {
     {"print_shared_nesting",
      "{% set ns = namespace(l=[1]) %}{% for i in range(40) %}{% set ns.l = [ns.l, ns.l] %}{% endfor %}"
      "{{ ns.l }}"},
+    {"print_deep_nesting",
+     "{% set ns = namespace(l=[]) %}{% for i in range(100000) %}{% set ns.l = [ns.l] %}{% endfor %}{{ ns.l "
+     "}}"},
+    {"print_namespace_holding_itself", "{% set ns = namespace() %}{% set ns.x = [ns] %}{{ ns }}"},
+    {"string_of_namespace_holding_itself", "{% set ns = namespace() %}{% set ns.x = ns %}{{ ns | string }}"},
+    {"format_namespace_holding_itself", "{% set ns = namespace() %}{% set ns.x = ns %}{{ '%s' % ns }}"},
     {"join_wide_separator", "{{ (['a' * 1000] * 10000) | join('x' * 1000000) }}"},
     {"string_to_list", "{% set s = 'a' * 10000000 %}{{ s | list | length }}"},
     {"split_bomb", "{{ ('a' * 10000000).split('a') | length }}"},
