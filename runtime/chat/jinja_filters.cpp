@@ -1,6 +1,7 @@
 #include "runtime/chat/jinja_filters.h"
 
 #include <algorithm>
+#include <bit>
 #include <charconv>
 #include <cmath>
 #include <cstdlib>
@@ -23,15 +24,22 @@ bool flag(const Args& args, std::size_t index, std::string_view name, bool fallb
   return v == nullptr ? fallback : truthy(*v);
 }
 
-// Jinja's soft_str: str(value), Undefined as "".
-std::string text(const Value& v) {
+// Jinja's soft_str: str(value), Undefined as "", within `r`'s bounds.
+std::string text(Renderer& r, const Value& v) {
+  r.check_text(v);
   return to_str(v);
+}
+
+// The same with its client marks (to_marked_str).
+Str marked_text(Renderer& r, const Value& v) {
+  r.check_text(v);
+  return to_marked_str(v);
 }
 
 // A filter's str result made from `v` by a mapping that keeps every byte in place (ASCII case mapping): the
 // marks of a str stay where they were; the text of any other value is the client's if it came from them.
-Str same_places(const Value& v, std::string (*map)(std::string_view)) {
-  Str s = to_marked_str(v);
+Str same_places(Renderer& r, const Value& v, std::string (*map)(std::string_view)) {
+  Str s = marked_text(r, v);
   s.text = map(s.text);
   return s;
 }
@@ -83,14 +91,17 @@ Value sort_key(const Value& v, bool case_sensitive) {
   return v;
 }
 
-Value f_tojson(Renderer&, const Value& v, const Args& args) {
+Value f_tojson(Renderer& r, const Value& v, const Args& args) {
   JsonOptions o;
+  o.max_bytes = r.options().max_value_bytes;
   o.ensure_ascii = flag(args, 0, "ensure_ascii", false);
   if (const Value* indent = args.get(1, "indent"); indent != nullptr && !indent->is_none()) {
     if (indent->is_string()) {
       o.indent = indent->str();
     } else if (indent->is_int() || indent->is_bool()) {
-      o.indent = std::string(static_cast<std::size_t>(std::max<std::int64_t>(indent->as_int(), 0)), ' ');
+      const auto width = static_cast<std::size_t>(std::max<std::int64_t>(indent->as_int(), 0));
+      r.produce(width);
+      o.indent = std::string(width, ' ');
     } else {
       type_error("indent must be an int or a str");
     }
@@ -107,6 +118,7 @@ Value f_tojson(Renderer&, const Value& v, const Args& args) {
   o.sort_keys = flag(args, 3, "sort_keys", false);
   std::string out;
   append_json(v, o, out);
+  r.produce(out.size());
   // JSON escapes and reorders the text: it is the client's as a whole if any of it was.
   return client_str(std::move(out), from_client(v) || args_from_client(args));
 }
@@ -115,31 +127,31 @@ Value f_length(Renderer&, const Value& v, const Args&) {
   return static_cast<std::int64_t>(length(v));
 }
 
-Value f_trim(Renderer&, const Value& v, const Args& args) {
+Value f_trim(Renderer& r, const Value& v, const Args& args) {
   const Value* chars = args.get(0, "chars");
   std::optional<std::string> set;
-  if (chars != nullptr && !chars->is_none()) set = text(*chars);
-  const Str s = to_marked_str(v);
+  if (chars != nullptr && !chars->is_none()) set = text(r, *chars);
+  const Str s = marked_text(r, v);
   return substr(s, py_strip_chars(s.text, set, true, true));
 }
 
-Value f_string(Renderer&, const Value& v, const Args&) {
-  return to_marked_str(v);
+Value f_string(Renderer& r, const Value& v, const Args&) {
+  return marked_text(r, v);
 }
-Value f_upper(Renderer&, const Value& v, const Args&) {
-  return same_places(v, py_upper);
+Value f_upper(Renderer& r, const Value& v, const Args&) {
+  return same_places(r, v, py_upper);
 }
-Value f_lower(Renderer&, const Value& v, const Args&) {
-  return same_places(v, py_lower);
+Value f_lower(Renderer& r, const Value& v, const Args&) {
+  return same_places(r, v, py_lower);
 }
-Value f_capitalize(Renderer&, const Value& v, const Args&) {
-  return same_places(v, py_capitalize);
+Value f_capitalize(Renderer& r, const Value& v, const Args&) {
+  return same_places(r, v, py_capitalize);
 }
 
 // Jinja's title filter: upper-cases the first character of each word, words split at whitespace, "-", and
 // opening brackets; lower-cases the rest.
-Value f_title(Renderer&, const Value& v, const Args&) {
-  Str marked = to_marked_str(v);
+Value f_title(Renderer& r, const Value& v, const Args&) {
+  Str marked = marked_text(r, v);
   std::string& s = marked.text;
   bool word_start = true;
   for (char& c : s) {
@@ -163,82 +175,103 @@ Value f_default(Renderer&, const Value& v, const Args& args) {
   return v;
 }
 
-Value f_safe(Renderer&, const Value& v, const Args&) {
-  return to_marked_str(v);
+Value f_safe(Renderer& r, const Value& v, const Args&) {
+  return marked_text(r, v);
 }
 
-Value f_list(Renderer&, const Value& v, const Args&) {
-  return iterate(v);
+Value f_list(Renderer& r, const Value& v, const Args&) {
+  return v.is_list() ? iterate(v) : r.items(v);
 }
 
-Value f_items(Renderer&, const Value& v, const Args&) {
+Value f_items(Renderer& r, const Value& v, const Args&) {
   if (v.is_undefined()) return List{};
   if (!v.is_dict()) type_error("Can only get item pairs from a mapping.");
+  // Each item is a pair: a list of two.
+  r.produce(Renderer::list_bytes(size_mul(v.dict().items.size(), 3), 0));
   List out;
+  out.reserve(v.dict().items.size());
   for (const auto& [k, item] : v.dict().items) out.push_back(pair(k, item));
   return out;
 }
 
 Value f_join(Renderer& r, const Value& v, const Args& args) {
   const Value* sep = args.get(0, "d");
-  const Str separator = sep == nullptr ? Str() : to_marked_str(*sep);
+  const Str separator = sep == nullptr ? Str() : marked_text(r, *sep);
   const Value* attribute = args.get(1, "attribute");
+  const std::shared_ptr<const List> items = r.items(v);
+  // The strings' share of the size first, so that joining them is refused before it is built.
+  std::size_t size = 0;
+  std::size_t client_ranges = 0;
+  for (const Value& item : *items) {
+    size = size_add(size, size_add(separator.text.size(), item.is_string() ? item.str().size() : 0));
+    client_ranges = size_add(
+        client_ranges, size_add(separator.client.size(), item.is_string() ? item.marked().client.size() : 0));
+  }
+  r.produce(Renderer::str_bytes(size, client_ranges));
   Str out;
+  out.text.reserve(size);
+  out.client.reserve(client_ranges);
   bool first = true;
-  for (const auto items = iterate(v); const Value& item : *items) {
+  for (const Value& item : *items) {
     if (!first) append(out, separator);
     first = false;
     if (attribute != nullptr && attribute->is_string()) {
       append_str(attribute_of(item, attribute->str()), out);
     } else {
+      r.check_text(item);
       append_str(item, out);
     }
-    r.check_size(out.text.size());
+    if (Renderer::str_bytes(out) > r.options().max_value_bytes) r.produce(Renderer::str_bytes(out));
   }
   return out;
 }
 
-Value f_first(Renderer&, const Value& v, const Args&) {
-  const std::shared_ptr<const List> items = iterate(v);
+Value f_first(Renderer& r, const Value& v, const Args&) {
+  const std::shared_ptr<const List> items = v.is_list() ? iterate(v) : r.items(v);
   if (items->empty()) return Undefined{"No first item, sequence was empty."};
   return items->front();
 }
 
-Value f_last(Renderer&, const Value& v, const Args&) {
-  const std::shared_ptr<const List> items = iterate(v);
+Value f_last(Renderer& r, const Value& v, const Args&) {
+  const std::shared_ptr<const List> items = v.is_list() ? iterate(v) : r.items(v);
   if (items->empty()) return Undefined{"No last item, sequence was empty."};
   return items->back();
 }
 
-Value f_reverse(Renderer&, const Value& v, const Args&) {
-  if (v.is_string()) {
-    std::vector<std::string_view> cps = code_points(v.str());
-    Str out;
-    for (auto it = cps.rbegin(); it != cps.rend(); ++it) append(out, substr(v.marked(), *it));
-    return out;
-  }
-  List items = *iterate(v);
+Value f_reverse(Renderer& r, const Value& v, const Args&) {
+  if (v.is_string()) return slice(r, v, None{}, None{}, Value(-1));
+  List items = *r.items(v);
   std::reverse(items.begin(), items.end());
   return items;
 }
 
-Value f_indent(Renderer&, const Value& v, const Args& args) {
+Value f_indent(Renderer& r, const Value& v, const Args& args) {
   const Value* width = args.get(0, "width");
   Str indentation{"    ", {}};
   if (width != nullptr) {
     if (width->is_string()) {
       indentation = width->marked();
     } else if (width->is_int() || width->is_bool()) {
-      indentation.text.assign(static_cast<std::size_t>(std::max<std::int64_t>(width->as_int(), 0)), ' ');
+      const auto n = static_cast<std::size_t>(std::max<std::int64_t>(width->as_int(), 0));
+      r.produce(n);
+      indentation.text.assign(n, ' ');
     } else {
       type_error("indent width must be an int or a str");
     }
   }
   const bool first = flag(args, 1, "first", false);
   const bool blank = flag(args, 2, "blank", false);
-  Str s = to_marked_str(v);
+  Str s = marked_text(r, v);
   append(s, "\n");
   const std::vector<std::string_view> lines = py_splitlines(s.text);
+  // Where anything is the client's: its ranges, split at most once per line, each line break and each
+  // indentation's.
+  const std::size_t client_ranges =
+      s.client.empty() && indentation.client.empty()
+          ? 0
+          : size_add(s.client.size(), size_mul(lines.size(), size_add(indentation.client.size(), 2)));
+  r.produce(Renderer::str_bytes(size_add(s.text.size(), size_mul(lines.size(), indentation.text.size())),
+                                client_ranges));
   Str out;
   if (first) append(out, indentation);
   for (std::size_t i = 0; i < lines.size(); ++i) {
@@ -254,13 +287,13 @@ Value f_indent(Renderer&, const Value& v, const Args& args) {
   return out;
 }
 
-Value f_replace(Renderer&, const Value& v, const Args& args) {
+Value f_replace(Renderer& r, const Value& v, const Args& args) {
   const Value* old = args.get(0, "old");
   const Value* replacement = args.get(1, "new");
   if (old == nullptr || replacement == nullptr) type_error("replace() needs old and new");
   const Value* count = args.get(2, "count");
-  return py_replace(to_marked_str(v), text(*old), to_marked_str(*replacement),
-                    count == nullptr || count->is_none() ? -1 : count->as_int());
+  return replace(r, marked_text(r, v), text(r, *old), marked_text(r, *replacement),
+                 count == nullptr || count->is_none() ? -1 : count->as_int());
 }
 
 Value f_int(Renderer&, const Value& v, const Args& args) {
@@ -301,13 +334,13 @@ Value f_abs(Renderer&, const Value& v, const Args&) {
   type_error("bad operand type for abs(): '" + std::string(type_name(v)) + "'");
 }
 
-Value f_round(Renderer&, const Value& v, const Args& args) {
+Value f_round(Renderer& r, const Value& v, const Args& args) {
   require_defined(v);
   if (!v.is_number()) type_error("type " + std::string(type_name(v)) + " doesn't define __round__ method");
   const Value* precision = args.get(0, "precision");
   const std::int64_t digits = precision == nullptr ? 0 : precision->as_int();
   const Value* method = args.get(1, "method");
-  const std::string how = method == nullptr ? "common" : text(*method);
+  const std::string how = method == nullptr ? "common" : text(r, *method);
   const double scale = std::pow(10.0, static_cast<double>(digits));
   const double x = v.as_double() * scale;
   double rounded = 0;
@@ -323,9 +356,11 @@ Value f_round(Renderer&, const Value& v, const Args& args) {
   return rounded / scale;
 }
 
-Value f_escape(Renderer&, const Value& v, const Args&) {
+Value f_escape(Renderer& r, const Value& v, const Args&) {
+  // At most 5 bytes ("&amp;") for each.
+  r.produce(size_mul(text(r, v).size(), 5));
   std::string out;
-  for (const char c : text(v)) {
+  for (const char c : text(r, v)) {
     switch (c) {
       case '&':
         out += "&amp;";
@@ -349,7 +384,7 @@ Value f_escape(Renderer&, const Value& v, const Args&) {
   return client_str(std::move(out), from_client(v));
 }
 
-Value f_dictsort(Renderer&, const Value& v, const Args& args) {
+Value f_dictsort(Renderer& r, const Value& v, const Args& args) {
   if (!v.is_dict()) {
     require_defined(v);
     type_error("You can only sort by either 'key' or 'value'");
@@ -358,6 +393,7 @@ Value f_dictsort(Renderer&, const Value& v, const Args& args) {
   const Value* by = args.get(1, "by");
   const bool by_value = by != nullptr && by->is_string() && by->str() == "value";
   const bool reverse = flag(args, 2, "reverse", false);
+  r.produce(Renderer::list_bytes(size_mul(v.dict().items.size(), 4), 0));
   std::vector<std::pair<Value, const std::pair<Value, Value>*>> keyed;
   for (const auto& entry : v.dict().items) {
     keyed.emplace_back(sort_key(by_value ? entry.second : entry.first, case_sensitive), &entry);
@@ -370,11 +406,14 @@ Value f_dictsort(Renderer&, const Value& v, const Args& args) {
   return out;
 }
 
-Value f_sort(Renderer&, const Value& v, const Args& args) {
+Value f_sort(Renderer& r, const Value& v, const Args& args) {
   const bool reverse = flag(args, 0, "reverse", false);
   const bool case_sensitive = flag(args, 1, "case_sensitive", false);
   const Value* attribute = args.get(2, "attribute");
-  List items = *iterate(v);
+  List items = *r.items(v);
+  r.produce(Renderer::list_bytes(size_mul(items.size(), 3), 0));
+  // n log n comparisons.
+  r.charge(items.size() * static_cast<std::uint64_t>(std::bit_width(items.size())));
   std::vector<std::pair<Value, std::size_t>> keyed;
   for (std::size_t i = 0; i < items.size(); ++i) {
     const Value key =
@@ -389,11 +428,13 @@ Value f_sort(Renderer&, const Value& v, const Args& args) {
   return out;
 }
 
-Value f_unique(Renderer&, const Value& v, const Args& args) {
+Value f_unique(Renderer& r, const Value& v, const Args& args) {
   const bool case_sensitive = flag(args, 0, "case_sensitive", false);
   List out;
   List seen;
-  for (const auto items = iterate(v); const Value& item : *items) {
+  for (const auto items = r.items(v); const Value& item : *items) {
+    // Each item is compared with every distinct one before it.
+    r.charge(seen.size());
     Value key = sort_key(item, case_sensitive);
     if (std::none_of(seen.begin(), seen.end(), [&](const Value& s) { return equals(s, key); })) {
       seen.push_back(std::move(key));
@@ -419,8 +460,9 @@ Value select_items(Renderer& r, const Value& v, const Args& args, bool by_attrib
   test_args.positional.assign(args.positional.begin() + static_cast<std::ptrdiff_t>(next),
                               args.positional.end());
   List out;
-  for (const auto items = iterate(v); const Value& item : *items) {
+  for (const auto items = r.items(v); const Value& item : *items) {
     const Value subject = by_attribute ? attribute_of(item, attribute) : item;
+    r.charge(work(subject) + work(test_args));
     const bool passed = test != nullptr ? test(r, subject, test_args) : truthy(subject);
     if (passed == keep) out.push_back(item);
   }
@@ -446,7 +488,7 @@ Value f_map(Renderer& r, const Value& v, const Args& args) {
   if (args.positional.empty() && attribute != nullptr) {
     if (!attribute->is_string()) type_error("map(attribute=...) needs a string");
     const Value* fallback = args.get(args.positional.size(), "default");
-    for (const auto items = iterate(v); const Value& item : *items) {
+    for (const auto items = r.items(v); const Value& item : *items) {
       Value value = attribute_of(item, attribute->str());
       out.push_back(value.is_undefined() && fallback != nullptr ? *fallback : std::move(value));
     }
@@ -460,27 +502,29 @@ Value f_map(Renderer& r, const Value& v, const Args& args) {
   Args filter_args;
   filter_args.positional.assign(args.positional.begin() + 1, args.positional.end());
   filter_args.keyword = args.keyword;
-  for (const auto items = iterate(v); const Value& item : *items) out.push_back(filter(r, item, filter_args));
+  for (const auto items = r.items(v); const Value& item : *items) {
+    r.charge(work(item) + work(filter_args));
+    out.push_back(filter(r, item, filter_args));
+  }
   return out;
 }
 
-Value f_sum(Renderer&, const Value& v, const Args& args) {
+Value f_sum(Renderer& r, const Value& v, const Args& args) {
   const Value* attribute = args.get(0, "attribute");
   const Value* start = args.get(1, "start");
   Value total = start != nullptr ? *start : Value(0);
-  for (const auto items = iterate(v); const Value& item : *items) {
+  for (const auto items = r.items(v); const Value& item : *items) {
     total = binary_op(
-        BinaryOp::add, total,
-        attribute != nullptr && attribute->is_string() ? attribute_of(item, attribute->str()) : item,
-        std::size_t{1} << 30);
+        r, BinaryOp::add, total,
+        attribute != nullptr && attribute->is_string() ? attribute_of(item, attribute->str()) : item);
   }
   return total;
 }
 
-Value f_wordcount(Renderer&, const Value& v, const Args&) {
+Value f_wordcount(Renderer& r, const Value& v, const Args&) {
   std::int64_t n = 0;
   bool in_word = false;
-  for (const char c : text(v)) {
+  for (const char c : text(r, v)) {
     const bool word = std::isalnum(static_cast<unsigned char>(c)) != 0 || c == '_' ||
                       (static_cast<unsigned char>(c) >= 0x80);
     if (word && !in_word) ++n;
@@ -579,9 +623,9 @@ bool t_odd(Renderer&, const Value& v, const Args&) {
 bool t_even(Renderer& r, const Value& v, const Args& a) {
   return !t_odd(r, v, a);
 }
-bool t_divisibleby(Renderer&, const Value& v, const Args& a) {
+bool t_divisibleby(Renderer& r, const Value& v, const Args& a) {
   const Value& d = other(a, "divisibleby");
-  const Value rem = binary_op(BinaryOp::mod, v, d, 0);
+  const Value rem = binary_op(r, BinaryOp::mod, v, d);
   return rem.as_double() == 0;
 }
 bool t_lower(Renderer&, const Value& v, const Args&) {

@@ -8,9 +8,6 @@
 namespace capserve::runtime::jinja {
 namespace {
 
-// range() beyond this many items is refused rather than built.
-constexpr std::int64_t kMaxRange = 1'000'000;
-
 [[noreturn]] void type_error(std::string message) {
   throw Error(ErrorKind::type_error, std::move(message));
 }
@@ -33,7 +30,7 @@ void check_name(const Value& key) {
 }
 
 // dict(mapping_or_pairs, **kwargs), as Python builds it.
-Dict make_dict(const Args& args) {
+Dict make_dict(Renderer& r, const Args& args) {
   Dict d;
   if (args.positional.size() > 1)
     type_error("dict expected at most 1 argument, got " + std::to_string(args.positional.size()));
@@ -44,8 +41,11 @@ Dict make_dict(const Args& args) {
     } else if (src.is_namespace()) {
       d = src.ns().attrs;
     } else {
-      for (const auto items = iterate(src); const Value& pair : *items) {
-        const std::shared_ptr<const List> kv = iterate(pair);
+      const std::shared_ptr<const List> items = r.items(src);
+      // Each key is looked up among those before it.
+      r.charge(size_mul(items->size(), items->size()) / 2);
+      for (const Value& pair : *items) {
+        const std::shared_ptr<const List> kv = r.items(pair);
         if (kv->size() != 2) type_error("dictionary update sequence element has length != 2");
         d.set((*kv)[0], (*kv)[1]);
       }
@@ -56,7 +56,7 @@ Dict make_dict(const Args& args) {
 }
 
 struct Range final : Callable {
-  Value call(Renderer&, Args& args) const override {
+  Value call(Renderer& r, Args& args) const override {
     const auto& p = args.positional;
     if (p.empty() || p.size() > 3)
       type_error("range expected 1 to 3 arguments, got " + std::to_string(p.size()));
@@ -64,22 +64,28 @@ struct Range final : Callable {
     const std::int64_t stop = int_arg(p.size() == 1 ? p[0] : p[1]);
     const std::int64_t step = p.size() == 3 ? int_arg(p[2]) : 1;
     if (step == 0) throw Error(ErrorKind::value_error, "range() arg 3 must not be zero");
+    // Python's len(range(...)), in unsigned arithmetic so that no span overflows.
+    const bool up = step > 0;
+    const std::uint64_t span =
+        up ? (stop > start ? static_cast<std::uint64_t>(stop) - static_cast<std::uint64_t>(start) : 0)
+           : (start > stop ? static_cast<std::uint64_t>(start) - static_cast<std::uint64_t>(stop) : 0);
+    const std::uint64_t stride = up ? static_cast<std::uint64_t>(step) : 0 - static_cast<std::uint64_t>(step);
+    const std::uint64_t count = span == 0 ? 0 : (span - 1) / stride + 1;
+    r.charge(count);
+    r.produce(Renderer::list_bytes(count > SIZE_MAX / sizeof(Value) ? SIZE_MAX : count, 0));
     List out;
-    for (std::int64_t i = start; step > 0 ? i < stop : i > stop; i += step) {
-      if (static_cast<std::int64_t>(out.size()) >= kMaxRange) {
-        throw Error(ErrorKind::limit_error, "range() of more than " + std::to_string(kMaxRange) + " items");
-      }
+    out.reserve(count);
+    for (std::int64_t i = start, k = 0; static_cast<std::uint64_t>(k) < count; ++k, i += step)
       out.emplace_back(i);
-    }
     return out;
   }
   std::string_view name() const override { return "range"; }
 };
 
 struct MakeNamespace final : Callable {
-  Value call(Renderer&, Args& args) const override {
+  Value call(Renderer& r, Args& args) const override {
     auto ns = std::make_shared<Namespace>();
-    ns->attrs = make_dict(args);
+    ns->attrs = make_dict(r, args);
     for (const auto& [k, v] : ns->attrs.items) check_name(k);
     return ns;
   }
@@ -87,7 +93,7 @@ struct MakeNamespace final : Callable {
 };
 
 struct MakeDict final : Callable {
-  Value call(Renderer&, Args& args) const override { return make_dict(args); }
+  Value call(Renderer& r, Args& args) const override { return make_dict(r, args); }
   std::string_view name() const override { return "dict"; }
 };
 

@@ -104,13 +104,21 @@ std::string key_text(const Value& key) {
               "keys must be str, int, float, bool or None, not " + std::string(type_name(key)));
 }
 
+void check_size(const JsonOptions& o, std::size_t size) {
+  if (size > o.max_bytes)
+    throw Error(ErrorKind::limit_error,
+                "tojson's text would exceed " + std::to_string(o.max_bytes) + " bytes");
+}
+
 void newline(const JsonOptions& o, int level, std::string& out) {
+  check_size(o, out.size() + 1 + static_cast<std::size_t>(level) * o.indent->size());
   out += '\n';
   for (int i = 0; i < level; ++i) out += *o.indent;
 }
 
 void append_json_at(const Value& v, const JsonOptions& o, int level, std::string& out) {
   if (level > kMaxJsonDepth) throw Error(ErrorKind::value_error, "JSON nesting is too deep");
+  check_size(o, out.size());
   if (v.is_none()) {
     out += "null";
   } else if (v.is_bool()) {

@@ -1,6 +1,8 @@
 #pragma once
 // JSON in and out of template values: template inputs from JSON documents (key order kept), and the tojson
 // filter exactly as Python's json.dumps writes it (transformers replaces Jinja's HTML-safe tojson with it).
+#include <cstddef>
+#include <cstdint>
 #include <optional>
 #include <string>
 
@@ -20,6 +22,9 @@ struct JsonOptions {
   std::string key_separator = ": ";
   bool sort_keys = false;
   bool ensure_ascii = false;
+  // LimitError as soon as the text would pass this many bytes: nested containers that share their items, or
+  // a wide indent at every level, make text far larger than the value it writes.
+  std::size_t max_bytes = SIZE_MAX;
 };
 
 // json.dumps(value, ...); TypeError for a value JSON cannot hold (Undefined, a namespace, a function).

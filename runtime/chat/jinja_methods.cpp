@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 
+#include "runtime/chat/jinja_renderer.h"
 #include "runtime/chat/jinja_strings.h"
 
 namespace capserve::runtime::jinja {
@@ -86,7 +87,7 @@ bool affix_match(const std::string& s, const Value& affix, bool prefix) {
 
 // Every str a method returns is made of the receiver's and the arguments' bytes, each keeping its client
 // mark; case mapping is per ASCII byte, so the marks stay where they were.
-Value str_method(const Str& self, std::string_view name, const Args& args) {
+Value str_method(Renderer& r, const Str& self, std::string_view name, const Args& args) {
   const std::string& s = self.text;
   const Value* a0 = args.get(0, "");
   if (name == "strip" || name == "lstrip" || name == "rstrip") {
@@ -94,11 +95,21 @@ Value str_method(const Str& self, std::string_view name, const Args& args) {
     return substr(self, py_strip_chars(s, chars, name != "rstrip", name != "lstrip"));
   }
   if (name == "split" || name == "rsplit") {
+    // Split at most as often as a list within the value bound has room for, and refuse when more is left.
+    const std::size_t room = r.options().max_value_bytes / sizeof(Value);
+    const std::int64_t maxsplit = int_arg(args.get(1, "maxsplit"), -1);
+    const auto capped =
+        static_cast<std::int64_t>(maxsplit < 0 ? room : std::min(static_cast<std::size_t>(maxsplit), room));
+    const std::vector<std::string_view> pieces =
+        py_split(s, optional_str(args.get(0, "sep"), name), capped, name == "rsplit");
+    const bool cut = pieces.size() > room && (maxsplit < 0 || maxsplit > capped);
+    // Each cut may split one of the receiver's client ranges in two.
+    const std::size_t client_ranges = self.client.empty() ? 0 : self.client.size() + pieces.size();
+    r.produce(
+        Renderer::list_bytes(cut ? SIZE_MAX : pieces.size(), Renderer::str_bytes(s.size(), client_ranges)));
     List parts;
-    for (const std::string_view p : py_split(s, optional_str(args.get(0, "sep"), name),
-                                             int_arg(args.get(1, "maxsplit"), -1), name == "rsplit")) {
-      parts.emplace_back(substr(self, p));
-    }
+    parts.reserve(pieces.size());
+    for (const std::string_view p : pieces) parts.emplace_back(substr(self, p));
     return parts;
   }
   if (name == "startswith" || name == "endswith") {
@@ -107,8 +118,8 @@ Value str_method(const Str& self, std::string_view name, const Args& args) {
   }
   if (name == "replace") {
     str_arg(args.get(1, "new"), name);
-    return py_replace(self, str_arg(args.get(0, "old"), name), args.get(1, "new")->marked(),
-                      int_arg(args.get(2, "count"), -1));
+    return replace(r, self, str_arg(args.get(0, "old"), name), args.get(1, "new")->marked(),
+                   int_arg(args.get(2, "count"), -1));
   }
   if (name == "upper") return Str{py_upper(s), self.client};
   if (name == "lower") return Str{py_lower(s), self.client};
@@ -129,11 +140,20 @@ Value str_method(const Str& self, std::string_view name, const Args& args) {
   }
   if (name == "join") {
     if (a0 == nullptr) type_error("join() takes exactly one argument (0 given)");
-    Str out;
-    bool first = true;
-    for (const auto items = iterate(*a0); const Value& item : *items) {
+    const std::shared_ptr<const List> items = r.items(*a0);
+    std::size_t size = 0;
+    std::size_t client_ranges = 0;
+    for (const Value& item : *items) {
       if (!item.is_string())
         type_error("sequence item: expected str instance, " + std::string(type_name(item)) + " found");
+      size = size_add(size, size_add(item.str().size(), s.size()));
+      client_ranges = size_add(client_ranges, size_add(item.marked().client.size(), self.client.size()));
+    }
+    r.produce(Renderer::str_bytes(size, client_ranges));
+    Str out;
+    out.text.reserve(size);
+    bool first = true;
+    for (const Value& item : *items) {
       if (!first) append(out, self);
       first = false;
       append(out, item.marked());
@@ -141,6 +161,8 @@ Value str_method(const Str& self, std::string_view name, const Args& args) {
     return out;
   }
   if (name == "splitlines") {
+    // At most one line per byte.
+    r.charge(work(Value(None{})) + s.size() / kBytesPerStep);
     List lines;
     for (const std::string_view line : py_splitlines(s)) lines.emplace_back(substr(self, line));
     return lines;
@@ -155,7 +177,7 @@ Value str_method(const Str& self, std::string_view name, const Args& args) {
   return has_alpha && py_lower(s) == s;  // islower
 }
 
-Value dict_method(const Value& self, std::string_view name, const Args& args) {
+Value dict_method(Renderer& r, const Value& self, std::string_view name, const Args& args) {
   const Dict& d = self.dict();
   if (name == "get") {
     const Value* key = args.get(0, "key");
@@ -166,6 +188,8 @@ Value dict_method(const Value& self, std::string_view name, const Args& args) {
     return fallback != nullptr ? *fallback : Value(None{});
   }
   if (name == "copy") return self;
+  // items() builds a pair (a list of two) per item.
+  r.produce(Renderer::list_bytes(size_mul(d.items.size(), name == "items" ? 3 : 1), 0));
   List out;
   out.reserve(d.items.size());
   for (const auto& [k, v] : d.items) {
@@ -210,7 +234,7 @@ namespace {
 
 struct BoundMethod final : Callable {
   BoundMethod(Value s, std::string n) : self(std::move(s)), method(std::move(n)) {}
-  Value call(Renderer&, Args& args) const override { return *call_method(self, method, args); }
+  Value call(Renderer& r, Args& args) const override { return *call_method(r, self, method, args); }
   std::string_view name() const override { return method; }
   Value self;
   std::string method;
@@ -218,7 +242,7 @@ struct BoundMethod final : Callable {
 
 }  // namespace
 
-std::optional<Value> call_method(const Value& self, std::string_view name, const Args& args) {
+std::optional<Value> call_method(Renderer& r, const Value& self, std::string_view name, const Args& args) {
   switch (method_kind(self, name)) {
     case Kind::none:
       return std::nullopt;
@@ -227,9 +251,17 @@ std::optional<Value> call_method(const Value& self, std::string_view name, const
     case Kind::safe:
       break;
   }
-  if (self.is_string()) return str_method(self.marked(), name, args);
-  if (self.is_dict()) return dict_method(self, name, args);
+  // Every method looks through its operands at most a few times, except as charged where it does more.
+  r.charge(work(self) + work(args));
+  if (self.is_string()) return str_method(r, self.marked(), name, args);
+  if (self.is_dict()) return dict_method(r, self, name, args);
   return list_method(self, name, args);
+}
+
+Str replace(Renderer& r, const Str& s, std::string_view old, const Str& replacement, std::int64_t count) {
+  const ReplaceSize size = py_replace_size(s, old, replacement, count);
+  r.produce(Renderer::str_bytes(size.bytes, size.client_ranges));
+  return py_replace(s, old, replacement, count);
 }
 
 std::optional<Value> bound_method(const Value& self, std::string_view name) {

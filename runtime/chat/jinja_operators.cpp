@@ -1,9 +1,12 @@
 #include "runtime/chat/jinja_operators.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdio>
 #include <string>
+
+#include "runtime/chat/jinja_renderer.h"
 
 namespace capserve::runtime::jinja {
 namespace {
@@ -17,23 +20,46 @@ namespace {
              "' and '" + std::string(type_name(b)) + "'");
 }
 
-void check(std::size_t size, std::size_t max_size) {
-  if (size > max_size)
-    throw Error(ErrorKind::limit_error, "a value would exceed " + std::to_string(max_size) + " bytes");
+// The bytes of the strings a list holds directly, their client ranges too: copying the list copies them.
+std::size_t string_bytes(const List& l) {
+  std::size_t bytes = 0;
+  for (const Value& v : l) {
+    if (v.is_string()) bytes += Renderer::str_bytes(v.marked());
+  }
+  return bytes;
 }
 
-Value repeat(const Value& seq, std::int64_t times, std::size_t max_size) {
+Value repeat(Renderer& r, const Value& seq, std::int64_t times) {
   const auto n = static_cast<std::size_t>(std::max<std::int64_t>(times, 0));
   if (seq.is_string()) {
-    check(seq.str().size() * n, max_size);
+    const Str& piece = seq.marked();
+    const std::size_t size = size_mul(piece.text.size(), n);
+    // The copies' client ranges, of which two meet and merge at every seam where the piece both starts and
+    // ends with client bytes (a message's content repeated stays one range).
+    const std::size_t k = piece.client.size();
+    const bool seams_merge =
+        k > 0 && piece.client.front().begin == 0 && piece.client.back().end == piece.text.size();
+    const std::size_t ranges = n == 0 ? 0 : seams_merge ? size_add(size_mul(n, k - 1), 1) : size_mul(n, k);
+    r.produce(Renderer::str_bytes(size, ranges));
+    if (size == 0) return std::string();
+    // Doubling what is there already, bit by bit of n from the highest: a few large copies instead of n small
+    // appends; append() shifts the copied marks, so every copy keeps its client bytes.
     Str out;
-    out.text.reserve(seq.str().size() * n);
-    for (std::size_t i = 0; i < n; ++i) append(out, seq.marked());
+    out.text.reserve(size);
+    out.client.reserve(ranges);
+    for (int bit = std::bit_width(n) - 1; bit >= 0; --bit) {
+      append(out, out);
+      if ((n >> bit) & 1U) append(out, piece);
+    }
     return out;
   }
-  check(seq.list().size() * n, max_size);
+  const List& l = seq.list();
+  // An empty list repeated any number of times costs nothing, but counts as n steps of work all the same.
+  r.charge(n);
+  r.produce(Renderer::list_bytes(size_mul(l.size(), n), size_mul(string_bytes(l), n)));
   List out;
-  for (std::size_t i = 0; i < n; ++i) out.insert(out.end(), seq.list().begin(), seq.list().end());
+  out.reserve(l.size() * n);
+  for (std::size_t i = 0; i < n; ++i) out.insert(out.end(), l.begin(), l.end());
   return out;
 }
 
@@ -50,7 +76,7 @@ std::int64_t slice_index(const Value* v) {
 
 }  // namespace
 
-Value binary_op(BinaryOp op, const Value& a, const Value& b, std::size_t max_size) {
+Value binary_op(Renderer& r, BinaryOp op, const Value& a, const Value& b) {
   require_defined(a);
   require_defined(b);
   const bool ints = (a.is_int() || a.is_bool()) && (b.is_int() || b.is_bool());
@@ -64,13 +90,17 @@ Value binary_op(BinaryOp op, const Value& a, const Value& b, std::size_t max_siz
       }
       if (nums) return a.as_double() + b.as_double();
       if (a.is_string() && b.is_string()) {
-        check(a.str().size() + b.str().size(), max_size);
-        Str out = a.marked();
+        r.produce(Renderer::str_bytes(size_add(a.str().size(), b.str().size()),
+                                      size_add(a.marked().client.size(), b.marked().client.size())));
+        Str out;
+        out.text.reserve(a.str().size() + b.str().size());
+        append(out, a.marked());
         append(out, b.marked());
         return out;
       }
       if (a.is_list() && b.is_list()) {
-        check(a.list().size() + b.list().size(), max_size);
+        r.produce(Renderer::list_bytes(size_add(a.list().size(), b.list().size()),
+                                       size_add(string_bytes(a.list()), string_bytes(b.list()))));
         List out = a.list();
         out.insert(out.end(), b.list().begin(), b.list().end());
         return out;
@@ -95,10 +125,8 @@ Value binary_op(BinaryOp op, const Value& a, const Value& b, std::size_t max_siz
         return a.as_double() * b.as_double();
       }
       if (nums) return a.as_double() * b.as_double();
-      if ((a.is_string() || a.is_list()) && (b.is_int() || b.is_bool()))
-        return repeat(a, b.as_int(), max_size);
-      if ((b.is_string() || b.is_list()) && (a.is_int() || a.is_bool()))
-        return repeat(b, a.as_int(), max_size);
+      if ((a.is_string() || a.is_list()) && (b.is_int() || b.is_bool())) return repeat(r, a, b.as_int());
+      if ((b.is_string() || b.is_list()) && (a.is_int() || a.is_bool())) return repeat(r, b, a.as_int());
       unsupported("*", a, b);
     case BinaryOp::div:
       if (!nums) unsupported("/", a, b);
@@ -117,7 +145,12 @@ Value binary_op(BinaryOp op, const Value& a, const Value& b, std::size_t max_siz
       }
       return std::floor(a.as_double() / b.as_double());
     case BinaryOp::mod:
-      if (a.is_string()) return percent_format(a.marked(), b);
+      if (a.is_string()) {
+        r.check_text(b);
+        Str out = percent_format(a.marked(), b);
+        r.produce(Renderer::str_bytes(out));
+        return out;
+      }
       if (!nums) unsupported("%", a, b);
       if (b.as_double() == 0) throw Error(ErrorKind::zero_division, "integer division or modulo by zero");
       if (ints) {
@@ -186,38 +219,58 @@ bool compare(CompareOp op, const Value& a, const Value& b) {
   return false;
 }
 
-Value slice(const Value& obj, const Value* start, const Value* stop, const Value* step) {
+Value slice(Renderer& r, const Value& obj, const Value& start, const Value& stop, const Value& step) {
   require_defined(obj);
   if (!obj.is_string() && !obj.is_list())
     type_error("'" + std::string(type_name(obj)) + "' object is not subscriptable");
-  const bool none_start = start == nullptr || start->is_none();
-  const bool none_stop = stop == nullptr || stop->is_none();
-  const std::int64_t st = (step == nullptr || step->is_none()) ? 1 : slice_index(step);
+  const std::int64_t st = step.is_none() ? 1 : slice_index(&step);
   if (st == 0) throw Error(ErrorKind::value_error, "slice step cannot be zero");
+  // Python indexes a str by code point: each one's bytes, unless every byte is one (the common case).
   std::vector<std::string_view> chars;
-  if (obj.is_string()) chars = code_points(obj.str());
-  const auto n = static_cast<std::int64_t>(obj.is_string() ? chars.size() : obj.list().size());
+  std::size_t n = 0;
+  if (obj.is_string()) {
+    const std::string& text = obj.str();
+    r.charge(work(obj));
+    n = code_point_count(text);
+    if (n != text.size()) {
+      r.produce(size_mul(n, sizeof(std::string_view)));
+      chars = code_points(text);
+    }
+  } else {
+    n = obj.list().size();
+  }
+  const auto count = static_cast<std::int64_t>(n);
   auto clamp = [&](std::int64_t i, bool forward) {
-    if (i < 0) i += n;
-    if (forward) return std::clamp<std::int64_t>(i, 0, n);
-    return std::clamp<std::int64_t>(i, -1, n - 1);
+    if (i < 0) i += count;
+    if (forward) return std::clamp<std::int64_t>(i, 0, count);
+    return std::clamp<std::int64_t>(i, -1, count - 1);
   };
   const bool forward = st > 0;
-  const std::int64_t from = none_start ? (forward ? 0 : n - 1) : clamp(slice_index(start), forward);
-  const std::int64_t to = none_stop ? (forward ? n : -1) : clamp(slice_index(stop), forward);
+  const std::int64_t from = start.is_none() ? (forward ? 0 : count - 1) : clamp(slice_index(&start), forward);
+  const std::int64_t to = stop.is_none() ? (forward ? count : -1) : clamp(slice_index(&stop), forward);
+  const std::int64_t span = forward ? to - from : from - to;
+  const auto taken = static_cast<std::size_t>(span <= 0 ? 0 : (span - 1) / (forward ? st : -st) + 1);
   if (obj.is_string()) {
+    const Str& marked = obj.marked();
+    const std::string& text = marked.text;
+    auto char_at = [&](std::int64_t i) {
+      const auto k = static_cast<std::size_t>(i);
+      return chars.empty() ? std::string_view(text).substr(k, 1) : chars[k];
+    };
     if (st == 1) {
-      if (from >= to) return std::string();
-      const std::string_view first = chars[static_cast<std::size_t>(from)];
-      const std::string_view last = chars[static_cast<std::size_t>(to - 1)];
-      return substr(obj.marked(), std::string_view(first.data(), last.data() + last.size() - first.data()));
+      if (taken == 0) return std::string();
+      const char* begin = char_at(from).data();
+      const char* end = char_at(to - 1).data() + char_at(to - 1).size();
+      return substr(marked, std::string_view(begin, end - begin));
     }
     Str out;
-    for (std::int64_t i = from; forward ? i < to : i > to; i += st)
-      append(out, substr(obj.marked(), chars[static_cast<std::size_t>(i)]));
+    out.text.reserve(taken);
+    for (std::int64_t i = from; forward ? i < to : i > to; i += st) append(out, substr(marked, char_at(i)));
     return out;
   }
+  r.produce(Renderer::list_bytes(taken, 0));
   List out;
+  out.reserve(taken);
   for (std::int64_t i = from; forward ? i < to : i > to; i += st)
     out.push_back(obj.list()[static_cast<std::size_t>(i)]);
   return out;

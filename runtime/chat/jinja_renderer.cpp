@@ -11,6 +11,10 @@ namespace {
   throw Error(kind, std::move(message), line);
 }
 
+// What a macro call costs in steps (a new scope, its arguments bound, a capture buffer), measured against
+// evaluating an expression.
+constexpr std::uint64_t kCallSteps = 32;
+
 struct MacroFn final : Callable {
   explicit MacroFn(const Stmt& m) : macro(m) {}
   Value call(Renderer& r, Args& args) const override { return r.call_macro(macro, args, nullptr); }
@@ -95,7 +99,55 @@ Undefined no_attribute(const Value& obj, std::string_view attr) {
   return {object_description(obj) + " has no attribute '" + std::string(attr) + "'"};
 }
 
+// Containers nested deeper than this (or containing themselves, through a namespace) are not printed:
+// printing recurses once per level.
+constexpr int kMaxPrintDepth = 256;
+
+// At least the bytes repr(v) has, counted up to `limit` only: a walk of O(limit) however large the text.
+std::size_t repr_floor(const Value& v, std::size_t limit, int depth) {
+  if (v.is_string()) return v.str().size();
+  if (!v.is_list() && !v.is_dict() && !v.is_namespace()) return 1;
+  if (depth > kMaxPrintDepth) {
+    fail(ErrorKind::limit_error, "a value nests deeper than " + std::to_string(kMaxPrintDepth) +
+                                     " levels, or contains itself, and cannot be printed");
+  }
+  std::size_t bytes = 2;
+  if (v.is_list()) {
+    for (const Value& item : v.list()) {
+      if (bytes > limit) break;
+      bytes += 2 + repr_floor(item, limit - bytes, depth + 1);
+    }
+  } else {
+    for (const auto& [key, item] : (v.is_dict() ? v.dict() : v.ns().attrs).items) {
+      if (bytes > limit) break;
+      bytes += 4 + repr_floor(key, limit - bytes, depth + 1) + repr_floor(item, limit - bytes, depth + 1);
+    }
+  }
+  return bytes;
+}
+
 }  // namespace
+
+std::uint64_t work(const Value& v) {
+  if (v.is_string()) return 1 + v.str().size() / kBytesPerStep;
+  if (v.is_list()) return 1 + v.list().size();
+  if (v.is_dict()) return 1 + v.dict().items.size();
+  if (v.is_namespace()) return 1 + v.ns().attrs.items.size();
+  return 1;
+}
+
+// A filter's or test's operands: strings cost what reading them does; a filter that walks a list or dict is
+// charged for it by Renderer::items, so that O(1) ones (length, first, last) stay O(1) on long lists.
+std::uint64_t operand_work(const Value& v) {
+  return v.is_string() ? work(v) : 1;
+}
+
+std::uint64_t work(const Args& args) {
+  std::uint64_t units = 0;
+  for (const Value& v : args.positional) units += work(v);
+  for (const auto& [key, v] : args.keyword) units += work(v);
+  return units;
+}
 
 Renderer::Renderer(const Dict& context, const RenderOptions& options, Str& out)
     : context_(context), options_(options), target_(&out) {
@@ -114,28 +166,66 @@ void Renderer::pop_frame(int saved_top) {
   top_ = saved_top;
 }
 
-void Renderer::check_size(std::size_t bytes) const {
-  check_stop();
-  if (bytes > options_.max_output_bytes) {
+void Renderer::charge(std::uint64_t units) {
+  if (options_.stop.stop_requested()) fail(ErrorKind::limit_error, "the render was cancelled");
+  steps_ += units;
+  if (steps_ > options_.max_steps) {
     fail(ErrorKind::limit_error,
-         "the rendered text would exceed " + std::to_string(options_.max_output_bytes) + " bytes");
+         "the chat template exceeded its work budget (" + std::to_string(options_.max_steps) + " steps)");
   }
 }
 
-void Renderer::check_stop() const {
-  if (options_.stop.stop_requested()) fail(ErrorKind::limit_error, "the render was cancelled");
+void Renderer::produce(std::size_t bytes) {
+  if (bytes > options_.max_value_bytes) {
+    fail(ErrorKind::limit_error,
+         "a value would exceed " + std::to_string(options_.max_value_bytes) + " bytes (" +
+             (bytes == SIZE_MAX ? std::string("overflow") : std::to_string(bytes)) + " asked)");
+  }
+  charge(bytes / kBytesPerStep);
+}
+
+std::shared_ptr<const List> Renderer::items(const Value& v) {
+  charge(work(v));
+  if (v.is_string()) produce(list_bytes(code_point_count(v.str()), v.str().size()));
+  if (v.is_dict()) produce(list_bytes(v.dict().items.size(), 0));
+  return iterate(v);
+}
+
+void Renderer::check_text(const Value& v) {
+  if (!v.is_list() && !v.is_dict() && !v.is_namespace()) return;
+  const std::size_t floor = repr_floor(v, options_.max_value_bytes, 0);
+  produce(floor > options_.max_value_bytes ? floor : 0);
+}
+
+std::size_t Renderer::list_bytes(std::size_t elements, std::size_t string_bytes) {
+  return size_add(size_mul(elements, sizeof(Value)), string_bytes);
+}
+
+std::size_t Renderer::str_bytes(std::size_t text_bytes, std::size_t client_ranges) {
+  return size_add(text_bytes, size_mul(client_ranges, sizeof(TextRange)));
 }
 
 void Renderer::write(std::string_view text) {
-  produced_ += text.size();
-  check_size(produced_);
+  count_output(text.size());
   append(*target_, text);
 }
 
 void Renderer::write(const Str& text) {
-  produced_ += text.text.size();
-  check_size(produced_);
+  count_output(text.text.size());
+  // The client ranges cost memory too: the output's, like any value's, stay within max_value_bytes.
+  const std::size_t range_bytes =
+      size_mul(size_add(target_->client.size(), text.client.size()), sizeof(TextRange));
+  if (range_bytes > options_.max_value_bytes) produce(range_bytes);
   append(*target_, text);
+}
+
+void Renderer::count_output(std::size_t bytes) {
+  produced_ = size_add(produced_, bytes);
+  if (produced_ > options_.max_output_bytes) {
+    fail(ErrorKind::limit_error,
+         "the rendered text would exceed " + std::to_string(options_.max_output_bytes) + " bytes");
+  }
+  charge(bytes / kBytesPerStep);
 }
 
 void Renderer::render(const Body& body) {
@@ -152,6 +242,7 @@ Renderer::Flow Renderer::render_body(const Body& body) {
 
 Renderer::Flow Renderer::render_stmt(const Stmt& s) {
   try {
+    charge(1);
     switch (s.kind) {
       case StmtKind::text:
         write(s.text);
@@ -162,6 +253,7 @@ Renderer::Flow Renderer::render_stmt(const Stmt& s) {
         if (v->is_string()) {
           write(v->marked());
         } else {
+          check_text(*v);
           write(to_marked_str(*v));
         }
         return Flow::normal;
@@ -186,7 +278,7 @@ Renderer::Flow Renderer::render_stmt(const Stmt& s) {
         return Flow::normal;
       case StmtKind::call_block: {
         const Value fn = eval(*s.expr->args[0]);
-        const Args args = eval_args(*s.expr, 1);
+        Args args = eval_args(*s.expr, 1);
         const auto* macro = fn.is_callable() ? dynamic_cast<const MacroFn*>(&fn.callable()) : nullptr;
         if (macro == nullptr) fail(ErrorKind::type_error, "a call block needs a macro to call");
         const Value v = call_macro(macro->macro, args, std::make_shared<const CallerFn>(s, top_));
@@ -216,11 +308,12 @@ Renderer::Flow Renderer::render_stmt(const Stmt& s) {
 Value Renderer::apply_filters(const Expr& f, Value operand) {
   if (f.args[0]) operand = apply_filters(*f.args[0], std::move(operand));
   const Args args = eval_args(f, 1);
+  charge(operand_work(operand) + work(args));
   return f.filter(*this, operand, args);
 }
 
 Renderer::Flow Renderer::render_for(const Stmt& s) {
-  std::shared_ptr<const List> items = iterate(eval(*s.expr));
+  std::shared_ptr<const List> items = this->items(eval(*s.expr));
   const int saved_top = top_;
   if (s.cond) {
     auto kept = std::make_shared<List>();
@@ -236,7 +329,7 @@ Renderer::Flow Renderer::render_for(const Stmt& s) {
   if (items->empty()) return render_body(s.else_body);
   LoopState state{items.get(), 0};
   for (std::size_t i = 0; i < items->size(); ++i) {
-    check_stop();
+    charge(1);  // an iteration is work even with an empty body (and a stop is seen here)
     if (++loop_iterations_ > options_.max_loop_iterations) {
       fail(ErrorKind::limit_error,
            "the template ran more than " + std::to_string(options_.max_loop_iterations) + " loop iterations");
@@ -285,7 +378,7 @@ void Renderer::bind_targets(const std::vector<std::string>& targets, const Value
     assign(targets[0], value);
     return;
   }
-  const std::shared_ptr<const List> items = iterate(value);
+  const std::shared_ptr<const List> items = this->items(value);
   if (items->size() < targets.size()) {
     fail(ErrorKind::value_error, "not enough values to unpack (expected " + std::to_string(targets.size()) +
                                      ", got " + std::to_string(items->size()) + ")");
@@ -309,7 +402,7 @@ Str Renderer::capture(const Body& body, int parent, std::vector<std::pair<std::s
   return buffer;
 }
 
-std::vector<std::pair<std::string_view, Value>> Renderer::bind_params(const Stmt& callee, const Args& args) {
+std::vector<std::pair<std::string_view, Value>> Renderer::bind_params(const Stmt& callee, Args& args) {
   const std::vector<Param>& params = callee.params;
   if (args.positional.size() > params.size()) {
     fail(ErrorKind::type_error,
@@ -325,7 +418,8 @@ std::vector<std::pair<std::string_view, Value>> Renderer::bind_params(const Stmt
   vars.reserve(params.size() + 1);
   for (std::size_t i = 0; i < params.size(); ++i) {
     if (const Value* v = args.get(i, params[i].name)) {
-      vars.emplace_back(params[i].name, *v);
+      // Moved, not copied: a macro recursing on a growing string would otherwise hold it twice per level.
+      vars.emplace_back(params[i].name, std::move(const_cast<Value&>(*v)));
     } else if (params[i].default_value) {
       vars.emplace_back(params[i].name, eval(*params[i].default_value));
     } else {
@@ -335,10 +429,12 @@ std::vector<std::pair<std::string_view, Value>> Renderer::bind_params(const Stmt
   return vars;
 }
 
-Value Renderer::call_macro(const Stmt& macro, const Args& args, std::shared_ptr<const Callable> caller) {
+Value Renderer::call_macro(const Stmt& macro, Args& args, std::shared_ptr<const Callable> caller) {
   if (call_depth_ >= options_.max_call_depth) {
     fail(ErrorKind::limit_error, "macro calls nested deeper than " + std::to_string(options_.max_call_depth));
   }
+  // A call allocates a scope and a capture buffer: about the work of kCallSteps expressions.
+  charge(kCallSteps);
   auto vars = bind_params(macro, args);
   if (caller) vars.emplace_back("caller", Value(std::move(caller)));
   ++call_depth_;
@@ -347,10 +443,11 @@ Value Renderer::call_macro(const Stmt& macro, const Args& args, std::shared_ptr<
   return text;
 }
 
-Value Renderer::call_caller(const Stmt& block, int scope, const Args& args) {
+Value Renderer::call_caller(const Stmt& block, int scope, Args& args) {
   if (call_depth_ >= options_.max_call_depth) {
     fail(ErrorKind::limit_error, "macro calls nested deeper than " + std::to_string(options_.max_call_depth));
   }
+  charge(kCallSteps);
   auto vars = bind_params(block, args);
   ++call_depth_;
   Str text = capture(block.body, scope, std::move(vars));
@@ -431,7 +528,10 @@ const Value* Renderer::get_attr(const Value& obj, std::string_view name, bool te
         return &storage;
       }
     }
-    found = (obj.is_dict() ? obj.dict() : obj.ns().attrs).find(name);
+    const Dict& d = obj.is_dict() ? obj.dict() : obj.ns().attrs;
+    // A dict looks its keys up one by one.
+    charge(d.items.size());
+    found = d.find(name);
   } else if (std::optional<Value> method = bound_method(obj, name)) {
     storage = std::move(*method);
     return &storage;
@@ -449,6 +549,7 @@ const Value* Renderer::get_item(const Value& obj, const Value& key, bool tempora
   require_defined(obj);
   const Value* found = nullptr;
   if (obj.is_dict()) {
+    charge(obj.dict().items.size());
     found = obj.dict().find_key(key);
   } else if ((obj.is_list() || obj.is_string()) && (key.is_int() || key.is_bool())) {
     const std::int64_t n = obj.is_list() ? static_cast<std::int64_t>(obj.list().size())
@@ -457,7 +558,7 @@ const Value* Renderer::get_item(const Value& obj, const Value& key, bool tempora
     if (i < 0) i += n;
     if (i >= 0 && i < n) {
       if (obj.is_string()) {
-        storage = substr(obj.marked(), code_points(obj.str())[static_cast<std::size_t>(i)]);
+        storage = slice(*this, obj, Value(i), Value(i + 1), Value(1));
         return &storage;
       }
       found = &obj.list()[static_cast<std::size_t>(i)];
@@ -474,6 +575,7 @@ const Value* Renderer::get_item(const Value& obj, const Value& key, bool tempora
 }
 
 const Value* Renderer::eval_ref(const Expr& e, Value& storage) {
+  charge(1);
   switch (e.kind) {
     case ExprKind::literal:
       return &e.value;
@@ -517,7 +619,7 @@ Args Renderer::eval_args(const Expr& e, std::size_t first) {
   args.positional.reserve(e.args.size() - first);
   for (std::size_t i = first; i < e.args.size(); ++i) args.positional.push_back(eval(*e.args[i]));
   if (e.star_args) {
-    for (const auto items = iterate(eval(*e.star_args)); const Value& item : *items)
+    for (const auto items = this->items(eval(*e.star_args)); const Value& item : *items)
       args.positional.push_back(item);
   }
   for (const auto& [key, expr] : e.kwargs) args.keyword.emplace_back(key, eval(*expr));
@@ -557,7 +659,8 @@ Value Renderer::eval_call(const Expr& e) {
     const Value* obj = eval_ref(*callee.args[0], object_storage);
     require_defined(*obj);
     if (!obj->is_namespace()) {
-      if (std::optional<Value> result = call_method(*obj, callee.name, args)) return std::move(*result);
+      if (std::optional<Value> result = call_method(*this, *obj, callee.name, args))
+        return std::move(*result);
     }
     Value fn_storage;
     const Value fn = *get_attr(*obj, callee.name, true, fn_storage);
@@ -568,6 +671,7 @@ Value Renderer::eval_call(const Expr& e) {
 }
 
 Value Renderer::eval_node(const Expr& e) {
+  charge(1);
   switch (e.kind) {
     case ExprKind::literal:
       return e.value;
@@ -579,14 +683,13 @@ Value Renderer::eval_node(const Expr& e) {
       return v == &storage ? std::move(storage) : *v;
     }
     case ExprKind::slice: {
-      Value bounds[3];
+      Value bounds[3] = {None{}, None{}, None{}};
       for (std::size_t i = 0; i < 3; ++i) {
         if (e.args[i + 1]) bounds[i] = eval(*e.args[i + 1]);
       }
       Value storage;
       const Value* obj = eval_ref(*e.args[0], storage);
-      return slice(*obj, e.args[1] ? &bounds[0] : nullptr, e.args[2] ? &bounds[1] : nullptr,
-                   e.args[3] ? &bounds[2] : nullptr);
+      return slice(*this, *obj, bounds[0], bounds[1], bounds[2]);
     }
     case ExprKind::call:
       return eval_call(e);
@@ -594,12 +697,14 @@ Value Renderer::eval_node(const Expr& e) {
       const Args args = eval_args(e, 1);
       Value storage;
       const Value* operand = eval_ref(*e.args[0], storage);
+      charge(operand_work(*operand) + work(args));
       return e.filter(*this, *operand, args);
     }
     case ExprKind::test: {
       const Args args = eval_args(e, 1);
       Value storage;
       const Value* operand = eval_ref(*e.args[0], storage);
+      charge(operand_work(*operand) + work(args));
       return e.test(*this, *operand, args) != e.negated;
     }
     case ExprKind::not_: {
@@ -622,12 +727,13 @@ Value Renderer::eval_node(const Expr& e) {
     case ExprKind::binary: {
       const Value a = eval(*e.args[0]);
       const Value b = eval(*e.args[1]);
-      return binary_op(e.op, a, b, options_.max_output_bytes);
+      return binary_op(*this, e.op, a, b);
     }
     case ExprKind::compare: {
       Value a = eval(*e.args[0]);
       for (std::size_t i = 0; i < e.compare_ops.size(); ++i) {
         Value b = eval(*e.args[i + 1]);
+        charge(work(a) + work(b));
         if (!compare(e.compare_ops[i], a, b)) return false;
         a = std::move(b);
       }
@@ -652,7 +758,12 @@ Value Renderer::eval_node(const Expr& e) {
     case ExprKind::tuple: {
       List items;
       items.reserve(e.args.size());
-      for (const ExprPtr& a : e.args) items.push_back(eval(*a));
+      std::size_t string_bytes = 0;
+      for (const ExprPtr& a : e.args) {
+        items.push_back(eval(*a));
+        if (items.back().is_string()) string_bytes += items.back().str().size();
+      }
+      produce(list_bytes(items.size(), string_bytes));
       items.tuple = e.kind == ExprKind::tuple;
       return items;
     }
@@ -668,12 +779,22 @@ Value Renderer::eval_node(const Expr& e) {
       return d;
     }
     case ExprKind::concat: {
-      Str out;
+      // The parts first, so that the result's size is checked before it is built.
+      std::vector<Value> parts;
+      parts.reserve(e.args.size());
+      std::size_t size = 0;
+      std::size_t client_ranges = 0;
       for (const ExprPtr& a : e.args) {
-        Value storage;
-        append_str(*eval_ref(*a, storage), out);
-        check_size(out.text.size());
+        parts.push_back(eval(*a));
+        check_text(parts.back());
+        if (!parts.back().is_string()) parts.back() = to_marked_str(parts.back());
+        size = size_add(size, parts.back().str().size());
+        client_ranges = size_add(client_ranges, parts.back().marked().client.size());
       }
+      produce(str_bytes(size, client_ranges));
+      Str out;
+      out.text.reserve(size);
+      for (const Value& part : parts) append(out, part.marked());
       return out;
     }
   }

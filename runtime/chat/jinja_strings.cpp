@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstdint>
 
 #include "runtime/chat/jinja_error.h"
 #include "runtime/chat/jinja_value.h"
@@ -187,6 +188,31 @@ Str py_replace(const Str& marked, std::string_view old, const Str& replacement, 
   }
   append(out, substr(marked, s.substr(start)));
   return out;
+}
+
+ReplaceSize py_replace_size(const Str& marked, std::string_view old, const Str& replacement,
+                            std::int64_t count) {
+  const std::string_view s = marked.text;
+  std::size_t matches = 0;
+  const auto limit = count < 0 ? SIZE_MAX : static_cast<std::size_t>(count);
+  if (old.empty()) {
+    matches = std::min(code_point_count(s) + 1, limit);
+  } else {
+    for (std::size_t at = s.find(old); at != std::string_view::npos && matches < limit;
+         at = s.find(old, at + old.size())) {
+      ++matches;
+    }
+  }
+  ReplaceSize size;
+  if (__builtin_mul_overflow(matches, replacement.text.size(), &size.bytes) ||
+      __builtin_add_overflow(size.bytes, s.size() - matches * old.size(), &size.bytes)) {
+    size.bytes = SIZE_MAX;
+  }
+  if (__builtin_mul_overflow(matches, replacement.client.size() + 1, &size.client_ranges) ||
+      __builtin_add_overflow(size.client_ranges, marked.client.size(), &size.client_ranges)) {
+    size.client_ranges = SIZE_MAX;
+  }
+  return size;
 }
 
 }  // namespace capserve::runtime::jinja

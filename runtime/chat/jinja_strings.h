@@ -1,6 +1,7 @@
 #pragma once
 // Python str methods over UTF-8 text, shared by the str methods a template calls and Jinja's string filters.
 // Case mapping is ASCII-only: chat templates apply it to role names and keywords, not to message text.
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -29,5 +30,14 @@ namespace capserve::runtime::jinja {
 // str.replace(old, new, count) with count < 0 meaning all; the kept bytes of `s` and each copy of
 // `replacement` keep their client marks.
 [[nodiscard]] Str py_replace(const Str& s, std::string_view old, const Str& replacement, std::int64_t count);
+// The size py_replace's result will have, found without building it: its bytes (SIZE_MAX when that
+// overflows) and at most how many client ranges it holds (each match may split one of `s`'s and adds
+// `replacement`'s).
+struct ReplaceSize {
+  std::size_t bytes = 0;
+  std::size_t client_ranges = 0;
+};
+[[nodiscard]] ReplaceSize py_replace_size(const Str& s, std::string_view old, const Str& replacement,
+                                          std::int64_t count);
 
 }  // namespace capserve::runtime::jinja

@@ -70,7 +70,14 @@ void append(Str& out, std::string_view piece) {
 
 void append(Str& out, const Str& piece) {
   const std::size_t shift = out.text.size();
-  for (const TextRange& r : piece.client) mark(out, shift + r.begin, shift + r.end);
+  // `piece` may be `out` itself (a str repeated by doubling): its ranges are read by index, and its last one,
+  // which the first range appended may extend, is read before that.
+  const std::size_t count = piece.client.size();
+  const TextRange last = count == 0 ? TextRange{} : piece.client[count - 1];
+  for (std::size_t i = 0; i < count; ++i) {
+    const TextRange r = i + 1 == count ? last : piece.client[i];
+    mark(out, shift + r.begin, shift + r.end);
+  }
   out.text.append(piece.text);
 }
 

@@ -49,7 +49,7 @@ struct Str {
 
 // `text` wholly the client's (or wholly template text when `from_client` is false).
 [[nodiscard]] Str client_str(std::string text, bool from_client = true);
-// Appends `piece` (template text, or a str with its client bytes) to `out`.
+// Appends `piece` (template text, or a str with its client bytes) to `out`; `piece` may be `out` itself.
 void append(Str& out, std::string_view piece);
 void append(Str& out, const Str& piece);
 // The bytes of `s` that `part` (a view into s.text) spans, with their marks.

@@ -66,6 +66,7 @@ TEST(JinjaEngine, ErrorsNameTheLine) {
 TEST(JinjaEngine, RunawayTemplatesAreBounded) {
   RenderOptions tight;
   tight.max_output_bytes = 1000;
+  tight.max_value_bytes = 100'000;
   tight.max_loop_iterations = 500;
   tight.max_call_depth = 10;
   auto kind_of = [&](const char* source) {
