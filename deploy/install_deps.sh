@@ -12,6 +12,7 @@ packages=(
   python3 python3-numpy python3-grpcio python3-jinja2
   python3-venv  # tests/e2e/openai_python.sh: the official openai client in an ignored venv
   prometheus  # promtool lints /metrics; the server scrapes capserve in the e2e test of the Grafana dashboard
+  curl  # tests/e2e: curl as a real client (100-continue); the READMEs' examples
   iproute2  # ip netns, veth, bridge and tc: the multi-host e2e test builds its test hosts with them
 )
 

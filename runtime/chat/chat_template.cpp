@@ -157,6 +157,11 @@ ChatTemplate ChatTemplate::from_tokenizer_config(const nlohmann::json& config,
   return {*source, std::move(tokens), std::move(origin)};
 }
 
+void ChatTemplate::set_limits(const jinja::RenderOptions& limits) {
+  limits_ = limits;
+  limits_.stop = {};  // each render brings its own
+}
+
 Status ChatTemplate::render(std::span<const ChatMessage> messages, const ChatInputs& inputs, std::string& out,
                             std::stop_token stop) const {
   RenderedPrompt prompt;
@@ -203,7 +208,7 @@ Status ChatTemplate::render(std::span<const ChatMessage> messages, const ChatInp
   context.set("tools", inputs.tools.is_null() ? jinja::Value(jinja::None{}) : jinja::from_json(inputs.tools));
   context.set("documents", jinja::None{});
   context.set("add_generation_prompt", inputs.add_generation_prompt);
-  jinja::RenderOptions options;
+  jinja::RenderOptions options = limits_;
   options.stop = std::move(stop);
   try {
     jinja::Str rendered = template_->render(context, options);

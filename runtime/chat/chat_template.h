@@ -90,10 +90,17 @@ class ChatTemplate {
   Status render(std::span<const ChatMessage> messages, const ChatInputs& inputs, RenderedPrompt& out,
                 std::stop_token stop = {}) const;
 
+  // The bounds of every render (work steps, value and output sizes, call depth, loop iterations); the
+  // defaults are jinja::RenderOptions'. A deployment whose template legitimately needs more work raises them
+  // (capserve --chat-template-max-steps). Not thread-safe against concurrent renders: set before serving.
+  void set_limits(const jinja::RenderOptions& limits);
+  [[nodiscard]] const jinja::RenderOptions& limits() const { return limits_; }
+
  private:
   std::shared_ptr<const jinja::Template> template_;
   jinja::Dict special_tokens_;
   std::string origin_;
+  jinja::RenderOptions limits_;
 };
 
 }  // namespace capserve::runtime

@@ -117,9 +117,13 @@ TEST(ChatInputs, KwargsOverrideSpecialTokensButNotReservedVariables) {
 
 // A render whose client has gone is cancelled at the renderer's next bound check, not run to its end.
 TEST(ChatInputs, ARequestedStopCancelsTheRender) {
-  // A loop of 999,999 iterations that builds a 1 MB string in each: minutes of work.
-  const ChatTemplate slow = inline_template(
+  // A loop of 999,999 iterations that builds a 1 MB string in each: minutes of work, with the work budget
+  // raised so that only the stop can end it.
+  ChatTemplate slow = inline_template(
       "{% for i in range(999999) %}{% set x = 'a' * 1000000 %}{% endfor %}{{ messages[0].content }}");
+  jinja::RenderOptions unbounded = slow.limits();
+  unbounded.max_steps = std::uint64_t{1} << 50;
+  slow.set_limits(unbounded);
   const std::vector<ChatMessage> messages = {{"user", "hi"}};
   std::string out;
   std::stop_source stopped;
@@ -136,12 +140,32 @@ TEST(ChatInputs, ARequestedStopCancelsTheRender) {
   });
   const Status midway = slow.render(messages, {}, out, stop.get_token());
   EXPECT_FALSE(midway.ok());
+  EXPECT_NE(midway.message().find("cancelled"), std::string::npos) << midway.message();
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
   // Output alone is checked too.
   EXPECT_FALSE(inline_template("{{ messages[0].content }}").render(messages, {}, out, stop.get_token()).ok());
   std::stop_source unused;
   ASSERT_TRUE(
       inline_template("{{ messages[0].content }}").render(messages, {}, out, unused.get_token()).ok());
+  EXPECT_EQ(out, "hi");
+}
+
+// The limits a deployment sets apply to every render: the default work budget refuses a loop that a raised
+// one lets finish.
+TEST(ChatInputs, TheTemplatesLimitsApplyToEveryRender) {
+  ChatTemplate t =
+      inline_template("{% for i in range(200000) %}{% set x = i %}{% endfor %}{{ messages[0].content }}");
+  const std::vector<ChatMessage> messages = {{"user", "hi"}};
+  jinja::RenderOptions tight = t.limits();
+  tight.max_steps = 1000;
+  t.set_limits(tight);
+  std::string out;
+  const Status refused = t.render(messages, {}, out);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.message().find("work budget (1000 steps)"), std::string::npos) << refused.message();
+  tight.max_steps = 10'000'000;
+  t.set_limits(tight);
+  ASSERT_TRUE(t.render(messages, {}, out).ok());
   EXPECT_EQ(out, "hi");
 }
 
