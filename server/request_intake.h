@@ -119,7 +119,8 @@ class RequestIntake {
   // A client-chosen request id: bounded, UTF-8 (`field` names it).
   [[nodiscard]] IntakeResult check_request_id(std::string_view id, const std::string& field) const;
   // Checks `messages` and `inputs` (roles, UTF-8, tool_calls / tool_call_id / name, the tools list, kwargs),
-  // renders them through the chat template and tokenizes them; `field` names the messages array.
+  // renders them through the chat template and tokenizes them; `field` names the messages array. Every prompt
+  // must fit the batched tokens of one step (--max-batched-tokens); a longer one is refused naming `field`.
   [[nodiscard]] IntakeResult chat_prompt(std::span<const runtime::ChatMessage> messages,
                                          const runtime::ChatInputs& inputs, const std::string& field,
                                          std::vector<std::int32_t>& ids) const;
