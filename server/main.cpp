@@ -9,6 +9,8 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/impl/server_builder_option.h>
+#include <grpcpp/impl/server_builder_plugin.h>
 #include <spdlog/spdlog.h>
 
 #include <netdb.h>
@@ -109,6 +111,16 @@ struct Options {
   std::string api_key;
   std::string api_key_file;
   std::optional<server::security::ApiKey> key;  // from --api-key or --api-key-file, checked after parsing
+};
+
+// Leaves gRPC's reflection service out of a server: linking grpc++_reflection registers its plugin for every
+// server built.
+class WithoutReflection : public grpc::ServerBuilderOption {
+ public:
+  void UpdateArguments(grpc::ChannelArguments*) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    std::erase_if(*plugins, [](const auto& plugin) { return plugin->name() == "proto_server_reflection"; });
+  }
 };
 
 // What each rank's backend allocated, gathered to rank 0 for the start-up lines.
@@ -482,10 +494,11 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Engine& engine, server
           std::move(routes));
     }
     grpc::EnableDefaultHealthCheckService(true);
+    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+    grpc::ServerBuilder builder;
     // gRPC's reflection service takes no part in the API key check (the plugin has no hook for one, and a
     // server interceptor cannot answer UNAUTHENTICATED), so with a key it is not served at all.
-    if (!api_key) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-    grpc::ServerBuilder builder;
+    if (api_key) builder.SetOption(std::make_unique<WithoutReflection>());
     // gRPC sets SO_REUSEPORT by default, so a second server on a busy port would start and take half of the
     // new connections; a port in use must be an error instead.
     builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
