@@ -16,17 +16,27 @@
 # Ranks fill each host's slots in order; every rank picks the GPU of its local rank on its host, so give each host
 # as many slots as it has GPUs. Extra mpirun arguments can be passed in CAPSERVE_MPIRUN_ARGS.
 #
-# SIGTERM/SIGINT sent to this script reach rank 0, which drains and then stops every rank, exit code 0: on one
-# node capserve writes its pid to $CAPSERVE_RANK0_PID_FILE at start and gets SIGTERM; across hosts (rank 0 may
+# SIGTERM/SIGINT/SIGHUP sent to this script reach rank 0, which drains and then stops every rank, exit code 0: on
+# one node capserve writes its pid to $CAPSERVE_RANK0_PID_FILE at start and gets SIGTERM; across hosts (rank 0 may
 # run elsewhere) mpirun gets SIGUSR1, which it forwards to every rank, and rank 0 acts on it. mpirun itself treats
-# SIGTERM/SIGINT as "abort the job" (it kills all ranks after about a second, too soon for running requests to
-# finish), so it starts with both signals blocked: a signal to the whole process group (Ctrl-C in a terminal) or
-# to every process of the service (systemd's default KillMode=control-group) reaches mpirun too and does nothing
-# there. Only when no rank 0 pid is known yet (MPI still starting, or a program other than capserve) on one node,
-# or at a second signal across hosts, does this script end the job (SIGKILL to mpirun, whose ranks then exit).
+# SIGTERM/SIGINT/SIGHUP as "abort the job" (it kills all ranks after about a second, too soon for running requests
+# to finish), so it starts with the three blocked: a signal to the whole process group (Ctrl-C in a terminal, the
+# terminal closing) or to every process of the service (systemd's default KillMode=control-group) reaches mpirun
+# too and does nothing there. SIGUSR2 is ignored here (mpirun forwards it; capserve logs and ignores it). A script
+# that starts this one as a background job (`deploy/launch.sh ... &`) hands it SIGINT ignored, which bash can
+# neither trap nor reset: this script first re-executes itself with SIGINT, SIGTERM and SIGHUP at their defaults,
+# so that Ctrl-C and `kill -INT -PGID` drain in either launch mode. Only when no rank 0 pid is known yet (MPI
+# still starting, or a program other than capserve) on one node, or at a second signal across hosts, does this
+# script end the job (SIGKILL to mpirun, whose ranks then exit).
 # mpirun runs quiet (-q): a rank's own error stays the last line, not followed by mpirun's "process returned a
 # non-zero exit code" banner; the exit status still tells.
 set -euo pipefail
+if [[ -z "${CAPSERVE_LAUNCH_SIGNALS_RESET:-}" ]]; then
+  # perl-base is part of every Debian system; bash cannot reset a signal ignored when it started.
+  CAPSERVE_LAUNCH_SIGNALS_RESET=1 exec perl -e '$SIG{$_} = "DEFAULT" for qw(INT TERM HUP); exec @ARGV or die "$!\n"' \
+    bash "${BASH_SOURCE[0]}" "$@"
+fi
+unset CAPSERVE_LAUNCH_SIGNALS_RESET
 usage() {
   echo "usage: deploy/launch.sh [--hostfile FILE | --hosts H[:SLOTS],... | --slurm] [--iface IF]" \
     "[--transport tcp|ucx|auto] [--agent CMD] N PROGRAM [ARGS...]" >&2
@@ -108,7 +118,7 @@ fi
 export OMPI_MCA_btl_vader_single_copy_mechanism="${OMPI_MCA_btl_vader_single_copy_mechanism:-none}"
 # perl-base is part of every Debian system; bash cannot block signals for a child.
 # shellcheck disable=SC2086
-perl -MPOSIX -e 'sigprocmask(SIG_BLOCK, POSIX::SigSet->new(SIGTERM, SIGINT)) or die; exec @ARGV or die "$!\n"' \
+perl -MPOSIX -e 'sigprocmask(SIG_BLOCK, POSIX::SigSet->new(SIGTERM, SIGINT, SIGHUP)) or die; exec @ARGV or die "$!\n"' \
   mpirun "${args[@]}" ${CAPSERVE_MPIRUN_ARGS:-} "$@" &
 job=$!
 stops=0
@@ -123,7 +133,9 @@ forward() {
     kill -KILL "$job" 2>/dev/null || true
   fi
 }
-trap forward TERM INT
+trap forward TERM INT HUP
+# A handler, not SIG_IGN: mpirun must not inherit SIGUSR2 ignored (it forwards the signal to the ranks).
+trap ':' USR2
 status=0
 while true; do
   wait "$job" && status=0 || status=$?

@@ -29,6 +29,7 @@ class Uploader {
     return t;
   }
   kernels::Tensor upload(const kernels::WeightView& host) {
+    bytes_ += host.numel() * static_cast<std::int64_t>(kernels::dtype_size(host.dtype));
     kernels::Buffer copy;
     kernels::Tensor t = backend_.upload(host, copy);
     if (copy.bytes() > 0) {
@@ -54,6 +55,8 @@ class Uploader {
     release(host);
     return t;
   }
+  // The bytes of every tensor uploaded so far.
+  [[nodiscard]] std::int64_t bytes() const { return bytes_; }
   // `host` (a view Checkpoint::get returned) is no longer needed once the device holds copies of it.
   void release(const kernels::WeightView& host) {
     if (device_copies_) ckpt_.release(host);
@@ -64,6 +67,7 @@ class Uploader {
   kernels::Backend& backend_;
   std::vector<kernels::Buffer>& storage_;
   bool device_copies_ = false;
+  std::int64_t bytes_ = 0;
 };
 
 // One SwiGLU's three matrices, checked against their shapes; uploaded only when `keep`.
@@ -194,6 +198,7 @@ ModelWeights load_model_weights(Checkpoint& ckpt, const ModelConfig& c, const Te
   // Tied checkpoints sometimes still carry lm_head.weight; it is the same matrix, so accept it.
   if (c.tie_word_embeddings && ckpt.contains(n.lm_head)) ckpt.get(n.lm_head, {c.vocab_size, c.hidden_size});
   ckpt.check_all_used();
+  w.bytes = up.bytes();
   return w;
 }
 

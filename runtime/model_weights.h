@@ -2,6 +2,7 @@
 // The weights of a decoder-only MoE model, fetched by the names an architecture gives, checked against the
 // shapes its config implies, and uploaded through the backend: on the CPU views into the mmapped checkpoint
 // (zero copy), on a device copies the weights own. Each rank uploads only its own routed experts.
+#include <cstdint>
 #include <vector>
 
 #include "kernels/backend.h"
@@ -49,6 +50,9 @@ struct ModelWeights {
   kernels::Tensor final_norm;
   kernels::Tensor lm_head;
   std::vector<LayerWeights> layers;
+  // The bytes of the tensors above, the rank's own experts only: device copies, or on the CPU the
+  // checkpoint's mapped bytes (which the backend never allocates).
+  std::int64_t bytes = 0;
 };
 
 // Fetches every tensor (LoadError naming file and tensor on a missing one or a wrong shape) and then rejects

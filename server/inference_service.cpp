@@ -138,15 +138,12 @@ grpc::Status InferenceService::conclude(const RequestEvent& terminal) {
   return terminal_status(terminal);
 }
 
-grpc::Status InferenceService::send_failed(grpc::ServerContext* context, Request& request) {
+grpc::Status InferenceService::send_failed(Request& request) {
   request.cancel();  // the engine frees its sequence at the next step
-  if (context->IsCancelled()) {
-    intake_.count_outcome(Outcome::cancelled);
-    return {grpc::StatusCode::CANCELLED, "the client went away"};
-  }
-  intake_.count_outcome(Outcome::error);
-  return status_of(intake_.refuse(
-      {IntakeCode::internal, "request " + request.id() + ": a response could not be sent", {}}));
+  // A synchronous stream's Write fails only once the call is over, i.e. the client went away; IsCancelled()
+  // may not say so yet (gRPC learns of the cancellation asynchronously), which once counted it as INTERNAL.
+  intake_.count_outcome(Outcome::cancelled);
+  return {grpc::StatusCode::CANCELLED, "the client went away"};
 }
 
 IntakeResult InferenceService::make_chat(grpc::ServerContext* context, const v1::ChatRequest& request,
@@ -261,7 +258,7 @@ grpc::Status InferenceService::ChatStream(grpc::ServerContext* context, const v1
     chunk.set_delta(e.text);
     fill_logprobs(e, intake_.tokenizer(), chunk);
     if (e.terminal) fill_final(e, chunk);
-    if (!writer->Write(chunk)) return send_failed(context, *req);
+    if (!writer->Write(chunk)) return send_failed(*req);
     if (e.terminal) return conclude(e);
   }
 }
@@ -282,7 +279,7 @@ grpc::Status InferenceService::Generate(grpc::ServerContext* context, const v1::
     chunk.mutable_token_ids()->Add(e.tokens.begin(), e.tokens.end());
     fill_logprobs(e, nullptr, chunk);
     if (e.terminal) fill_final(e, chunk);
-    if (!writer->Write(chunk)) return send_failed(context, *req);
+    if (!writer->Write(chunk)) return send_failed(*req);
     if (e.terminal) return conclude(e);
   }
 }

@@ -46,9 +46,9 @@ class InferenceService final : public capserve::v1::Inference::Service {
   RequestEvent next_event(grpc::ServerContext* context, Request& request);
   // Counts how a call that reached its terminal event ends, once, and returns its status.
   grpc::Status conclude(const RequestEvent& terminal);
-  // A response that could not be written: the request is cancelled, and the call ends CANCELLED when the
-  // client went away, else as an INTERNAL error.
-  grpc::Status send_failed(grpc::ServerContext* context, Request& request);
+  // A response that could not be written (the client went away): the request is cancelled, counted and
+  // ended as CANCELLED.
+  grpc::Status send_failed(Request& request);
 
   RequestIntake& intake_;
   capserve::v1::ServerInfo info_;

@@ -4,8 +4,6 @@
 // true/false flags. Command-line flags override the file. Plugged into CLI11 as its config formatter; it
 // checks every key against the program's flags, so that a typo ({"max-runing": 8}) is an error naming the key
 // instead of a setting silently ignored, and every value against its flag's kind.
-#include <algorithm>
-#include <cstddef>
 #include <cstdint>
 #include <istream>
 #include <string>
@@ -14,6 +12,8 @@
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
+
+#include "runtime/cli/flag_checks.h"
 
 namespace capserve::server {
 
@@ -72,34 +72,12 @@ class JsonConfig : public CLI::Config {
     return opt != nullptr && opt->get_configurable() ? opt : nullptr;
   }
 
-  // " (did you mean \"max-running\"?)" for the closest flag within two edits, else "".
+  // " (did you mean \"max-running\"?)" for the closest flag the file may set within two edits, else "".
   [[nodiscard]] std::string suggestion(const std::string& key) const {
-    std::string best;
-    std::size_t best_distance = 3;
-    for (const CLI::Option* opt : app_->get_options()) {
-      if (opt->get_lnames().empty()) continue;
-      const std::string& name = opt->get_lnames().front();
-      if (const std::size_t d = edit_distance(key, name); d < best_distance && find(name) != nullptr) {
-        best = name;
-        best_distance = d;
-      }
-    }
+    const std::string best = runtime::closest_flag(*app_, key, [this](const CLI::Option& opt) {
+      return !opt.get_lnames().empty() && find(opt.get_lnames().front()) != nullptr;
+    });
     return best.empty() ? "" : " (did you mean \"" + best + "\"?)";
-  }
-
-  static std::size_t edit_distance(std::string_view a, std::string_view b) {
-    std::vector<std::size_t> row(b.size() + 1);
-    for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
-    for (std::size_t i = 1; i <= a.size(); ++i) {
-      std::size_t diagonal = row[0];
-      row[0] = i;
-      for (std::size_t j = 1; j <= b.size(); ++j) {
-        const std::size_t above = row[j];
-        row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
-        diagonal = above;
-      }
-    }
-    return row[b.size()];
   }
 
   // One value as CLI11 reads it from a command line, refused when its JSON type cannot be what the flag

@@ -1,12 +1,16 @@
 // capserve: the expert-parallel MoE inference server. `mpirun -np N capserve --model DIR ...`: every rank
 // loads the replicated weights and its own experts and runs the lockstep step loop; rank 0 also serves gRPC
 // (the capserve.v1.Inference service, health, reflection) and the OpenAI-compatible HTTP API, schedules
-// (continuous batching + CAPS batch selection) and exposes Prometheus metrics. SIGTERM (or SIGINT) drains: no
-// new requests, running ones finish, exit 0. A step that makes no progress for --step-timeout-s (a hung rank)
-// fails every request UNAVAILABLE and ends the job non-zero.
+// (continuous batching + CAPS batch selection) and exposes Prometheus metrics. SIGTERM, SIGINT or SIGHUP
+// drains: no request is accepted from the moment rank 0 takes the signal, running ones finish, exit 0;
+// SIGUSR2 is logged and ignored. A step that makes no progress for --step-timeout-s (a hung rank) fails every
+// request UNAVAILABLE and ends the job non-zero.
+#include <fmt/format.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/impl/server_builder_option.h>
+#include <grpcpp/impl/server_builder_plugin.h>
 #include <spdlog/spdlog.h>
 
 #include <netdb.h>
@@ -29,7 +33,7 @@
 #include "parallel/mpi_world.h"
 #include "parallel/rank_heartbeat.h"
 #include "parallel/rank_hosts.h"
-#include "runtime/cli/flag_checks.h"
+#include "runtime/cli/cores.h"
 #include "runtime/cli/parallel_flags.h"
 #include "runtime/cli/proc_status.h"
 #include "runtime/cli/rank_devices.h"
@@ -55,10 +59,30 @@ namespace {
 
 using namespace capserve;
 
+// Set by the stop signals' handler and read by the scheduler's intake (lock-free, so async-signal-safe): no
+// request is admitted once it is set, before the step loop has even seen it.
 std::atomic<bool> g_stop_requested{false};
+static_assert(std::atomic<bool>::is_always_lock_free);
+// SIGUSR2s received and not yet logged by the step loop.
+std::atomic<int> g_sigusr2_received{0};
+static_assert(std::atomic<int>::is_always_lock_free);
 
 extern "C" void on_stop_signal(int) {
   g_stop_requested.store(true);
+}
+
+extern "C" void on_sigusr2(int) {
+  g_sigusr2_received.fetch_add(1);
+}
+
+// sigaction rather than std::signal: the handler replaces whatever disposition was inherited (SIG_IGN
+// included: a background job of a non-interactive shell starts with SIGINT ignored) and stays installed.
+void handle_signal(int signal, void (*handler)(int)) {
+  struct sigaction action {};
+  action.sa_handler = handler;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;
+  ::sigaction(signal, &action, nullptr);
 }
 
 struct Options {
@@ -87,6 +111,17 @@ struct Options {
   server::security::TlsFiles tls;
   std::string api_key;
   std::string api_key_file;
+  std::optional<server::security::ApiKey> key;  // from --api-key or --api-key-file, checked after parsing
+};
+
+// Leaves gRPC's reflection service out of a server: linking grpc++_reflection registers its plugin for every
+// server built.
+class WithoutReflection : public grpc::ServerBuilderOption {
+ public:
+  void UpdateArguments(grpc::ChannelArguments*) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    std::erase_if(*plugins, [](const auto& plugin) { return plugin->name() == "proto_server_reflection"; });
+  }
 };
 
 // What each rank's backend allocated, gathered to rank 0 for the start-up lines.
@@ -186,7 +221,8 @@ void add_flags(CLI::App& app, Options& o) {
   app.add_option("--selector-d", s.power_of_d, "power_of_d samples")
       ->check(runtime::at_least(1))
       ->capture_default_str();
-  app.add_option("--selector-seed", s.seed)->capture_default_str();
+  app.add_option("--selector-seed", s.seed, "seed of the random and power_of_d selectors' sampling")
+      ->capture_default_str();
   app.add_option("--dry-run-layers", o.scheduler.dry_run_layers,
                  "MoE layers the router dry-run predictor uses")
       ->check(runtime::at_least(1))
@@ -220,6 +256,21 @@ void add_flags(CLI::App& app, Options& o) {
   app.set_config("--config", "",
                  "JSON file of flags (keys = long flag names); command-line flags override it");
   app.config_formatter(std::make_shared<server::JsonConfig>(app));
+}
+
+// The API key of --api-key or --api-key-file, which must not be empty (an unset variable in `--api-key
+// "$KEY"` once started a server with no authentication at all): empty, or why it is refused.
+std::string read_api_key(const CLI::App& app, Options& o) {
+  try {
+    if (app.count("--api-key") > 0) o.key.emplace(o.api_key);
+    if (app.count("--api-key-file") > 0) o.key = server::security::ApiKey::from_file(o.api_key_file);
+  } catch (const std::invalid_argument&) {
+    return "--api-key: the key is empty (an unset variable?); give a key, or leave the flag out to serve "
+           "without one";
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return {};
 }
 
 // Checks between flags, after parsing: empty, or why the combination is refused.
@@ -272,10 +323,21 @@ server::StepWatchdog::Clock::duration step_bound(const Options& o) {
   for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
 }
 
+// "27.3 MB (26.1 MiB)": a model of a few MB is no "0 MiB".
+std::string megabytes(std::int64_t bytes) {
+  return fmt::format("{:.1f} MB ({:.1f} MiB)", static_cast<double>(bytes) / 1e6,
+                     static_cast<double>(bytes) / (1024.0 * 1024.0));
+}
+
+// 2000 for 2000.0 (std::to_string prints "2000.000000"), 0.5 for 0.5.
+std::string milliseconds(double ms) {
+  return fmt::format("{}", ms);
+}
+
 // The start-up summary on the log: what serves, where, and with which limits.
 void log_startup_summary(const Options& o, const runtime::Model& model, const capserve::v1::ServerInfo& info,
                          std::span<const RankMemory> memory, const std::string& grpc_address,
-                         int metrics_port) {
+                         const std::string& http_address, int metrics_port) {
   const runtime::ModelConfig& c = model.config();
   spdlog::info("capserve {}: model {} ({}) from {}: {}, {} layers ({} MoE), {} experts, top-{}",
                runtime::build_info().version, o.limits.model_id, o.device, o.model_dir, c.architecture,
@@ -283,24 +345,25 @@ void log_startup_summary(const Options& o, const runtime::Model& model, const ca
   spdlog::info("placement {} over {} ranks; capacity {}", info.placement(), info.ranks(), info.capacity());
   for (std::size_t r = 0; r < memory.size(); ++r) {
     spdlog::info(
-        "rank {}: {} experts per MoE layer, {} MiB of weights, {} MiB of KV cache ({} blocks of {} tokens), "
-        "{} MiB resident",
+        "rank {}: {} experts per MoE layer, {} of weights, {} of KV cache ({} blocks of {} tokens), "
+        "{} resident",
         r,
         r < static_cast<std::size_t>(info.experts_per_rank_size())
             ? info.experts_per_rank(static_cast<int>(r))
             : 0U,
-        memory[r].weights >> 20, memory[r].kv_cache >> 20, o.engine.kv_blocks, o.engine.kv_block_size,
-        memory[r].resident_kib >> 10);
+        megabytes(memory[r].weights), megabytes(memory[r].kv_cache), o.engine.kv_blocks,
+        o.engine.kv_block_size, megabytes(memory[r].resident_kib * 1024));
   }
   spdlog::info("scheduler: max_running={} max_batched_tokens={} max_queue={} max_context={}; selector {}",
                o.scheduler.max_running, o.scheduler.max_batched_tokens, o.scheduler.max_queue,
                o.scheduler.max_context, info.batch_selector());
-  spdlog::info("listening: gRPC at {}; metrics (/metrics) at {}; {}; {}", grpc_address,
-               host_port(o.metrics_host.empty() ? o.host : o.metrics_host, metrics_port),
+  spdlog::info("listening: gRPC at {}; HTTP API at {}; metrics (/metrics) at {}; {}; {}{}", grpc_address,
+               http_address, host_port(o.metrics_host.empty() ? o.host : o.metrics_host, metrics_port),
                o.tls.cert.empty()        ? "plain TCP (no TLS)"
                : o.tls.client_ca.empty() ? "TLS"
                                          : "TLS with client certificates",
-               o.api_key.empty() && o.api_key_file.empty() ? "no API key" : "API key required");
+               o.key ? "API key required" : "no API key",
+               o.key ? " (gRPC reflection off: it cannot check the key)" : "");
 }
 
 // Rank 0: the front end, the scheduler and the step loop's driving side. Every rank learns whether the front
@@ -359,9 +422,9 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Engine& engine, server
   const server::SelectorConfig& sel = o.scheduler.selector;
   info.set_batch_selector(
       "strategy=" + server::to_string(sel.strategy) + " window=" + std::to_string(sel.window) +
-      " min_queue=" + std::to_string(sel.min_queue_depth) +
-      " max_wait_ms=" + std::to_string(sel.max_wait_ms) + " interval_ms=" + std::to_string(sel.interval_ms) +
-      " d=" + std::to_string(sel.power_of_d) + " dry_run_layers=" + std::to_string(dry_layers));
+      " min_queue=" + std::to_string(sel.min_queue_depth) + " max_wait_ms=" + milliseconds(sel.max_wait_ms) +
+      " interval_ms=" + milliseconds(sel.interval_ms) + " d=" + std::to_string(sel.power_of_d) +
+      " dry_run_layers=" + std::to_string(dry_layers));
   info.set_max_running_sequences(static_cast<std::uint32_t>(o.scheduler.max_running));
   info.set_max_batched_tokens(static_cast<std::uint32_t>(o.scheduler.max_batched_tokens));
   info.set_kv_blocks_per_rank(static_cast<std::uint32_t>(o.engine.kv_blocks));
@@ -391,9 +454,8 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Engine& engine, server
     if (!o.tls.cert.empty())
       tls = std::make_shared<const server::security::TlsCredentials>(
           server::security::load_tls_credentials(o.tls));
-    std::optional<server::security::ApiKey> api_key;
-    if (!o.api_key.empty()) api_key.emplace(o.api_key);
-    if (!o.api_key_file.empty()) api_key = server::security::ApiKey::from_file(o.api_key_file);
+    if (tls && !tls->warning.empty()) spdlog::warn("capserve: {}", tls->warning);
+    const std::optional<server::security::ApiKey>& api_key = o.key;
     metrics_http = std::make_unique<server::http::Server>(
         server::http::Options{.host = o.metrics_host.empty() ? o.host : o.metrics_host,
                               .port = o.metrics_port,
@@ -404,8 +466,12 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Engine& engine, server
                return server::http::Response{200, "text/plain; version=0.0.4; charset=utf-8",
                                              metrics->exposition()};
              }}});
-    scheduler = std::make_unique<server::Scheduler>(
-        o.scheduler, world.size(), tokenizer ? &*tokenizer : nullptr, predictor, metrics.get());
+    scheduler =
+        std::make_unique<server::Scheduler>(o.scheduler, world.size(), tokenizer ? &*tokenizer : nullptr,
+                                            predictor, metrics.get(), &g_stop_requested);
+    // Its size is known now; the gauge would otherwise read 0 until the first step.
+    metrics->set_kv_cache_usage(std::vector<std::int64_t>(static_cast<std::size_t>(world.size()), 0),
+                                o.engine.kv_blocks);
     intake = std::make_unique<server::RequestIntake>(*scheduler, tokenizer ? &*tokenizer : nullptr, chat,
                                                      o.limits, metrics.get());
     service = std::make_unique<server::InferenceService>(*intake, info, api_key);
@@ -439,6 +505,9 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Engine& engine, server
     grpc::EnableDefaultHealthCheckService(true);
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();
     grpc::ServerBuilder builder;
+    // gRPC's reflection service takes no part in the API key check (the plugin has no hook for one, and a
+    // server interceptor cannot answer UNAUTHENTICATED), so with a key it is not served at all.
+    if (api_key) builder.SetOption(std::make_unique<WithoutReflection>());
     // gRPC sets SO_REUSEPORT by default, so a second server on a busy port would start and take half of the
     // new connections; a port in use must be an error instead.
     builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
@@ -489,18 +558,24 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Engine& engine, server
               o.limits.model_id.c_str(), host_port(o.host, bound_port).c_str(), metrics_http->port(),
               world.size(), kernels::to_string(model.backend().device()).c_str(), http_api.c_str());
   std::fflush(stdout);
-  log_startup_summary(o, model, info, memory, host_port(o.host, bound_port), metrics_http->port());
+  log_startup_summary(o, model, info, memory, host_port(o.host, bound_port),
+                      api_http ? host_port(o.host, api_http->port()) : "off", metrics_http->port());
 
+  bool draining = false;
   try {
     for (;;) {
-      if (g_stop_requested.load() && !scheduler->draining()) {
+      if (const int n = g_sigusr2_received.exchange(0); n > 0)
+        spdlog::warn("capserve: SIGUSR2 received ({}x) and ignored (SIGTERM, SIGINT or SIGHUP drains)", n);
+      if (!draining && g_stop_requested.load()) {
+        // The scheduler refuses new requests since the signal; this ends admission for good and health.
         spdlog::info("capserve: draining (no new requests; running ones finish)");
         scheduler->drain();
         if (api_http) api_http->cancel_pending();  // a render in progress would only be refused
         health.SetServingStatus(false);
+        draining = true;
       }
       if (scheduler->idle()) {
-        if (scheduler->draining()) break;
+        if (draining) break;
         scheduler->wait_for_work(std::chrono::milliseconds(50));
         continue;
       }
@@ -550,21 +625,22 @@ int follow(parallel::MpiWorld& world, server::RankWorker& worker) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // deploy/launch.sh starts mpirun with SIGTERM and SIGINT blocked (so that they cannot abort the job); this
-  // process must receive them. Before MPI starts its threads, which inherit the mask.
+  // deploy/launch.sh starts mpirun with SIGTERM, SIGINT and SIGHUP blocked (so that they cannot abort the
+  // job); this process must receive them. Before MPI starts its threads, which inherit the mask.
   sigset_t stop_signals;
   sigemptyset(&stop_signals);
-  sigaddset(&stop_signals, SIGTERM);
-  sigaddset(&stop_signals, SIGINT);
+  for (const int signal : {SIGTERM, SIGINT, SIGHUP, SIGUSR2}) sigaddset(&stop_signals, signal);
   pthread_sigmask(SIG_UNBLOCK, &stop_signals, nullptr);
   std::optional<parallel::MpiWorld> world;
   if (!parallel::start_mpi(world, argc, argv, "capserve")) return 1;
   const int rank = world->rank();
-  // Only rank 0 acts on a stop signal (it drains and then tells the others); the others ignore theirs.
-  std::signal(SIGTERM, on_stop_signal);
-  std::signal(SIGINT, on_stop_signal);
+  // Only rank 0 acts on a stop signal (it drains and then tells the others); the others ignore theirs. SIGHUP
+  // (the terminal or session went away) drains too: its default would kill rank 0 and reset every stream.
+  for (const int signal : {SIGTERM, SIGINT, SIGHUP}) handle_signal(signal, on_stop_signal);
   // mpirun forwards SIGUSR1 to every rank on every host: deploy/launch.sh's stop when rank 0 runs elsewhere.
-  std::signal(SIGUSR1, on_stop_signal);
+  handle_signal(SIGUSR1, on_stop_signal);
+  // mpirun forwards SIGUSR2 too; its default would kill the rank. Nothing uses it: logged and ignored.
+  handle_signal(SIGUSR2, on_sigusr2);
   // deploy/launch.sh sends its SIGTERM to this process. A stop before the server is up ends it right after.
   if (const char* pid_file = std::getenv("CAPSERVE_RANK0_PID_FILE");
       rank == 0 && pid_file != nullptr && *pid_file != 0) {
@@ -575,20 +651,12 @@ int main(int argc, char** argv) {
   capserve::runtime::add_common_flags(app, "capserve");
   Options o;
   add_flags(app, o);
-  if (const auto bad = runtime::flag_with_empty_value({argv + 1, static_cast<std::size_t>(argc - 1)})) {
-    if (rank == 0)
-      std::fprintf(stderr, "%s: %.*s has an empty value\n", "capserve", static_cast<int>(bad->size()),
-                   bad->data());
-    return 2;
-  }
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    // Every rank parses the same flags; rank 0 alone prints. Any refused flag is exit code 2.
-    const int code = rank == 0 ? app.exit(e) : e.get_exit_code();
-    return code == 0 ? 0 : 2;
-  }
-  if (const std::string bad = cross_check(o); !bad.empty()) {
+  // Every rank parses the same flags; rank 0 alone prints.
+  if (const std::optional<int> exit_code = runtime::parse_flags(app, argc, argv, "capserve", rank == 0))
+    return *exit_code;
+  std::string bad = read_api_key(app, o);
+  if (bad.empty()) bad = cross_check(o);
+  if (!bad.empty()) {
     if (rank == 0) std::fprintf(stderr, "capserve: %s\n", bad.c_str());
     return 2;
   }
@@ -605,24 +673,28 @@ int main(int argc, char** argv) {
     std::printf("capserve: MPI transport: %s\n", parallel::mpi_transport().c_str());
   }
 
-  const int threads = o.threads > 0
-                          ? o.threads
-                          : static_cast<int>(std::max(1U, std::thread::hardware_concurrency() /
-                                                              static_cast<unsigned>(world->local_size())));
+  const int threads = o.threads > 0 ? o.threads : runtime::default_threads(world->local_size());
+  if (world->local_rank() == 0) {
+    if (const std::string w =
+            runtime::oversubscription_warning(threads, world->local_size(), runtime::available_cores());
+        !w.empty())
+      spdlog::warn("capserve: host {}: {}", hosts[static_cast<std::size_t>(rank)].host, w);
+  }
   runtime::RankDevices devices;
   std::unique_ptr<runtime::Model> model;
   std::unique_ptr<runtime::Engine> engine_storage;
-  // Memory each rank allocated through its backend: weights (device backends; the CPU maps them from the
-  // checkpoint) and the KV cache.
+  // Each rank's memory: its weights (device copies; on the CPU, mapped from the checkpoint) and the KV cache
+  // its backend allocated.
   RankMemory memory;
   std::string failure;
   try {
     devices = runtime::make_rank_devices(o.device, threads, *world);
     model = devices.load(o.model_dir, runtime::finish_parallel_flags(o.parallel));
-    memory.weights = static_cast<std::int64_t>(devices.backend->allocated_bytes());
+    memory.weights = model->weights().bytes;
+    const auto before_kv = static_cast<std::int64_t>(devices.backend->allocated_bytes());
     o.engine.kv_dtype = runtime::kv_dtype_for(o.kv_dtype, devices.backend->device());
     engine_storage = std::make_unique<runtime::Engine>(*model, o.engine);
-    memory.kv_cache = static_cast<std::int64_t>(devices.backend->allocated_bytes()) - memory.weights;
+    memory.kv_cache = static_cast<std::int64_t>(devices.backend->allocated_bytes()) - before_kv;
     memory.device_index = devices.backend->device().index;
     memory.resident_kib = runtime::self_status_kib("VmRSS:");
   } catch (const std::exception& e) {
@@ -640,9 +712,9 @@ int main(int argc, char** argv) {
       RankMemory& m = rank_memory[r];
       std::memcpy(&m, gathered[r].data(), sizeof m);
       const kernels::Device device{model->backend().device().kind, static_cast<int>(m.device_index)};
-      std::printf("capserve: rank %zu on %s: %lld MiB of weights, %lld MiB of KV cache allocated\n", r,
-                  kernels::to_string(device).c_str(), static_cast<long long>(m.weights >> 20),
-                  static_cast<long long>(m.kv_cache >> 20));
+      std::printf("capserve: rank %zu on %s: %s of weights, %s of KV cache\n", r,
+                  kernels::to_string(device).c_str(), megabytes(m.weights).c_str(),
+                  megabytes(m.kv_cache).c_str());
     }
   }
 

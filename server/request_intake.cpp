@@ -115,6 +115,14 @@ IntakeResult check_no_special_tokens(const runtime::Tokenizer& tokenizer, const 
   return std::nullopt;
 }
 
+// A prompt longer than a step's batched tokens can never be prefilled: refused naming the field that holds it
+// (the scheduler would refuse it too, but without knowing which field the client sent).
+IntakeResult fits_one_step(const Scheduler& scheduler, std::size_t tokens, const std::string& field) {
+  std::string why = scheduler.why_prompt_too_long(static_cast<std::int64_t>(tokens));
+  if (why.empty()) return std::nullopt;
+  return invalid(field + ": " + why, field);
+}
+
 }  // namespace
 
 IntakeResult parse_json_field(std::string_view text, const std::string& field, nlohmann::ordered_json& out) {
@@ -273,7 +281,7 @@ IntakeResult RequestIntake::chat_prompt(std::span<const runtime::ChatMessage> me
       limits_.special_tokens_in_content ? std::span<const runtime::TextRange>() : prompt.content;
   if (runtime::Status s = tokenizer_->encode(prompt.text, false, ids, plain_text); !s.ok())
     return invalid(field + ": " + s.message(), field);
-  return std::nullopt;
+  return fits_one_step(scheduler_, ids.size(), field);
 }
 
 IntakeResult RequestIntake::text_prompt(std::string_view text, const std::string& field,
@@ -289,7 +297,7 @@ IntakeResult RequestIntake::text_prompt(std::string_view text, const std::string
   if (runtime::Status s = tokenizer_->encode(text, true, ids, plain_text); !s.ok())
     return invalid(field + ": " + s.message(), field);
   if (ids.empty()) return invalid(field + ": the prompt is empty", field);
-  return std::nullopt;
+  return fits_one_step(scheduler_, ids.size(), field);
 }
 
 IntakeResult RequestIntake::token_prompt(std::span<const std::int32_t> ids, const std::string& field) const {
@@ -300,7 +308,7 @@ IntakeResult RequestIntake::token_prompt(std::span<const std::int32_t> ids, cons
                          " is outside the vocabulary [0, " + std::to_string(limits_.vocab_size) + ")",
                      field);
   }
-  return std::nullopt;
+  return fits_one_step(scheduler_, ids.size(), field);
 }
 
 IntakeResult RequestIntake::sampling(const SamplingInput& s, std::int64_t prompt_tokens, bool text,

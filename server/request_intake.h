@@ -122,6 +122,8 @@ class RequestIntake {
   // Checks `messages` and `inputs` (roles, UTF-8, tool_calls / tool_call_id / name, the tools list, kwargs),
   // renders them through the chat template and tokenizes them; `field` names the messages array. A
   // requested `stop` (the client has gone, the server drains) cancels the render: IntakeCode::cancelled.
+  // Every prompt must fit the batched tokens of one step (--max-batched-tokens); a longer one is refused
+  // naming `field`.
   [[nodiscard]] IntakeResult chat_prompt(std::span<const runtime::ChatMessage> messages,
                                          const runtime::ChatInputs& inputs, const std::string& field,
                                          std::vector<std::int32_t>& ids, std::stop_token stop = {}) const;

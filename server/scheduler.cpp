@@ -44,13 +44,14 @@ void log_unadmitted(const Request& r, std::string_view reason, std::optional<dou
 }  // namespace
 
 Scheduler::Scheduler(SchedulerConfig config, int ranks, const runtime::Tokenizer* tokenizer,
-                     LoadPredictor predictor, ServerMetrics* metrics)
+                     LoadPredictor predictor, ServerMetrics* metrics, const std::atomic<bool>* stop_requested)
     : config_(config),
       ranks_(ranks),
       tokenizer_(tokenizer),
       predictor_(std::move(predictor)),
       metrics_(metrics),
       selector_(config.selector, ranks),
+      stop_requested_(stop_requested),
       rank_blocks_used_(static_cast<std::size_t>(ranks), 0),
       rank_sequences_(static_cast<std::size_t>(ranks), 0),
       running_load_(static_cast<std::size_t>(ranks), 0.0F),
@@ -64,10 +65,7 @@ std::int64_t Scheduler::kv_blocks_needed(const Request& request) const {
 
 std::string Scheduler::why_never_fits(const Request& request) const {
   const auto prompt = static_cast<std::int64_t>(request.prompt().size());
-  if (prompt > config_.max_batched_tokens)
-    return "prompt: " + std::to_string(prompt) + " tokens exceed the " +
-           std::to_string(config_.max_batched_tokens) +
-           " batched tokens of a step (--max-batched-tokens); a prompt is prefilled in one step";
+  if (std::string why = why_prompt_too_long(prompt); !why.empty()) return "prompt: " + why;
   if (const std::int64_t blocks = kv_blocks_needed(request); blocks > config_.kv_blocks_per_rank)
     return "prompt + sampling.max_tokens: " + std::to_string(prompt + request.params().max_new_tokens) +
            " tokens need " + std::to_string(blocks) + " KV blocks of " +
@@ -77,13 +75,19 @@ std::string Scheduler::why_never_fits(const Request& request) const {
   return {};
 }
 
+std::string Scheduler::why_prompt_too_long(std::int64_t tokens) const {
+  if (tokens <= config_.max_batched_tokens) return {};
+  return std::to_string(tokens) + " tokens exceed the " + std::to_string(config_.max_batched_tokens) +
+         " batched tokens of a step (--max-batched-tokens); a prompt is prefilled in one step";
+}
+
 Scheduler::Refusal Scheduler::submit(std::shared_ptr<Request> request) {
   Refusal refusal = Refusal::none;
   if (!why_never_fits(*request).empty()) {
     refusal = Refusal::never_fits;
   } else {
     std::lock_guard lock(inbox_mutex_);
-    if (draining_) {
+    if (draining_ || (stop_requested_ != nullptr && stop_requested_->load())) {
       refusal = Refusal::draining;
     } else if (queued_ >= config_.max_queue) {
       refusal = Refusal::queue_full;
@@ -115,6 +119,7 @@ void Scheduler::drain() {
 }
 
 bool Scheduler::draining() const {
+  if (stop_requested_ != nullptr && stop_requested_->load()) return true;
   std::lock_guard lock(inbox_mutex_);
   return draining_;
 }

@@ -5,6 +5,7 @@
 // length, cancellation or their deadline. Each sequence runs on the data-parallel rank with the most room.
 // The scheduler turns this state into one StepPlan per step and the ranks' StepResults back into client
 // events.
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -42,8 +43,11 @@ using LoadPredictor = std::function<void(std::span<const std::int32_t> prompt, s
 
 class Scheduler {
  public:
+  // `stop_requested` (optional) is the stop signal's flag: once it reads true the scheduler admits nothing,
+  // as after drain(), so that no request is accepted after the signal, even before the engine loop calls
+  // drain().
   Scheduler(SchedulerConfig config, int ranks, const runtime::Tokenizer* tokenizer, LoadPredictor predictor,
-            ServerMetrics* metrics);
+            ServerMetrics* metrics, const std::atomic<bool>* stop_requested = nullptr);
 
   // Handler threads. Empty on success, else why the request is refused now (queue full: RESOURCE_EXHAUSTED;
   // draining: UNAVAILABLE; never_fits: INVALID_ARGUMENT, see why_never_fits) — the handler reports it;
@@ -54,8 +58,12 @@ class Scheduler {
   // tokens of a step (prompts are prefilled whole), or prompt + max tokens needing more KV blocks than a rank
   // has. Such a request would wait forever at the head of the queue.
   [[nodiscard]] std::string why_never_fits(const Request& request) const;
+  // Empty when a prompt of `tokens` tokens fits the batched tokens of one step, else why not (after the field
+  // that holds the prompt: "N tokens exceed ...").
+  [[nodiscard]] std::string why_prompt_too_long(std::int64_t tokens) const;
   // Stop admitting; running and waiting requests still finish.
   void drain();
+  // After drain(), or once `stop_requested` reads true.
   [[nodiscard]] bool draining() const;
   // Wakes the engine loop when there is something to do (or `timeout` passes).
   void wait_for_work(std::chrono::milliseconds timeout);
@@ -120,6 +128,7 @@ class Scheduler {
   std::vector<std::shared_ptr<Request>> inbox_;
   std::int64_t queued_ = 0;  // inbox + waiting, guarded by inbox_mutex_
   bool draining_ = false;
+  const std::atomic<bool>* stop_requested_;
 
   std::deque<Waiting> waiting_;
   std::unordered_map<std::uint64_t, Running> running_;

@@ -7,7 +7,6 @@
 #include <fstream>
 #include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -15,6 +14,7 @@
 
 #include "parallel/mpi_world.h"
 #include "runtime/chat/chat_template.h"
+#include "runtime/cli/cores.h"
 #include "runtime/cli/flag_checks.h"
 #include "runtime/cli/parallel_flags.h"
 #include "runtime/cli/proc_status.h"
@@ -46,8 +46,8 @@ int main(int argc, char** argv) {
   if (!parallel::start_mpi(world, argc, argv, "capserve-generate")) return 1;
   const int rank = world->rank();
   CLI::App app{
-      "Generate tokens with a Hugging Face MoE checkpoint on the CPU; under mpirun the ranks share "
-      "the experts (expert parallelism) and the prompts (data parallelism)"};
+      "Generate tokens with a Hugging Face MoE checkpoint (on the CPU, or on GPUs with --device cuda); under "
+      "mpirun the ranks share the experts (expert parallelism) and the prompts (data parallelism)"};
   capserve::runtime::add_common_flags(app, "capserve-generate");
   std::string model_dir;
   std::vector<std::string> input_ids;
@@ -59,8 +59,7 @@ int main(int argc, char** argv) {
   std::string moe_stats;
   runtime::SamplingParams params;
   bool ignore_eos = false;
-  int threads = static_cast<int>(
-      std::max(1U, std::thread::hardware_concurrency() / static_cast<unsigned>(world->local_size())));
+  int threads = runtime::default_threads(world->local_size());
   std::string device = "cpu";
   std::string kv_dtype = "auto";
   runtime::EngineOptions engine_options;
@@ -100,22 +99,20 @@ int main(int argc, char** argv) {
   app.add_option("--kv-blocks", engine_options.kv_blocks, "KV cache blocks of 16 tokens per rank")
       ->check(runtime::at_least(1));
   runtime::add_parallel_flags(app, parallel_flags);
-  if (const auto bad = runtime::flag_with_empty_value({argv + 1, static_cast<std::size_t>(argc - 1)})) {
-    if (rank == 0)
-      std::fprintf(stderr, "%s: %.*s has an empty value\n", "capserve-generate",
-                   static_cast<int>(bad->size()), bad->data());
-    return 2;
-  }
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    // Every rank parses the same flags; rank 0 alone prints. Any refused flag is exit code 2.
-    const int code = rank == 0 ? app.exit(e) : e.get_exit_code();
-    return code == 0 ? 0 : 2;
-  }
+  // Every rank parses the same flags; rank 0 alone prints.
+  if (const std::optional<int> exit_code =
+          runtime::parse_flags(app, argc, argv, "capserve-generate", rank == 0))
+    return *exit_code;
   if (input_ids.empty() && prompts_text.empty()) {
     if (rank == 0) std::fprintf(stderr, "capserve-generate: give --input-ids or --prompt\n");
     return 2;
+  }
+
+  if (world->local_rank() == 0) {
+    if (const std::string w =
+            runtime::oversubscription_warning(threads, world->local_size(), runtime::available_cores());
+        !w.empty())
+      std::fprintf(stderr, "capserve-generate: warning: %s\n", w.c_str());
   }
 
   // Everything that can fail before the first collective is agreed on, so that no rank is left waiting.

@@ -1,7 +1,6 @@
 #pragma once
 // The expert-placement and capacity flags every program that runs a model shares (capserve-generate, the
 // evaluation and benchmark tools, the server), parsed into ParallelOptions with CLI11's own validation.
-#include <map>
 #include <string>
 
 #include <CLI/CLI.hpp>
@@ -30,38 +29,32 @@ inline void add_parallel_flags(CLI::App& app, ParallelFlags& flags) {
       ->check([](const std::string& v) {
         return parse_gamma(v) ? std::string() : "must be inf or positive numbers, comma-separated";
       });
-  app.add_option("--capacity-policy", c.policy, "none | drop | reroute | expanded")
-      ->transform(CLI::CheckedTransformer(
-          std::map<std::string, CapacityPolicy>{{"none", CapacityPolicy::none},
-                                                {"drop", CapacityPolicy::drop},
-                                                {"reroute", CapacityPolicy::reroute},
-                                                {"expanded", CapacityPolicy::expanded}}))
-      ->capture_default_str();
-  app.add_option("--capacity-granularity", c.granularity, "expert | device")
-      ->transform(CLI::CheckedTransformer(std::map<std::string, CapacityGranularity>{
-          {"expert", CapacityGranularity::expert}, {"device", CapacityGranularity::device}}));
-  app.add_option("--capacity-scope", c.scope,
-                 "local (no communication) | global (exact top-C over all ranks)")
-      ->transform(CLI::CheckedTransformer(std::map<std::string, CapacityScope>{
-          {"local", CapacityScope::local}, {"global", CapacityScope::global}}));
-  app.add_option("--capacity-score", c.score,
-                 "which tokens a full expert keeps: gate | order | reverse-order | random")
-      ->transform(CLI::CheckedTransformer(
-          std::map<std::string, DropScore>{{"gate", DropScore::gate},
-                                           {"order", DropScore::order},
-                                           {"reverse-order", DropScore::reverse_order},
-                                           {"random", DropScore::random}}));
+  add_enum_option(app, "--capacity-policy", c.policy, "what a full expert does with the tokens over capacity",
+                  {{"none", CapacityPolicy::none},
+                   {"drop", CapacityPolicy::drop},
+                   {"reroute", CapacityPolicy::reroute},
+                   {"expanded", CapacityPolicy::expanded}});
+  add_enum_option(app, "--capacity-granularity", c.granularity,
+                  "a capacity per expert or per device (all of a rank's experts)",
+                  {{"expert", CapacityGranularity::expert}, {"device", CapacityGranularity::device}});
+  add_enum_option(app, "--capacity-scope", c.scope,
+                  "local (no communication) or global (exact top-C over all ranks)",
+                  {{"local", CapacityScope::local}, {"global", CapacityScope::global}});
+  add_enum_option(app, "--capacity-score", c.score, "which tokens a full expert keeps",
+                  {{"gate", DropScore::gate},
+                   {"order", DropScore::order},
+                   {"reverse-order", DropScore::reverse_order},
+                   {"random", DropScore::random}});
   app.add_option("--capacity-rounds", c.rounds, "reroute rounds R")->check(at_least(1));
   app.add_option("--capacity-local-experts", c.local_experts,
                  "expanded drop: m experts on the token's own rank")
       ->check(at_least(1));
   app.add_flag("--capacity-renormalize", c.renormalize_after_drop,
                "rescale a token's kept gate weights to their original sum after drops");
-  app.add_option("--capacity-apply-to", c.apply_to, "prefill | decode | both")
-      ->transform(
-          CLI::CheckedTransformer(std::map<std::string, CapacityPhase>{{"prefill", CapacityPhase::prefill},
-                                                                       {"decode", CapacityPhase::decode},
-                                                                       {"both", CapacityPhase::both}}));
+  add_enum_option(app, "--capacity-apply-to", c.apply_to, "the phases the capacity applies to",
+                  {{"prefill", CapacityPhase::prefill},
+                   {"decode", CapacityPhase::decode},
+                   {"both", CapacityPhase::both}});
   app.add_option("--capacity-seed", c.seed, "seed of the random score");
 }
 

@@ -1,5 +1,9 @@
 #include "runtime/cli/version.h"
 
+#include <cstdio>
+#include <span>
+
+#include "runtime/cli/flag_checks.h"
 #include "runtime/cli/version_git.h"
 
 namespace capserve::runtime {
@@ -34,6 +38,29 @@ void add_common_flags(CLI::App& app, std::string_view program) {
   app.option_defaults()->always_capture_default();
   // Before the arguments are read, so before --help prints; every option exists by then.
   app.preparse_callback([&app](std::size_t) { drop_empty_defaults(app); });
+}
+
+std::optional<int> parse_flags(CLI::App& app, int argc, char** argv, std::string_view program, bool report) {
+  const std::span<char* const> args(argv + 1, static_cast<std::size_t>(argc - 1));
+  const auto refuse = [&](std::string_view why) {
+    if (report)
+      std::fprintf(stderr, "%.*s: %.*s\n", static_cast<int>(program.size()), program.data(),
+                   static_cast<int>(why.size()), why.data());
+    return 2;
+  };
+  if (const auto bad = flag_with_empty_value(args)) return refuse(std::string(*bad) + " has an empty value");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    // A misspelt flag shows as an unexpected argument, or as a required flag missing (`--modle`).
+    if (dynamic_cast<const CLI::ExtrasError*>(&e) != nullptr ||
+        dynamic_cast<const CLI::RequiredError*>(&e) != nullptr) {
+      if (const auto unknown = unknown_flag(app, args)) return refuse(*unknown);
+    }
+    const int code = report ? app.exit(e) : e.get_exit_code();
+    return code == 0 ? 0 : 2;
+  }
+  return std::nullopt;
 }
 
 }  // namespace capserve::runtime

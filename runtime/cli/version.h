@@ -1,6 +1,7 @@
 #pragma once
 // What every program prints for --version and capserve exports as capserve_build_info: one place, so that the
 // binaries of one build can never disagree about which build they are.
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -24,5 +25,12 @@ struct BuildInfo {
 // --help. Call right after creating the app, before adding options: CLI11 applies option defaults to options
 // created afterwards.
 void add_common_flags(CLI::App& app, std::string_view program);
+
+// Parses the command line. nullopt: go on; else the program's exit code: 0 after --help or --version, 2 for a
+// refused command line, after printing why on stderr when `report` (under mpirun every rank parses, rank 0
+// alone reports): `--flag=` with nothing after '=', an unknown flag with the closest known one, or CLI11's
+// message naming the flag.
+[[nodiscard]] std::optional<int> parse_flags(CLI::App& app, int argc, char** argv, std::string_view program,
+                                             bool report);
 
 }  // namespace capserve::runtime

@@ -1,5 +1,9 @@
 #include "server/security/tls_credentials.h"
 
+#include <openssl/asn1.h>
+#include <openssl/bio.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
 #include <boost/asio/buffer.hpp>
 #include <boost/asio/ssl/context.hpp>
 #include <boost/system/system_error.hpp>
@@ -7,6 +11,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <memory>
 #include <sstream>
 #include <stdexcept>
 #include <string_view>
@@ -38,14 +43,40 @@ void step(std::string_view what, F&& f) {
   }
 }
 
+std::string asn1_time_text(const ASN1_TIME* time) {
+  const std::unique_ptr<BIO, decltype(&BIO_free)> bio(BIO_new(BIO_s_mem()), BIO_free);
+  if (!bio || ASN1_TIME_print(bio.get(), time) != 1) return "an unreadable date";
+  char* data = nullptr;
+  const long size = BIO_get_mem_data(bio.get(), &data);
+  return {data, static_cast<std::size_t>(size)};
+}
+
+// Why the chain's first (leaf) certificate is not valid now, naming the date; "" when it is.
+std::string validity_warning(const std::string& cert_path, const std::string& chain_pem) {
+  const std::unique_ptr<BIO, decltype(&BIO_free)> bio(
+      BIO_new_mem_buf(chain_pem.data(), static_cast<int>(chain_pem.size())), BIO_free);
+  const std::unique_ptr<X509, decltype(&X509_free)> leaf(
+      bio ? PEM_read_bio_X509(bio.get(), nullptr, nullptr, nullptr) : nullptr, X509_free);
+  if (!leaf) return {};  // the TLS context has parsed it already; nothing else to say
+  const std::string at = "--tls-cert " + cert_path + ": the certificate ";
+  if (const ASN1_TIME* end = X509_get0_notAfter(leaf.get()); X509_cmp_current_time(end) < 0)
+    return at + "expired (notAfter " + asn1_time_text(end) + "); TLS clients will refuse it";
+  if (const ASN1_TIME* start = X509_get0_notBefore(leaf.get()); X509_cmp_current_time(start) > 0)
+    return at + "is not valid before notBefore " + asn1_time_text(start) +
+           " (is this machine's clock right?); TLS clients will refuse it until then";
+  return {};
+}
+
 }  // namespace
 
 TlsCredentials load_tls_credentials(const TlsFiles& files) {
   if (files.cert.empty() != files.key.empty())
     throw std::runtime_error("--tls-cert and --tls-key go together: give both or neither");
   if (files.cert.empty()) throw std::runtime_error("--tls-client-ca needs --tls-cert and --tls-key");
-  TlsCredentials c{read_pem("--tls-cert", files.cert), read_pem("--tls-key", files.key),
-                   files.client_ca.empty() ? std::string() : read_pem("--tls-client-ca", files.client_ca)};
+  TlsCredentials c{read_pem("--tls-cert", files.cert),
+                   read_pem("--tls-key", files.key),
+                   files.client_ca.empty() ? std::string() : read_pem("--tls-client-ca", files.client_ca),
+                   {}};
   try {
     make_server_tls_context(c);
   } catch (const std::runtime_error& e) {
@@ -53,6 +84,7 @@ TlsCredentials load_tls_credentials(const TlsFiles& files) {
                              files.key +
                              (files.client_ca.empty() ? "" : ", --tls-client-ca " + files.client_ca) + ")");
   }
+  c.warning = validity_warning(files.cert, c.cert_chain_pem);
   return c;
 }
 

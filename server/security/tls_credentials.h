@@ -2,7 +2,8 @@
 // The TLS material of --tls-cert / --tls-key / --tls-client-ca, read and checked once at start-up so that an
 // unreadable file, a file that is not PEM, or a key that does not belong to the certificate stops the server
 // with a message naming the flag and the file, before gRPC or the HTTP ports see it (gRPC alone would only
-// say that it could not start).
+// say that it could not start). A certificate outside its validity period is served (the clock may be what is
+// wrong) with a warning naming the flag, the file and the date, since every client will refuse it.
 #include <memory>
 #include <string>
 
@@ -22,6 +23,7 @@ struct TlsCredentials {
   std::string cert_chain_pem;
   std::string private_key_pem;
   std::string client_ca_pem;  // empty: no client certificates asked for
+  std::string warning;        // non-empty: the leaf certificate has expired or is not valid yet, and when
 };
 
 // Reads and checks the files. Throws std::runtime_error naming the flag and file on any problem.

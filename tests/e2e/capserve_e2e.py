@@ -70,6 +70,14 @@ def chat_request(content, max_tokens=16, request_id="", stop=(), **sampling):
     return pb.ChatRequest(messages=[message("user", content)], request_id=utf8(request_id), sampling=sampling)
 
 
+def reflection_services(channel, metadata=()):
+    """The raw answer of gRPC server reflection's list_services (bytes naming every service); raises
+    grpc.RpcError when the server refuses it."""
+    call = channel.stream_stream("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")  # bytes as is
+    list_services = b"\x3a\x00"  # ServerReflectionRequest{list_services: ""}
+    return b"".join(call(iter([list_services]), metadata=metadata, timeout=30))
+
+
 def parse_metrics(text):
     """Prometheus text exposition -> {(name, ((label, value), ...)): value}."""
     samples = {}
@@ -124,9 +132,11 @@ class Server:
     /metrics ports are reached from this process; `model` a checkpoint directory other than CAPSERVE_MODEL."""
 
     def __init__(self, *flags, start_timeout=180, np=NP, launch_args=(), connect_host="127.0.0.1", model=MODEL,
-                 grpc_credentials=None, metrics_ssl_context=None):
+                 grpc_credentials=None, metrics_ssl_context=None, wrapper=()):
         """`grpc_credentials` (grpc.ssl_channel_credentials) and `metrics_ssl_context` (an ssl.SSLContext) reach a
-        server started with --tls-cert."""
+        server started with --tls-cert; `wrapper` is a command line that runs the launcher's (e.g. a shell that
+        starts it as a background job)."""
+        self.wrapper = list(wrapper)
         self.flags = list(flags)
         self.model = model
         self.grpc_credentials = grpc_credentials
@@ -141,8 +151,8 @@ class Server:
         self.ranks = {}  # rank -> pid
 
     def start(self):
-        cmd = ["bash", LAUNCH, *self.launch_args, str(self.np), BIN, "--model", self.model, "--port", "0",
-               "--metrics-port", "0", "--http-port", "0", "--threads", "1", *self.flags]
+        cmd = [*self.wrapper, "bash", LAUNCH, *self.launch_args, str(self.np), BIN, "--model", self.model, "--port",
+               "0", "--metrics-port", "0", "--http-port", "0", "--threads", "1", *self.flags]
         print("e2e: starting", " ".join(cmd), file=sys.stderr, flush=True)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True)

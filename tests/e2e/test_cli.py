@@ -1,6 +1,7 @@
 """The programs' command lines: --version on every binary (one version line, the same build for all), --help
-showing each option's default, and capserve --config refusing an unknown key or a wrongly typed value by name
-(exit code 2, nothing loaded)."""
+showing each option's default and description (enum flags as "one of: ..."), a misspelt flag answered with the
+closest one, and capserve --config refusing an unknown key or a wrongly typed value by name (exit code 2, nothing
+loaded)."""
 
 import json
 import os
@@ -41,6 +42,40 @@ class CliTest(unittest.TestCase):
                               ("--batch-selector", "fcfs"), ("--capacity-factor", "inf")):
             self.assertIn(flag, lines, done.stdout)
             self.assertIn(default, lines[flag])
+
+    def test_misspelt_flag_suggests_the_closest(self):
+        generate = os.environ["CAPSERVE_GENERATE"]
+        for cmd, wrong, right in (([BIN, "--model", MODEL, "--max-runing", "4"], "--max-runing", "--max-running"),
+                                  ([BIN, "--modle", MODEL], "--modle", "--model"),
+                                  ([BIN, "--model", MODEL, "--capacity-polcy=drop"], "--capacity-polcy",
+                                   "--capacity-policy"),
+                                  ([generate, "--model", MODEL, "--input-ids", "1", "--max-new-token", "2"],
+                                   "--max-new-token", "--max-new-tokens")):
+            with self.subTest(flag=wrong):
+                done = run(cmd)
+                self.assertEqual(done.returncode, 2, done.stdout)
+                self.assertIn(f"unknown flag {wrong} (did you mean {right}?)", done.stdout)
+
+    def test_help_describes_every_option_in_words(self):
+        generate = os.environ["CAPSERVE_GENERATE"]
+        for program in (BIN, generate):
+            with self.subTest(program=os.path.basename(program)):
+                done = run([program, "--help"])
+                self.assertEqual(done.returncode, 0, done.stdout)
+                for internal in ("ENUM", "->", " OR {"):
+                    self.assertNotIn(internal, done.stdout)
+                policy = next(line for line in done.stdout.splitlines() if line.strip().startswith("--capacity-policy"))
+                self.assertIn("one of: none, drop, reroute, expanded", policy)
+                self.assertNotIn("checkpoint on the CPU;", done.stdout)  # capserve-generate has --device cuda
+        lines = {line.split()[0]: line for line in run([BIN, "--help"]).stdout.splitlines()
+                 if line.strip().startswith("--")}
+        self.assertRegex(lines["--selector-seed"], r"--selector-seed \S+\s+\w+ \w+")  # a description after the type
+
+    def test_enum_flag_error_lists_the_choices(self):
+        done = run([BIN, "--model", MODEL, "--capacity-policy", "dorp"])
+        self.assertEqual(done.returncode, 2, done.stdout)
+        self.assertIn("--capacity-policy: dorp is not one of: none, drop, reroute, expanded", done.stdout)
+        self.assertNotIn("->", done.stdout)
 
     def config_refused(self, config):
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:

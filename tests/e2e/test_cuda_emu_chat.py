@@ -5,6 +5,7 @@ reports each rank's device memory, and a model that does not fit the GPU ends th
 per rank."""
 
 import os
+import re
 import subprocess
 import sys
 import unittest
@@ -41,7 +42,10 @@ class CudaEmuChatTest(ServerTestCase):
         for r in range(NP):
             line = [x for x in self.server.log if x.startswith(f"capserve: rank {r} on cuda:{r}: ")]
             self.assertEqual(len(line), 1, self.server.log[:20])
-            self.assertRegex(line[0], r"(\d+) MiB of weights, ([1-9]\d*) MiB of KV cache allocated")
+            m = re.search(r"([\d.]+) MB \([\d.]+ MiB\) of weights, ([\d.]+) MB \([\d.]+ MiB\) of KV cache", line[0])
+            self.assertIsNotNone(m, line[0])
+            self.assertGreater(float(m.group(1)), 0, line[0])
+            self.assertGreater(float(m.group(2)), 0, line[0])
 
 
 class CudaEmuOutOfMemoryTest(unittest.TestCase):

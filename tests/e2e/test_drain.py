@@ -1,7 +1,9 @@
 """SIGTERM to the job (deploy/launch.sh, which hands it to rank 0) drains: running streams finish normally, new
-requests get UNAVAILABLE (HTTP: 503), health turns NOT_SERVING (HTTP /health: 503), and the job exits 0."""
+requests get UNAVAILABLE (HTTP: 503), health turns NOT_SERVING (HTTP /health: 503), and the job exits 0. No request
+is accepted once rank 0 has taken the signal, however soon after it comes."""
 
 import json
+import os
 import signal
 import threading
 import urllib.error
@@ -10,6 +12,17 @@ import urllib.request
 import grpc
 
 from capserve_e2e import ServerTestCase, chat_request, main, pb
+
+
+def pending_signals(pid):
+    """The signals sent to process `pid` that it has not taken yet (its own and its threads' pending sets)."""
+    mask = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/status") as f:
+            for line in f:
+                if line.startswith(("SigPnd:", "ShdPnd:")):
+                    mask |= int(line.split()[1], 16)
+    return mask
 
 STREAMS = 3
 TOKENS = 500
@@ -67,6 +80,20 @@ class DrainTest(ServerTestCase):
             self.assertEqual(code, grpc.StatusCode.OK, chunks)
             self.assertEqual(chunks[-1].finish_reason, pb.FINISH_REASON_LENGTH)
             self.assertEqual(chunks[-1].usage.completion_tokens, TOKENS)
+        self.assertEqual(self.server.wait_exit(60), 0, "the job's exit status after the drain")
+
+
+class SignalRaceTest(ServerTestCase):
+    def test_no_request_is_accepted_after_the_signal(self):
+        # Idle, the step loop sleeps up to 50 ms between looks at its stop flag: the window a request arriving
+        # right after the signal once slipped through (200 OK, 0.3 s after SIGTERM).
+        rank0 = self.server.ranks[0]
+        os.kill(rank0, signal.SIGTERM)
+        self.wait_for(lambda: not pending_signals(rank0) & (1 << (signal.SIGTERM - 1)), 10,
+                      "rank 0 to take the SIGTERM")
+        with self.assertRaises(grpc.RpcError) as refused:
+            self.stub.Chat(chat_request("Are you there?", max_tokens=2), timeout=30)
+        self.assertEqual(refused.exception.code(), grpc.StatusCode.UNAVAILABLE, refused.exception.details())
         self.assertEqual(self.server.wait_exit(60), 0, "the job's exit status after the drain")
 
 

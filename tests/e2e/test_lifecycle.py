@@ -1,9 +1,13 @@
-"""Process lifecycle of a running server: health answers for the API's service name like for "", a second server
-on the same port is a one-line error and a non-zero exit (no port sharing), and SIGINT to the launcher's whole
-process group (Ctrl-C in a terminal) or SIGTERM to every process of the job (systemd's default KillMode) drains
-like SIGTERM to the launcher: running streams finish, exit 0."""
+"""Process lifecycle of a running server: the start-up lines (weights in MB with a decimal, every listening
+address, whole milliseconds) and the KV cache's size on /metrics before any request; health answers for the API's
+service name like for "", a second server on the same port is a one-line error and a non-zero exit (no port
+sharing), and SIGINT to the launcher's whole process group (Ctrl-C in a terminal, also when the launcher runs as a
+background job of a script, which starts it with SIGINT ignored), SIGHUP to it (the terminal closed) or SIGTERM to
+every process of the job (systemd's default KillMode) drains like SIGTERM to the launcher: running streams finish,
+exit 0. SIGUSR2 (to rank 0 or to the whole group) is logged and changes nothing."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,7 +15,8 @@ import threading
 
 import grpc
 
-from capserve_e2e import BIN, LAUNCH, MODEL, NP, ServerTestCase, _descendants, chat_request, main, pb_grpc
+from capserve_e2e import (BIN, LAUNCH, MODEL, NP, Server, ServerTestCase, _descendants, chat_request, main, metric,
+                          pb_grpc, reflection_services)
 
 STREAMS = 3
 TOKENS = 900  # long enough that the drain outlasts the first health poll on a loaded machine
@@ -19,9 +24,22 @@ SERVICE = "capserve.v1.Inference"
 
 
 class LifecycleTest(ServerTestCase):
+    def test_0_startup_lines(self):
+        # Before any request has touched the KV cache.
+        self.assertEqual(metric(self.server.metrics(), "capserve_kv_cache_total_blocks"), 1024)
+        log = "".join(self.server.log)
+        weights = re.findall(r"rank \d on \S+: (\S+) MB \((\S+) MiB\) of weights", log)
+        self.assertEqual(len(weights), NP, log)
+        self.assertGreater(sum(float(mb) for mb, _ in weights), 1.0, log)  # the tiny model's 27 MB, not "0 MiB"
+        self.assertNotRegex(log, r"\b0 MiB of weights")
+        self.assertIn(f"listening: gRPC at 0.0.0.0:{self.server.port}; HTTP API at 0.0.0.0:{self.server.http_port}; "
+                      f"metrics (/metrics) at 0.0.0.0:{self.server.metrics_port}", log)
+        self.assertIn(" max_wait_ms=2000 interval_ms=0 ", log)
+
     def test_1_health_of_the_service_name(self):
         self.assertEqual(self.server.health(service=SERVICE), "SERVING")
         self.assertEqual(self.server.health(), "SERVING")
+        self.assertIn(SERVICE.encode(), reflection_services(self.server.channel))  # on without an API key
 
     def test_2_second_server_on_the_same_port_fails(self):
         cmd = ["bash", LAUNCH, str(NP), BIN, "--model", MODEL, "--port", str(self.server.port), "--metrics-port",
@@ -52,6 +70,38 @@ class LifecycleTest(ServerTestCase):
 
     def test_3_sigint_to_the_process_group_drains(self):
         # The launcher leads its process group, as in a terminal: this is Ctrl-C.
+        drains(self, lambda: os.killpg(self.server.proc.pid, signal.SIGINT))
+
+
+class HangupTest(ServerTestCase):
+    def test_1_sigusr2_is_harmless(self):
+        rank0 = self.server.ranks[0]
+        for send in (lambda: os.kill(rank0, signal.SIGUSR2), lambda: os.killpg(self.server.proc.pid, signal.SIGUSR2)):
+            send()
+            self.wait_for(lambda: "SIGUSR2" in "".join(self.server.log), 30, "the SIGUSR2 log line")
+            reply = self.stub.Chat(chat_request("Still there?", max_tokens=2), timeout=60)
+            self.assertEqual(reply.usage.completion_tokens, 2)
+            self.assertEqual(self.server.health(), "SERVING")
+            self.assertIsNone(self.server.proc.poll())
+            self.server.log.clear()
+
+    def test_2_sighup_to_the_process_group_drains(self):
+        drains(self, lambda: os.killpg(self.server.proc.pid, signal.SIGHUP))
+
+
+class BackgroundLaunchTest(ServerTestCase):
+    """deploy/launch.sh started with `&` by a script: bash gives such a job SIGINT ignored, which a bash script
+    cannot trap and mpirun and the ranks inherit."""
+
+    @classmethod
+    def setUpClass(cls):
+        # The script waits for the job without being stopped by the SIGINT itself, as a supervising script would.
+        cls.server = Server(wrapper=["bash", "-c", 'trap "" INT; "$@" & wait $!', "background"])
+        cls.addClassCleanup(cls.server.stop)
+        cls.server.start()
+        cls.stub = cls.server.stub
+
+    def test_sigint_to_the_process_group_drains(self):
         drains(self, lambda: os.killpg(self.server.proc.pid, signal.SIGINT))
 
 

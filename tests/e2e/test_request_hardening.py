@@ -67,6 +67,18 @@ class RequestHardeningTest(ServerTestCase):
         self.assertIn("600", details)
         self.assertEqual(self.errors("INVALID_ARGUMENT") - before, 1)
         self.assertTrue(self.stub.Chat(chat_request("Still serving?", max_tokens=4), timeout=60).usage.completion_tokens)
+        # The HTTP API names the field the client sent the prompt in, not max_tokens.
+        long_chat = {"messages": [{"role": "user", "content": "hi " * 700}], "max_tokens": 4}
+        for path, body, param in (("/v1/completions", {"prompt": [7] * 600, "max_tokens": 4}, "prompt"),
+                                  ("/v1/chat/completions", long_chat, "messages")):
+            with self.assertRaises(urllib.error.HTTPError) as raised:
+                urllib.request.urlopen(urllib.request.Request(
+                    f"http://127.0.0.1:{self.server.http_port}{path}", data=json.dumps(body).encode(),
+                    headers={"Content-Type": "application/json"}), timeout=30)
+            self.assertEqual(raised.exception.code, 400, path)
+            error = json.loads(raised.exception.read())["error"]
+            self.assertEqual(error["param"], param, error)
+            self.assertIn("--max-batched-tokens", error["message"])
 
     def test_invalid_utf8_names_the_field_and_offset(self):
         before = self.errors("INVALID_ARGUMENT")

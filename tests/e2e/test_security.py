@@ -1,7 +1,8 @@
 """TLS, mutual TLS and the API key on one server each (2 ranks), with a CA, server and client certificates made
 here by the openssl CLI in a temporary directory: the `openai` client (when it can be installed), raw TLS sockets
 and a gRPC secure channel succeed with the key and the CA; without the key they get 401 in OpenAI's shape /
-UNAUTHENTICATED, over plain TCP nothing; /health and the metrics port stay open; a silent TLS client is cut off
+UNAUTHENTICATED, over plain TCP nothing; /health and the metrics port stay open, gRPC reflection is off (it
+cannot check the key); a silent TLS client is cut off
 by the read deadline; under mTLS a client without a certificate is refused. Start-up refuses unreadable and
 mismatched files with a message naming them."""
 
@@ -18,7 +19,7 @@ import unittest
 
 import grpc
 
-from capserve_e2e import Server, ServerTestCase, chat_request, main, pb, pb_grpc
+from capserve_e2e import Server, ServerTestCase, chat_request, main, pb, pb_grpc, reflection_services
 from test_openai_api import OPENAI_MISSING, openai
 
 KEY = "sk-capserve-e2e-0123456789"
@@ -159,6 +160,13 @@ class TlsApiKeyTest(ServerTestCase):
                     call()
                 self.assertEqual(refused.exception.code(), grpc.StatusCode.UNAUTHENTICATED, metadata)
         self.assertEqual(self.server.health(), "SERVING")  # the health service needs no key
+
+    def test_grpc_reflection_is_off_with_a_key(self):
+        # The reflection plugin cannot check the key, so it is not served: it once answered without one.
+        for metadata in ([], [("authorization", "Bearer " + KEY)]):
+            with self.assertRaises(grpc.RpcError) as refused:
+                reflection_services(self.server.channel, metadata)
+            self.assertEqual(refused.exception.code(), grpc.StatusCode.UNIMPLEMENTED, metadata)
 
     def test_metrics_port_is_tls_on_its_own_host_without_key(self):
         self.assertIn("capserve_", self.server.metrics_text())

@@ -1,5 +1,6 @@
 """Start-up errors: every refused flag (of capserve and capserve-generate) is a clear message naming it and exit
-code 2, before any model is loaded;
+code 2, before any model is loaded; an empty API key, in any form, is refused (never a server without
+authentication); more threads than cores is a warning at start;
 a model that cannot be loaded is a one-line error, the last line of the job's output, exit code 1, with no
 MPI_ABORT banner."""
 
@@ -9,7 +10,7 @@ import sys
 import tempfile
 import unittest
 
-from capserve_e2e import BIN, LAUNCH, MODEL, NP, main
+from capserve_e2e import BIN, LAUNCH, MODEL, NP, Server, main
 
 TIMEOUT_S = 120
 
@@ -62,6 +63,38 @@ class StartupTest(unittest.TestCase):
                 self.assertEqual(done.returncode, 2, done.stdout)
                 self.assertIn(f"{flags[0]} has an empty value" if flags[0].endswith("=") else
                               f"{flags[0]}: must be at least", done.stdout)
+
+    def test_empty_api_key_is_refused(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            blank = os.path.join(tmp, "blank.key")
+            with open(blank, "w") as f:
+                f.write("  \n")
+            config = os.path.join(tmp, "config.json")
+            with open(config, "w") as f:
+                f.write('{"api-key": ""}')
+            # An unset variable (`--api-key "$KEY"`) is the empty separate argument.
+            for flags, named in ((["--api-key", ""], "--api-key"), (["--api-key="], "--api-key="),
+                                 (["--api-key-file", blank], f"--api-key-file {blank}"),
+                                 (["--config", config], "--api-key")):
+                with self.subTest(flags=flags):
+                    server = Server(*flags, start_timeout=TIMEOUT_S)
+                    self.addCleanup(server.stop)
+                    with self.assertRaises(RuntimeError) as failed:
+                        server.start()  # a server that starts is the defect: it would serve without a key
+                    self.assertIn("did not start (exit 2)", str(failed.exception))
+                    self.assertIn(named, str(failed.exception))
+                    server.stop()
+
+    def test_more_threads_than_cores_is_a_warning(self):
+        cores = len(os.sched_getaffinity(0))
+        with tempfile.TemporaryDirectory() as empty:
+            cmd = ["bash", LAUNCH, str(NP), BIN, "--model", empty, "--port", "0", "--metrics-port", "0",
+                   "--threads", str(cores)]
+            done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  timeout=TIMEOUT_S)
+        print(f"e2e: --threads {cores} -> exit {done.returncode}:\n{done.stdout}", file=sys.stderr)
+        self.assertIn(f"--threads {cores} x {NP} ranks on this host = {cores * NP} threads on {cores} cores",
+                      done.stdout)
 
     def test_model_load_error_is_the_last_line(self):
         # The error is the last line of the job's stderr. stdout (rank 0's start-up lines) is a separate stream

@@ -50,5 +50,24 @@ TEST_F(RequestIntakeTest, UnsetSamplingFieldsTakeTheModelsDefaults) {
   EXPECT_EQ(none.top_k, 0);
 }
 
+// A prompt longer than a step's batched tokens is refused naming the field the client sent it in (it was
+// once refused by the scheduler with param "max_tokens").
+TEST_F(RequestIntakeTest, PromptOverTheBatchedTokensNamesItsField) {
+  SchedulerConfig config;
+  config.max_batched_tokens = 4;
+  Scheduler scheduler(config, 1, &tokenizer_, nullptr, nullptr);
+  ServiceLimits limits;
+  limits.vocab_size = tokenizer_.vocab_size();
+  RequestIntake intake(scheduler, &tokenizer_, std::nullopt, limits, nullptr);
+  const std::vector<std::int32_t> four(4, 1), five(5, 1);
+  EXPECT_FALSE(intake.token_prompt(four, "input_ids").has_value());
+  const IntakeResult refused = intake.token_prompt(five, "prompt[1]");
+  ASSERT_TRUE(refused.has_value());
+  EXPECT_EQ(refused->param, "prompt[1]");
+  EXPECT_EQ(refused->message,
+            "prompt[1]: 5 tokens exceed the 4 batched tokens of a step (--max-batched-tokens); a prompt is "
+            "prefilled in one step");
+}
+
 }  // namespace
 }  // namespace capserve::server

@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
+
 #include "runtime/tokenizer/utf8.h"
 #include "tests/unit/server/tiny_tokenizer.h"
 
@@ -182,6 +184,18 @@ TEST_F(SchedulerTest, AFullQueueAndADrainingServerRefuse) {
   EXPECT_EQ(scheduler.submit(chat_request({})), Scheduler::Refusal::queue_full);
   EXPECT_FALSE(scheduler.draining());
   scheduler.drain();
+  EXPECT_TRUE(scheduler.draining());
+  EXPECT_EQ(scheduler.submit(chat_request({})), Scheduler::Refusal::draining);
+}
+
+// The stop signal's flag refuses at once, before the engine loop has seen it and called drain(): a request
+// that arrived just after SIGTERM was once still accepted.
+TEST_F(SchedulerTest, TheStopFlagRefusesBeforeDrain) {
+  std::atomic<bool> stop_requested{false};
+  Scheduler scheduler({}, 1, &tokenizer_, nullptr, nullptr, &stop_requested);
+  EXPECT_EQ(scheduler.submit(chat_request({})), Scheduler::Refusal::none);
+  EXPECT_FALSE(scheduler.draining());
+  stop_requested.store(true);
   EXPECT_TRUE(scheduler.draining());
   EXPECT_EQ(scheduler.submit(chat_request({})), Scheduler::Refusal::draining);
 }

@@ -1,5 +1,6 @@
 // Start-up checks of the TLS files: each problem names the flag and the file, and a key of another pair is
-// refused. The certificates are made here with OpenSSL (a self-signed P-256 certificate per key).
+// refused; an expired or not yet valid certificate is accepted with a warning naming the flag, the file and
+// the date. The certificates are made here with OpenSSL (a self-signed P-256 certificate per key).
 #include "server/security/tls_credentials.h"
 
 #include <openssl/evp.h>
@@ -31,13 +32,14 @@ std::string to_pem(auto write) {
   return {data, static_cast<std::size_t>(size)};
 }
 
-Pem self_signed() {
+// Valid from now + `not_before_s` to now + `not_after_s`.
+Pem self_signed(long not_before_s = 0, long not_after_s = 3600) {
   const std::unique_ptr<EVP_PKEY, decltype(&EVP_PKEY_free)> key(EVP_EC_gen("P-256"), EVP_PKEY_free);
   const std::unique_ptr<X509, decltype(&X509_free)> cert(X509_new(), X509_free);
   X509_set_version(cert.get(), 2);
   ASN1_INTEGER_set(X509_get_serialNumber(cert.get()), 1);
-  X509_gmtime_adj(X509_getm_notBefore(cert.get()), 0);
-  X509_gmtime_adj(X509_getm_notAfter(cert.get()), 3600);
+  X509_gmtime_adj(X509_getm_notBefore(cert.get()), not_before_s);
+  X509_gmtime_adj(X509_getm_notAfter(cert.get()), not_after_s);
   X509_NAME* name = X509_get_subject_name(cert.get());
   X509_NAME_add_entry_by_txt(name, "CN", MBSTRING_ASC, reinterpret_cast<const unsigned char*>("localhost"),
                              -1, -1, 0);
@@ -110,6 +112,27 @@ TEST_F(TlsCredentialsTest, UnreadableAndNonPemFilesAreNamed) {
   EXPECT_NE(why.find("client CA bundle is not valid PEM"), std::string::npos) << why;
   why = refusal({write("a.pem", a.cert), "", ""});
   EXPECT_NE(why.find("go together"), std::string::npos) << why;
+}
+
+TEST_F(TlsCredentialsTest, CertificateOutsideItsValidityIsAcceptedWithAWarning) {
+  constexpr long kDay = 24 * 3600;
+  const Pem valid = self_signed();
+  EXPECT_EQ(load_tls_credentials({write("valid.pem", valid.cert), write("valid.key", valid.key), ""}).warning,
+            "");
+  const Pem expired = self_signed(-2 * kDay, -kDay);
+  const std::string expired_pem = write("expired.pem", expired.cert);
+  std::string warning = load_tls_credentials({expired_pem, write("expired.key", expired.key), ""}).warning;
+  EXPECT_NE(warning.find("--tls-cert " + expired_pem + ": the certificate expired"), std::string::npos)
+      << warning;
+  EXPECT_NE(warning.find("notAfter "), std::string::npos) << warning;
+  EXPECT_NE(warning.find(" GMT"), std::string::npos) << warning;  // the date as OpenSSL prints it
+  const Pem early = self_signed(kDay, 2 * kDay);
+  const std::string early_pem = write("early.pem", early.cert);
+  warning = load_tls_credentials({early_pem, write("early.key", early.key), ""}).warning;
+  EXPECT_NE(warning.find("--tls-cert " + early_pem + ": the certificate is not valid before"),
+            std::string::npos)
+      << warning;
+  EXPECT_NE(warning.find("notBefore "), std::string::npos) << warning;
 }
 
 }  // namespace
