@@ -33,6 +33,7 @@
 #include "parallel/mpi_world.h"
 #include "parallel/rank_heartbeat.h"
 #include "parallel/rank_hosts.h"
+#include "runtime/chat/chat_template.h"
 #include "runtime/cli/cores.h"
 #include "runtime/cli/parallel_flags.h"
 #include "runtime/cli/proc_status.h"
@@ -103,6 +104,7 @@ struct Options {
   server::ServiceLimits limits;
   runtime::ParallelFlags parallel;
   std::string chat_template;
+  std::int64_t chat_template_max_steps = static_cast<std::int64_t>(runtime::jinja::RenderOptions{}.max_steps);
   std::string generation_defaults = "model";
   double step_timeout_s = 60;
   bool metrics_per_expert = false;
@@ -197,6 +199,12 @@ void add_flags(CLI::App& app, Options& o) {
   app.add_option("--chat-template", o.chat_template,
                  "a Jinja chat template file to use instead of the checkpoint's own")
       ->check(CLI::ExistingFile);
+  app.add_option(
+         "--chat-template-max-steps", o.chat_template_max_steps,
+         "work budget of one chat-template render (expressions evaluated, elements and 16-byte units "
+         "built); a render past it is the request's error (400). Raise it only for a trusted template "
+         "that needs more")
+      ->check(runtime::at_least(1));
   app.add_option("--generation-defaults", o.generation_defaults,
                  "what a request's unset temperature / top_p / top_k take: model (the checkpoint's "
                  "generation_config.json, as vLLM) or none (greedy, no filter)")
@@ -437,8 +445,12 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Engine& engine, server
       std::optional<std::filesystem::path> template_file;
       if (!o.chat_template.empty()) template_file = o.chat_template;
       const auto tokenizer_config = std::filesystem::path(o.model_dir) / "tokenizer_config.json";
-      if (std::filesystem::exists(tokenizer_config))
+      if (std::filesystem::exists(tokenizer_config)) {
         chat = runtime::ChatTemplate::load(tokenizer_config, template_file);
+        runtime::jinja::RenderOptions limits = chat->limits();
+        limits.max_steps = static_cast<std::uint64_t>(o.chat_template_max_steps);
+        chat->set_limits(limits);
+      }
     }
     const runtime::BuildInfo& build = runtime::build_info();
     metrics = std::make_unique<server::ServerMetrics>(

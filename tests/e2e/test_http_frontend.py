@@ -4,7 +4,8 @@ n in-flight slots of its address; request framing other than a final `chunked` i
 `Expect: 100-continue` is answered at once; HTTP/1.0 streams come unframed; connections per address are capped.
 
 The chat template (written here, passed with --chat-template) renders normally unless the request's
-chat_template_kwargs carry `spin`: then it loops `spin` times building a 20 MB string (seconds of work)."""
+chat_template_kwargs carry `spin`: then it loops `spin` times building a 10 MB string (seconds of work); the server's
+work budget for a render (--chat-template-max-steps) is raised so far that only a cancellation ends such a render."""
 
 import http.client
 import json
@@ -19,11 +20,12 @@ import unittest
 
 from capserve_e2e import Server, ServerTestCase, main, metric
 
-TEMPLATE = ("{% if spin is defined %}{% for i in range(spin) %}{% set x = 'a' * 20000000 %}{% endfor %}{% endif %}"
+TEMPLATE = ("{% if spin is defined %}{% for i in range(spin) %}{% set x = 'a' * 10000000 %}{% endfor %}{% endif %}"
             "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 PER_PEER = 8
 CONNECTIONS_PER_PEER = 16  # above the slow POSTs and /health probes of one test at once
+UNBOUNDED_RENDERS = ["--chat-template-max-steps", str(10**15)]
 
 
 def write_template():
@@ -92,7 +94,7 @@ def cancelled(server):
 
 class HttpFrontendTest(ServerTestCase):
     TEMPLATE_PATH = write_template()
-    FLAGS = ["--chat-template", TEMPLATE_PATH, "--max-requests-per-peer", str(PER_PEER),
+    FLAGS = ["--chat-template", TEMPLATE_PATH, *UNBOUNDED_RENDERS, "--max-requests-per-peer", str(PER_PEER),
              "--max-connections-per-peer", str(CONNECTIONS_PER_PEER)]
 
     def test_health_answers_while_slow_renders_run_and_leaving_cancels_them(self):
@@ -202,7 +204,7 @@ class SigtermDuringRenderTest(unittest.TestCase):
     """A SIGTERM while a render runs: the job exits at once instead of waiting for the render's end."""
 
     def test_sigterm_cancels_a_running_render(self):
-        server = Server("--chat-template", HttpFrontendTest.TEMPLATE_PATH)
+        server = Server("--chat-template", HttpFrontendTest.TEMPLATE_PATH, *UNBOUNDED_RENDERS)
         self.addCleanup(server.stop)
         server.start()
         rank0 = server.ranks[0]
