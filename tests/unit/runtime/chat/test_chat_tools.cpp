@@ -117,12 +117,15 @@ TEST(ChatInputs, KwargsOverrideSpecialTokensButNotReservedVariables) {
 
 // A render whose client has gone is cancelled at the renderer's next bound check, not run to its end.
 TEST(ChatInputs, ARequestedStopCancelsTheRender) {
-  // A loop of 999,999 iterations that builds a 1 MB string in each: minutes of work, with the work budget
-  // raised so that only the stop can end it.
+  // Loops of 10^9 iterations that build a 1 MB string in each: hours of work, with the work budget and the
+  // loop bound raised so that only the stop can end it.
   ChatTemplate slow = inline_template(
-      "{% for i in range(999999) %}{% set x = 'a' * 1000000 %}{% endfor %}{{ messages[0].content }}");
+      "{% for i in range(1000) %}{% for j in range(1000) %}{% for k in range(1000) %}{% set x = 'a' * "
+      "1000000 %}"
+      "{% endfor %}{% endfor %}{% endfor %}{{ messages[0].content }}");
   jinja::RenderOptions unbounded = slow.limits();
   unbounded.max_steps = std::uint64_t{1} << 50;
+  unbounded.max_loop_iterations = std::size_t{1} << 40;
   slow.set_limits(unbounded);
   const std::vector<ChatMessage> messages = {{"user", "hi"}};
   std::string out;
