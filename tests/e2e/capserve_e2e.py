@@ -6,6 +6,7 @@ launcher (rank 0 drains and stops every rank), then SIGKILL to the launcher's pr
 (Open MPI puts each rank in a process group of its own).
 """
 
+import json
 import os
 import re
 import signal
@@ -14,6 +15,7 @@ import sys
 import threading
 import time
 import unittest
+import urllib.error
 import urllib.request
 
 try:
@@ -68,6 +70,19 @@ def chat_request(content, max_tokens=16, request_id="", stop=(), **sampling):
     """A chat request with one user message (greedy unless `sampling` says otherwise)."""
     sampling = pb.SamplingOptions(max_tokens=max_tokens, stop=[utf8(s) for s in stop], **sampling)
     return pb.ChatRequest(messages=[message("user", content)], request_id=utf8(request_id), sampling=sampling)
+
+
+def http_chat(port, body, timeout=60):
+    """POSTs `body` (a dict, or bytes sent as they are) to the HTTP API's /v1/chat/completions; the status and the
+    decoded answer, errors included."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=data, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
 
 
 def reflection_services(channel, metadata=()):

@@ -19,7 +19,7 @@ from datetime import datetime
 
 import grpc
 
-from capserve_e2e import Server, main, pb, utf8
+from capserve_e2e import Server, http_chat, main, pb, utf8
 from test_openai_api import OPENAI_MISSING, openai
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -150,15 +150,7 @@ class Qwen15Checkpoint(unittest.TestCase):
         cls.server.start()
 
     def http_chat(self, body):
-        import urllib.request
-        req = urllib.request.Request(f"http://127.0.0.1:{self.server.http_port}/v1/chat/completions",
-                                     data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=60) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
+        return http_chat(self.server.http_port, body)
 
 
 class CheckpointTemplate(Qwen15Checkpoint):

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from capserve_e2e import ServerTestCase, chat_request, delta, main, message, metric, pb
+from capserve_e2e import ServerTestCase, chat_request, delta, http_chat, main, message, metric, pb
 
 PER_PEER = 6
 
@@ -120,14 +120,7 @@ class RequestHardeningTest(ServerTestCase):
                 self.assertTrue(details.startswith(field + ":"), details)
 
     def http_chat(self, body):
-        """POSTs `body` (bytes) to /v1/chat/completions; the status and the decoded answer."""
-        req = urllib.request.Request(f"http://127.0.0.1:{self.server.http_port}/v1/chat/completions", data=body,
-                                     method="POST", headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=60) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
+        return http_chat(self.server.http_port, body)
 
     def test_deeply_nested_json_is_refused_naming_the_field(self):
         """Issue 24: JSON nesting ~87,000 objects (an unknown key or a message key over HTTP, gRPC tools,
