@@ -3,6 +3,8 @@
 // logits.
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <span>
 #include <string>
@@ -14,12 +16,26 @@
 
 namespace capserve::testing {
 
+// CAPSERVE_FIXTURES_DIR in the environment names a relocated copy of tests/fixtures (the GPU bundle carries
+// one, tools/gpu/README.md); otherwise the source tree's, compiled in.
 inline std::filesystem::path fixture_models_dir() {
-  return std::filesystem::path(CAPSERVE_FIXTURES_DIR) / "models";
+  const char* env = std::getenv("CAPSERVE_FIXTURES_DIR");
+  const std::filesystem::path root = env != nullptr && *env != '\0' ? env : CAPSERVE_FIXTURES_DIR;
+  return root / "models";
 }
 
+// Listed while the test program starts (parameterized suites): a missing folder is reported and lists
+// nothing, which GoogleTest reports as a failing uninstantiated suite, rather than aborting before the first
+// test.
 inline std::vector<std::string> fixture_model_names() {
   std::vector<std::string> names;
+  std::error_code error;
+  if (!std::filesystem::is_directory(fixture_models_dir(), error)) {
+    std::fprintf(stderr,
+                 "fixture models not found at %s (set CAPSERVE_FIXTURES_DIR to a copy of tests/fixtures)\n",
+                 fixture_models_dir().c_str());
+    return names;
+  }
   for (const auto& entry : std::filesystem::directory_iterator(fixture_models_dir())) {
     if (std::filesystem::exists(entry.path() / "reference.json"))
       names.push_back(entry.path().filename().string());
