@@ -27,7 +27,15 @@ std::string_view host_sync_name(HostSync why) {
 
 Tensor Backend::scratch(Buffer& slot, DType dtype, std::initializer_list<std::int64_t> shape) {
   const Tensor wanted(nullptr, dtype, device(), shape);
-  if (slot.bytes() < wanted.bytes() || slot.device() != device()) slot = allocate(wanted.bytes());
+  if (slot.bytes() < wanted.bytes() || slot.device() != device()) {
+    if (scratch_sealed_) {
+      throw std::length_error("step scratch: " + wanted.shape_text() + " " + std::string(dtype_name(dtype)) +
+                              " needs " + std::to_string(wanted.bytes()) + " bytes, its buffer has " +
+                              std::to_string(slot.bytes()) +
+                              " (sized at start-up for the engine's largest step, max_step_tokens)");
+    }
+    slot = allocate(wanted.bytes());
+  }
   return slot.view(dtype, shape);
 }
 

@@ -193,8 +193,13 @@ class Backend {
   // (the CPU: f32; a GPU: f32 or bf16). KvCache asks when it is built, so a bad choice fails at start.
   virtual void check_kv_dtype(DType dtype) const = 0;
   // A tensor of `shape` over `slot`, which is reallocated when too small: grow-only, so a warm step
-  // allocates nothing. The contents are undefined.
+  // allocates nothing. The contents are undefined. Once sealed (below), a slot too small is an error.
   Tensor scratch(Buffer& slot, DType dtype, std::initializer_list<std::int64_t> shape);
+  // Sealed, scratch() never reallocates: a slot too small throws std::length_error naming the sizes. The
+  // engine seals its backend after sizing every slot for its largest step at start-up
+  // (EngineOptions::max_step_tokens), so that no step allocates or frees device memory (a device-wide wait;
+  // impossible under graph capture).
+  void seal_scratch(bool sealed) { scratch_sealed_ = sealed; }
 
   // Copies a tensor of this backend into host memory of its size; the host waits for it (a synchronisation
   // point, counted under `why`).
@@ -312,6 +317,7 @@ class Backend {
  private:
   std::array<std::int64_t, static_cast<std::size_t>(HostSync::count_)> host_syncs_{};
   std::size_t allocated_bytes_ = 0;
+  bool scratch_sealed_ = false;
 };
 
 }  // namespace capserve::kernels

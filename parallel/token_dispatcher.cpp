@@ -1,5 +1,6 @@
 #include "parallel/token_dispatcher.h"
 
+#include <algorithm>
 #include <chrono>
 #include <numeric>
 
@@ -39,6 +40,15 @@ void TokenDispatcher::plan(kernels::Backend& backend, const Tensor& experts, con
   comm_.alltoall(counts.rows(0, ranks), counts.rows(2 * ranks, ranks), backend.stream());
   comm_.alltoall(counts.rows(ranks, ranks), counts.rows(3 * ranks, ranks), backend.stream());
   counters_.dispatch_seconds = seconds_since(start);
+}
+
+void TokenDispatcher::reserve(kernels::Backend& backend, std::int64_t tokens, std::int64_t top_k,
+                              std::int64_t hidden) {
+  const std::int64_t sent = tokens * std::min<std::int64_t>(top_k, comm_.size());
+  (void)backend.scratch(send_rows_, DType::f32, {sent, hidden});
+  (void)backend.scratch(returned_, DType::f32, {sent, hidden});
+  (void)backend.scratch(recv_rows_, DType::f32, {tokens, hidden});
+  (void)backend.scratch(recv_entries_, DType::u8, {tokens * top_k, static_cast<std::int64_t>(sizeof(Entry))});
 }
 
 TokenDispatcher::Received TokenDispatcher::send(kernels::Backend& backend, const Tensor& h,

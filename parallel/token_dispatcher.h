@@ -58,6 +58,11 @@ class TokenDispatcher {
 
   [[nodiscard]] const DispatchCounters& counters() const { return counters_; }
 
+  // Sizes the buffers whose size depends on the routing for any step of at most `tokens` tokens over all
+  // ranks together (a rank sends each token's row at most min(top_k, ranks) times and receives at most one
+  // row per token), so that such a step never grows them (runtime/README.md, "Step memory").
+  void reserve(kernels::Backend& backend, std::int64_t tokens, std::int64_t top_k, std::int64_t hidden);
+
  private:
   Communicator& comm_;
   DispatchCounters counters_;

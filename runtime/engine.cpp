@@ -1,16 +1,57 @@
 #include "runtime/engine.h"
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 #include <unordered_set>
+
+#include "runtime/sampler.h"
 
 namespace capserve::runtime {
 
 Engine::Engine(const Model& model, const EngineOptions& options)
     : model_(model),
+      max_step_tokens_(options.max_step_tokens),
       pass_(model),
       cache_(kv_cache_shape(model.config(), options.kv_block_size, options.kv_blocks, options.kv_dtype),
-             model.backend()) {}
+             model.backend()) {
+  if (max_step_tokens_ > 0) reserve_step_memory();
+}
+
+void Engine::reserve_step_memory() {
+  kernels::Backend& backend = model_.backend();
+  const ModelConfig& c = model_.config();
+  backend.seal_scratch(false);  // another engine on the backend may have sealed it
+  // What the routing decides: sized for its bounds, which no one step need reach.
+  pass_.reserve_routed(max_step_tokens_);
+  // What the step's tokens decide: one step of the most tokens the cache can take (no step carries more), in
+  // sequences of at most max_position_embeddings whole blocks, every position's logits sampled and scored
+  // with the most top log-probabilities; and the router dry run over as many tokens.
+  const std::int64_t block = cache_.blocks().block_size();
+  const std::int64_t tokens = std::min(max_step_tokens_, cache_.blocks().free_blocks() * block);
+  const std::int64_t per_seq = c.max_position_embeddings >= block ? c.max_position_embeddings / block * block
+                                                                  : c.max_position_embeddings;
+  const std::vector<std::int32_t> ids(static_cast<std::size_t>(tokens), 0);
+  std::vector<Work> work;
+  for (std::int64_t first = 0; first < tokens; first += per_seq) {
+    work.push_back({static_cast<SequenceId>(work.size()) + 1,
+                    std::span(ids).subspan(static_cast<std::size_t>(first),
+                                           static_cast<std::size_t>(std::min(per_seq, tokens - first))),
+                    true});
+  }
+  if (Status s = step(work); !s.ok())
+    throw std::runtime_error("Engine: start-up reservation: " + s.message());
+  const std::vector<kernels::SampleControls> greedy(static_cast<std::size_t>(tokens));
+  std::vector<std::int32_t> drawn(static_cast<std::size_t>(tokens));
+  sample(greedy, drawn);
+  TokenLogprobs scored;
+  score(ids, std::min<std::int64_t>(kMaxTopLogprobs, c.vocab_size), scored);
+  std::vector<std::int64_t> counts(model_.moe_layers().size() * static_cast<std::size_t>(c.num_experts));
+  router_dry_run(ids, static_cast<std::int64_t>(model_.moe_layers().size()), counts);
+  for (const Work& w : work) release(w.seq);
+  pass_.reset_run_stats();
+  backend.seal_scratch(true);
+}
 
 std::int64_t Engine::length(SequenceId seq) const {
   const auto it = lengths_.find(seq);
@@ -24,6 +65,15 @@ void Engine::release(SequenceId seq) {
 
 Status Engine::validate(std::span<const Work> work) {
   const ModelConfig& c = model_.config();
+  if (max_step_tokens_ > 0) {
+    std::int64_t tokens = 0;
+    for (const Work& w : work) tokens += static_cast<std::int64_t>(w.tokens.size());
+    if (tokens > max_step_tokens_) {
+      return Status::invalid_argument("step of " + std::to_string(tokens) +
+                                      " tokens exceeds the engine's max_step_tokens (" +
+                                      std::to_string(max_step_tokens_) + ")");
+    }
+  }
   std::unordered_set<SequenceId> seen;
   std::int64_t blocks_needed = 0;
   for (const Work& w : work) {

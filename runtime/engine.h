@@ -20,6 +20,11 @@ struct EngineOptions {
   std::int64_t kv_block_size = 16;
   std::int64_t kv_blocks = 1024;
   kernels::DType kv_dtype = kernels::DType::f32;  // K/V cache elements: f32, or bf16 on the CUDA backend
+  // The most tokens one step carries over all ranks together (the server's --max-batched-tokens). Above 0,
+  // the engine sizes every step buffer of the backend for that step at start-up and seals them
+  // (Backend::seal_scratch): no later step allocates or frees device memory, and a step of more tokens is
+  // refused (runtime/README.md, "Step memory"). 0: buffers grow on first use (the CPU backend, tests).
+  std::int64_t max_step_tokens = 0;
 };
 
 class Engine {
@@ -80,8 +85,11 @@ class Engine {
 
  private:
   Status validate(std::span<const Work> work);
+  // The start-up reservation of max_step_tokens (EngineOptions); a collective, as a step.
+  void reserve_step_memory();
 
   const Model& model_;
+  std::int64_t max_step_tokens_ = 0;
   ForwardPass pass_;
   KvCache cache_;
   std::unordered_map<SequenceId, std::int64_t> lengths_;

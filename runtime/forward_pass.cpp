@@ -59,6 +59,15 @@ void ForwardPass::router_dry_run(std::span<const std::int32_t> tokens, std::int6
   for (std::size_t i = 0; i < dry_run_counts_.size(); ++i) counts[i] += dry_run_counts_[i];
 }
 
+void ForwardPass::reserve_routed(std::int64_t tokens) {
+  kernels::Backend& backend = model_.backend();
+  for (const std::int64_t layer : model_.moe_layers()) {
+    reserve_moe_scratch(backend, config_, weights_.layers[static_cast<std::size_t>(layer)].moe.experts,
+                        tokens, scratch_.moe);
+  }
+  dispatcher_.reserve(backend, tokens, config_.top_k, config_.hidden_size);
+}
+
 void ForwardPass::forward(const ForwardBatch& batch, KvCache& cache, const Tensor& logits) {
   kernels::Backend& backend = model_.backend();
   const auto rows = static_cast<std::int64_t>(batch.tokens.size());

@@ -46,6 +46,12 @@ class ForwardPass {
   void router_dry_run(std::span<const std::int32_t> tokens, std::int64_t layers,
                       std::span<std::int64_t> counts);
 
+  // Sizes the buffers whose size depends on the routing (every MoE layer's, the dispatcher's) for any step of
+  // at most `tokens` tokens over all ranks together; Engine's start-up reservation. No collective.
+  void reserve_routed(std::int64_t tokens);
+  // Forgets the statistics of the forwards so far (the start-up reservation's).
+  void reset_run_stats() { run_stats_ = {}; }
+
   // Every forward's statistics so far, summed (for --moe-stats and reports).
   [[nodiscard]] const parallel::RunStats& run_stats() const { return run_stats_; }
   // Per row of the last forward's batch: assignment slots dropped / rerouted, summed over layers.

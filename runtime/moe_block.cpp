@@ -80,6 +80,34 @@ double expert_parallel_stages(kernels::Backend& backend, parallel::TokenDispatch
   return expert_seconds;
 }
 
+void reserve_moe_scratch(kernels::Backend& backend, const ModelConfig& config,
+                         std::span<const kernels::ExpertWeights> local, std::int64_t tokens, MoeScratch& s) {
+  const std::int64_t top_k = config.top_k;
+  const std::int64_t hidden = config.hidden_size;
+  const auto num_local = static_cast<std::int64_t>(local.size());
+  // The receiver's grouping of `tokens` rows with no entries: every slot and offset it writes, and the
+  // backend's grouping workspace at that size. The starts are four zeros (one source, nothing sent).
+  const Tensor starts = backend.scratch(s.report, DType::i64, {4});
+  backend.zero(starts);
+  const kernels::ReceivedGroups groups{Tensor(nullptr, DType::u8, backend.device(), {0, 1}),
+                                       starts.rows(0, 2),
+                                       starts.rows(2, 2),
+                                       backend.scratch(s.local_experts, DType::i32, {tokens, top_k}),
+                                       backend.scratch(s.local_weights, DType::f32, {tokens, top_k}),
+                                       backend.scratch(s.group_offsets, DType::i64, {num_local + 1}),
+                                       backend.scratch(s.group_position, DType::i64, {tokens, top_k}),
+                                       backend.scratch(s.group_rows, DType::i32, {tokens * top_k})};
+  backend.group_received(groups);
+  const Tensor grouped_in = backend.scratch(s.grouped_in, DType::f32, {tokens * top_k, hidden});
+  const Tensor grouped_out = backend.scratch(s.grouped_out, DType::f32, {tokens * top_k, hidden});
+  (void)backend.scratch(s.results, DType::f32, {tokens, hidden});
+  if (local.empty()) return;
+  // One expert given every received row: the backend's per-expert buffers at their largest (the values are
+  // whatever the buffers hold; only the sizes matter).
+  const std::int64_t all[2] = {0, tokens};
+  backend.grouped_expert_ffn(grouped_in.rows(0, tokens), all, local.first(1), grouped_out.rows(0, tokens));
+}
+
 void moe_block(kernels::Backend& backend, const ModelConfig& config, const MoeWeights& weights,
                const Tensor& h, const Tensor& out, MoeScratch& s, MoeLayerContext& ctx) {
   const std::int64_t rows = h.dim(0);

@@ -56,6 +56,14 @@ double expert_parallel_stages(kernels::Backend& backend, parallel::TokenDispatch
                               const kernels::Tensor& experts, const kernels::Tensor& gate,
                               const kernels::Tensor& report, MoeScratch& scratch, const kernels::Tensor& out);
 
+// Sizes `scratch` and the backend's own expert buffers for any step of at most `tokens` tokens over all ranks
+// together on the `local` experts of a layer (received rows at most `tokens`, grouped rows at most tokens x
+// top_k, any one expert's rows at most `tokens`): the buffers whose size depends on the routing, which one
+// step at the largest shape need not reach (runtime/README.md, "Step memory").
+void reserve_moe_scratch(kernels::Backend& backend, const ModelConfig& config,
+                         std::span<const kernels::ExpertWeights> local, std::int64_t tokens,
+                         MoeScratch& scratch);
+
 // out[rows, hidden] = MoE(h); out is overwritten. Every rank calls it for every MoE layer, rows may be 0.
 void moe_block(kernels::Backend& backend, const ModelConfig& config, const MoeWeights& weights,
                const kernels::Tensor& h, const kernels::Tensor& out, MoeScratch& scratch,

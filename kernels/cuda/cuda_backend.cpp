@@ -43,6 +43,11 @@ DeviceLatentLayer device_layer(const PagedLatentLayer& cache) {
   return {cache.rows.data(), cache.rows.dtype(), cache.block_size, cache.kv_lora_rank, cache.rope_dim};
 }
 
+// The page-locked staging ring (host_staging.h): four chunks, so a weight upload fills one while the device
+// reads the others, and a step's metadata (kilobytes to a few MiB) never laps it.
+constexpr std::size_t kStagingBytes = std::size_t{32} << 20;
+constexpr int kStagingChunks = 4;
+
 // `device` when it exists; else std::runtime_error with the runtime's reason (before cuBLAS, whose own error
 // would not say why).
 int usable_device(int device) {
@@ -62,6 +67,7 @@ int usable_device(int device) {
 CudaBackend::CudaBackend(int device) : device_(usable_device(device)) {
   CAPSERVE_CUDA_CHECK(cudaSetDevice(device_));
   CAPSERVE_CUDA_CHECK(cudaStreamCreate(&stream_));
+  staging_ = std::make_unique<HostStaging>(allocate(kStagingBytes), kStagingChunks);
 }
 
 CudaBackend::~CudaBackend() {
@@ -107,7 +113,8 @@ Tensor CudaBackend::upload(const WeightView& host, Buffer& storage) {
   const std::size_t bytes = static_cast<std::size_t>(host.numel()) * dtype_size(host.dtype);
   storage = allocate(bytes);
   const Tensor t = storage.view(host.dtype, {host.rows, host.cols});
-  CAPSERVE_CUDA_CHECK(cudaMemcpyAsync(t.data(), host.data, bytes, cudaMemcpyHostToDevice, stream_));
+  // Chunk by chunk through the page-locked ring: the host memory may go as soon as this returns.
+  staging_->copy({host.data, bytes}, t.data(), stream_);
   return t;
 }
 
@@ -121,22 +128,21 @@ void CudaBackend::copy_to_host(const Tensor& src, std::span<std::byte> dst) {
 void CudaBackend::copy_from_host(std::span<const std::byte> src, const Tensor& dst) {
   enter({&dst});
   if (src.empty()) return;
-  // From pageable memory the runtime stages the bytes before returning, so `src` may change right after.
-  CAPSERVE_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), src.size(), cudaMemcpyHostToDevice, stream_));
+  // Through the page-locked ring, so the host does not wait and `src` may change right after.
+  staging_->copy(src, dst.data(), stream_);
 }
 
 template <typename T>
-const T* CudaBackend::stage(std::span<const T> host, Buffer& slot) {
-  const Tensor t = scratch(slot, DType::u8, {static_cast<std::int64_t>(host.size_bytes())});
-  copy_from_host(std::as_bytes(host), t);
-  return static_cast<const T*>(t.data());
+const T* CudaBackend::stage(std::span<const T> host) {
+  return static_cast<const T*>(staging_->stage(std::as_bytes(host), stream_));
 }
+
 DeviceAttentionBatch CudaBackend::attention_batch(std::span<const SequenceSlice> seqs) {
   arrays_ = attention_batch_arrays(seqs);
   const auto rows = static_cast<std::int64_t>(arrays_.row_pos.size());
-  return {rows, stage(std::span<const std::int32_t>(arrays_.row_pos), row_pos_),
-          stage(std::span<const std::int32_t>(arrays_.row_seq), row_seq_),
-          stage(std::span<const std::int32_t>(arrays_.block_tables), block_tables_), arrays_.max_blocks};
+  return {rows, stage(std::span<const std::int32_t>(arrays_.row_pos)),
+          stage(std::span<const std::int32_t>(arrays_.row_seq)),
+          stage(std::span<const std::int32_t>(arrays_.block_tables)), arrays_.max_blocks};
 }
 
 void CudaBackend::run_linear(const float* x, std::int64_t m, std::int64_t k, const Tensor& w,
@@ -238,8 +244,7 @@ void CudaBackend::gather_rows(const Tensor& src, std::span<const std::int64_t> r
       throw std::out_of_range("CudaBackend::gather_rows: row " + std::to_string(r) + " of " +
                               src.shape_text());
   }
-  cuda::gather_rows(f32(src), stage(rows, gather_rows_), static_cast<std::int64_t>(rows.size()), width,
-                    f32(dst), stream_);
+  cuda::gather_rows(f32(src), stage(rows), static_cast<std::int64_t>(rows.size()), width, f32(dst), stream_);
 }
 
 void CudaBackend::kv_store(std::span<const SequenceSlice> seqs, const Tensor& k, const Tensor& v,
@@ -304,7 +309,7 @@ void CudaBackend::sample(const Tensor& logits, std::span<const SampleControls> c
                                 std::to_string(controls.size()) + " controls, tokens " + tokens.shape_text());
   if (rows == 0) return;
   const std::int64_t vocab = logits.row_numel();
-  cuda::sample(f32(logits), rows, vocab, stage(controls, controls_), tokens.ptr<std::int32_t>(), stream_);
+  cuda::sample(f32(logits), rows, vocab, stage(controls), tokens.ptr<std::int32_t>(), stream_);
   mark_non_finite_rows(f32(logits), rows, vocab, tokens.ptr<std::int32_t>(), stream_);
 }
 

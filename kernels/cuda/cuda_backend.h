@@ -8,9 +8,11 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "kernels/backend.h"
+#include "kernels/cuda/host_staging.h"
 #include "kernels/cuda/layer_kernels.h"
 #include "kernels/cuda/linear.h"
 
@@ -71,9 +73,9 @@ class CudaBackend final : public Backend {
   void enter(std::initializer_list<const Tensor*> tensors) const;
   // The ragged batch's rows, positions and block tables on the device (copied from the slices).
   DeviceAttentionBatch attention_batch(std::span<const SequenceSlice> seqs);
-  // Host values into a grow-only device slot, queued on the stream.
+  // Host values on the device (staging_'s device mirror), queued on the stream.
   template <typename T>
-  const T* stage(std::span<const T> host, Buffer& slot);
+  const T* stage(std::span<const T> host);
   void run_linear(const float* x, std::int64_t m, std::int64_t k, const Tensor& w, const Tensor& bias,
                   float* y);
 
@@ -81,11 +83,12 @@ class CudaBackend final : public Backend {
   cudaStream_t stream_ = nullptr;
   Linear linear_;
   AttentionBatchArrays arrays_;  // host side of the last attention batch, reused
-  Buffer row_pos_, row_seq_, block_tables_, gather_rows_, controls_, linear_workspace_, gate_, up_;
+  Buffer linear_workspace_, gate_, up_;
   // MoE index work (moe_stages.cpp): the capacity scheduler's workspace; the dispatch plan's destinations and
   // entry places; each permute's per-chunk bases.
   Buffer capacity_workspace_, dest_, first_dest_, entry_position_, entry_token_, row_chunks_, entry_chunks_,
       group_chunks_;
+  std::unique_ptr<HostStaging> staging_;
 };
 
 }  // namespace capserve::kernels::cuda

@@ -19,6 +19,9 @@ struct Counters {
   std::int64_t host_allocations = 0;    // cudaMallocHost
   std::int64_t kernel_launches = 0;
   std::int64_t copies = 0;  // cudaMemcpy and cudaMemcpyAsync
+  // cudaMemcpyAsync host-to-device from pageable memory (not cudaMallocHost): on a GPU the host waits for
+  // such a copy (the runtime stages the bytes itself), so a step that promises not to wait must make none.
+  std::int64_t pageable_async_copies = 0;
 };
 
 [[nodiscard]] Counters counters();

@@ -133,7 +133,8 @@ bool is_device(const void* p) {
 }
 
 // The copy's pointers against its direction, as the runtime checks them.
-cudaError_t copy(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind, const char* call) {
+cudaError_t copy(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind, const char* call,
+                 bool async) {
   count(&Counters::copies);
   if (bytes == 0) return cudaSuccess;
   if (kind == cudaMemcpyDefault) {
@@ -142,6 +143,8 @@ cudaError_t copy(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind k
     kind = d ? (s ? cudaMemcpyDeviceToDevice : cudaMemcpyHostToDevice)
              : (s ? cudaMemcpyDeviceToHost : cudaMemcpyHostToHost);
   }
+  if (async && kind == cudaMemcpyHostToDevice && find_memory(src).kind != MemoryKind::pinned_host)
+    count(&Counters::pageable_async_copies);
   const bool dst_device = kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice;
   const bool src_device = kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice;
   std::string why = dst_device ? check_range(dst, bytes, MemoryKind::device, "destination")
@@ -232,13 +235,15 @@ Counters counters() {
   c.host_allocations = load(detail::totals.host_allocations);
   c.kernel_launches = load(detail::totals.kernel_launches);
   c.copies = load(detail::totals.copies);
+  c.pageable_async_copies = load(detail::totals.pageable_async_copies);
   return c;
 }
 
 void reset_counters() {
   for (std::int64_t Counters::*f :
        {&Counters::host_syncs, &Counters::device_allocations, &Counters::device_frees,
-        &Counters::host_allocations, &Counters::kernel_launches, &Counters::copies})
+        &Counters::host_allocations, &Counters::kernel_launches, &Counters::copies,
+        &Counters::pageable_async_copies})
     std::atomic_ref<std::int64_t>(detail::totals.*f).store(0, std::memory_order_relaxed);
 }
 
@@ -378,13 +383,13 @@ cudaError_t cudaFreeHost(void* ptr) {
 
 cudaError_t cudaMemcpy(void* dst, const void* src, std::size_t count, cudaMemcpyKind kind) {
   d::count(&Counters::host_syncs);
-  return d::copy(dst, src, count, kind, "cudaMemcpy");
+  return d::copy(dst, src, count, kind, "cudaMemcpy", false);
 }
 
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t count, cudaMemcpyKind kind,
                             cudaStream_t stream) {
   if (const cudaError_t e = d::check_stream(stream); e != cudaSuccess) return e;
-  return d::copy(dst, src, count, kind, "cudaMemcpyAsync");
+  return d::copy(dst, src, count, kind, "cudaMemcpyAsync", true);
 }
 
 cudaError_t cudaMemset(void* dst, int value, std::size_t count) {

@@ -1,7 +1,8 @@
 // CudaBackend's promises about the host, counted by the emulation: within a step the host waits only in
-// to_host (each call one synchronisation), and a warm step allocates no device memory (grow-only scratch).
-// For a whole model's decode step that is runtime/README.md's list: two per MoE layer, one for the sampled
-// tokens.
+// to_host (each call one synchronisation), copies nothing to the device from pageable memory (the host would
+// wait for such a copy), and a warm step allocates no device memory (grow-only scratch). For a whole model's
+// decode step that is runtime/README.md's list: two per MoE layer, one for the sampled tokens. After an
+// engine's start-up reservation (EngineOptions::max_step_tokens) no step up to that size allocates.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -11,6 +12,7 @@
 #include "kernels/cuda/cuda_backend.h"
 #include "runtime/engine.h"
 #include "runtime/model.h"
+#include "runtime/sampler.h"
 #include "tests/unit/runtime/fixture_models.h"
 
 namespace capserve::kernels {
@@ -64,6 +66,8 @@ TEST(CudaBackendSyncs, AWarmStepWaitsOnlyInToHostAndAllocatesNothing) {
   EXPECT_EQ(c.host_syncs, 1);
   EXPECT_EQ(c.device_allocations, 0);
   EXPECT_EQ(c.device_frees, 0);
+  EXPECT_EQ(c.host_allocations, 0);
+  EXPECT_EQ(c.pageable_async_copies, 0);
   EXPECT_GT(c.kernel_launches, 7);
   EXPECT_EQ(backend.host_syncs(HostSync::sampled_tokens), 2);
 }
@@ -89,6 +93,74 @@ TEST(CudaBackendSyncs, AWholeModelDecodeStepWaitsTwicePerMoeLayerAndOnceToSample
   ASSERT_GT(moe_layers, 0);
   EXPECT_EQ(c.host_syncs, 2 * moe_layers + 1);
   EXPECT_EQ(c.device_allocations, 0);
+  EXPECT_EQ(c.pageable_async_copies, 0);
+}
+
+// The checkpoint's host memory (mmapped, or dequantized FP8 freed right after) is never a copy's source: the
+// weights go through the backend's bounded pinned staging buffers.
+TEST(CudaBackendSyncs, AModelUploadCopiesNothingFromPageableMemory) {
+  cuda::CudaBackend backend(0);
+  for (const char* name : {"qwen2_moe", "deepseek_v3_fp8"}) {
+    cuda_emu::reset_counters();
+    const auto model = runtime::Model::load(testing::fixture_models_dir() / name, backend);
+    const cuda_emu::Counters c = cuda_emu::counters();
+    EXPECT_EQ(c.pageable_async_copies, 0) << name;
+    EXPECT_GT(c.copies, 0) << name;
+  }
+}
+
+// After the engine's start-up reservation, steps of every size up to its maximum (prefills, decodes of as
+// many sequences, both mixed; sampling, scoring with the most top log-probabilities, the router dry run)
+// neither allocate nor free device memory; a larger step is refused.
+TEST(CudaBackendSyncs, AfterStartUpNoStepUpToTheReservedSizeAllocates) {
+  for (const char* name : {"qwen2_moe", "deepseek_v3"}) {
+    SCOPED_TRACE(name);
+    cuda::CudaBackend backend(0);
+    const auto model = runtime::Model::load(testing::fixture_models_dir() / name, backend);
+    constexpr std::int64_t kMax = 8;
+    runtime::EngineOptions options;
+    options.max_step_tokens = kMax;
+    runtime::Engine engine(*model, options);
+    cuda_emu::reset_counters();
+    const std::vector<std::int32_t> prompt = {3, 14, 15, 92, 65, 35, 89, 79, 32};
+    std::vector<std::int32_t> next(kMax);
+    std::vector<std::int64_t> dry_counts(static_cast<std::size_t>(model->config().num_experts) *
+                                         model->moe_layers().size());
+    runtime::TokenLogprobs scored;
+    runtime::SequenceId id = 0;
+    for (std::int64_t n = 1; n <= kMax; ++n) {
+      const auto un = static_cast<std::size_t>(n);
+      // A prefill of n tokens with the logits of every position, scored.
+      const runtime::SequenceId whole = ++id;
+      const std::vector<runtime::Engine::Work> prefill = {{whole, std::span(prompt).first(un), true}};
+      ASSERT_TRUE(engine.step(prefill).ok());
+      engine.score(std::span(prompt).subspan(1, un), runtime::kMaxTopLogprobs, scored);
+      // n one-token prompts, sampled; their n decodes, scored; one more decode beside a prompt of n - 1.
+      std::vector<runtime::Engine::Work> work;
+      for (std::size_t i = 0; i < un; ++i) work.push_back({++id, std::span(prompt).subspan(i, 1), false});
+      const std::vector<kernels::SampleControls> greedy(un);
+      ASSERT_TRUE(engine.step(work).ok());
+      engine.sample(greedy, std::span(next).first(un));
+      for (std::size_t i = 0; i < un; ++i) work[i].tokens = std::span(next).subspan(i, 1);
+      ASSERT_TRUE(engine.step(work).ok());
+      engine.score(std::span(next).first(un), runtime::kMaxTopLogprobs, scored);
+      std::vector<runtime::Engine::Work> mixed = {{work[0].seq, std::span(next).first(1), false}};
+      if (n > 1) mixed.push_back({whole, std::span(prompt).first(un - 1), false});
+      ASSERT_TRUE(engine.step(mixed).ok());
+      engine.sample(std::span(greedy).first(mixed.size()), std::span(next).first(mixed.size()));
+      engine.router_dry_run(std::span(prompt).first(un),
+                            static_cast<std::int64_t>(model->moe_layers().size()), dry_counts);
+      for (const auto& w : work) engine.release(w.seq);
+      engine.release(whole);
+    }
+    const std::vector<runtime::Engine::Work> too_big = {{++id, std::span(prompt).first(kMax + 1), false}};
+    const runtime::Status refused = engine.step(too_big);
+    EXPECT_EQ(refused.code(), runtime::StatusCode::invalid_argument) << refused.message();
+    const cuda_emu::Counters c = cuda_emu::counters();
+    EXPECT_EQ(c.device_allocations, 0);
+    EXPECT_EQ(c.device_frees, 0);
+    EXPECT_EQ(c.host_allocations, 0);
+  }
 }
 
 }  // namespace
