@@ -703,10 +703,13 @@ int main(int argc, char** argv) {
     devices = runtime::make_rank_devices(o.device, threads, *world);
     model = devices.load(o.model_dir, runtime::finish_parallel_flags(o.parallel));
     memory.weights = model->weights().bytes;
-    const auto before_kv = static_cast<std::int64_t>(devices.backend->allocated_bytes());
     o.engine.kv_dtype = runtime::kv_dtype_for(o.kv_dtype, devices.backend->device());
+    // On a GPU every step buffer is sized now, for the largest step the scheduler forms: a step that grew one
+    // would free and allocate device memory, a device-wide wait behind queued NCCL work (runtime/README.md).
+    if (devices.backend->device().kind == kernels::DeviceKind::cuda)
+      o.engine.max_step_tokens = o.scheduler.max_batched_tokens;
     engine_storage = std::make_unique<runtime::Engine>(*model, o.engine);
-    memory.kv_cache = static_cast<std::int64_t>(devices.backend->allocated_bytes()) - before_kv;
+    memory.kv_cache = engine_storage->cache().bytes();
     memory.device_index = devices.backend->device().index;
     memory.resident_kib = runtime::self_status_kib("VmRSS:");
   } catch (const std::exception& e) {

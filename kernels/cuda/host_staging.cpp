@@ -29,7 +29,7 @@ HostStaging::HostStaging(Buffer device, int chunks)
                                 std::to_string(chunks) + " chunks");
   void* host = nullptr;
   CAPSERVE_CUDA_CHECK(cudaMallocHost(&host, chunk_bytes_ * read_.size()));
-  host_ = static_cast<std::byte*>(host);
+  host_.reset(static_cast<std::byte*>(host));
   mirror_ =
       static_cast<std::byte*>(device_.view(DType::u8, {static_cast<std::int64_t>(device_.bytes())}).data());
   for (cudaEvent_t& e : read_) CAPSERVE_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
@@ -38,7 +38,6 @@ HostStaging::HostStaging(Buffer device, int chunks)
 HostStaging::~HostStaging() {
   // The owner has synchronised its stream: no copy still reads the ring.
   for (cudaEvent_t e : read_) cudaEventDestroy(e);
-  cudaFreeHost(host_);
 }
 
 std::size_t HostStaging::take(std::size_t bytes, cudaStream_t stream) {
@@ -73,8 +72,8 @@ void HostStaging::copy(std::span<const std::byte> src, void* dst, cudaStream_t s
   while (!src.empty()) {
     const std::size_t n = std::min(src.size(), chunk_bytes_);
     const std::size_t at = take(n, stream);
-    std::memcpy(host_ + at, src.data(), n);
-    CAPSERVE_CUDA_CHECK(cudaMemcpyAsync(out, host_ + at, n, cudaMemcpyHostToDevice, stream));
+    std::memcpy(host_.get() + at, src.data(), n);
+    CAPSERVE_CUDA_CHECK(cudaMemcpyAsync(out, host_.get() + at, n, cudaMemcpyHostToDevice, stream));
     src = src.subspan(n);
     out += n;
   }
@@ -88,9 +87,9 @@ void* HostStaging::stage(std::span<const std::byte> src, cudaStream_t stream) {
                             std::to_string(chunk_bytes_) + "-byte staging chunk");
   const std::size_t at = take(std::max<std::size_t>(src.size(), 1), stream);
   if (!src.empty()) {
-    std::memcpy(host_ + at, src.data(), src.size());
+    std::memcpy(host_.get() + at, src.data(), src.size());
     CAPSERVE_CUDA_CHECK(
-        cudaMemcpyAsync(mirror_ + at, host_ + at, src.size(), cudaMemcpyHostToDevice, stream));
+        cudaMemcpyAsync(mirror_ + at, host_.get() + at, src.size(), cudaMemcpyHostToDevice, stream));
   }
   return mirror_ + at;
 }

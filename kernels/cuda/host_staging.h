@@ -10,6 +10,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -37,9 +38,13 @@ class HostStaging {
   // Offset of `bytes` contiguous bytes in the ring (at most one chunk), the chunk entered ready for reuse.
   std::size_t take(std::size_t bytes, cudaStream_t stream);
 
+  struct PinnedFree {
+    void operator()(std::byte* p) const noexcept { cudaFreeHost(p); }
+  };
+
   Buffer device_;
-  std::byte* mirror_ = nullptr;  // device_'s memory
-  std::byte* host_ = nullptr;    // page-locked, as many bytes as the chunks
+  std::byte* mirror_ = nullptr;                  // device_'s memory
+  std::unique_ptr<std::byte, PinnedFree> host_;  // page-locked, as many bytes as the chunks
   std::size_t chunk_bytes_ = 0;
   std::size_t current_ = 0;        // the chunk being filled
   std::size_t used_ = 0;           // its bytes taken

@@ -16,7 +16,10 @@ PROMPT = "Tell me about the mixture of experts."
 
 
 class CudaEmuChatTest(ServerTestCase):
-    FLAGS = ["--device", "cuda", "--capacity-factor", "0.75", "--capacity-policy", "drop"]
+    # A small step bound: --device cuda sizes every step buffer at start-up with one step of that many tokens,
+    # which the emulation runs slowly.
+    FLAGS = ["--device", "cuda", "--capacity-factor", "0.75", "--capacity-policy", "drop", "--max-batched-tokens",
+             "256"]
 
     def test_streamed_chat_reports_its_moe_statistics(self):
         request = chat_request(PROMPT, max_tokens=24, request_id="cuda-emu-1")

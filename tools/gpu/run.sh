@@ -59,6 +59,8 @@ if ((dry_run)); then
     [cpu_capserve]="$build/server/capserve"
   )
   bench_shapes=tiny
+  # The emulation runs the start-up step that sizes a GPU's step buffers slowly: a smaller step bound.
+  serve_flags=(--max-batched-tokens 256)
   synthetic_args=(--hidden 128 --intermediate 64 --layers 2 --experts 8 --top-k 2 --heads 4)
   export CAPSERVE_CUDA_EMU_DEVICES=1
 else
@@ -79,6 +81,7 @@ else
     [cpu_capserve]="$here/bin/capserve"
   )
   bench_shapes=real
+  serve_flags=()
   synthetic_args=()
   # The bundle's libraries first; cudart/cuBLAS from the toolkit, NCCL from PyTorch's wheel (or the system).
   cuda_lib=""
@@ -226,12 +229,13 @@ step test_host_staged_gpu 60 gtest test_host_staged_gpu
 # ---- 3. capserve --device cuda on one rank serving chats over HTTP: greedy text against the CPU backend's, with
 # the embedded model and a larger synthetic bf16 checkpoint.
 step served_chat_default_model 120 py "$tools/chat_check.py" --ld-library-path "${LD_LIBRARY_PATH:-}" --capserve "${bin[capserve]}" \
-  --model "$model_dir" --devices cpu,cuda --json "$work/chat_default_model.json" --log-prefix served_default
+  --model "$model_dir" --devices cpu,cuda --json "$work/chat_default_model.json" --log-prefix served_default \
+  -- ${serve_flags[@]+"${serve_flags[@]}"}
 synthetic() {
   py "$tools/make_synthetic_checkpoint.py" --out "$work/synthetic" --tokenizer-from "$model_dir" \
     ${synthetic_args[@]+"${synthetic_args[@]}"} || return 1
   py "$tools/chat_check.py" --ld-library-path "${LD_LIBRARY_PATH:-}" --capserve "${bin[capserve]}" --model "$work/synthetic" --devices cpu,cuda \
-    --json "$work/chat_synthetic.json" --log-prefix served_synthetic
+    --json "$work/chat_synthetic.json" --log-prefix served_synthetic -- ${serve_flags[@]+"${serve_flags[@]}"}
   local rc=$?
   rm -rf "$work/synthetic"
   return $rc
