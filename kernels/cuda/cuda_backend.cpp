@@ -43,9 +43,10 @@ DeviceLatentLayer device_layer(const PagedLatentLayer& cache) {
   return {cache.rows.data(), cache.rows.dtype(), cache.block_size, cache.kv_lora_rank, cache.rope_dim};
 }
 
-// `device` when it exists; else std::runtime_error with the runtime's reason (before cuBLAS, whose own error
-// would not say why).
-int usable_device(int device) {
+// Makes `device` current and returns it; std::runtime_error with the runtime's reason when it does not exist
+// (before cuBLAS, whose own error would not say why). It runs first among the members' initialisers: the
+// cuBLAS handle of `linear_` belongs to the device current at its creation.
+int make_current(int device) {
   int count = 0;
   const cudaError_t e = cudaGetDeviceCount(&count);
   if (e != cudaSuccess || device < 0 || device >= count) {
@@ -54,13 +55,13 @@ int usable_device(int device) {
                                                : std::to_string(count) + " device(s) visible") +
                              ")");
   }
+  CAPSERVE_CUDA_CHECK(cudaSetDevice(device));
   return device;
 }
 
 }  // namespace
 
-CudaBackend::CudaBackend(int device) : device_(usable_device(device)) {
-  CAPSERVE_CUDA_CHECK(cudaSetDevice(device_));
+CudaBackend::CudaBackend(int device) : device_(make_current(device)) {
   CAPSERVE_CUDA_CHECK(cudaStreamCreate(&stream_));
 }
 

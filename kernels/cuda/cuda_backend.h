@@ -77,7 +77,7 @@ class CudaBackend final : public Backend {
   void run_linear(const float* x, std::int64_t m, std::int64_t k, const Tensor& w, const Tensor& bias,
                   float* y);
 
-  int device_;
+  int device_;  // first: its initialiser makes the device current for the stream and linear_'s cuBLAS handle
   cudaStream_t stream_ = nullptr;
   Linear linear_;
   AttentionBatchArrays arrays_;  // host side of the last attention batch, reused

@@ -47,6 +47,9 @@ void count(std::int64_t Counters::*field);
 
 // Empty when kernels may be queued on `stream` from this thread now; else why not.
 std::string check_launch_stream(cudaStream_t stream);
+// The device `stream` belongs to (the current one for the null and per-thread streams); -1 for a stream
+// that is not live.
+int stream_device(cudaStream_t stream);
 // The most dynamic shared memory a launch of `kernel` may ask for (48 KB unless raised by
 // cudaFuncSetAttribute).
 int max_dynamic_shared(const void* kernel);

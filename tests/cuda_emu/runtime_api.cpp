@@ -210,6 +210,12 @@ std::string check_launch_stream(cudaStream_t stream) {
   return {};
 }
 
+int stream_device(cudaStream_t stream) {
+  if (special_stream(stream)) return device;
+  const EmuStream* s = find_stream(stream);
+  return s == nullptr ? -1 : s->device;
+}
+
 int max_dynamic_shared(const void* kernel) {
   SharedLimits& limits = shared_limits();
   const std::lock_guard lock(limits.mutex);
