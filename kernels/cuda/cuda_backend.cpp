@@ -7,6 +7,7 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/latent_attention.h"
 #include "kernels/cuda/row_kernels.h"
+#include "kernels/cuda/stream_wait.h"
 
 namespace capserve::kernels::cuda {
 namespace {
@@ -116,7 +117,7 @@ void CudaBackend::copy_to_host(const Tensor& src, std::span<std::byte> dst) {
   enter({&src});
   if (dst.empty()) return;
   CAPSERVE_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), dst.size(), cudaMemcpyDeviceToHost, stream_));
-  CAPSERVE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  wait_for_stream(stream_, wait_check_);
 }
 
 void CudaBackend::copy_from_host(std::span<const std::byte> src, const Tensor& dst) {
