@@ -191,7 +191,31 @@ void NcclCommunicator::check(int result, const char* what) {
   throw std::runtime_error(nccl_error(rc, comm_, what));
 }
 
+void NcclCommunicator::abort(const std::string& why) {
+  aborted_ = std::string(kWho) + ": rank " + std::to_string(rank_) + " of " + std::to_string(size_) +
+             " (GPU " + std::to_string(device_) + "): " + why +
+             "; aborted the communicator (ncclCommAbort): a peer rank died or the network failed, so its "
+             "collectives can never complete";
+  failed_ = true;
+  ncclCommAbort(comm_);
+  comm_ = nullptr;
+  throw std::runtime_error(aborted_);
+}
+
+void NcclCommunicator::check_async_error() {
+  if (comm_ == nullptr) throw std::runtime_error(aborted_);
+  ncclResult_t state = ncclSuccess;
+  const ncclResult_t rc = ncclCommGetAsyncError(comm_, &state);
+  if (rc == ncclSuccess && (state == ncclSuccess || state == ncclInProgress)) return;
+  const ncclResult_t error = rc != ncclSuccess ? rc : state;
+  const char* last = ncclGetLastError(comm_);
+  abort(
+      std::string("NCCL reported an error while the host waited for device work (ncclCommGetAsyncError): ") +
+      ncclGetErrorString(error) + (last != nullptr && *last != '\0' ? std::string(" (") + last + ")" : ""));
+}
+
 void NcclCommunicator::begin_call() {
+  if (comm_ == nullptr) throw std::runtime_error(aborted_);
   CAPSERVE_CUDA_CHECK(cudaSetDevice(device_));
   // Errors of earlier work (a peer that failed, a network error) show only here; going on would wait forever
   // for the failed rank. Work still ncclInProgress (another thread's call) is waited for first.

@@ -12,10 +12,15 @@
 // The communicator is non-blocking (ncclConfig_t::blocking = 0): initialisation is polled up to a deadline,
 // so a rank that dies or hangs after the id broadcast makes the others throw instead of waiting forever, and
 // every call polls ncclCommGetAsyncError until its operation leaves ncclInProgress, as NCCL requires.
+//
+// A host that waits for device work including these collectives (CudaBackend's to_host) polls
+// check_async_error while it waits: a peer that died leaves this rank's NCCL kernels waiting forever, and
+// only NCCL's asynchronous error tells, so the wait ends with an error instead of at the step watchdog.
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string>
 
 #include "parallel/block_layout.h"
 #include "parallel/communicator.h"
@@ -43,6 +48,13 @@ class NcclCommunicator final : public Communicator {
   // The CUDA device this rank uses (made current by the constructor).
   [[nodiscard]] kernels::Device device() const override { return {kernels::DeviceKind::cuda, device_}; }
 
+  // For a host waiting on device work that includes this communicator's collectives (between polls of the
+  // stream; runtime/cli/cuda_rank_devices.cpp gives it to CudaBackend). Returns while NCCL reports no error.
+  // On an asynchronous error (a peer rank that died, a network failure) it aborts the communicator, which
+  // ends its kernels so that the stream goes on, and throws std::runtime_error naming NCCL, this rank and
+  // NCCL's message; every later call throws the same. Not concurrently with this communicator's other calls.
+  void check_async_error();
+
  protected:
   // Argument errors throw std::invalid_argument or std::length_error before anything is enqueued; NCCL and
   // CUDA errors throw std::runtime_error naming the call, with NCCL's last error message, as does an
@@ -68,13 +80,16 @@ class NcclCommunicator final : public Communicator {
   // group): then polls until its operation completed, pausing briefly between polls (the step watchdog covers
   // a hang).
   void complete(int result, const char* what);
+  // ncclCommAbort now (not in the destructor): throws std::runtime_error with `why`, kept for later calls.
+  [[noreturn]] void abort(const std::string& why);
 
   int rank_ = 0;
   int size_ = 1;
   int device_ = 0;
   int uncaught_at_start_ = 0;
   bool failed_ = false;
-  ncclComm* comm_ = nullptr;  // owned
+  ncclComm* comm_ = nullptr;  // owned; null after abort()
+  std::string aborted_;       // abort()'s message
   BlockLayout send_layout_, recv_layout_;
   BlockLayout counts_layout_;  // alltoall: one int64 per rank
 };

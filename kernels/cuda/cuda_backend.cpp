@@ -7,6 +7,7 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/latent_attention.h"
 #include "kernels/cuda/row_kernels.h"
+#include "kernels/cuda/stream_wait.h"
 
 namespace capserve::kernels::cuda {
 namespace {
@@ -48,9 +49,10 @@ DeviceLatentLayer device_layer(const PagedLatentLayer& cache) {
 constexpr std::size_t kStagingBytes = std::size_t{32} << 20;
 constexpr int kStagingChunks = 4;
 
-// `device` when it exists; else std::runtime_error with the runtime's reason (before cuBLAS, whose own error
-// would not say why).
-int usable_device(int device) {
+// Makes `device` current and returns it; std::runtime_error with the runtime's reason when it does not exist
+// (before cuBLAS, whose own error would not say why). It runs first among the members' initialisers: the
+// cuBLAS handle of `linear_` belongs to the device current at its creation.
+int make_current(int device) {
   int count = 0;
   const cudaError_t e = cudaGetDeviceCount(&count);
   if (e != cudaSuccess || device < 0 || device >= count) {
@@ -59,13 +61,13 @@ int usable_device(int device) {
                                                : std::to_string(count) + " device(s) visible") +
                              ")");
   }
+  CAPSERVE_CUDA_CHECK(cudaSetDevice(device));
   return device;
 }
 
 }  // namespace
 
-CudaBackend::CudaBackend(int device) : device_(usable_device(device)) {
-  CAPSERVE_CUDA_CHECK(cudaSetDevice(device_));
+CudaBackend::CudaBackend(int device) : device_(make_current(device)) {
   CAPSERVE_CUDA_CHECK(cudaStreamCreate(&stream_));
   staging_ = std::make_unique<HostStaging>(allocate(kStagingBytes), kStagingChunks);
 }
@@ -122,7 +124,7 @@ void CudaBackend::copy_to_host(const Tensor& src, std::span<std::byte> dst) {
   enter({&src});
   if (dst.empty()) return;
   CAPSERVE_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), dst.size(), cudaMemcpyDeviceToHost, stream_));
-  CAPSERVE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  wait_for_stream(stream_, wait_check_);
 }
 
 void CudaBackend::copy_from_host(std::span<const std::byte> src, const Tensor& dst) {

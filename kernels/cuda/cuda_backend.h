@@ -8,6 +8,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -25,6 +26,10 @@ class CudaBackend final : public Backend {
 
   [[nodiscard]] Device device() const override { return {DeviceKind::cuda, device_}; }
   [[nodiscard]] Stream stream() const override { return stream_; }
+  // For work on stream() that can stall for a reason the device does not see (the collectives of an NCCL
+  // communicator whose peer died): the host then polls in to_host, running `check` between polls, which
+  // throws to end the wait (kernels/cuda/stream_wait.h). Without one it blocks in cudaStreamSynchronize.
+  void set_wait_check(std::function<void()> check) { wait_check_ = std::move(check); }
   void check_kv_dtype(DType dtype) const override;
   [[nodiscard]] Tensor upload(const WeightView& host, Buffer& storage) override;
 
@@ -79,9 +84,10 @@ class CudaBackend final : public Backend {
   void run_linear(const float* x, std::int64_t m, std::int64_t k, const Tensor& w, const Tensor& bias,
                   float* y);
 
-  int device_;
+  int device_;  // first: its initialiser makes the device current for the stream and linear_'s cuBLAS handle
   cudaStream_t stream_ = nullptr;
   Linear linear_;
+  std::function<void()> wait_check_;
   AttentionBatchArrays arrays_;  // host side of the last attention batch, reused
   Buffer linear_workspace_, gate_, up_;
   // MoE index work (moe_stages.cpp): the capacity scheduler's workspace; the dispatch plan's destinations and

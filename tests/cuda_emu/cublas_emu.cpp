@@ -23,7 +23,7 @@ namespace {
 
 struct EmuBlas {
   cudaStream_t stream = nullptr;
-  int device = 0;
+  int device = 0;  // current at cublasCreate: the handle works only there
 };
 
 thread_local cublasStatus_t detailed_status = CUBLAS_STATUS_SUCCESS;
@@ -222,6 +222,14 @@ cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa, cub
                             " (the emulation has the fp32 compute types over bf16, fp16 and fp32)");
   if (alpha == nullptr || beta == nullptr)
     return d::blas_fail(CUBLAS_STATUS_INVALID_VALUE, "cublasGemmEx: null alpha or beta");
+  // A handle is bound to the device current at cublasCreate; its kernels cannot be queued on another
+  // device's stream (on a GPU the launch fails and cuBLAS reports the execution failure).
+  if (const int stream_device = d::stream_device(h->stream); stream_device != h->device)
+    return d::blas_fail(CUBLAS_STATUS_EXECUTION_FAILED,
+                        "cublasGemmEx: the handle was created with device " + std::to_string(h->device) +
+                            " current, but its stream belongs to device " + std::to_string(stream_device) +
+                            " (a cuBLAS handle works only on the device current at cublasCreate: "
+                            "cudaSetDevice before cublasCreate)");
   if (m == 0 || n == 0) return CUBLAS_STATUS_SUCCESS;
   for (const std::string& why :
        {d::check_matrix("A", A, Atype, a_rows, a_cols, lda),

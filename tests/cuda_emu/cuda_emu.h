@@ -13,7 +13,8 @@ namespace capserve::cuda_emu {
 // What the host asked of the emulated device since the last reset.
 struct Counters {
   std::int64_t host_syncs = 0;          // cudaDeviceSynchronize, cudaStreamSynchronize, cudaEventSynchronize,
-                                        // and cudaMemcpy (which waits for the copy)
+                                        // cudaMemcpy (which waits for the copy), and a cudaStreamQuery that
+                                        // finds the work complete (the end of a polled wait)
   std::int64_t device_allocations = 0;  // cudaMalloc
   std::int64_t device_frees = 0;        // cudaFree
   std::int64_t host_allocations = 0;    // cudaMallocHost
@@ -53,5 +54,12 @@ class ScopedSchedule {
 // that hangs after the id broadcast would (blocking mode sleeps first; non-blocking mode stays
 // ncclInProgress).
 void delay_next_nccl_init(std::chrono::steady_clock::duration delay);
+
+// NCCL stand-in: the next grouped exchange (ncclGroupEnd of sends and receives, or a lone send or receive) of
+// this process dies as a crashed process would, once every peer it receives from has posted its send: the
+// call fails here (ncclSystemError), and those peers' sends and receives with this rank never complete (their
+// streams hang, as an NCCL kernel waits forever on a GPU) until they ncclCommAbort; they see ncclRemoteError,
+// naming this rank, at their next poll of ncclCommGetAsyncError after the exchange was enqueued.
+void crash_at_next_nccl_exchange();
 
 }  // namespace capserve::cuda_emu

@@ -3,8 +3,10 @@
 // message), the device-memory registry, the counters and the current device.
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "cuda_emu.h"
@@ -47,9 +49,26 @@ void count(std::int64_t Counters::*field);
 
 // Empty when kernels may be queued on `stream` from this thread now; else why not.
 std::string check_launch_stream(cudaStream_t stream);
+// The device `stream` belongs to (the current one for the null and per-thread streams); -1 for a stream
+// that is not live.
+int stream_device(cudaStream_t stream);
 // The most dynamic shared memory a launch of `kernel` may ask for (48 KB unless raised by
 // cudaFuncSetAttribute).
 int max_dynamic_shared(const void* kernel);
+
+// Device work on a stream that never completes: an NCCL send or receive whose peer died, whose kernel waits
+// forever on a GPU. Until `released` (ncclCommAbort), cudaStreamQuery of the stream says cudaErrorNotReady
+// and host waits on it (cudaStreamSynchronize; cudaDeviceSynchronize and cudaMemcpy on its device) block;
+// they give up after nccl_timeout() seconds with cudaErrorLaunchTimeout naming `why`, where a GPU would wait
+// forever. Work queued behind it still runs at once (on whatever its buffers hold).
+struct StreamHang {
+  std::atomic<bool> released{false};
+  std::string why;
+};
+std::shared_ptr<StreamHang> hang_stream(cudaStream_t stream, std::string why);
+// Seconds the NCCL stand-in waits for a peer, and a host wait for a hung stream, before failing
+// (CAPSERVE_CUDA_EMU_NCCL_TIMEOUT_S, default 30).
+double nccl_timeout();
 int current_device();
 int device_count();
 

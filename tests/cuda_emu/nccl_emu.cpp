@@ -23,11 +23,15 @@
 // A failed check returns the error NCCL would (ncclInvalidArgument / ncclInvalidUsage), names the fault in
 // ncclGetLastError, and is kept as the communicator's async error (ncclCommGetAsyncError). A rank whose send
 // or receive failed tells the others, which see ncclRemoteError only when they poll ncclCommGetAsyncError, as
-// with NCCL: their own calls are not stopped by it. Everything completes before the call returns: streams are
-// trivially in order.
+// with NCCL (no earlier than the poll after their operation left ncclInProgress): their own calls are not
+// stopped by it. Everything completes before the call returns, so streams are trivially in order, except a
+// send or receive with a rank that failed (cuda_emu::crash_at_next_nccl_exchange, or a failed check there):
+// the call returns as if enqueued and the stream hangs, as behind an NCCL kernel that waits forever, until
+// ncclCommAbort (emu_state.h, hang_stream).
 #include <mpi.h>
 #include <nccl.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
@@ -72,6 +76,9 @@ struct ncclComm {
   std::string last_error;
   std::unique_ptr<capserve::cuda_emu::detail::Join> join;  // set while initialising
   int polls_in_progress = 0;  // non-blocking: polls before the last operation leaves ncclInProgress
+  // Streams its sends and receives with a failed peer hang (capserve::cuda_emu::detail::hang_stream), until
+  // ncclCommAbort.
+  std::vector<std::shared_ptr<capserve::cuda_emu::detail::StreamHang>> hangs;
 };
 
 namespace capserve::cuda_emu::detail {
@@ -91,7 +98,21 @@ struct PointToPoint {
   void* buffer;
   std::int64_t bytes;
   int peer;
+  cudaStream_t stream;
 };
+
+// An exchange's byte counts on the wire and the sends it gave up on (a failed peer): MPI may still read them,
+// so they are kept for the process's life.
+struct Wire {
+  std::vector<std::int64_t> sizes;
+  std::vector<MPI_Request> abandoned_sends;
+};
+std::vector<std::unique_ptr<Wire>>& parked_wires() {
+  static auto* const wires = new std::vector<std::unique_ptr<Wire>>;  // deliberately never destroyed
+  return *wires;
+}
+
+std::atomic<bool> crash_next_exchange{false};  // crash_at_next_nccl_exchange
 
 struct GroupState {
   int depth = 0;
@@ -308,30 +329,70 @@ void advance_join(ncclComm* comm) {
   if (!error.empty()) nccl_fail(comm, ncclInvalidArgument, error);
 }
 
-// Seconds a send or receive may wait for its peer before it fails (CAPSERVE_CUDA_EMU_NCCL_TIMEOUT_S, default
-// 30): on a GPU an unpaired send or receive hangs.
-double peer_timeout() {
-  const char* env = std::getenv("CAPSERVE_CUDA_EMU_NCCL_TIMEOUT_S");
-  return env != nullptr ? std::atof(env) : 30.0;
-}
+// The requests of an exchange and the operation of each.
+struct Requests {
+  std::vector<MPI_Request> requests;
+  std::vector<std::size_t> op_of;
+};
 
-// Waits for every request; false when some are still pending at the deadline (those stay unmatched).
-bool wait_until(std::vector<MPI_Request>& requests, std::chrono::steady_clock::time_point deadline) {
+enum class Waited : std::uint8_t { done, timed_out, peer_failed };
+
+// Waits for every request until the deadline (those still pending then stay unmatched). Stops early when a
+// rank that a pending request waits for has failed (its notice is there, left for ncclCommGetAsyncError):
+// then `failed_rank` is that rank.
+Waited wait_until(Requests& list, const std::vector<PointToPoint>& ops,
+                  std::chrono::steady_clock::time_point deadline, int& failed_rank) {
+  ncclComm* comm = ops.front().comm;
   for (;;) {
     int done = 0;
-    MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done, MPI_STATUSES_IGNORE);
-    if (done != 0) return true;
-    if (std::chrono::steady_clock::now() > deadline) return false;
+    MPI_Testall(static_cast<int>(list.requests.size()), list.requests.data(), &done, MPI_STATUSES_IGNORE);
+    if (done != 0) return Waited::done;
+    int noticed = 0;
+    MPI_Status status;
+    MPI_Iprobe(MPI_ANY_SOURCE, kTagNotice, comm->mpi, &noticed, &status);
+    for (std::size_t i = 0; noticed != 0 && i < list.requests.size(); ++i) {
+      if (list.requests[i] == MPI_REQUEST_NULL || ops[list.op_of[i]].peer != status.MPI_SOURCE) continue;
+      failed_rank = status.MPI_SOURCE;
+      return Waited::peer_failed;
+    }
+    if (std::chrono::steady_clock::now() > deadline) return Waited::timed_out;
     std::this_thread::yield();
   }
 }
 
+// The exchange waits for a rank that failed: on a GPU its kernels would wait forever, the call itself having
+// returned. Hangs the streams of its operations until ncclCommAbort. Its pending receives are cancelled; its
+// pending sends (MPI cannot cancel a send) are parked with their byte counts.
+ncclResult_t hang_on(const std::vector<PointToPoint>& ops, std::unique_ptr<Wire> wire,
+                     std::initializer_list<Requests*> pending, int failed_rank) {
+  for (Requests* list : pending) {
+    for (std::size_t i = 0; i < list->requests.size(); ++i) {
+      MPI_Request& r = list->requests[i];
+      if (r == MPI_REQUEST_NULL) continue;
+      if (ops[list->op_of[i]].send) {
+        wire->abandoned_sends.push_back(r);
+        continue;
+      }
+      MPI_Cancel(&r);
+      MPI_Wait(&r, MPI_STATUS_IGNORE);
+    }
+  }
+  ncclComm* comm = ops.front().comm;
+  for (const PointToPoint& o : ops) {
+    comm->hangs.push_back(hang_stream(
+        o.stream, std::string(o.send ? "ncclSend to" : "ncclRecv from") + " rank " + std::to_string(o.peer) +
+                      " on rank " + std::to_string(comm->rank) + ", in an exchange with rank " +
+                      std::to_string(failed_rank) + ", which failed"));
+  }
+  parked_wires().push_back(std::move(wire));
+  return ncclSuccess;
+}
+
 // The first operation still waiting, for the message.
-std::string unpaired(const std::vector<PointToPoint>& ops, const std::vector<MPI_Request>& requests,
-                     const std::vector<std::size_t>& op_of) {
-  for (std::size_t i = 0; i < requests.size(); ++i) {
-    if (requests[i] == MPI_REQUEST_NULL) continue;
-    const PointToPoint& o = ops[op_of[i]];
+std::string unpaired(const std::vector<PointToPoint>& ops, const Requests& list) {
+  for (std::size_t i = 0; i < list.requests.size(); ++i) {
+    if (list.requests[i] == MPI_REQUEST_NULL) continue;
+    const PointToPoint& o = ops[list.op_of[i]];
     return std::string(o.send ? "ncclSend to" : "ncclRecv from") + " rank " + std::to_string(o.peer) +
            " on rank " + std::to_string(o.comm->rank) + " found no matching " +
            (o.send ? "ncclRecv" : "ncclSend") +
@@ -340,37 +401,62 @@ std::string unpaired(const std::vector<PointToPoint>& ops, const std::vector<MPI
   return "a send or receive found no partner";
 }
 
+// crash_at_next_nccl_exchange: once every peer this rank receives from has posted its send (so that they are
+// past enqueueing it), tells them this rank failed and fails here.
+ncclResult_t crash(const std::vector<PointToPoint>& ops, std::chrono::steady_clock::time_point deadline) {
+  ncclComm* comm = ops.front().comm;
+  for (const PointToPoint& o : ops) {
+    int posted = 0;
+    while (!o.send && posted == 0 && std::chrono::steady_clock::now() < deadline) {
+      MPI_Iprobe(o.peer, kTagSize, comm->mpi, &posted, MPI_STATUS_IGNORE);
+      std::this_thread::yield();
+    }
+  }
+  const std::string why = "the process died in an exchange (cuda_emu::crash_at_next_nccl_exchange)";
+  notify_peers(comm, why);
+  return nccl_fail(comm, ncclSystemError, "rank " + std::to_string(comm->rank) + ": " + why);
+}
+
 // Starts every send and receive, then waits for all. A receive learns the sender's byte count first.
 ncclResult_t run_point_to_point(std::vector<PointToPoint>& ops) {
   ncclResult_t rc = ncclSuccess;
   const auto deadline =
       std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                             std::chrono::duration<double>(peer_timeout()));
-  std::vector<MPI_Request> size_requests;
-  std::vector<MPI_Request> data_requests;
-  std::vector<std::size_t> size_op;  // the operation of each request
-  std::vector<std::size_t> data_op;
-  std::vector<std::int64_t> sizes(ops.size());
+                                             std::chrono::duration<double>(nccl_timeout()));
+  if (crash_next_exchange.exchange(false)) return crash(ops, deadline);
+  auto wire = std::make_unique<Wire>();
+  wire->sizes.resize(ops.size());
+  Requests size_requests;
+  Requests data_requests;
   for (std::size_t i = 0; i < ops.size(); ++i) {
     PointToPoint& o = ops[i];
     MPI_Request r = MPI_REQUEST_NULL;
     if (o.send) {
-      MPI_Isend(&o.bytes, 1, MPI_INT64_T, o.peer, kTagSize, o.comm->mpi, &r);
-      size_requests.push_back(r);
-      size_op.push_back(i);
+      wire->sizes[i] = o.bytes;
+      MPI_Isend(&wire->sizes[i], 1, MPI_INT64_T, o.peer, kTagSize, o.comm->mpi, &r);
+      size_requests.requests.push_back(r);
+      size_requests.op_of.push_back(i);
       MPI_Isend(o.buffer, static_cast<int>(o.bytes), MPI_BYTE, o.peer, kTagData, o.comm->mpi, &r);
-      data_requests.push_back(r);
-      data_op.push_back(i);
+      data_requests.requests.push_back(r);
+      data_requests.op_of.push_back(i);
     } else {
-      MPI_Irecv(&sizes[i], 1, MPI_INT64_T, o.peer, kTagSize, o.comm->mpi, &r);
-      size_requests.push_back(r);
-      size_op.push_back(i);
+      MPI_Irecv(&wire->sizes[i], 1, MPI_INT64_T, o.peer, kTagSize, o.comm->mpi, &r);
+      size_requests.requests.push_back(r);
+      size_requests.op_of.push_back(i);
     }
   }
-  if (!wait_until(size_requests, deadline)) {
-    const std::string why = unpaired(ops, size_requests, size_op);
-    notify_peers(ops.front().comm, why);
-    return nccl_fail(ops.front().comm, ncclInvalidUsage, why);
+  int failed_rank = -1;
+  switch (wait_until(size_requests, ops, deadline, failed_rank)) {
+    case Waited::done:
+      break;
+    case Waited::peer_failed:
+      return hang_on(ops, std::move(wire), {&size_requests, &data_requests}, failed_rank);
+    case Waited::timed_out: {
+      const std::string why = unpaired(ops, size_requests);
+      parked_wires().push_back(std::move(wire));  // MPI may still write into the sizes
+      notify_peers(ops.front().comm, why);
+      return nccl_fail(ops.front().comm, ncclInvalidUsage, why);
+    }
   }
   // Receives whose sizes agree take the data; the others drain it into scratch and fail.
   std::vector<std::vector<std::byte>> scratch;
@@ -378,24 +464,32 @@ ncclResult_t run_point_to_point(std::vector<PointToPoint>& ops) {
     PointToPoint& o = ops[i];
     if (o.send) continue;
     void* into = o.buffer;
-    if (sizes[i] != o.bytes) {
+    const std::int64_t sent = wire->sizes[i];
+    if (sent != o.bytes) {
       rc = nccl_fail(o.comm, ncclInvalidUsage,
                      "ncclRecv on rank " + std::to_string(o.comm->rank) + " expects " +
                          std::to_string(o.bytes) + " bytes from rank " + std::to_string(o.peer) +
-                         ", which sent " + std::to_string(sizes[i]) +
+                         ", which sent " + std::to_string(sent) +
                          " (send and receive counts and types must match)");
-      scratch.emplace_back(static_cast<std::size_t>(sizes[i]));
+      scratch.emplace_back(static_cast<std::size_t>(sent));
       into = scratch.back().data();
     }
     MPI_Request r = MPI_REQUEST_NULL;
-    MPI_Irecv(into, static_cast<int>(sizes[i]), MPI_BYTE, o.peer, kTagData, o.comm->mpi, &r);
-    data_requests.push_back(r);
-    data_op.push_back(i);
+    MPI_Irecv(into, static_cast<int>(sent), MPI_BYTE, o.peer, kTagData, o.comm->mpi, &r);
+    data_requests.requests.push_back(r);
+    data_requests.op_of.push_back(i);
   }
-  if (!wait_until(data_requests, deadline)) {
-    const std::string why = unpaired(ops, data_requests, data_op);
-    notify_peers(ops.front().comm, why);
-    return nccl_fail(ops.front().comm, ncclInvalidUsage, why);
+  switch (wait_until(data_requests, ops, deadline, failed_rank)) {
+    case Waited::done:
+      break;
+    case Waited::peer_failed:
+      return hang_on(ops, std::move(wire), {&data_requests}, failed_rank);
+    case Waited::timed_out: {
+      const std::string why = unpaired(ops, data_requests);
+      parked_wires().push_back(std::move(wire));
+      notify_peers(ops.front().comm, why);
+      return nccl_fail(ops.front().comm, ncclInvalidUsage, why);
+    }
   }
   if (rc != ncclSuccess) notify_peers(ops.front().comm, ops.front().comm->last_error);
   return rc;
@@ -412,7 +506,7 @@ ncclResult_t point_to_point(ncclComm* comm, bool send, void* buffer, std::size_t
     return nccl_fail(comm, ncclInvalidArgument,
                      std::string(call) + ": peer " + std::to_string(peer) + " outside [0, " +
                          std::to_string(comm->size) + ")");
-  PointToPoint op{comm, send, buffer, static_cast<std::int64_t>(bytes), peer};
+  PointToPoint op{comm, send, buffer, static_cast<std::int64_t>(bytes), peer, stream};
   if (group.depth > 0) {
     group.queued.push_back(op);
     return ncclSuccess;
@@ -466,6 +560,10 @@ ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
 
 void capserve::cuda_emu::delay_next_nccl_init(std::chrono::steady_clock::duration delay) {
   d::next_init_delay = delay;
+}
+
+void capserve::cuda_emu::crash_at_next_nccl_exchange() {
+  d::crash_next_exchange = true;
 }
 
 ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank,
@@ -545,6 +643,8 @@ ncclResult_t ncclCommAbort(ncclComm_t comm) {
     return d::nccl_fail(nullptr, ncclInvalidArgument, "ncclCommAbort: not a live communicator");
   if (comm->join != nullptr && comm->join->stage != d::Join::Stage::delayed)
     d::abandoned_joins().push_back(std::move(comm->join));
+  // As NCCL's abort ends the communicator's kernels, so that the streams behind them go on.
+  for (const auto& hang : comm->hangs) hang->released = true;
   d::handles<ncclComm>().remove(comm);
   return ncclSuccess;
 }
@@ -553,9 +653,14 @@ ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* async_error) {
   if (d::handles<ncclComm>().find(comm) == nullptr || async_error == nullptr)
     return d::nccl_fail(nullptr, ncclInvalidArgument, "ncclCommGetAsyncError: not a live communicator");
   if (comm->join != nullptr) d::advance_join(comm);
-  if (comm->join != nullptr ||
-      (comm->async_error == ncclSuccess && comm->polls_in_progress > 0 && --comm->polls_in_progress > 0)) {
+  if (comm->join != nullptr) {
     *async_error = ncclInProgress;
+    return ncclSuccess;
+  }
+  // The poll that ends an operation's ncclInProgress reports it enqueued: a peer's failure shows at a later
+  // poll, as NCCL's proxy learns of it while progressing the enqueued operation.
+  if (comm->async_error == ncclSuccess && comm->polls_in_progress > 0) {
+    *async_error = --comm->polls_in_progress > 0 ? ncclInProgress : ncclSuccess;
     return ncclSuccess;
   }
   if (comm->async_error == ncclSuccess) {

@@ -10,6 +10,8 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "emu_state.h"
 #include "handle_registry.h"
@@ -56,6 +58,51 @@ bool special_stream(cudaStream_t s) {
   return s == nullptr || s == cudaStreamLegacy || s == cudaStreamPerThread;
 }
 
+// The hung streams (hang_stream), each by its handle (null for the special streams, which stand for their
+// device's) and device.
+struct HungStream {
+  const void* stream;
+  int device;
+  std::shared_ptr<StreamHang> hang;
+};
+struct Hangs {
+  std::mutex mutex;
+  std::vector<HungStream> list;
+};
+Hangs& hangs() {
+  static auto* const all = new Hangs;  // never destroyed, like the handles
+  return *all;
+}
+
+// Why work on `stream` of `device` (any stream of it when `stream` is all_streams) never completes, or "".
+const void* const all_streams = &all_streams;
+std::string hung(const void* stream, int device) {
+  Hangs& h = hangs();
+  const std::lock_guard lock(h.mutex);
+  std::erase_if(h.list, [](const HungStream& s) { return s.hang->released.load(); });
+  for (const HungStream& s : h.list) {
+    if (s.device == device && (stream == all_streams || s.stream == stream)) return s.hang->why;
+  }
+  return {};
+}
+
+// A host wait on `stream` of `device`: returns once no hang holds it, or fails after nccl_timeout().
+cudaError_t wait_for_hangs(const char* call, const void* stream, int device) {
+  const auto start = std::chrono::steady_clock::now();
+  for (;;) {
+    const std::string why = hung(stream, device);
+    if (why.empty()) return cudaSuccess;
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (waited > nccl_timeout())
+      return fail(cudaErrorLaunchTimeout,
+                  std::string(call) + ": waited " + std::to_string(static_cast<int>(waited)) +
+                      " s for device work that never completes: " + why +
+                      " (a GPU would wait here forever; poll the stream and ncclCommGetAsyncError instead, "
+                      "and ncclCommAbort on an error)");
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
 EmuStream* find_stream(cudaStream_t s) {
   return handles<EmuStream>().find(s);
 }
@@ -94,6 +141,10 @@ const char* error_name(cudaError_t e) {
       return "cudaErrorNoDevice";
     case cudaErrorInvalidDevicePointer:
       return "cudaErrorInvalidDevicePointer";
+    case cudaErrorNotReady:
+      return "cudaErrorNotReady";
+    case cudaErrorLaunchTimeout:
+      return "cudaErrorLaunchTimeout";
     default:
       return "cudaErrorUnknown";
   }
@@ -123,6 +174,10 @@ const char* error_text(cudaError_t e) {
       return "no CUDA-capable device is detected";
     case cudaErrorInvalidDevicePointer:
       return "invalid device pointer";
+    case cudaErrorNotReady:
+      return "device not ready";
+    case cudaErrorLaunchTimeout:
+      return "the launch timed out and was terminated";
     default:
       return "unknown error";
   }
@@ -211,6 +266,29 @@ std::string check_launch_stream(cudaStream_t stream) {
     return "the stream belongs to device " + std::to_string(s->device) + " but device " +
            std::to_string(device) + " is current on this thread (cudaSetDevice first)";
   return {};
+}
+
+int stream_device(cudaStream_t stream) {
+  if (special_stream(stream)) return device;
+  const EmuStream* s = find_stream(stream);
+  return s == nullptr ? -1 : s->device;
+}
+
+std::shared_ptr<StreamHang> hang_stream(cudaStream_t stream, std::string why) {
+  auto hang = std::make_shared<StreamHang>();
+  hang->why = std::move(why);
+  Hangs& h = hangs();
+  const std::lock_guard lock(h.mutex);
+  h.list.push_back({special_stream(stream) ? nullptr : stream, stream_device(stream), hang});
+  return hang;
+}
+
+double nccl_timeout() {
+  static const double seconds = [] {
+    const char* env = std::getenv("CAPSERVE_CUDA_EMU_NCCL_TIMEOUT_S");
+    return env != nullptr ? std::atof(env) : 30.0;
+  }();
+  return seconds;
 }
 
 int max_dynamic_shared(const void* kernel) {
@@ -322,7 +400,7 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
 
 cudaError_t cudaDeviceSynchronize() {
   d::count(&Counters::host_syncs);
-  return cudaSuccess;
+  return d::wait_for_hangs("cudaDeviceSynchronize", d::all_streams, d::device);
 }
 
 cudaError_t cudaFuncSetAttribute(const void* func, cudaFuncAttribute attr, int value) {
@@ -383,6 +461,8 @@ cudaError_t cudaFreeHost(void* ptr) {
 
 cudaError_t cudaMemcpy(void* dst, const void* src, std::size_t count, cudaMemcpyKind kind) {
   d::count(&Counters::host_syncs);
+  if (const cudaError_t e = d::wait_for_hangs("cudaMemcpy", d::all_streams, d::device); e != cudaSuccess)
+    return e;
   return d::copy(dst, src, count, kind, "cudaMemcpy", false);
 }
 
@@ -421,13 +501,21 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
 
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   d::count(&Counters::host_syncs);
-  if (d::special_stream(stream) || d::find_stream(stream) != nullptr) return cudaSuccess;
+  if (d::special_stream(stream)) return d::wait_for_hangs("cudaStreamSynchronize", nullptr, d::device);
+  if (d::find_stream(stream) != nullptr)
+    return d::wait_for_hangs("cudaStreamSynchronize", stream, d::stream_device(stream));
   return d::fail(cudaErrorInvalidResourceHandle, "cudaStreamSynchronize: not a live stream");
 }
 
+// Not ready only behind a hang (streams are otherwise idle). Finding the work complete ends a polled host
+// wait, so it counts as a host synchronisation, as cudaStreamSynchronize does.
 cudaError_t cudaStreamQuery(cudaStream_t stream) {
-  if (d::special_stream(stream) || d::find_stream(stream) != nullptr) return cudaSuccess;
-  return d::fail(cudaErrorInvalidResourceHandle, "cudaStreamQuery: not a live stream");
+  if (!d::special_stream(stream) && d::find_stream(stream) == nullptr)
+    return d::fail(cudaErrorInvalidResourceHandle, "cudaStreamQuery: not a live stream");
+  if (!d::hung(d::special_stream(stream) ? nullptr : stream, d::stream_device(stream)).empty())
+    return cudaErrorNotReady;  // not an error: nothing for cudaGetLastError
+  d::count(&Counters::host_syncs);
+  return cudaSuccess;
 }
 
 cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int) {

@@ -72,28 +72,34 @@ TEST(CudaBackendSyncs, AWarmStepWaitsOnlyInToHostAndAllocatesNothing) {
   EXPECT_EQ(backend.host_syncs(HostSync::sampled_tokens), 2);
 }
 
+// Also with a wait check (what --device cuda gives the backend for NCCL, cuda_rank_devices.cpp): the host
+// then polls the stream instead of blocking in cudaStreamSynchronize, and each wait still counts once.
 TEST(CudaBackendSyncs, AWholeModelDecodeStepWaitsTwicePerMoeLayerAndOnceToSample) {
-  cuda::CudaBackend backend(0);
-  const auto model = runtime::Model::load(testing::fixture_models_dir() / "qwen2_moe", backend);
-  runtime::Engine engine(*model, {});
-  const std::vector<std::int32_t> prompt = {3, 14, 15, 92, 65};
-  std::vector<std::int32_t> next(1);
-  const std::vector<SampleControls> greedy(1);
-  std::vector<runtime::Engine::Work> work = {{1, prompt, false}};
-  for (int step = 0; step < 3; ++step) {  // the prefill and two decodes warm every scratch slot
+  for (const bool polled : {false, true}) {
+    SCOPED_TRACE(polled ? "polled waits (a wait check)" : "cudaStreamSynchronize");
+    cuda::CudaBackend backend(0);
+    if (polled) backend.set_wait_check([] {});
+    const auto model = runtime::Model::load(testing::fixture_models_dir() / "qwen2_moe", backend);
+    runtime::Engine engine(*model, {});
+    const std::vector<std::int32_t> prompt = {3, 14, 15, 92, 65};
+    std::vector<std::int32_t> next(1);
+    const std::vector<SampleControls> greedy(1);
+    std::vector<runtime::Engine::Work> work = {{1, prompt, false}};
+    for (int step = 0; step < 3; ++step) {  // the prefill and two decodes warm every scratch slot
+      ASSERT_TRUE(engine.step(work).ok());
+      engine.sample(greedy, next);
+      work = {{1, std::span(next), false}};
+    }
+    cuda_emu::reset_counters();
     ASSERT_TRUE(engine.step(work).ok());
     engine.sample(greedy, next);
-    work = {{1, std::span(next), false}};
+    const cuda_emu::Counters c = cuda_emu::counters();
+    const auto moe_layers = static_cast<std::int64_t>(model->moe_layers().size());
+    ASSERT_GT(moe_layers, 0);
+    EXPECT_EQ(c.host_syncs, 2 * moe_layers + 1);
+    EXPECT_EQ(c.device_allocations, 0);
+    EXPECT_EQ(c.pageable_async_copies, 0);
   }
-  cuda_emu::reset_counters();
-  ASSERT_TRUE(engine.step(work).ok());
-  engine.sample(greedy, next);
-  const cuda_emu::Counters c = cuda_emu::counters();
-  const auto moe_layers = static_cast<std::int64_t>(model->moe_layers().size());
-  ASSERT_GT(moe_layers, 0);
-  EXPECT_EQ(c.host_syncs, 2 * moe_layers + 1);
-  EXPECT_EQ(c.device_allocations, 0);
-  EXPECT_EQ(c.pageable_async_copies, 0);
 }
 
 // The checkpoint's host memory (mmapped, or dequantized FP8 freed right after) is never a copy's source: the

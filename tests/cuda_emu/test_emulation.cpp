@@ -1,6 +1,7 @@
 // The CUDA emulation itself (label cuda-emu): warp collectives and barriers behave as documented, and what it
 // claims to catch fails with a clear message — a missing __syncthreads (shuffled schedule), launches over the
-// limits, freed and host pointers, a wrong cuBLAS leading dimension, a stream of another device.
+// limits, freed and host pointers, a wrong cuBLAS leading dimension, a stream of another device (for a kernel
+// or a cuBLAS handle).
 #include <cublas_v2.h>
 #include <gtest/gtest.h>
 
@@ -392,6 +393,36 @@ TEST_F(CublasEmulation, WrongLeadingDimensionTransposeOrComputeTypeIsRejected) {
   EXPECT_EQ(gemm(static_cast<cublasOperation_t>(7), 4, CUBLAS_COMPUTE_32F), CUBLAS_STATUS_INVALID_VALUE);
   EXPECT_EQ(gemm(CUBLAS_OP_N, 4, CUBLAS_COMPUTE_16F), CUBLAS_STATUS_NOT_SUPPORTED);
   EXPECT_EQ(gemm(CUBLAS_OP_N, 4, CUBLAS_COMPUTE_32F), CUBLAS_STATUS_SUCCESS);
+}
+
+// A handle works on the device current at cublasCreate (the fixture's: device 0); a GEMM on a stream of
+// device 1 is refused even with device 1 current, as its kernel could not be launched there on a GPU.
+TEST_F(CublasEmulation, AHandleRefusesAStreamOfAnotherDevice) {
+  int devices = 0;
+  CAPSERVE_CUDA_CHECK(cudaGetDeviceCount(&devices));
+  ASSERT_GE(devices, 2) << "the test runs with CAPSERVE_CUDA_EMU_DEVICES=2";
+  DeviceBuffer<float> d_a(4);
+  DeviceBuffer<float> d_c(4);
+  CAPSERVE_CUDA_CHECK(cudaSetDevice(1));
+  cudaStream_t stream = nullptr;
+  CAPSERVE_CUDA_CHECK(cudaStreamCreate(&stream));
+  const float one = 1.0F;
+  const auto gemm = [&] {
+    return cublasGemmEx(handle_, CUBLAS_OP_N, CUBLAS_OP_N, 2, 2, 2, &one, d_a.data(), CUDA_R_32F, 2,
+                        d_a.data(), CUDA_R_32F, 2, &one, d_c.data(), CUDA_R_32F, 2, CUBLAS_COMPUTE_32F,
+                        CUBLAS_GEMM_DEFAULT);
+  };
+  CAPSERVE_CUBLAS_CHECK(cublasSetStream(handle_, stream));
+  const cublasStatus_t status = gemm();
+  EXPECT_EQ(status, CUBLAS_STATUS_EXECUTION_FAILED);
+  EXPECT_NE(std::string(cublasGetStatusString(status))
+                .find("the handle was created with device 0 current, but its stream belongs to device 1"),
+            std::string::npos)
+      << cublasGetStatusString(status);
+  CAPSERVE_CUDA_CHECK(cudaSetDevice(0));
+  CAPSERVE_CUBLAS_CHECK(cublasSetStream(handle_, nullptr));
+  EXPECT_EQ(gemm(), CUBLAS_STATUS_SUCCESS);
+  CAPSERVE_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 }  // namespace

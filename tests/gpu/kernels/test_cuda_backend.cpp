@@ -5,10 +5,12 @@
 // Skipped where no CUDA device is usable; the cuda-emu label runs it on the emulation.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <optional>
 #include <random>
@@ -149,9 +151,14 @@ TEST_F(BackendPair, DenseOperationsAgree) {
   EXPECT_LT(relative_error(finals[1], finals[0]), 1e-6);
 }
 
-// The MoE stages' operations, chained on each backend from the same router logits: route, expert and slot
-// counts, capacity (drop), the dispatch plan over 2 ranks, the grouping of what both ranks would receive,
-// take_rows and combine. Index results must be identical; floats within 1e-6.
+// The MoE stages' operations on each backend from the same router logits. The router's probabilities and
+// gate weights come from exp, which on a device may differ from the host's libm in the last bits (CUDA
+// Programming Guide, "Mathematical Functions"): they agree within 1e-6, and the chosen experts exactly, as no
+// token has two experts within rounding of each other. The stages after it (expert and slot counts, capacity
+// (drop), the dispatch plan over 2 ranks, the grouping of what both ranks would receive, take_rows and
+// combine) then run on both backends from the SAME probabilities, experts and weights (the CPU router's),
+// so their index and byte results (the dispatch entries carry the weights) must be identical, and combine's
+// sums within 1e-6.
 TEST_F(BackendPair, MoeStagesAgree) {
   Rng rng(303);
   const std::int64_t T = 37, E = 8, k = 2, ranks = 2, hidden = 16;
@@ -160,28 +167,51 @@ TEST_F(BackendPair, MoeStagesAgree) {
   const std::vector<std::int32_t> owners = {0, 0, 0, 0, 1, 1, 1, 1};
   const std::vector<std::int32_t> local_index = {0, 1, 2, 3, 0, 1, 2, 3};
   const std::vector<std::int32_t> local_list = {0, 1, 2, 3};
+  Backend* backends[2] = {&cpu_, &gpu()};
+  const auto zeros_of = [&](Backend& be, DType dtype, std::initializer_list<std::int64_t> shape) {
+    buffers_.emplace_back();
+    const Tensor t = be.scratch(buffers_.back(), dtype, shape);
+    be.zero(t);
+    return t;
+  };
+
+  // Softmax is monotonic: the top-k experts are the k largest logits. A gap far above a few ulps between the
+  // k-th and the next keeps the choice the same on both backends.
+  for (std::int64_t t = 0; t < T; ++t) {
+    std::vector<float> row(logits.begin() + t * E, logits.begin() + (t + 1) * E);
+    std::sort(row.begin(), row.end(), std::greater<>());
+    ASSERT_GT(row[k - 1] - row[k], 1e-4F) << "token " << t << " has a near tie at its top-k boundary";
+  }
+  moe::RouterParams p;
+  p.tokens = T;
+  p.num_experts = E;
+  p.top_k = k;
+  p.normalize = true;
+  std::vector<float> probs_of[2], weights_of[2];
+  std::vector<std::int32_t> experts_of[2];
+  for (int b = 0; b < 2; ++b) {
+    Backend& be = *backends[b];
+    const Tensor probs = zeros_of(be, DType::f32, {T, E});
+    const Tensor experts = zeros_of(be, DType::i32, {T, k});
+    const Tensor weights = zeros_of(be, DType::f32, {T, k});
+    be.route(p, put(be, logits, {T, E}), {}, probs, experts, weights);
+    probs_of[b] = get<float>(be, probs);
+    experts_of[b] = get<std::int32_t>(be, experts);
+    weights_of[b] = get<float>(be, weights);
+  }
+  EXPECT_EQ(experts_of[1], experts_of[0]);
+  EXPECT_LT(relative_error(probs_of[1], probs_of[0]), 1e-6) << "router probabilities";
+  EXPECT_LT(relative_error(weights_of[1], weights_of[0]), 1e-6) << "gate weights";
+
   std::vector<std::vector<std::int64_t>> ints[2];
   std::vector<std::vector<float>> floats[2];
   std::vector<std::vector<std::uint8_t>> bytes[2];
-  Backend* backends[2] = {&cpu_, &gpu()};
   for (int b = 0; b < 2; ++b) {
     Backend& be = *backends[b];
-    const auto zeros_of = [&](DType dtype, std::initializer_list<std::int64_t> shape) {
-      buffers_.emplace_back();
-      const Tensor t = be.scratch(buffers_.back(), dtype, shape);
-      be.zero(t);
-      return t;
-    };
-    moe::RouterParams p;
-    p.tokens = T;
-    p.num_experts = E;
-    p.top_k = k;
-    p.normalize = true;
-    const Tensor probs = zeros_of(DType::f32, {T, E});
-    const Tensor experts = zeros_of(DType::i32, {T, k});
-    const Tensor weights = zeros_of(DType::f32, {T, k});
-    be.route(p, put(be, logits, {T, E}), {}, probs, experts, weights);
-    const Tensor routed = zeros_of(DType::i64, {E});
+    const Tensor probs = put(be, probs_of[0], {T, E});
+    const Tensor experts = put(be, experts_of[0], {T, k});
+    const Tensor weights = put(be, weights_of[0], {T, k});
+    const Tensor routed = zeros_of(be, DType::i64, {E});
     be.count_experts(experts, routed);
 
     CapacityCall call;
@@ -196,20 +226,20 @@ TEST_F(BackendPair, MoeStagesAgree) {
     call.local_list = put(be, local_list, {4});
     call.experts = experts;
     call.weights = weights;
-    call.status = zeros_of(DType::u8, {T, k});
-    call.totals = zeros_of(DType::i64, {2});
+    call.status = zeros_of(be, DType::u8, {T, k});
+    call.totals = zeros_of(be, DType::i64, {2});
     be.schedule_capacity(call);
-    const Tensor dropped = zeros_of(DType::i64, {T});
-    const Tensor rerouted = zeros_of(DType::i64, {T});
+    const Tensor dropped = zeros_of(be, DType::i64, {T});
+    const Tensor rerouted = zeros_of(be, DType::i64, {T});
     be.count_slot_states(call.status, dropped, rerouted);
 
     DispatchPlan plan;
-    plan.row_offsets = zeros_of(DType::i64, {ranks + 1});
-    plan.row_position = zeros_of(DType::i64, {T, k});
-    plan.row_token = zeros_of(DType::i32, {T * k});
-    plan.entry_offsets = zeros_of(DType::i64, {ranks + 1});
-    plan.entries = zeros_of(DType::u8, {T * k, static_cast<std::int64_t>(sizeof(moe::DispatchEntry))});
-    plan.counts = zeros_of(DType::i64, {2 * ranks});
+    plan.row_offsets = zeros_of(be, DType::i64, {ranks + 1});
+    plan.row_position = zeros_of(be, DType::i64, {T, k});
+    plan.row_token = zeros_of(be, DType::i32, {T * k});
+    plan.entry_offsets = zeros_of(be, DType::i64, {ranks + 1});
+    plan.entries = zeros_of(be, DType::u8, {T * k, static_cast<std::int64_t>(sizeof(moe::DispatchEntry))});
+    plan.counts = zeros_of(be, DType::i64, {2 * ranks});
     be.plan_dispatch(experts, weights, put(be, owners, {E}), put(be, local_index, {E}), plan);
     const std::vector<std::int64_t> row_offsets = get<std::int64_t>(be, plan.row_offsets);
     const std::vector<std::int64_t> entry_offsets = get<std::int64_t>(be, plan.entry_offsets);
@@ -220,20 +250,20 @@ TEST_F(BackendPair, MoeStagesAgree) {
     const ReceivedGroups groups{plan.entries.rows(0, entries),
                                 plan.entry_offsets,
                                 plan.row_offsets,
-                                zeros_of(DType::i32, {rows, k}),
-                                zeros_of(DType::f32, {rows, k}),
-                                zeros_of(DType::i64, {5}),
-                                zeros_of(DType::i64, {rows, k}),
-                                zeros_of(DType::i32, {rows * k})};
+                                zeros_of(be, DType::i32, {rows, k}),
+                                zeros_of(be, DType::f32, {rows, k}),
+                                zeros_of(be, DType::i64, {5}),
+                                zeros_of(be, DType::i64, {rows, k}),
+                                zeros_of(be, DType::i32, {rows * k})};
     be.group_received(groups);
     const std::int64_t grouped = get<std::int64_t>(be, groups.offsets).back();
-    const Tensor sent = zeros_of(DType::f32, {rows, hidden});
+    const Tensor sent = zeros_of(be, DType::f32, {rows, hidden});
     be.take_rows(put(be, h, {T, hidden}), plan.row_token, sent);
-    const Tensor grouped_rows = zeros_of(DType::f32, {grouped, hidden});
+    const Tensor grouped_rows = zeros_of(be, DType::f32, {grouped, hidden});
     be.take_rows(sent, groups.row_source, grouped_rows);
-    const Tensor results = zeros_of(DType::f32, {rows, hidden});
+    const Tensor results = zeros_of(be, DType::f32, {rows, hidden});
     be.combine(grouped_rows, groups.position, groups.weights, results);
-    const Tensor out = zeros_of(DType::f32, {T, hidden});
+    const Tensor out = zeros_of(be, DType::f32, {T, hidden});
     be.combine(results, plan.row_position, {}, out);
 
     ints[b] = {get<std::int64_t>(be, routed),
@@ -246,13 +276,11 @@ TEST_F(BackendPair, MoeStagesAgree) {
                get<std::int64_t>(be, plan.counts),
                get<std::int64_t>(be, groups.offsets),
                get<std::int64_t>(be, groups.position)};
-    const std::vector<std::int32_t> e = get<std::int32_t>(be, experts);
     const std::vector<std::int32_t> t = get<std::int32_t>(be, plan.row_token);
     const std::vector<std::int32_t> g = get<std::int32_t>(be, groups.experts);
-    ints[b].emplace_back(e.begin(), e.end());
     ints[b].emplace_back(t.begin(), t.begin() + rows);
     ints[b].emplace_back(g.begin(), g.end());
-    floats[b] = {get<float>(be, probs), get<float>(be, weights), get<float>(be, out)};
+    floats[b] = {get<float>(be, out)};
     bytes[b] = {get<std::uint8_t>(be, call.status), get<std::uint8_t>(be, plan.entries.rows(0, entries))};
   }
   ASSERT_GT(ints[0][1][0], 0) << "gamma 0.5 dropped nothing: the capacity check is weaker than meant";
@@ -418,6 +446,29 @@ TEST_F(BackendPair, TensorsOfAnotherDeviceAndHostSynchronisationsAreChecked) {
   gpu().to_host(on_gpu, std::as_writable_bytes(std::span(back)), HostSync::sampled_tokens);
   EXPECT_EQ(gpu().host_syncs(HostSync::sampled_tokens), before + 1);
   EXPECT_EQ(back, std::vector<float>(8, 0.0F));
+}
+
+// A backend for device 1 built while device 0 is current (as when no NCCL communicator made its device
+// current first) runs its GEMMs there: its cuBLAS handle must be created with its own device current.
+TEST(CudaBackendDevice, ABackendBuiltWhileAnotherDeviceIsCurrentRunsItsGemmsOnItsOwn) {
+  CAPSERVE_REQUIRE_CUDA_DEVICE();
+  int devices = 0;
+  ASSERT_EQ(cudaGetDeviceCount(&devices), cudaSuccess);
+  if (devices < 2) GTEST_SKIP() << "needs two CUDA devices (the cuda-emu run emulates two)";
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  cuda::CudaBackend backend(1);
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);  // whatever the constructor left current
+  const std::vector<float> x = {1, 2, 3, 4};
+  const std::vector<float> w = {1, 0, 0, 1, 1, 1};  // [3, 2]: y = [x0, x1, x0 + x1] per row
+  Buffer x_slot, w_slot, y_slot;
+  const Tensor xt = backend.scratch(x_slot, DType::f32, {2, 2});
+  backend.from_host(std::as_bytes(std::span(x)), xt);
+  const Tensor wt = backend.upload({DType::f32, reinterpret_cast<const std::byte*>(w.data()), 3, 2}, w_slot);
+  const Tensor yt = backend.scratch(y_slot, DType::f32, {2, 3});
+  backend.linear(xt, wt, {}, yt);
+  std::vector<float> y(6);
+  backend.to_host(yt, std::as_writable_bytes(std::span(y)), HostSync::logits);
+  EXPECT_EQ(y, (std::vector<float>{1, 2, 3, 3, 4, 7}));
 }
 
 }  // namespace
