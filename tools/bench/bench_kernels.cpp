@@ -543,12 +543,15 @@ int main(int argc, char** argv) {
   std::string json_path;
   std::string groups = ".";
   int device = 0;
+  int reps = 0;
   app.add_option("--shapes", shapes, "real (model sizes) or tiny (the harness under the emulation)")
       ->check(CLI::IsMember({"real", "tiny"}));
   app.add_option(
       "--rows", groups,
       "only the groups of rows this regular expression finds in their names: mla_decode, mla_prefill, "
       "gqa, expert_ffn, router_dispatch, sample, launch, h2d (the ceilings always run)");
+  app.add_option("--reps", reps, "timed repetitions of each row (0: the shapes' own, 20 at real shapes)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--json", json_path, "also write the rows as JSON lines here");
   app.add_option("--device", device, "CUDA device index")->check(CLI::NonNegativeNumber);
   if (const auto exit_code = runtime::parse_flags(app, argc, argv, "capserve-bench-kernels", true))
@@ -560,7 +563,9 @@ int main(int argc, char** argv) {
     CAPSERVE_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
     std::ofstream json_out;
     if (!json_path.empty()) json_out.open(json_path);
-    Bench bench(shapes == "real" ? kReal : kTiny, gpu);
+    Shapes chosen = shapes == "real" ? kReal : kTiny;
+    if (reps > 0) chosen.reps = reps;
+    Bench bench(chosen, gpu);
     std::printf("# capserve-bench-kernels on %s (%d SMs), shapes %s\n", prop.name, prop.multiProcessorCount,
                 shapes.c_str());
     std::printf("%-24s %10s %10s %7s  %s\n", "row", "ms", "bound_ms", "ratio", "shape");

@@ -265,10 +265,11 @@ step initcheck 45 sanitize initcheck test_cuda_backend '*'
 profile() {
   if ((dry_run)) || ! have ncu; then
     echo "ncu absent (dry run): the benchmark's attention rows without it"
-    "${bin[bench]}" --shapes "$bench_shapes" --rows 'mla_decode|gqa'
+    "${bin[bench]}" --shapes "$bench_shapes" --rows 'mla_decode|mla_prefill|gqa' --reps 1
   else
-    ncu --section SpeedOfLight -k 'regex:attention_kernel' --launch-count 4 --csv \
-      "${bin[bench]}" --shapes "$bench_shapes" --rows 'mla_decode|gqa' >"$out/ncu_attention.csv"
+    # One timed repetition per row: each attention row's kernel is profiled three times (two warm-ups, one timed).
+    ncu --section SpeedOfLight -k 'regex:attention_kernel' --csv \
+      "${bin[bench]}" --shapes "$bench_shapes" --rows 'mla_decode|mla_prefill|gqa' --reps 1 >"$out/ncu_attention.csv"
     local rc=$?
     cat "$out/ncu_attention.csv"
     return $rc
