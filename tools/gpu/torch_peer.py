@@ -93,7 +93,9 @@ def gqa(emit):
 def expert_ffn(emit):
     e, m, hid, inter = 32, 16, 7168, 2048
     x = randn(e * m, hid)
-    w13, w2 = randn(e, hid, 2 * inter, sd=0.02), randn(e, inter, hid, sd=0.02)
+    # Column-major expert weights ([G, N, K] transposed), the layout torch._grouped_mm takes on Hopper.
+    w13 = randn(e, 2 * inter, hid, sd=0.02).transpose(-2, -1)
+    w2 = randn(e, hid, inter, sd=0.02).transpose(-2, -1)
     offs = torch.arange(m, e * m + 1, m, device=dev, dtype=torch.int32)
 
     def grouped():
