@@ -255,13 +255,7 @@ bench() {
 }
 step kernel_benchmark 150 bench
 
-# ---- 5. compute-sanitizer over the kernel and backend tests (filters sized to fit).
-step memcheck 60 sanitize memcheck test_cuda_backend '*'
-step racecheck 60 sanitize racecheck test_cuda_kernels '*Attention*:*Sampl*:*Capacity*:*Router*'
-step synccheck 30 sanitize synccheck test_cuda_kernels '*Attention*:*Sampl*:*Reduce*'
-step initcheck 45 sanitize initcheck test_cuda_backend '*'
-
-# ---- 6. One Nsight Compute Speed-of-Light pass over the attention kernels.
+# ---- 5. One Nsight Compute Speed-of-Light pass over the attention kernels.
 profile() {
   if ((dry_run)) || ! have ncu; then
     echo "ncu absent (dry run): the benchmark's attention rows without it"
@@ -275,7 +269,13 @@ profile() {
     return $rc
   fi
 }
-step ncu_attention 60 profile
+step ncu_attention 45 profile
+
+# ---- 6. compute-sanitizer over the kernel and backend tests (filters sized to fit).
+step memcheck 50 sanitize memcheck test_cuda_backend '*'
+step racecheck 50 sanitize racecheck test_cuda_kernels '*Attention*:*Sampl*:*Capacity*:*Router*'
+step synccheck 25 sanitize synccheck test_cuda_kernels '*Attention*:*Sampl*:*Reduce*'
+step initcheck 35 sanitize initcheck test_cuda_backend '*'
 
 write_summary
 pack
