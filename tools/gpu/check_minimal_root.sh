@@ -8,7 +8,8 @@
 #
 # --root DIR      the minimal root (default build-gpu/minimal-root): made with debootstrap (bookworm, minbase,
 #                 from deb.debian.org; debootstrap is installed with apt-get when absent) unless DIR already
-#                 holds one made here, which is reused (~210 MB; under a minute to make with a fast mirror)
+#                 holds one made here, which is reused (~210 MB; under a minute to make with a fast mirror); a
+#                 folder that is not empty and was not made here is refused, never wiped
 # --archive FILE  the bundle (default build-gpu/capserve-gpu-kit.tar.xz, what bundle.sh writes)
 #
 # Needs root (debootstrap, chroot, mounts). The bundle is unpacked afresh at /opt/capserve-gpu-kit in the root,
@@ -42,7 +43,8 @@ mkdir -p "$rootfs"
 rootfs="$(cd "$rootfs" && pwd)"
 kit_in_root=/opt/capserve-gpu-kit
 kit="$rootfs$kit_in_root"
-# The root is ours once debootstrap finished there; a folder without this mark is remade (an interrupted run).
+# The root is ours once debootstrap finished there. A folder without this mark that is not empty is left alone
+# (never wiped: it may be someone else's, or hold an earlier run's mounts of /proc and /sys).
 made_mark="$rootfs/.capserve-minimal-root"
 
 # ---- 1. The minimal root.
@@ -50,8 +52,9 @@ if [[ ! -e "$made_mark" ]]; then
   if ! command -v debootstrap >/dev/null; then
     apt-get install -y debootstrap || { apt-get update && apt-get install -y debootstrap; }
   fi
+  [[ -z "$(ls -A "$rootfs")" ]] ||
+    die "$rootfs is not empty and was not made here (an interrupted debootstrap?): remove it, or name another --root"
   echo "== debootstrap bookworm (minbase) into $rootfs"
-  find "$rootfs" -mindepth 1 -maxdepth 1 -exec rm -rf {} +
   debootstrap --variant=minbase bookworm "$rootfs" http://deb.debian.org/debian
   touch "$made_mark"
 else
