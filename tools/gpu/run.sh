@@ -16,6 +16,8 @@
 set -uo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=tools/gpu/kit_env.sh
+source "$here/kit_env.sh" # the bundle's environment, shared with check_minimal_root.sh
 out="${OUT:-$PWD/gpu-run}"
 dry_run=0
 build=""
@@ -90,20 +92,14 @@ else
   done
   nccl_lib="$(py -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null)"
   [[ -e "$nccl_lib/libnccl.so.2" ]] || nccl_lib="$(dirname "$(find / -xdev -name libnccl.so.2 2>/dev/null | head -1)")"
-  export LD_LIBRARY_PATH="$here/lib:$cuda_lib:$nccl_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export LD_LIBRARY_PATH="$cuda_lib:$nccl_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  kit_relocate "$here" # the bundle's libraries before those, Open MPI and PMIx relocated into it
   export PATH="$here/bin:$PATH"
   export CAPSERVE_CUDA_PLUGIN="$here/lib/libcapserve_cuda_devices.so"
   export CAPSERVE_FIXTURES_DIR="$data_root/fixtures"
   [[ -d "$CAPSERVE_FIXTURES_DIR" ]] || CAPSERVE_FIXTURES_DIR="$data_root/tests/fixtures"
-  # Open MPI relocated into the bundle (its components and help files), singletons without a daemon.
-  export OPAL_PREFIX="$here/openmpi" OPAL_BINDIR="$here/bin" OPAL_LIBDIR="$here/lib"
-  export OPAL_PKGLIBDIR="$here/openmpi/lib/openmpi3" OPAL_PKGDATADIR="$here/openmpi/share/openmpi"
-  export OPAL_DATADIR="$here/openmpi/share" OPAL_SYSCONFDIR="$here/openmpi/etc"
-  export PMIX_INSTALL_PREFIX="$here/openmpi/pmix" PMIX_MCA_mca_base_component_show_load_errors=0
 fi
-export OMPI_MCA_ess_singleton_isolated=1 OMPI_MCA_pml=ob1 OMPI_MCA_btl=self,vader OMPI_MCA_osc=sm,pt2pt
-export OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_MCA_mca_base_component_show_load_errors=0
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+kit_mpi_env
 
 # ---- Steps: step NAME TIMEOUT_S COMMAND... ; the log is $work/NAME.log, the row goes into the summary.
 cd "$work" || exit 1
