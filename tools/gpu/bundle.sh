@@ -33,7 +33,8 @@ programs=(capserve capserve-generate capserve-bench-kernels test_cuda_kernels te
           test_host_staged_gpu test_nccl_communicator)
 if [[ -z "$repack" ]]; then
   cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCAPSERVE_NATIVE=OFF \
-    "-DCMAKE_CUDA_ARCHITECTURES=90a-real;90-virtual" >/dev/null
+    "-DCMAKE_CUDA_ARCHITECTURES=90a-real;90-virtual" \
+    -DCMAKE_CUDA_FLAGS=-lineinfo >/dev/null
   cmake --build "$build" -j "$(nproc)" --target "${programs[@]}" capserve_cuda_devices
 fi
 programs_from="${repack:-$build}"

@@ -13,6 +13,7 @@
 #             repository's build/): the emulated test programs, capserve-cuda-emu, the benchmark at toy shapes;
 #             compute-sanitizer, ncu and nvidia-smi are named and skipped where absent. Tests the script itself.
 # --budget-s  the whole run's time (default 480): a step that would start with too little left is skipped.
+# --only RE   only the steps whose names this extended regular expression matches (a rerun of what failed).
 set -uo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -22,12 +23,14 @@ out="${OUT:-$PWD/gpu-run}"
 dry_run=0
 build=""
 budget=480
+only=""
 while (($# > 0)); do
   case "$1" in
     --out) out="$2"; shift 2 ;;
     --dry-run) dry_run=1; shift ;;
     --build) build="$2"; shift 2 ;;
     --budget-s) budget="$2"; shift 2 ;;
+    --only) only="$2"; shift 2 ;;
     *) echo "run.sh: unknown argument $1 (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -131,6 +134,7 @@ note() { rows+=("| $1 | $2 | $3 | $4 |"); }
 step() {
   local name="$1" limit="$2"
   shift 2
+  [[ -n "$only" && ! "$name" =~ $only ]] && return 0
   local left=$((budget - (SECONDS - started)))
   if ((left < 15)); then
     note "$name" "skipped" "-" "the run's budget is spent"
@@ -269,7 +273,9 @@ step ncu_attention 45 profile
 
 # ---- 6. compute-sanitizer over the kernel and backend tests (filters sized to fit).
 step memcheck 50 sanitize memcheck test_cuda_backend '*'
-step racecheck 50 sanitize racecheck test_cuda_kernels '*Attention*:*Sampl*:*Capacity*:*Router*'
+step racecheck_sampling 90 sanitize racecheck test_cuda_kernels '*Sampl*'
+step racecheck_capacity 75 sanitize racecheck test_cuda_kernels '*Capacity*'
+step racecheck_attention_router 45 sanitize racecheck test_cuda_kernels '*Attention*:*Router*'
 step synccheck 25 sanitize synccheck test_cuda_kernels '*Attention*:*Sampl*:*Reduce*'
 step initcheck 35 sanitize initcheck test_cuda_backend '*'
 
