@@ -192,7 +192,6 @@ __global__ void __launch_bounds__(kSampleThreads)
   __shared__ unsigned long long hist[moe::kRadixBuckets];
   __shared__ unsigned long long mass[moe::kRadixBuckets];
   __shared__ unsigned long long total_mass;
-  __shared__ moe::SelectState state;
   __shared__ float partial[kSampleThreads];
   __shared__ std::int64_t chosen;
   const float* lr = logits + static_cast<std::int64_t>(blockIdx.x) * vocab;
@@ -211,26 +210,28 @@ __global__ void __launch_bounds__(kSampleThreads)
   const float inv_t = 1.0F / c.temperature;
   const float top = lr[key_id(best)] * inv_t;
 
-  // Top-k: the k largest keys, by radix select.
+  // Top-k: the k largest keys, by radix select. Every thread resolves its own copy of the selection from the
+  // same shared histogram, so all reach the same threshold; a selection in shared memory written by one
+  // thread let the compiler hoist the other threads' read of it above that thread's write (racecheck on an
+  // H100).
   std::uint64_t threshold = kNumberKeys;
   if (c.top_k > 0 && c.top_k < vocab) {
-    if (threadIdx.x == 0) state = moe::begin_select(vocab, c.top_k);
+    moe::SelectState select = moe::begin_select(vocab, c.top_k);
     for (int shift = 64 - moe::kRadixBits; shift >= 0; shift -= moe::kRadixBits) {
       for (int b = threadIdx.x; b < moe::kRadixBuckets; b += blockDim.x) hist[b] = 0;
       __syncthreads();
-      const moe::SelectState s = state;
-      if (s.unresolved != 0) {
+      if (select.unresolved != 0) {
         for (std::int64_t i = threadIdx.x; i < vocab; i += blockDim.x) {
           const std::uint64_t k = logit_key(lr[i], i);
-          if ((k & moe::radix_high_mask(shift)) == s.prefix)
+          if ((k & moe::radix_high_mask(shift)) == select.prefix)
             atomicAdd(&hist[moe::radix_digit(k, shift)], 1ULL);
         }
       }
       __syncthreads();
-      if (threadIdx.x == 0) moe::radix_resolve(state, reinterpret_cast<const std::int64_t*>(hist), shift);
-      __syncthreads();
+      moe::radix_resolve(select, reinterpret_cast<const std::int64_t*>(hist), shift);
+      __syncthreads();  // every thread has read the histogram before the next round clears it
     }
-    threshold = state.threshold > threshold ? state.threshold : threshold;
+    threshold = select.threshold > threshold ? select.threshold : threshold;
   }
 
   // Top-p: the smallest set of the best keys whose mass reaches top_p, by radix descent on the mass. Masses

@@ -273,7 +273,7 @@ step ncu_attention 45 profile
 
 # ---- 6. compute-sanitizer over the kernel and backend tests (filters sized to fit).
 step memcheck 50 sanitize memcheck test_cuda_backend '*'
-step racecheck_sampling 90 sanitize racecheck test_cuda_kernels '*Sampl*'
+step racecheck_sampling 60 sanitize racecheck test_cuda_kernels '*SamplingFollows*:*NanLogits*'
 step racecheck_capacity 75 sanitize racecheck test_cuda_kernels '*Capacity*'
 step racecheck_attention_router 45 sanitize racecheck test_cuda_kernels '*Attention*:*Router*'
 step synccheck 25 sanitize synccheck test_cuda_kernels '*Attention*:*Sampl*:*Reduce*'

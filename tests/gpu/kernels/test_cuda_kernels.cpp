@@ -601,8 +601,13 @@ TEST(CudaKernels, SamplingFollowsTheCpuSampler) {
                std::span(&greedy, 1), kernels::Tensor::host(std::span(&expected, 1), {1}));
     EXPECT_EQ(tokens[static_cast<std::size_t>(r)], expected) << "row " << r;
   }
+}
 
-  // Distribution: temperature 1, top-k 4 over a small vocabulary; many draws against the CPU's probabilities.
+// Distribution: temperature 1, top-k 4 and top-p 0.9 over a small vocabulary; many draws against the CPU's
+// (a test of its own: 20000 blocks are slow under the emulation's shuffled order and under racecheck).
+TEST(CudaKernels, SampledFrequenciesMatchTheCpuSampler) {
+  CAPSERVE_REQUIRE_CUDA_DEVICE();
+  kernels::cpu::CpuBackend cpu(1);
   const std::vector<float> small = {2.0F, 1.0F, 0.5F, 3.0F, -1.0F, 2.0F, 0.0F, 1.5F};
   const std::int64_t draws = 20000;
   std::vector<float> many;
