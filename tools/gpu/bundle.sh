@@ -77,7 +77,7 @@ ldd "${elves[@]}" 2>/dev/null | awk '/=> \// {print $3}' | sort -u | grep -vE "$
 strip --strip-unneeded "$stage"/bin/* "$stage"/lib/*.so* 2>/dev/null || true
 
 cp "$root"/tools/gpu/{run.sh,kit_env.sh} "$stage/"
-cp "$root"/tools/gpu/{chat_check.py,make_synthetic_checkpoint.py,torch_peer.py,report.py} "$stage/tools/"
+cp "$root"/tools/gpu/{chat_check.py,make_synthetic_checkpoint.py,torch_peer.py,report.py,ncu_summary.py} "$stage/tools/"
 if ((with_data)); then
   mkdir -p "$stage/fixtures" "$stage/model"
   cp -r "$root/tests/fixtures/models" "$stage/fixtures/"

@@ -177,13 +177,18 @@ write_summary() {
     echo
     echo "$(date -u +%Y-%m-%dT%H:%M:%SZ), $( ((dry_run)) && echo "dry run on the CUDA emulation" || echo "bundle $(cat "$here/MANIFEST" 2>/dev/null | head -1)")"
     echo
+    echo "Device: $device_line"
+    echo
     echo "| step | status | seconds | detail |"
     echo "|---|---|---:|---|"
     printf '%s\n' "${rows[@]}"
     [[ -s "$out/kernels.md" ]] && { echo; cat "$out/kernels.md"; }
+    [[ -s "$out/ncu_attention.md" ]] && { echo; echo "Nsight Compute, Speed of Light of the attention kernels:"; echo; cat "$out/ncu_attention.md"; }
   } >"$summary"
 }
 have() { command -v "$1" >/dev/null 2>&1; }
+device_line="$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)"
+device_line="${device_line:-no nvidia-smi (the CUDA emulation)}"
 gtest() { # gtest NAME [gtest args]: a test program run directly, XML kept
   local name="$1"
   shift
@@ -262,10 +267,10 @@ profile() {
     "${bin[bench]}" --shapes "$bench_shapes" --rows 'mla_decode|mla_prefill|gqa' --reps 1
   else
     # One timed repetition per row: each attention row's kernel is profiled three times (two warm-ups, one timed).
-    ncu --section SpeedOfLight -k 'regex:attention_kernel' --csv \
-      "${bin[bench]}" --shapes "$bench_shapes" --rows 'mla_decode|mla_prefill|gqa' --reps 1 >"$out/ncu_attention.csv"
+    ncu --section SpeedOfLight -k 'regex:attention_kernel' --csv --log-file "$out/ncu_attention.csv" \
+      "${bin[bench]}" --shapes "$bench_shapes" --rows 'mla_decode|mla_prefill|gqa' --reps 1
     local rc=$?
-    cat "$out/ncu_attention.csv"
+    py "$tools/ncu_summary.py" "$out/ncu_attention.csv" | tee "$out/ncu_attention.md"
     return $rc
   fi
 }
@@ -273,6 +278,7 @@ step ncu_attention 45 profile
 
 # ---- 6. compute-sanitizer over the kernel and backend tests (filters sized to fit).
 step memcheck 50 sanitize memcheck test_cuda_backend '*'
+step memcheck_kernels 60 sanitize memcheck test_cuda_kernels '-*SampledFrequencies*:*Capacity*'
 step racecheck_sampling 60 sanitize racecheck test_cuda_kernels '*SamplingFollows*:*NanLogits*'
 step racecheck_capacity 75 sanitize racecheck test_cuda_kernels '*Capacity*'
 step racecheck_attention_router 45 sanitize racecheck test_cuda_kernels '*Attention*:*Router*'
