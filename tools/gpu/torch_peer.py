@@ -51,18 +51,21 @@ def ceilings(emit):
 
 
 def mla_decode(emit):
+    """The absorbed form as batched matrix products over the shared latent rows (no per-head copy of the cache):
+    queries through kv_b's key half, scores against the latents, softmax, values from the latents, then kv_b's
+    value half."""
     seqs, h, r, dr, dn, dv = 64, 128, 512, 64, 128, 128
     w_uk, w_uv = randn(h, dn, r, sd=0.05), randn(h, r, dv, sd=0.05)
     for ctx in (1024, 4096):
         q_nope, q_rope = randn(seqs, h, dn), randn(seqs, h, dr)
-        latent = randn(seqs, 1, ctx, r + dr, sd=0.5)
+        latent = randn(seqs, ctx, r + dr, sd=0.5)
 
         def run():
             q_lat = torch.einsum("shd,hdr->shr", q_nope, w_uk)
-            q = torch.cat([q_lat, q_rope], dim=-1).unsqueeze(2)  # [seqs, h, 1, r + dr]
-            o = F.scaled_dot_product_attention(q, latent, latent[..., :r], scale=1 / math.sqrt(dn + dr),
-                                               enable_gqa=True)
-            return torch.einsum("shr,hrv->shv", o.squeeze(2), w_uv)
+            q = torch.cat([q_lat, q_rope], dim=-1)  # [seqs, h, r + dr]
+            p = torch.softmax(torch.bmm(q, latent.transpose(1, 2)).float() / math.sqrt(dn + dr), dim=-1)
+            o = torch.bmm(p.to(bf16), latent[..., :r])  # [seqs, h, r]
+            return torch.einsum("shr,hrv->shv", o, w_uv)
 
         emit(f"mla_decode_ctx{ctx}", timed(run))
 
