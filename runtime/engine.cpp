@@ -11,14 +11,14 @@ namespace capserve::runtime {
 
 Engine::Engine(const Model& model, const EngineOptions& options)
     : model_(model),
-      max_step_tokens_(options.max_step_tokens),
       pass_(model),
       cache_(kv_cache_shape(model.config(), options.kv_block_size, options.kv_blocks, options.kv_dtype),
              model.backend()) {
-  if (max_step_tokens_ > 0) reserve_step_memory();
+  if (options.max_step_tokens > 0) reserve_step_memory(options.max_step_tokens);
 }
 
-void Engine::reserve_step_memory() {
+void Engine::reserve_step_memory(std::int64_t max_step_tokens) {
+  max_step_tokens_ = max_step_tokens;
   kernels::Backend& backend = model_.backend();
   const ModelConfig& c = model_.config();
   backend.seal_scratch(false);  // another engine on the backend may have sealed it

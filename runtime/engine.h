@@ -83,10 +83,14 @@ class Engine {
   [[nodiscard]] const Model& model() const { return model_; }
   [[nodiscard]] const KvCache& cache() const { return cache_; }
 
+  // Sizes every step buffer for steps of up to `max_step_tokens` and seals them
+  // (EngineOptions::max_step_tokens, which the constructor passes here). A collective, as a step: every rank
+  // calls it together. A server calls it after its ranks agree that each built its engine, so that one rank's
+  // failure to build never leaves the others waiting inside this step.
+  void reserve_step_memory(std::int64_t max_step_tokens);
+
  private:
   Status validate(std::span<const Work> work);
-  // The start-up reservation of max_step_tokens (EngineOptions); a collective, as a step.
-  void reserve_step_memory();
 
   const Model& model_;
   std::int64_t max_step_tokens_ = 0;

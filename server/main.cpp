@@ -704,10 +704,6 @@ int main(int argc, char** argv) {
     model = devices.load(o.model_dir, runtime::finish_parallel_flags(o.parallel));
     memory.weights = model->weights().bytes;
     o.engine.kv_dtype = runtime::kv_dtype_for(o.kv_dtype, devices.backend->device());
-    // On a GPU every step buffer is sized now, for the largest step the scheduler forms: a step that grew one
-    // would free and allocate device memory, a device-wide wait behind queued NCCL work (runtime/README.md).
-    if (devices.backend->device().kind == kernels::DeviceKind::cuda)
-      o.engine.max_step_tokens = o.scheduler.max_batched_tokens;
     engine_storage = std::make_unique<runtime::Engine>(*model, o.engine);
     memory.kv_cache = engine_storage->cache().bytes();
     memory.device_index = devices.backend->device().index;
@@ -720,6 +716,20 @@ int main(int argc, char** argv) {
   const bool loaded = world->all_agree(failure.empty());
   if (rank == 0 && !failure.empty()) std::fprintf(stderr, "capserve: %s\n", failure.c_str());
   if (!loaded) return 1;
+  // On a GPU every step buffer is sized now, for the largest step the scheduler forms (one step, every rank
+  // together, once all have built their engines): a step that grew one would free and allocate device memory,
+  // a device-wide wait behind queued NCCL work (runtime/README.md, "Step memory").
+  if (devices.backend->device().kind == kernels::DeviceKind::cuda) {
+    try {
+      engine_storage->reserve_step_memory(o.scheduler.max_batched_tokens);
+    } catch (const std::exception& e) {
+      failure = std::string("sizing the step buffers for --max-batched-tokens: ") + e.what();
+    }
+    if (rank != 0 && !failure.empty()) std::fprintf(stderr, "capserve: rank %d: %s\n", rank, failure.c_str());
+    const bool reserved = world->all_agree(failure.empty());
+    if (rank == 0 && !failure.empty()) std::fprintf(stderr, "capserve: %s\n", failure.c_str());
+    if (!reserved) return 1;
+  }
   const auto gathered = world->gather(std::as_bytes(std::span(&memory, 1)), 0);
   std::vector<RankMemory> rank_memory(gathered.size());
   if (rank == 0) {

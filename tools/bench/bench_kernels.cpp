@@ -133,7 +133,7 @@ constexpr Shapes kTiny{.mla_seqs = 2,
                        .reps = 2,
                        .launches = 4};
 
-// Timing with CUDA events on the backend's stream: `reps` events pairs around `inner` calls, median per call.
+// Timing with CUDA events on the backend's stream: `reps` event pairs around `inner` calls, median per call.
 class Timer {
  public:
   explicit Timer(cudaStream_t stream) : stream_(stream) {
@@ -227,6 +227,27 @@ class TensorPool {
   std::vector<float> noise_;
 };
 
+// `seqs` sequences of `new_tokens` each after `cached` tokens, each with its own blocks of a shared pool: the
+// slices an attention call takes, and the causal (query, key) pairs they make.
+struct RaggedBatch {
+  std::int64_t blocks_per_seq = 0;
+  std::vector<std::vector<std::int32_t>> tables;
+  std::vector<kernels::SequenceSlice> slices;
+  double pairs = 0;
+
+  RaggedBatch(std::int64_t seqs, std::int64_t new_tokens, std::int64_t cached, std::int64_t block)
+      : blocks_per_seq((cached + new_tokens + block - 1) / block), tables(static_cast<std::size_t>(seqs)) {
+    for (std::int64_t i = 0; i < seqs; ++i) {
+      auto& table = tables[static_cast<std::size_t>(i)];
+      for (std::int64_t j = 0; j < blocks_per_seq; ++j)
+        table.push_back(static_cast<std::int32_t>(i * blocks_per_seq + j));
+      slices.push_back({i * new_tokens, new_tokens, cached, table});
+    }
+    for (std::int64_t t = 0; t < new_tokens; ++t) pairs += static_cast<double>(cached + t + 1);
+    pairs *= static_cast<double>(seqs);
+  }
+};
+
 std::string size_text(std::int64_t bytes) {
   return bytes >= (std::int64_t{1} << 20) ? std::to_string(bytes >> 20) + " MiB"
                                           : std::to_string(bytes >> 10) + " KiB";
@@ -302,15 +323,8 @@ class Bench {
                    std::int64_t cached) {
     const std::int64_t block = 64, h = s_.mla_heads, r = s_.mla_rank, dr = s_.mla_rope, dn = s_.mla_nope,
                        dv = s_.mla_v;
-    const std::int64_t per_seq = (cached + new_tokens + block - 1) / block;
-    const Tensor rows = pool_.random(DType::bf16, {seqs * per_seq, block, r + dr}, 0.5F);
-    std::vector<std::vector<std::int32_t>> tables(static_cast<std::size_t>(seqs));
-    std::vector<kernels::SequenceSlice> slices;
-    for (std::int64_t i = 0; i < seqs; ++i) {
-      for (std::int64_t j = 0; j < per_seq; ++j)
-        tables[static_cast<std::size_t>(i)].push_back(static_cast<std::int32_t>(i * per_seq + j));
-      slices.push_back({i * new_tokens, new_tokens, cached, tables[static_cast<std::size_t>(i)]});
-    }
+    const RaggedBatch batch(seqs, new_tokens, cached, block);
+    const Tensor rows = pool_.random(DType::bf16, {seqs * batch.blocks_per_seq, block, r + dr}, 0.5F);
     const std::int64_t T = seqs * new_tokens;
     const Tensor q = pool_.random(DType::f32, {T, h * (dn + dr)});
     const Tensor kv_b = pool_.random(DType::bf16, {h * (dn + dv), r}, 0.05F);
@@ -321,9 +335,7 @@ class Bench {
     // Causal context summed over the new tokens; the absorbed form's multiply-adds per (token, head): the
     // query through kv_b's key half, the scores and values over the latent rows, the output through its
     // value half.
-    double pairs = 0;
-    for (std::int64_t t = 0; t < new_tokens; ++t) pairs += static_cast<double>(cached + t + 1);
-    pairs *= static_cast<double>(seqs);
+    const double pairs = batch.pairs;
     const double absorbed =
         2.0 * h * (static_cast<double>(T) * (dn * r + r * dv) + pairs * static_cast<double>(2 * r + dr));
     const double expanded = 2.0 * h *
@@ -336,8 +348,8 @@ class Bench {
             static_cast<double>(seqs * (cached + new_tokens) * (r + dr) * 2 + kv_b.bytes() + q.bytes() +
                                 out.bytes()),
             std::min(absorbed, expanded)};
-    row.ms =
-        timer_.median_ms(s_.reps, 1, [&] { gpu_.latent_attention(slices, q, cache, kv_b, params, out); });
+    row.ms = timer_.median_ms(s_.reps, 1,
+                              [&] { gpu_.latent_attention(batch.slices, q, cache, kv_b, params, out); });
     emit(row);
   }
 
@@ -348,31 +360,22 @@ class Bench {
       const std::int64_t seqs = decode ? s_.gqa_seqs : 1;
       const std::int64_t new_tokens = decode ? 1 : s_.gqa_prefill;
       const std::int64_t cached = decode ? s_.gqa_context - 1 : 0;
-      const std::int64_t per_seq = (cached + new_tokens + block - 1) / block;
-      const kernels::PagedKvLayer cache{pool_.random(DType::bf16, {seqs * per_seq, block, kvh, d}),
-                                        pool_.random(DType::bf16, {seqs * per_seq, block, kvh, d}), block,
-                                        kvh, d};
-      std::vector<std::vector<std::int32_t>> tables(static_cast<std::size_t>(seqs));
-      std::vector<kernels::SequenceSlice> slices;
-      for (std::int64_t i = 0; i < seqs; ++i) {
-        for (std::int64_t j = 0; j < per_seq; ++j)
-          tables[static_cast<std::size_t>(i)].push_back(static_cast<std::int32_t>(i * per_seq + j));
-        slices.push_back({i * new_tokens, new_tokens, cached, tables[static_cast<std::size_t>(i)]});
-      }
+      const RaggedBatch batch(seqs, new_tokens, cached, block);
+      const std::int64_t pool_blocks = seqs * batch.blocks_per_seq;
+      const kernels::PagedKvLayer cache{pool_.random(DType::bf16, {pool_blocks, block, kvh, d}),
+                                        pool_.random(DType::bf16, {pool_blocks, block, kvh, d}), block, kvh,
+                                        d};
       const std::int64_t T = seqs * new_tokens;
       const Tensor q = pool_.random(DType::f32, {T, h * d});
       const Tensor out = pool_.empty(DType::f32, {T, h * d});
-      double pairs = 0;
-      for (std::int64_t t = 0; t < new_tokens; ++t) pairs += static_cast<double>(cached + t + 1);
-      pairs *= static_cast<double>(seqs);
       Row row{decode ? "gqa_decode_ctx" + std::to_string(s_.gqa_context) : "gqa_prefill",
               std::to_string(seqs) + "x" + std::to_string(new_tokens) + " tok, " + std::to_string(h) + "/" +
                   std::to_string(kvh) + " heads x " + std::to_string(d),
               0,
               static_cast<double>(2 * seqs * (cached + new_tokens) * kvh * d * 2 + q.bytes() + out.bytes()),
-              4.0 * pairs * static_cast<double>(h * d)};
+              4.0 * batch.pairs * static_cast<double>(h * d)};
       row.ms = timer_.median_ms(s_.reps, 1, [&] {
-        gpu_.paged_attention(slices, q, cache, {h, 1.0F / std::sqrt(static_cast<float>(d)), 0}, out);
+        gpu_.paged_attention(batch.slices, q, cache, {h, 1.0F / std::sqrt(static_cast<float>(d)), 0}, out);
       });
       emit(row);
       pool_.clear();

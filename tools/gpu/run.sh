@@ -161,7 +161,8 @@ step_detail() {
   local tests
   tests="$(grep -E '^\[  (PASSED|FAILED)  \]|tests? ran\.|^\[  SKIPPED \] [0-9]' "$log" | grep -v '^\[  FAILED  \] [A-Z]' | tr '\n' ' ')"
   local sanit
-  sanit="$(grep -ho 'ERROR SUMMARY: [0-9]* errors\?' "$log" | sort | uniq -c | awk '{$1=$1};1' | tr '\n' ';')"
+  sanit="$(grep -hoE 'ERROR SUMMARY: [0-9]+ errors?|RACECHECK SUMMARY: [0-9]+ hazards displayed \([0-9]+ errors, [0-9]+ warnings\)' "$log" |
+    sort | uniq -c | awk '{$1=$1};1' | tr '\n' ';')"
   local verdict
   verdict="$(grep -ho 'greedy texts .*' "$log" | tr '\n' ';')"
   local bench
