@@ -283,7 +283,7 @@ step memcheck_kernels 60 sanitize memcheck test_cuda_kernels '-*SampledFrequenci
 step racecheck_sampling 60 sanitize racecheck test_cuda_kernels '*SamplingFollows*:*NanLogits*'
 step racecheck_capacity 75 sanitize racecheck test_cuda_kernels '*Capacity*'
 step racecheck_attention_router 45 sanitize racecheck test_cuda_kernels '*Attention*:*Router*'
-step synccheck 25 sanitize synccheck test_cuda_kernels '*Attention*:*Sampl*:*Reduce*'
+step synccheck 25 sanitize synccheck test_cuda_kernels '*Attention*:*SamplingFollows*:*NanLogits*:*Reduce*'
 step initcheck 35 sanitize initcheck test_cuda_backend '*'
 
 write_summary
