@@ -12,8 +12,10 @@
 # --dry-run   the same steps on this machine over the CUDA emulation, from a build tree (--build, default the
 #             repository's build/): the emulated test programs, capserve-cuda-emu, the benchmark at toy shapes;
 #             compute-sanitizer, ncu and nvidia-smi are named and skipped where absent. Tests the script itself.
-# --budget-s  the whole run's time (default 480): a step that would start with too little left is skipped.
+# --budget-s  the whole run's time (default 480; 1800 for a dry run): a step that would start with too little left
+#             is skipped.
 # --only RE   only the steps whose names this extended regular expression matches (a rerun of what failed).
+# Exits 0 when every step that ran passed (skipped ones do not count), 1 otherwise.
 set -uo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -22,7 +24,7 @@ source "$here/kit_env.sh" # the bundle's environment, shared with check_minimal_
 out="${OUT:-$PWD/gpu-run}"
 dry_run=0
 build=""
-budget=480
+budget=""
 only=""
 while (($# > 0)); do
   case "$1" in
@@ -34,6 +36,11 @@ while (($# > 0)); do
     *) echo "run.sh: unknown argument $1 (see the header of $0)" >&2; exit 2 ;;
   esac
 done
+# The emulation runs kernels thousands of times slower, on a machine that may be busy (CI): a dry run's steps get
+# four times their limits.
+slow=$((dry_run ? 4 : 1))
+budget="${budget:-$((dry_run ? 1800 : 480))}"
+failures=0
 mkdir -p "$out"
 out="$(cd "$out" && pwd)"
 work="$(mktemp -d "${TMPDIR:-/tmp}/capserve-gpu-run.XXXXXX")"
@@ -66,6 +73,7 @@ if ((dry_run)); then
   bench_shapes=tiny
   # The emulation runs the start-up step that sizes a GPU's step buffers slowly: a smaller step bound.
   serve_flags=(--max-batched-tokens 256)
+  chat_flags=(--start-timeout 480 --chat-timeout 480)
   synthetic_args=(--hidden 128 --intermediate 64 --layers 2 --experts 8 --top-k 2 --heads 4)
   export CAPSERVE_CUDA_EMU_DEVICES=1
 else
@@ -87,6 +95,7 @@ else
   )
   bench_shapes=real
   serve_flags=()
+  chat_flags=()
   synthetic_args=()
   # The bundle's libraries first; cudart/cuBLAS from the toolkit, NCCL from PyTorch's wheel (or the system).
   cuda_lib=""
@@ -132,7 +141,7 @@ run_limited() {
 pack() { tar czf "$out/gpu-run.tgz" -C "$work" . 2>/dev/null || true; }
 note() { rows+=("| $1 | $2 | $3 | $4 |"); }
 step() {
-  local name="$1" limit="$2"
+  local name="$1" limit=$(($2 * slow))
   shift 2
   [[ -n "$only" && ! "$name" =~ $only ]] && return 0
   local left=$((budget - (SECONDS - started)))
@@ -150,6 +159,7 @@ step() {
   local status=passed
   ((rc == 124)) && status="TIMED OUT"
   ((rc != 0 && rc != 124)) && status="FAILED (exit $rc)"
+  ((rc != 0)) && failures=$((failures + 1))
   note "$name" "$status" "$((SECONDS - t0))" "$detail"
   tail -n 3 "$work/$name.log"
   write_summary
@@ -235,13 +245,13 @@ step test_host_staged_gpu 60 gtest test_host_staged_gpu
 # ---- 3. capserve --device cuda on one rank serving chats over HTTP: greedy text against the CPU backend's, with
 # the embedded model and a larger synthetic bf16 checkpoint.
 step served_chat_default_model 120 py "$tools/chat_check.py" --ld-library-path "${LD_LIBRARY_PATH:-}" --capserve "${bin[capserve]}" \
-  --model "$model_dir" --devices cpu,cuda --json "$work/chat_default_model.json" --log-prefix served_default \
+  --model "$model_dir" --devices cpu,cuda --json "$work/chat_default_model.json" --log-prefix served_default ${chat_flags[@]+"${chat_flags[@]}"} \
   -- ${serve_flags[@]+"${serve_flags[@]}"}
 synthetic() {
   py "$tools/make_synthetic_checkpoint.py" --out "$work/synthetic" --tokenizer-from "$model_dir" \
     ${synthetic_args[@]+"${synthetic_args[@]}"} || return 1
   py "$tools/chat_check.py" --ld-library-path "${LD_LIBRARY_PATH:-}" --capserve "${bin[capserve]}" --model "$work/synthetic" --devices cpu,cuda \
-    --json "$work/chat_synthetic.json" --log-prefix served_synthetic -- ${serve_flags[@]+"${serve_flags[@]}"}
+    --json "$work/chat_synthetic.json" --log-prefix served_synthetic ${chat_flags[@]+"${chat_flags[@]}"} -- ${serve_flags[@]+"${serve_flags[@]}"}
   local rc=$?
   rm -rf "$work/synthetic"
   return $rc
@@ -291,4 +301,5 @@ pack
 echo
 cat "$summary"
 echo
-echo "run.sh: $((SECONDS - started)) s; the summary and benchmark rows are in $out, every log in $out/gpu-run.tgz"
+echo "run.sh: $((SECONDS - started)) s, $failures step(s) failed; the summary and benchmark rows are in $out, every log in $out/gpu-run.tgz"
+((failures == 0))
