@@ -68,7 +68,6 @@ if ((dry_run)); then
     [test_cuda_backend]="$build/tests/cuda_emu/test_cuda_backend_emu"
     [test_cuda_model]="$build/tests/cuda_emu/test_cuda_model_emu"
     [test_host_staged_gpu]="$build/tests/cuda_emu/test_host_staged_gpu_emu"
-    [cpu_capserve]="$build/server/capserve"
   )
   bench_shapes=tiny
   # The emulation runs the start-up step that sizes a GPU's step buffers slowly: a smaller step bound.
@@ -91,7 +90,6 @@ else
     [test_cuda_model]="$here/bin/test_cuda_model"
     [test_host_staged_gpu]="$here/bin/test_host_staged_gpu"
     [test_nccl_communicator]="$here/bin/test_nccl_communicator"
-    [cpu_capserve]="$here/bin/capserve"
   )
   bench_shapes=real
   serve_flags=()
