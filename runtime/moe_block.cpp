@@ -19,6 +19,20 @@ std::span<std::byte> bytes_of(std::vector<T>& v) {
   return std::as_writable_bytes(std::span<T>(v));
 }
 
+// The receiver's grouping of `rows` received rows into `s`'s slots, from the sources' entries and starts.
+kernels::ReceivedGroups received_groups(kernels::Backend& backend, MoeScratch& s, const Tensor& entries,
+                                        const Tensor& entry_start, const Tensor& row_start, std::int64_t rows,
+                                        std::int64_t top_k, std::int64_t num_local) {
+  return {entries,
+          entry_start,
+          row_start,
+          backend.scratch(s.local_experts, DType::i32, {rows, top_k}),
+          backend.scratch(s.local_weights, DType::f32, {rows, top_k}),
+          backend.scratch(s.group_offsets, DType::i64, {num_local + 1}),
+          backend.scratch(s.group_position, DType::i64, {rows, top_k}),
+          backend.scratch(s.group_rows, DType::i32, {rows * top_k})};
+}
+
 }  // namespace
 
 kernels::moe::RouterParams router_params(const ModelConfig& config, std::int64_t rows) {
@@ -55,14 +69,8 @@ double expert_parallel_stages(kernels::Backend& backend, parallel::TokenDispatch
   const auto start = Clock::now();
   const std::int64_t in_rows = in.rows.dim(0);
   const auto num_local = static_cast<std::int64_t>(local.size());
-  const kernels::ReceivedGroups groups{in.entries,
-                                       in.entry_start,
-                                       in.row_start,
-                                       backend.scratch(s.local_experts, DType::i32, {in_rows, top_k}),
-                                       backend.scratch(s.local_weights, DType::f32, {in_rows, top_k}),
-                                       backend.scratch(s.group_offsets, DType::i64, {num_local + 1}),
-                                       backend.scratch(s.group_position, DType::i64, {in_rows, top_k}),
-                                       backend.scratch(s.group_rows, DType::i32, {in_rows * top_k})};
+  const kernels::ReceivedGroups groups =
+      received_groups(backend, s, in.entries, in.entry_start, in.row_start, in_rows, top_k, num_local);
   backend.group_received(groups);
   s.group_offsets_host.resize(static_cast<std::size_t>(num_local + 1));
   backend.to_host(groups.offsets, bytes_of(s.group_offsets_host), HostSync::moe_groups);
@@ -89,14 +97,9 @@ void reserve_moe_scratch(kernels::Backend& backend, const ModelConfig& config,
   // backend's grouping workspace at that size. The starts are four zeros (one source, nothing sent).
   const Tensor starts = backend.scratch(s.report, DType::i64, {4});
   backend.zero(starts);
-  const kernels::ReceivedGroups groups{Tensor(nullptr, DType::u8, backend.device(), {0, 1}),
-                                       starts.rows(0, 2),
-                                       starts.rows(2, 2),
-                                       backend.scratch(s.local_experts, DType::i32, {tokens, top_k}),
-                                       backend.scratch(s.local_weights, DType::f32, {tokens, top_k}),
-                                       backend.scratch(s.group_offsets, DType::i64, {num_local + 1}),
-                                       backend.scratch(s.group_position, DType::i64, {tokens, top_k}),
-                                       backend.scratch(s.group_rows, DType::i32, {tokens * top_k})};
+  const kernels::ReceivedGroups groups =
+      received_groups(backend, s, Tensor(nullptr, DType::u8, backend.device(), {0, 1}), starts.rows(0, 2),
+                      starts.rows(2, 2), tokens, top_k, num_local);
   backend.group_received(groups);
   const Tensor grouped_in = backend.scratch(s.grouped_in, DType::f32, {tokens * top_k, hidden});
   const Tensor grouped_out = backend.scratch(s.grouped_out, DType::f32, {tokens * top_k, hidden});
