@@ -1,6 +1,7 @@
 #include "parallel/mpi_communicator.h"
 
 #include "parallel/mpi_call.h"
+#include "parallel/mpi_wait.h"
 
 #include <climits>
 #include <stdexcept>
@@ -11,6 +12,11 @@ namespace {
 
 void check(int rc, const char* what) {
   mpi::check(rc, "MpiCommunicator", what);
+}
+
+// Every collective is started non-blocking and waited for with sleeps (parallel/mpi_wait.h).
+void complete(MPI_Request& request, const char* what) {
+  mpi::wait(request, mpi::kStepWait, "MpiCommunicator", what);
 }
 using mpi::address;
 
@@ -72,7 +78,10 @@ void MpiCommunicator::do_alltoall(std::span<const std::int64_t> send, std::span<
   const auto n = static_cast<std::size_t>(size_);
   check_size(send.size(), n, "alltoall", "send");
   check_size(recv.size(), n, "alltoall", "recv");
-  check(MPI_Alltoall(send.data(), 1, MPI_INT64_T, recv.data(), 1, MPI_INT64_T, comm_), "MPI_Alltoall");
+  MPI_Request request = MPI_REQUEST_NULL;
+  check(MPI_Ialltoall(send.data(), 1, MPI_INT64_T, recv.data(), 1, MPI_INT64_T, comm_, &request),
+        "MPI_Ialltoall");
+  complete(request, "MPI_Ialltoall");
 }
 
 void MpiCommunicator::do_alltoallv(std::span<const std::byte> send, std::span<const std::int64_t> send_counts,
@@ -90,28 +99,40 @@ void MpiCommunicator::do_alltoallv(std::span<const std::byte> send, std::span<co
                                 std::to_string(recv_total) + " to receive, but send has " +
                                 std::to_string(send.size()) + " and recv " + std::to_string(recv.size()));
   }
-  check(MPI_Alltoallv(address(send.data()), send_counts_.data(), send_displs_.data(), MPI_BYTE,
-                      address(recv.data()), recv_counts_.data(), recv_displs_.data(), MPI_BYTE, comm_),
-        "MPI_Alltoallv");
+  MPI_Request request = MPI_REQUEST_NULL;
+  check(MPI_Ialltoallv(address(send.data()), send_counts_.data(), send_displs_.data(), MPI_BYTE,
+                       address(recv.data()), recv_counts_.data(), recv_displs_.data(), MPI_BYTE, comm_,
+                       &request),
+        "MPI_Ialltoallv");
+  complete(request, "MPI_Ialltoallv");
   count_sent(send_counts);
 }
 
 void MpiCommunicator::do_allreduce_sum(std::span<std::int64_t> values, Stream /*stream*/) {
   const int n = int_count(values.size(), "allreduce_sum");
-  check(MPI_Allreduce(MPI_IN_PLACE, address(values.data()), n, MPI_INT64_T, MPI_SUM, comm_), "MPI_Allreduce");
+  MPI_Request request = MPI_REQUEST_NULL;
+  check(MPI_Iallreduce(MPI_IN_PLACE, address(values.data()), n, MPI_INT64_T, MPI_SUM, comm_, &request),
+        "MPI_Iallreduce");
+  complete(request, "MPI_Iallreduce");
 }
 
 void MpiCommunicator::do_allreduce_max(std::span<double> values, Stream /*stream*/) {
   const int n = int_count(values.size(), "allreduce_max");
-  check(MPI_Allreduce(MPI_IN_PLACE, address(values.data()), n, MPI_DOUBLE, MPI_MAX, comm_), "MPI_Allreduce");
+  MPI_Request request = MPI_REQUEST_NULL;
+  check(MPI_Iallreduce(MPI_IN_PLACE, address(values.data()), n, MPI_DOUBLE, MPI_MAX, comm_, &request),
+        "MPI_Iallreduce");
+  complete(request, "MPI_Iallreduce");
 }
 
 void MpiCommunicator::do_allgather(std::span<const std::int64_t> mine, std::span<std::int64_t> all,
                                    Stream /*stream*/) {
   const int n = int_count(mine.size(), "allgather");
   check_size(all.size(), mine.size() * static_cast<std::size_t>(size_), "allgather", "all");
-  check(MPI_Allgather(address(mine.data()), n, MPI_INT64_T, address(all.data()), n, MPI_INT64_T, comm_),
-        "MPI_Allgather");
+  MPI_Request request = MPI_REQUEST_NULL;
+  check(MPI_Iallgather(address(mine.data()), n, MPI_INT64_T, address(all.data()), n, MPI_INT64_T, comm_,
+                       &request),
+        "MPI_Iallgather");
+  complete(request, "MPI_Iallgather");
 }
 
 }  // namespace capserve::parallel

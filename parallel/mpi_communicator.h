@@ -2,7 +2,8 @@
 // The CPU data plane: the Communicator collectives as MPI collectives on a private duplicate of a
 // communicator (MPI_COMM_WORLD by default), so its messages never match the control plane's. Needs an
 // initialized MPI (an MpiWorld) for its whole lifetime. Like every MPI collective, calls on one
-// MpiCommunicator must come from one thread at a time and in the same order on every rank.
+// MpiCommunicator must come from one thread at a time and in the same order on every rank. Each is started
+// non-blocking and waited for with sleeps (mpi_wait.h), so a waiting rank leaves the core to the others.
 #include <mpi.h>
 
 #include <cstddef>

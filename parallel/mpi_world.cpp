@@ -1,9 +1,9 @@
 #include "parallel/mpi_world.h"
 
 #include "parallel/mpi_call.h"
+#include "parallel/mpi_wait.h"
 
 #include <algorithm>
-#include <chrono>
 #include <climits>
 #include <cstdint>
 #include <cstdio>
@@ -11,7 +11,6 @@
 #include <exception>
 #include <stdexcept>
 #include <string>
-#include <thread>
 
 namespace capserve::parallel {
 namespace {
@@ -88,20 +87,11 @@ void MpiWorld::check_root(int root) const {
 void MpiWorld::broadcast(std::vector<std::byte>& bytes, int root) {
   check_root(root);
   std::uint64_t n = rank_ == root ? bytes.size() : 0;
-  // The size goes out non-blocking and the receivers poll with growing sleeps: a server's idle ranks wait
-  // here for the next step plan, and a blocking broadcast would spin a core at 100% the whole time.
+  // The size goes out non-blocking and the receivers wait with sleeps: a server's idle ranks wait here for
+  // the next step plan, and a blocking broadcast would spin a core at 100% the whole time.
   MPI_Request request = MPI_REQUEST_NULL;
   check(MPI_Ibcast(&n, 1, MPI_UINT64_T, root, control_, &request), "MPI_Ibcast (size)");
-  const auto started = std::chrono::steady_clock::now();
-  for (int done = 0;;) {
-    check(MPI_Test(&request, &done, MPI_STATUS_IGNORE), "MPI_Test");
-    if (done != 0) break;
-    const auto waited = std::chrono::steady_clock::now() - started;
-    if (waited > std::chrono::microseconds(200)) {
-      std::this_thread::sleep_for(
-          std::min<std::chrono::steady_clock::duration>(waited / 8, std::chrono::microseconds(500)));
-    }
-  }
+  mpi::wait(request, mpi::kIdleWait, "MpiWorld", "MPI_Test");
   if (rank_ != root) bytes.resize(static_cast<std::size_t>(n));
   for (std::size_t off = 0; off < bytes.size(); off += kBroadcastChunk) {
     const std::size_t len = std::min(kBroadcastChunk, bytes.size() - off);

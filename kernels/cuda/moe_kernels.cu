@@ -45,6 +45,7 @@ __global__ void exclusive_scan_kernel(std::int64_t* data, std::int64_t n) {
 
 // Launches each thread body as one kernel on the stream.
 struct CudaExec {
+  static constexpr bool kReadsStateFreely = false;  // a read would be a device sync
   cudaStream_t stream;
   const DeviceReduce* reduce = nullptr;
 

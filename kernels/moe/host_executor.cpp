@@ -9,6 +9,7 @@ namespace {
 
 // Runs each launch's threads in index order.
 struct HostExec {
+  static constexpr bool kReadsStateFreely = true;
   std::function<void(std::span<std::int64_t>)> allreduce_sum;
 
   template <class Body>

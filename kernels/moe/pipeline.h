@@ -8,6 +8,9 @@
 //   zero(ptr, count)                count elements set to 0
 //   exclusive_scan(data, n)         data[0..n) to its exclusive prefix sums, the total into data[n]
 //   reduce_sum(data, n)             global scope: data[0..n) summed over the ranks (local scope: nothing)
+//   kReadsStateFreely               true where the logic may read its state between launches at no cost (the
+//                                   host); the CUDA executor's false keeps the sequence free of device syncs
+#include <algorithm>
 #include <cstdint>
 
 #include "kernels/moe/dispatch_logic.h"
@@ -20,12 +23,25 @@ void run_router(Exec& x, const RouteToken& body) {
   x.for_each(body.p.tokens, body);
 }
 
-// Per bin, the `select[b].need` largest candidate keys (of bins still unresolved) in eight radix rounds.
-// Always all eight: a resolved bin skips the later ones, so no round needs a decision from the host.
+inline bool any_bin_unresolved(const CapacityView& v) {
+  for (std::int64_t b = 0; b < v.p.nbins; ++b) {
+    if (v.select[b].unresolved != 0) return true;
+  }
+  return false;
+}
+
+// Per bin, the `select[b].need` largest candidate keys (of bins still unresolved) in up to eight radix
+// rounds. A resolved bin skips the later rounds, so on a device all eight run and no round needs a decision
+// from the host. Where the state is free to read, the rounds stop once every bin is resolved (each rank's
+// state comes from the same global histograms, so all ranks stop at the same round): fewer collectives per
+// layer.
 template <class Exec>
 void run_select(Exec& x, const CapacityView& v) {
   const std::int64_t slots = v.p.tokens * v.p.top_k;
   for (int shift = 64 - kRadixBits; shift >= 0; shift -= kRadixBits) {
+    if constexpr (Exec::kReadsStateFreely) {
+      if (!any_bin_unresolved(v)) return;
+    }
     x.zero(v.hist, v.p.nbins * kRadixBuckets);
     x.for_each(slots, HistogramSlot{v, shift});
     x.reduce_sum(v.hist, v.p.nbins * kRadixBuckets);
@@ -48,12 +64,16 @@ void run_capacity(Exec& x, const CapacityView& v) {
   x.for_each(slots, ApplyDrop{v});
   if (v.p.reroute != RerouteKind::none) {
     if (v.p.reroute == RerouteKind::expanded) x.for_each(T, ChooseLocal{v});
-    // A round without candidates changes nothing, and neither does any after it: the CPU's early exit
-    // and running every round reach the same state.
+    // A round without candidates changes nothing, and neither does any after it: stopping at the first such
+    // round (where the state is free to read; the global counts agree on every rank) and running every round
+    // reach the same state.
     for (std::int64_t round = 0; round < v.p.rounds; ++round) {
       x.zero(v.counts, v.p.nbins);
       x.for_each(T, RerouteCandidates{v});
       x.reduce_sum(v.counts, v.p.nbins);
+      if constexpr (Exec::kReadsStateFreely) {
+        if (std::all_of(v.counts, v.counts + v.p.nbins, [](std::int64_t c) { return c == 0; })) break;
+      }
       x.for_each(v.p.nbins, BeginRerouteSelect{v});
       run_select(x, v);
       x.for_each(slots, ApplyReroute{v});
