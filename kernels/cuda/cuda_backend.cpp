@@ -72,6 +72,11 @@ CudaBackend::CudaBackend(int device) : device_(make_current(device)) {
   staging_ = std::make_unique<HostStaging>(allocate(kStagingBytes), kStagingChunks);
 }
 
+void CudaBackend::set_wait_check(std::function<void()> check) {
+  staging_->set_wait_check(check);
+  wait_check_ = std::move(check);
+}
+
 CudaBackend::~CudaBackend() {
   cudaSetDevice(device_);
   cudaStreamSynchronize(stream_);

@@ -28,8 +28,9 @@ class CudaBackend final : public Backend {
   [[nodiscard]] Stream stream() const override { return stream_; }
   // For work on stream() that can stall for a reason the device does not see (the collectives of an NCCL
   // communicator whose peer died): the host then polls in to_host, running `check` between polls, which
-  // throws to end the wait (kernels/cuda/stream_wait.h). Without one it blocks in cudaStreamSynchronize.
-  void set_wait_check(std::function<void()> check) { wait_check_ = std::move(check); }
+  // throws to end the wait (kernels/cuda/stream_wait.h). Without one it blocks in cudaStreamSynchronize. The
+  // staging ring's waits for the device to read a chunk poll with it too.
+  void set_wait_check(std::function<void()> check);
   void check_kv_dtype(DType dtype) const override;
   [[nodiscard]] Tensor upload(const WeightView& host, Buffer& storage) override;
 

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/stream_wait.h"
 
 namespace capserve::kernels::cuda {
 namespace {
@@ -57,7 +58,7 @@ std::size_t HostStaging::take(std::size_t bytes, cudaStream_t stream) {
     const cudaError_t done = cudaEventQuery(read_[current_]);
     if (done == cudaErrorNotReady) {
       cudaGetLastError();  // not an error: the copies are still queued
-      CAPSERVE_CUDA_CHECK(cudaEventSynchronize(read_[current_]));
+      wait_for_event(read_[current_], wait_check_);
     } else {
       CAPSERVE_CUDA_CHECK(done);
     }

@@ -10,6 +10,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
@@ -33,6 +34,9 @@ class HostStaging {
   // until about the ring's size more has been staged. std::length_error above one chunk.
   [[nodiscard]] void* stage(std::span<const std::byte> src, cudaStream_t stream);
   [[nodiscard]] std::size_t chunk_bytes() const { return chunk_bytes_; }
+  // Run between polls while the host waits for the device to have read a chunk it laps (the backend's wait
+  // check, stream_wait.h): a stream stalled behind NCCL work of a dead peer then throws instead of hanging.
+  void set_wait_check(std::function<void()> check) { wait_check_ = std::move(check); }
 
  private:
   // Offset of `bytes` contiguous bytes in the ring (at most one chunk), the chunk entered ready for reuse.
@@ -50,6 +54,7 @@ class HostStaging {
   std::size_t used_ = 0;           // its bytes taken
   std::vector<cudaEvent_t> read_;  // per chunk: recorded after the copies that read it
   std::vector<char> pending_;      // per chunk: read_ recorded and not yet seen complete
+  std::function<void()> wait_check_;
 };
 
 }  // namespace capserve::kernels::cuda

@@ -15,5 +15,8 @@ namespace capserve::kernels::cuda {
 // between polls for the first 2 ms (a decode step's waits are short, and a sleep would add its length to the
 // step), then sleeping between polls, the pause doubling from 20 us to 1 ms.
 void wait_for_stream(cudaStream_t stream, const std::function<void()>& check);
+// The same for the work queued before `event` was recorded (cudaEventSynchronize without a check, else
+// cudaEventQuery polls).
+void wait_for_event(cudaEvent_t event, const std::function<void()>& check);
 
 }  // namespace capserve::kernels::cuda

@@ -7,8 +7,16 @@
 //   CAPSERVE_CUDA_EMU_DEVICES=N                emulate N devices (default 1), e.g. one per rank for NCCL
 #include <chrono>
 #include <cstdint>
+#include <memory>
+#include <string>
+
+struct CUstream_st;  // cudaStream_t points to one
 
 namespace capserve::cuda_emu {
+
+namespace detail {
+struct StreamHang;
+}
 
 // What the host asked of the emulated device since the last reset.
 struct Counters {
@@ -61,5 +69,20 @@ void delay_next_nccl_init(std::chrono::steady_clock::duration delay);
 // streams hang, as an NCCL kernel waits forever on a GPU) until they ncclCommAbort; they see ncclRemoteError,
 // naming this rank, at their next poll of ncclCommGetAsyncError after the exchange was enqueued.
 void crash_at_next_nccl_exchange();
+
+// While it lives, work on `stream` never completes, as behind an NCCL kernel whose peer died (the NCCL
+// stand-in makes such hangs itself): host waits on the stream block, and cudaStreamQuery of it and
+// cudaEventQuery of an event recorded on it meanwhile say cudaErrorNotReady. Its end releases them, as
+// ncclCommAbort does.
+class ScopedStreamHang {
+ public:
+  ScopedStreamHang(CUstream_st* stream, std::string why);
+  ~ScopedStreamHang();
+  ScopedStreamHang(const ScopedStreamHang&) = delete;
+  ScopedStreamHang& operator=(const ScopedStreamHang&) = delete;
+
+ private:
+  std::shared_ptr<detail::StreamHang> hang_;
+};
 
 }  // namespace capserve::cuda_emu

@@ -39,6 +39,8 @@ struct EmuEvent {
   bool timing = true;
   bool recorded = false;
   std::chrono::steady_clock::time_point at;
+  std::shared_ptr<StreamHang>
+      behind;  // recorded behind work that never completes: not reached until released
 };
 
 // cudaFuncAttributeMaxDynamicSharedMemorySize per kernel.
@@ -74,23 +76,31 @@ Hangs& hangs() {
   return *all;
 }
 
-// Why work on `stream` of `device` (any stream of it when `stream` is all_streams) never completes, or "".
+// The hang holding `stream` of `device` (any stream of it when `stream` is all_streams), or null.
 const void* const all_streams = &all_streams;
-std::string hung(const void* stream, int device) {
+std::shared_ptr<StreamHang> hang_of(const void* stream, int device) {
   Hangs& h = hangs();
   const std::lock_guard lock(h.mutex);
   std::erase_if(h.list, [](const HungStream& s) { return s.hang->released.load(); });
   for (const HungStream& s : h.list) {
-    if (s.device == device && (stream == all_streams || s.stream == stream)) return s.hang->why;
+    if (s.device == device && (stream == all_streams || s.stream == stream)) return s.hang;
   }
-  return {};
+  return nullptr;
 }
 
-// A host wait on `stream` of `device`: returns once no hang holds it, or fails after nccl_timeout().
-cudaError_t wait_for_hangs(const char* call, const void* stream, int device) {
+// Why work on `stream` of `device` never completes, or "".
+std::string hung(const void* stream, int device) {
+  const std::shared_ptr<StreamHang> hang = hang_of(stream, device);
+  return hang != nullptr ? hang->why : std::string();
+}
+
+// A host wait for work that `why_hung` says never completes ("" once it does): returns once it completes, or
+// fails after nccl_timeout().
+template <class WhyHung>
+cudaError_t wait_while_hung(const char* call, const WhyHung& why_hung) {
   const auto start = std::chrono::steady_clock::now();
   for (;;) {
-    const std::string why = hung(stream, device);
+    const std::string why = why_hung();
     if (why.empty()) return cudaSuccess;
     const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (waited > nccl_timeout())
@@ -101,6 +111,15 @@ cudaError_t wait_for_hangs(const char* call, const void* stream, int device) {
                       "and ncclCommAbort on an error)");
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
+}
+
+// A host wait on `stream` of `device`.
+cudaError_t wait_for_hangs(const char* call, const void* stream, int device) {
+  return wait_while_hung(call, [&] { return hung(stream, device); });
+}
+
+std::string not_reached(const EmuEvent& e) {
+  return e.behind != nullptr && !e.behind->released.load() ? e.behind->why : std::string();
 }
 
 EmuStream* find_stream(cudaStream_t s) {
@@ -325,6 +344,13 @@ void reset_counters() {
     std::atomic_ref<std::int64_t>(detail::totals.*f).store(0, std::memory_order_relaxed);
 }
 
+ScopedStreamHang::ScopedStreamHang(CUstream_st* stream, std::string why)
+    : hang_(detail::hang_stream(stream, std::move(why))) {}
+
+ScopedStreamHang::~ScopedStreamHang() {
+  hang_->released = true;
+}
+
 }  // namespace capserve::cuda_emu
 
 namespace d = capserve::cuda_emu::detail;
@@ -532,7 +558,7 @@ cudaError_t cudaEventCreate(cudaEvent_t* event) {
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned int flags) {
   if (event == nullptr) return d::fail(cudaErrorInvalidValue, "cudaEventCreate: null pointer to the result");
   *event = reinterpret_cast<cudaEvent_t>(d::handles<d::EmuEvent>().add(std::make_unique<d::EmuEvent>(
-      d::EmuEvent{d::device, (flags & cudaEventDisableTiming) == 0, false, {}})));
+      d::EmuEvent{d::device, (flags & cudaEventDisableTiming) == 0, false, {}, nullptr})));
   return cudaSuccess;
 }
 
@@ -552,19 +578,22 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
                                                        std::to_string(d::device));
   e->recorded = true;
   e->at = std::chrono::steady_clock::now();
+  e->behind = d::hang_of(d::special_stream(stream) ? nullptr : stream, d::stream_device(stream));
   return cudaSuccess;
 }
 
 cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   d::count(&Counters::host_syncs);
-  if (d::find_event(event) == nullptr)
-    return d::fail(cudaErrorInvalidResourceHandle, "cudaEventSynchronize: not a live event");
-  return cudaSuccess;
+  const d::EmuEvent* e = d::find_event(event);
+  if (e == nullptr) return d::fail(cudaErrorInvalidResourceHandle, "cudaEventSynchronize: not a live event");
+  return d::wait_while_hung("cudaEventSynchronize", [e] { return d::not_reached(*e); });
 }
 
+// Not ready only when recorded behind a hang (the work before it is otherwise complete).
 cudaError_t cudaEventQuery(cudaEvent_t event) {
-  if (d::find_event(event) == nullptr)
-    return d::fail(cudaErrorInvalidResourceHandle, "cudaEventQuery: not a live event");
+  const d::EmuEvent* e = d::find_event(event);
+  if (e == nullptr) return d::fail(cudaErrorInvalidResourceHandle, "cudaEventQuery: not a live event");
+  if (!d::not_reached(*e).empty()) return cudaErrorNotReady;  // not an error: nothing for cudaGetLastError
   return cudaSuccess;
 }
 

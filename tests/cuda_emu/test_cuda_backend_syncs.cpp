@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <span>
+#include <stdexcept>
 #include <vector>
 
 #include "cuda_emu.h"
@@ -100,6 +102,30 @@ TEST(CudaBackendSyncs, AWholeModelDecodeStepWaitsTwicePerMoeLayerAndOnceToSample
     EXPECT_EQ(c.device_allocations, 0);
     EXPECT_EQ(c.pageable_async_copies, 0);
   }
+}
+
+// A stream stalled behind work that never completes (an NCCL kernel whose peer died): a copy that laps the
+// pinned staging ring waits for the device to have read a chunk. With a wait check (what --device cuda gives
+// the backend for NCCL) that wait polls and ends with the check's exception, as to_host's does; it used to
+// block in cudaEventSynchronize, on a GPU forever.
+TEST(CudaBackendSyncs, ACopyLappingTheStagingRingBehindAStalledStreamEndsByTheWaitCheck) {
+  cuda::CudaBackend backend(0);
+  int polls = 0;
+  backend.set_wait_check([&polls] {
+    if (++polls == 3) throw std::runtime_error("the check saw the peer die");
+  });
+  const std::int64_t floats = std::int64_t{16} << 20;  // 64 MiB: twice the ring
+  const std::vector<float> host(static_cast<std::size_t>(floats), 1.0F);
+  Buffer slot;
+  const Tensor dst = backend.scratch(slot, DType::f32, {floats});
+  const cuda_emu::ScopedStreamHang stalled(backend.stream(), "the exchange waits for a rank that died");
+  try {
+    backend.from_host(std::as_bytes(std::span(host)), dst);
+    ADD_FAILURE() << "the copy returned although the device cannot read what it laps";
+  } catch (const std::runtime_error& e) {
+    EXPECT_STREQ(e.what(), "the check saw the peer die");
+  }
+  EXPECT_EQ(polls, 3);
 }
 
 // The checkpoint's host memory (mmapped, or dequantized FP8 freed right after) is never a copy's source: the
