@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Renders the Jinja2 feature cases below with Python Jinja2 in transformers' chat-template environment and
 writes tests/fixtures/chat/jinja_cases.json, which tests/unit/runtime/chat/test_jinja_engine.cpp checks the
-C++ engine against: each case is a template and its variables, and the output or the exception class.
+C++ engine against: each case is a template and its variables, and the output or the exception class. It also
+writes tests/fixtures/chat/jinja_builtins.json, the names of Jinja2's built-in filters, tests and default globals,
+each of which the engine must implement or refuse at compile time by name.
 
 Run with Debian's interpreter (python3-jinja2): /usr/bin/python3 tools/gen_jinja_cases.py
 The environment is the one ../shared/data/chat_templates/render_goldens.py builds (imported from there)."""
@@ -88,6 +90,41 @@ CASES = [
      "{{ 2.5 | round }} {{ 3.14159 | round(2) }} {{ 2.1 | round(0, 'ceil') }} {{ 5 | string }}", {}),
     ("sort_attr", "{{ ms | sort(attribute='role') | map(attribute='content') | join(',') }}", {"ms": MSGS}),
     ("escape", "{{ '<a href=\"x\">&\\'' | e }}", {}),
+    # the rest of Jinja2's built-in filters (tests/unit/runtime/chat/test_jinja_engine.cpp checks that each is
+    # either here or refused at compile time)
+    ("min_max", "{{ m | min }} {{ m | max }} {{ ['b', 'A', 'a', 'B'] | min }} {{ ['b', 'A', 'a', 'B'] | max }} "
+     "{{ ['b', 'A', 'a', 'B'] | min(case_sensitive=true) }} {{ ['b', 'A', 'a', 'B'] | max(true) }} "
+     "{{ ms | min(attribute='role') | tojson }} {{ ms | max(attribute='content') | tojson }} [{{ [] | max }}] "
+     "{{ [] | min is undefined }} {{ [2.5, 1, true] | min }} {{ 'hello' | max }} {{ {'b': 1, 'a': 2} | min }} "
+     "{{ [[1, 2], [1, 1]] | max }} {{ [{'a': 1}] | max(attribute='x') }} {{ [[3, 'b'], [1, 'c']] | min(attribute='0') }}",
+     {"m": [3, 1, 2, 1], "ms": MSGS}),
+    ("min_max_tool_args", "{% for p in props | dictsort %}{{ p[0] }}{% endfor %} {{ props.values() | map(attribute='type') | max }}",
+     {"props": TOOLS[0]["function"]["parameters"]["properties"]}),
+    ("err_min_mixed", "{{ [1, 'a'] | min }}", {}),
+    ("err_max_missing_attr", "{{ [{'a': 1}, {}] | max(attribute='a') }}", {}),
+    ("batch_slice", "{{ m | batch(2) | list }} {{ m | batch(3, 'x') | list }} {% for row in m | batch(4) %}{{ row | join }};{% endfor %} "
+     "{{ m | slice(2) | list }} {{ m | slice(3, 0) | list }} {{ m | slice(7) | list }} {{ [] | batch(2) | list }}",
+     {"m": [1, 2, 3, 4, 5]}),
+    ("err_slice_zero", "{{ [1] | slice(0) | list }}", {}),
+    ("center_truncate", "[{{ 'ab' | center(7) }}][{{ 'abc' | center(8) }}][{{ 'é' | center(4) }}][{{ 'long' | center(2) }}]"
+     "[{{ 'x' | center }}][{{ s | truncate(20) }}][{{ s | truncate(20, true) }}][{{ s | truncate(20, false, '…', 0) }}]"
+     "[{{ 'short' | truncate(4) }}][{{ 'short one' | truncate(5, leeway=0) }}][{{ s | truncate }}]",
+     {"s": "The quick brown fox jumps over the lazy dög"}),
+    ("format", "{{ '%s-%d' | format('a', 3) }} {{ '%s' | format([1, 2]) }} {{ 'x%sy' | format(none) }} {{ '100%%' | format }}", {}),
+    ("filesizeformat", "{{ 0 | filesizeformat }} {{ 1 | filesizeformat }} {{ 999 | filesizeformat }} {{ 1000 | filesizeformat }} "
+     "{{ 1500000 | filesizeformat }} {{ 1024 | filesizeformat(true) }} {{ 3.7e9 | filesizeformat }} {{ 1e30 | filesizeformat }} "
+     "{{ '2048' | filesizeformat(binary=true) }} {{ -5 | filesizeformat }} {{ 1.5 | filesizeformat }} {{ true | filesizeformat }}", {}),
+    ("urlencode", "{{ 'a b&c=d/é~_.-' | urlencode }} {{ {'q': 'a b', 'n': 1, 'x/y': none} | urlencode }} "
+     "{{ [('k', 'v w'), ('z', '/')] | urlencode }} {{ 42 | urlencode }} [{{ u | urlencode }}]", {}),
+    ("groupby", "{% for g in ms | groupby('role') %}{{ g.grouper }}={{ g.list | map(attribute='content') | join(',') }};{% endfor %} "
+     "{% for role, items in ms | groupby('role') %}{{ role }}{{ items | length }}{% endfor %} "
+     "{{ [{'k': 'B'}, {'k': 'b'}, {'k': 'a'}] | groupby('k') | map(attribute='grouper') | join }} "
+     "{{ [{'k': 'B'}, {'k': 'b'}, {'k': 'a'}] | groupby('k', case_sensitive=true) | map(attribute='grouper') | join }} "
+     "{{ [{'k': 1}, {}] | groupby('k', default=0) | list }} {{ [[1, 'a'], [0, 'b'], [1, 'c']] | groupby(0) | list }} "
+     "{{ (ms | groupby('role'))[0].list | length }}", {"ms": MSGS}),
+    ("forceescape", "{{ '<a>&\\'\"' | forceescape }}", {}),
+    ("tests_filter_test", "{{ 'upper' is filter }} {{ 'nope' is filter }} {{ 'xmlattr' is filter }} {{ 'odd' is test }} "
+     "{{ 'filter' is test }} {{ 'min' is filter }}", {}),
     # tests
     ("tests", "{{ none is none }} {{ 1 is number }} {{ true is number }} {{ 1 is integer }} {{ true is integer }} {{ 1.0 is float }} "
      "{{ 's' is string }} {{ {} is mapping }} {{ [] is iterable }} {{ 's' is sequence }} {{ u is iterable }} {{ true is boolean }} "
@@ -138,6 +175,14 @@ def main():
         json.dump(out, f, ensure_ascii=False, indent=1)
         f.write("\n")
     print(f"{len(out)} cases -> {path}")
+    import jinja2.defaults
+    builtins = {"jinja2": jinja2.__version__, "filters": sorted(env.filters), "tests": sorted(env.tests),
+                "globals": sorted(jinja2.defaults.DEFAULT_NAMESPACE)}
+    path = os.path.join(ROOT, "tests", "fixtures", "chat", "jinja_builtins.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(builtins, f, indent=1)
+        f.write("\n")
+    print(f"{len(builtins['filters'])} filters, {len(builtins['tests'])} tests, {len(builtins['globals'])} globals -> {path}")
 
 
 if __name__ == "__main__":

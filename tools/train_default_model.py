@@ -59,7 +59,9 @@ PAD_TOKEN = "<pad>"
 # GPT-2's pre-tokenization regex (the one GPT-NeoX / OLMoE's tokenizer applies through ByteLevel(use_regex=True)),
 # written out as an explicit Split so that tokenizer.json carries it verbatim.
 GPT2_SPLIT_REGEX = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-# allenai/OLMoE-1B-7B-0924-Instruct's chat template (open-instruct's "tulu" template with a leading bos_token).
+# allenai/OLMoE-1B-7B-0924-Instruct's chat template (open-instruct's "tulu" template with a leading bos_token), but
+# an assistant message's null content is "" (OpenAI's tool round trip sends content null beside tool_calls; the
+# original raised TypeError). Every other render is unchanged.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
@@ -69,9 +71,9 @@ CHAT_TEMPLATE = (
     "{{ '<|user|>\n' + message['content'] + '\n' }}"
     "{% elif message['role'] == 'assistant' %}"
     "{% if not loop.last %}"
-    "{{ '<|assistant|>\n'  + message['content'] + eos_token + '\n' }}"
+    "{{ '<|assistant|>\n'  + (message['content'] if message['content'] is not none else '') + eos_token + '\n' }}"
     "{% else %}"
-    "{{ '<|assistant|>\n'  + message['content'] + eos_token }}"
+    "{{ '<|assistant|>\n'  + (message['content'] if message['content'] is not none else '') + eos_token }}"
     "{% endif %}"
     "{% endif %}"
     "{% if loop.last and add_generation_prompt %}"

@@ -72,6 +72,8 @@ Value attribute_of(const Value& item, const std::string& attribute) {
     } else if (current.is_list() && numeric && index >= 0 &&
                static_cast<std::size_t>(index) < current.list().size()) {
       next = current.list()[static_cast<std::size_t>(index)];
+    } else if (const Value* field = current.is_list() ? group_field(current.list(), part) : nullptr) {
+      next = *field;
     }
     current = std::move(next);
     start = dot + 1;
@@ -498,7 +500,7 @@ Value f_map(Renderer& r, const Value& v, const Args& args) {
     type_error("map() needs a filter name or attribute=");
   const FilterFn filter = find_filter(args.positional[0].str());
   if (filter == nullptr)
-    throw Error(ErrorKind::template_error, "No filter named '" + args.positional[0].str() + "'.");
+    throw Error(ErrorKind::template_error, unknown_filter_message(args.positional[0].str()));
   Args filter_args;
   filter_args.positional.assign(args.positional.begin() + 1, args.positional.end());
   filter_args.keyword = args.keyword;
@@ -531,6 +533,269 @@ Value f_wordcount(Renderer& r, const Value& v, const Args&) {
     in_word = word;
   }
   return n;
+}
+
+// min / max: Python's min() / max() over the items keyed by (attribute and) case, so the first of equal items
+// wins; an empty sequence gives Undefined, as Jinja's _min_or_max does.
+Value min_or_max(Renderer& r, const Value& v, const Args& args, bool want_max) {
+  const bool case_sensitive = flag(args, 0, "case_sensitive", false);
+  const Value* attribute = args.get(1, "attribute");
+  const std::shared_ptr<const List> items = r.items(v);
+  if (items->empty()) return Undefined{"No aggregated item, sequence was empty."};
+  const auto key = [&](const Value& item) {
+    return sort_key(
+        attribute != nullptr && !attribute->is_none() ? attribute_of(item, to_str(*attribute)) : item,
+        case_sensitive);
+  };
+  r.charge(items->size());
+  std::size_t best = 0;
+  Value best_key = key((*items)[0]);
+  for (std::size_t i = 1; i < items->size(); ++i) {
+    Value k = key((*items)[i]);
+    if (want_max ? less(best_key, k) : less(k, best_key)) {
+      best = i;
+      best_key = std::move(k);
+    }
+  }
+  return (*items)[best];
+}
+
+Value f_min(Renderer& r, const Value& v, const Args& args) {
+  return min_or_max(r, v, args, false);
+}
+Value f_max(Renderer& r, const Value& v, const Args& args) {
+  return min_or_max(r, v, args, true);
+}
+
+std::int64_t int_arg(const Args& args, std::size_t index, std::string_view name, std::int64_t fallback) {
+  const Value* v = args.get(index, name);
+  if (v == nullptr) return fallback;
+  if (!v->is_int() && !v->is_bool()) {
+    require_defined(*v);
+    type_error("'" + std::string(type_name(*v)) + "' object cannot be interpreted as an integer");
+  }
+  return v->as_int();
+}
+
+// batch(n, fill_with): rows of n items, the last padded with fill_with when given (Jinja's do_batch, a list
+// of lists where Jinja yields them).
+Value f_batch(Renderer& r, const Value& v, const Args& args) {
+  const std::int64_t n = int_arg(args, 0, "linecount", 0);
+  const Value* fill = args.get(1, "fill_with");
+  const std::shared_ptr<const List> items = r.items(v);
+  r.produce(Renderer::list_bytes(size_mul(items->size(), 2), 0));
+  List out;
+  List row;
+  for (const Value& item : *items) {
+    if (std::cmp_equal(row.size(), n)) out.push_back(std::exchange(row, List{}));
+    row.push_back(item);
+  }
+  if (!row.empty()) {
+    if (fill != nullptr && !fill->is_none() && std::cmp_less(row.size(), n)) {
+      r.produce(Renderer::list_bytes(static_cast<std::size_t>(n), 0));
+      row.resize(static_cast<std::size_t>(n), *fill);
+    }
+    out.push_back(std::move(row));
+  }
+  return out;
+}
+
+// slice(n, fill_with): n columns, the first len % n one item longer; the others padded with fill_with when
+// given (Jinja's do_slice).
+Value f_slice(Renderer& r, const Value& v, const Args& args) {
+  const std::int64_t slices = int_arg(args, 0, "slices", 0);
+  const Value* fill = args.get(1, "fill_with");
+  const std::shared_ptr<const List> items = r.items(v);
+  if (slices == 0) throw Error(ErrorKind::zero_division, "integer division or modulo by zero");
+  if (slices < 0) return List{};
+  const auto n = static_cast<std::size_t>(slices);
+  r.produce(Renderer::list_bytes(size_add(size_mul(n, 2), items->size()), 0));
+  const std::size_t per_slice = items->size() / n;
+  const std::size_t with_extra = items->size() % n;
+  List out;
+  std::size_t start = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::size_t end = start + per_slice + (i < with_extra ? 1 : 0);
+    List column(items->begin() + static_cast<std::ptrdiff_t>(start),
+                items->begin() + static_cast<std::ptrdiff_t>(end));
+    if (fill != nullptr && !fill->is_none() && i >= with_extra) column.push_back(*fill);
+    out.push_back(std::move(column));
+    start = end;
+  }
+  return out;
+}
+
+std::string spaces(Renderer& r, std::size_t n) {
+  r.produce(n);
+  return std::string(n, ' ');
+}
+
+// str.center(width), widths counted in code points, the odd space where CPython puts it.
+Value f_center(Renderer& r, const Value& v, const Args& args) {
+  const std::int64_t width = int_arg(args, 0, "width", 80);
+  const Str s = marked_text(r, v);
+  const auto chars = static_cast<std::int64_t>(length(Value(s)));
+  if (width <= chars) return s;
+  const std::int64_t margin = width - chars;
+  const std::int64_t left = margin / 2 + (margin & width & 1);
+  Str out = client_str(spaces(r, static_cast<std::size_t>(left)), false);
+  append(out, s);
+  append(out, spaces(r, static_cast<std::size_t>(margin - left)));
+  return out;
+}
+
+// truncate(length=255, killwords=False, end='...', leeway=5), lengths in code points as Jinja's do_truncate.
+Value f_truncate(Renderer& r, const Value& v, const Args& args) {
+  const Str s = marked_text(r, v);
+  const std::int64_t max_length = int_arg(args, 0, "length", 255);
+  const bool killwords = flag(args, 1, "killwords", false);
+  const Value* end_arg = args.get(2, "end");
+  const Str end = end_arg == nullptr ? client_str("...", false) : marked_text(r, *end_arg);
+  const std::int64_t leeway = int_arg(args, 3, "leeway", 5);
+  const auto end_length = static_cast<std::int64_t>(length(Value(end)));
+  if (max_length < end_length || leeway < 0) {
+    throw Error(ErrorKind::template_error, "truncate: expected length >= " + std::to_string(end_length) +
+                                               " and leeway >= 0, got " + std::to_string(max_length) +
+                                               " and " + std::to_string(leeway));
+  }
+  if (static_cast<std::int64_t>(length(Value(s))) <= max_length + leeway) return s;
+  const Value head = slice(r, Value(s), Value(None{}), Value(max_length - end_length), Value(None{}));
+  Str out = head.marked();
+  if (!killwords) {
+    if (const std::size_t space = out.text.rfind(' '); space != std::string::npos) {
+      out = substr(out, std::string_view(out.text).substr(0, space));
+    }
+  }
+  append(out, end);
+  return out;
+}
+
+// format(*args): printf-style, as "%s" % args; keyword arguments (%(name)s) are refused by name.
+Value f_format(Renderer& r, const Value& v, const Args& args) {
+  if (!args.keyword.empty()) {
+    if (!args.positional.empty())
+      throw Error(ErrorKind::runtime_error, "can't handle positional and keyword arguments at the same time");
+    throw Error(ErrorKind::template_error, "filter 'format' with keyword arguments is not supported");
+  }
+  List tuple(args.positional.begin(), args.positional.end());
+  tuple.tuple = true;
+  Str out = percent_format(marked_text(r, v), Value(std::move(tuple)));
+  r.produce(Renderer::str_bytes(out));
+  return out;
+}
+
+// filesizeformat(binary=False): Jinja's decimal (kB, MB) or binary (KiB, MiB) units with one decimal.
+Value f_filesizeformat(Renderer&, const Value& v, const Args& args) {
+  require_defined(v);
+  double bytes = 0;
+  if (v.is_number()) {
+    bytes = v.as_double();
+  } else if (v.is_string()) {
+    const std::string s(py_strip_chars(v.str(), std::nullopt, true, true));
+    char* end = nullptr;
+    bytes = std::strtod(s.c_str(), &end);
+    if (s.empty() || end != s.c_str() + s.size()) {
+      std::string quoted;
+      append_repr(v, quoted);
+      throw Error(ErrorKind::value_error, "could not convert string to float: " + quoted);
+    }
+  } else {
+    type_error("float() argument must be a string or a real number, not '" + std::string(type_name(v)) + "'");
+  }
+  const bool binary = flag(args, 0, "binary", false);
+  const double base = binary ? 1024 : 1000;
+  if (bytes == 1) return std::string("1 Byte");
+  if (bytes < base) {
+    if (!std::isfinite(bytes)) return std::string(std::isnan(bytes) ? "nan" : "-inf") + " Bytes";
+    return std::to_string(static_cast<std::int64_t>(bytes)) + " Bytes";
+  }
+  static constexpr std::string_view kDecimal[] = {"kB", "MB", "GB", "TB", "PB", "EB", "ZB", "YB"};
+  static constexpr std::string_view kBinary[] = {"KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB"};
+  std::size_t i = 0;
+  double unit = base * base;
+  for (; i + 1 < std::size(kDecimal) && !(bytes < unit); ++i) unit *= base;
+  char number[400];
+  std::snprintf(number, sizeof number, "%.1f", base * bytes / unit);
+  return std::string(number) + " " + std::string(binary ? kBinary[i] : kDecimal[i]);
+}
+
+// Python's urllib quote of str(v)'s UTF-8: unreserved bytes kept, "/" too unless for a query string, where a
+// space is "+".
+void url_quote(const Value& v, bool for_query, std::string& out) {
+  for (const char c : to_str(v)) {
+    const auto u = static_cast<unsigned char>(c);
+    if (std::isalnum(u) != 0 || c == '_' || c == '.' || c == '-' || c == '~' || (c == '/' && !for_query)) {
+      out += c;
+    } else if (c == ' ' && for_query) {
+      out += '+';
+    } else {
+      static constexpr char kHex[] = "0123456789ABCDEF";
+      out += '%';
+      out += kHex[u >> 4];
+      out += kHex[u & 15];
+    }
+  }
+}
+
+// urlencode: a str (or any non-iterable) quoted; a dict or a sequence of pairs as a query string.
+Value f_urlencode(Renderer& r, const Value& v, const Args&) {
+  std::string out;
+  if (v.is_string() || !(v.is_list() || v.is_dict() || v.is_undefined())) {
+    r.check_text(v);
+    r.produce(size_mul(to_str(v).size(), 3));
+    url_quote(v, false, out);
+    return client_str(std::move(out), from_client(v));
+  }
+  const std::shared_ptr<const List> pairs =
+      v.is_dict() ? std::make_shared<const List>(f_items(r, v, {}).list()) : r.items(v);
+  for (const Value& p : *pairs) {
+    const std::shared_ptr<const List> kv = r.items(p);
+    if (kv->size() != 2) throw Error(ErrorKind::value_error, "urlencode needs pairs of key and value");
+    r.check_text((*kv)[0]);
+    r.check_text((*kv)[1]);
+    r.produce(size_mul(size_add(to_str((*kv)[0]).size(), to_str((*kv)[1]).size()), 3));
+    if (!out.empty()) out += '&';
+    url_quote((*kv)[0], true, out);
+    out += '=';
+    url_quote((*kv)[1], true, out);
+  }
+  return client_str(std::move(out), from_client(v));
+}
+
+// groupby(attribute, default=None, case_sensitive=False): the items sorted by the attribute, grouped where it
+// is equal; each group a (grouper, list) pair that also answers .grouper and .list, the grouper as the
+// group's first item spells it.
+Value f_groupby(Renderer& r, const Value& v, const Args& args) {
+  const Value* attribute = args.get(0, "attribute");
+  if (attribute == nullptr) type_error("groupby() needs an attribute");
+  const std::string name = to_str(*attribute);
+  const Value* fallback = args.get(1, "default");
+  const bool case_sensitive = flag(args, 2, "case_sensitive", false);
+  const auto value_of = [&](const Value& item) {
+    Value value = attribute_of(item, name);
+    return value.is_undefined() && fallback != nullptr && !fallback->is_none() ? *fallback : value;
+  };
+  const std::shared_ptr<const List> items = r.items(v);
+  r.produce(Renderer::list_bytes(size_mul(items->size(), 4), 0));
+  r.charge(items->size() * static_cast<std::uint64_t>(std::bit_width(items->size())));
+  std::vector<std::pair<Value, std::size_t>> keyed;
+  for (std::size_t i = 0; i < items->size(); ++i)
+    keyed.emplace_back(sort_key(value_of((*items)[i]), case_sensitive), i);
+  std::stable_sort(keyed.begin(), keyed.end(),
+                   [](const auto& a, const auto& b) { return less(a.first, b.first); });
+  List out;
+  for (std::size_t i = 0; i < keyed.size();) {
+    List group;
+    std::size_t j = i;
+    for (; j < keyed.size() && equals(keyed[j].first, keyed[i].first); ++j)
+      group.push_back((*items)[keyed[j].second]);
+    List grouped{value_of((*items)[keyed[i].second]), Value(std::move(group))};
+    grouped.tuple = true;
+    grouped.group = true;
+    out.push_back(std::move(grouped));
+    i = j;
+  }
+  return out;
 }
 
 // ---- tests ----
@@ -635,6 +900,20 @@ bool t_upper(Renderer&, const Value& v, const Args&) {
   return v.is_string() && py_upper(v.str()) == v.str();
 }
 
+// `name is filter` / `name is test`: whether Jinja2's environment has it (a refused filter too: Jinja2 has
+// it).
+void require_hashable(const Value& v) {
+  if (v.is_list() || v.is_dict()) type_error("unhashable type: '" + std::string(type_name(v)) + "'");
+}
+bool t_filter(Renderer&, const Value& v, const Args&) {
+  require_hashable(v);
+  return v.is_string() && (find_filter(v.str()) != nullptr || refused_filter_reason(v.str()) != nullptr);
+}
+bool t_test(Renderer&, const Value& v, const Args&) {
+  require_hashable(v);
+  return v.is_string() && find_test(v.str()) != nullptr;
+}
+
 struct NamedFilter {
   std::string_view name;
   FilterFn fn;
@@ -681,6 +960,33 @@ constexpr NamedFilter kFilters[] = {
     {"map", f_map},
     {"sum", f_sum},
     {"wordcount", f_wordcount},
+    {"min", f_min},
+    {"max", f_max},
+    {"batch", f_batch},
+    {"slice", f_slice},
+    {"center", f_center},
+    {"truncate", f_truncate},
+    {"format", f_format},
+    {"filesizeformat", f_filesizeformat},
+    {"urlencode", f_urlencode},
+    {"groupby", f_groupby},
+    // Without Markup values escape already escapes everything.
+    {"forceescape", f_escape},
+};
+
+// Jinja2's built-in filters that this engine refuses when it compiles a template, and why.
+struct RefusedFilter {
+  std::string_view name;
+  const char* reason;
+};
+constexpr RefusedFilter kRefusedFilters[] = {
+    {"attr", "Python attribute access; use x.name or x['name']"},
+    {"pprint", "Python's pprint layout is not reproduced; use tojson"},
+    {"random", "a chat template must render deterministically"},
+    {"striptags", "HTML tag stripping and entity decoding are not reproduced"},
+    {"urlize", "URL detection in text is not reproduced"},
+    {"wordwrap", "Python's textwrap line breaking is not reproduced"},
+    {"xmlattr", "XML attribute rendering is not reproduced"},
 };
 
 constexpr NamedTest kTests[] = {
@@ -721,6 +1027,8 @@ constexpr NamedTest kTests[] = {
     {"divisibleby", t_divisibleby},
     {"lower", t_lower},
     {"upper", t_upper},
+    {"filter", t_filter},
+    {"test", t_test},
 };
 
 }  // namespace
@@ -730,6 +1038,19 @@ FilterFn find_filter(std::string_view name) {
     if (f.name == name) return f.fn;
   }
   return nullptr;
+}
+
+const char* refused_filter_reason(std::string_view name) {
+  for (const RefusedFilter& f : kRefusedFilters) {
+    if (f.name == name) return f.reason;
+  }
+  return nullptr;
+}
+
+std::string unknown_filter_message(const std::string& name) {
+  if (const char* why = refused_filter_reason(name))
+    return "filter '" + name + "' is not supported (" + why + ")";
+  return "No filter named '" + name + "'.";
 }
 
 TestFn find_test(std::string_view name) {

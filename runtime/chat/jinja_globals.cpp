@@ -150,4 +150,10 @@ std::optional<Value> find_global(std::string_view name) {
   return std::nullopt;
 }
 
+const char* refused_global_reason(std::string_view name) {
+  if (name == "cycler" || name == "joiner") return "stateful helper objects; use loop.cycle() or loop.first";
+  if (name == "lipsum") return "random placeholder text";
+  return nullptr;
+}
+
 }  // namespace capserve::runtime::jinja

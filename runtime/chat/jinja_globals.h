@@ -1,6 +1,7 @@
 #pragma once
 // The global names of transformers' chat-template environment: range, namespace, dict, raise_exception,
-// strftime_now (and Jinja's joiner / cycler are not provided: no chat template uses them).
+// strftime_now; Jinja's other default globals (cycler, joiner, lipsum) are refused when a template is
+// compiled.
 #include <optional>
 #include <string_view>
 
@@ -9,5 +10,8 @@
 namespace capserve::runtime::jinja {
 
 [[nodiscard]] std::optional<Value> find_global(std::string_view name);
+// Why this engine refuses a Jinja2 default global (a template naming it does not compile); nullptr for any
+// other name.
+[[nodiscard]] const char* refused_global_reason(std::string_view name);
 
 }  // namespace capserve::runtime::jinja

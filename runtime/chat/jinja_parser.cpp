@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "runtime/chat/jinja_filters.h"
+#include "runtime/chat/jinja_globals.h"
 #include "runtime/chat/jinja_lexer.h"
 
 namespace capserve::runtime::jinja {
@@ -498,6 +499,8 @@ class Parser {
         } else if (t.text == "none" || t.text == "None") {
           lit->value = None{};
         } else {
+          if (const char* why = refused_global_reason(t.text))
+            fail("global '" + t.text + "' is not supported (" + why + ")");
           auto n = node(ExprKind::name, line);
           n->name = t.text;
           advance();
@@ -675,7 +678,7 @@ class Parser {
         n->name += expect_name();
       }
       n->filter = find_filter(n->name);
-      if (n->filter == nullptr) fail("No filter named '" + n->name + "'.");
+      if (n->filter == nullptr) fail(unknown_filter_message(n->name));
       n->args.push_back(std::move(operand));
       if (is_op("(")) parse_call_args(*n);
       operand = std::move(n);

@@ -535,6 +535,8 @@ const Value* Renderer::get_attr(const Value& obj, std::string_view name, bool te
   } else if (std::optional<Value> method = bound_method(obj, name)) {
     storage = std::move(*method);
     return &storage;
+  } else if (obj.is_list()) {
+    found = group_field(obj.list(), name);
   }
   if (found == nullptr) {
     storage = no_attribute(obj, name);

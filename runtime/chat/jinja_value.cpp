@@ -407,6 +407,13 @@ bool less(const Value& a, const Value& b) {
              std::string(type_name(b)) + "'");
 }
 
+const Value* group_field(const List& l, std::string_view name) {
+  if (!l.group || l.size() != 2) return nullptr;
+  if (name == "grouper") return &l[0];
+  if (name == "list") return &l[1];
+  return nullptr;
+}
+
 std::size_t length(const Value& v) {
   if (v.is_string()) return code_point_count(v.str());
   if (v.is_list()) return v.list().size();

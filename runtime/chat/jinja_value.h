@@ -24,6 +24,8 @@ struct Value;
 struct List : std::vector<Value> {
   using std::vector<Value>::vector;
   bool tuple = false;
+  // groupby's (grouper, list) pair, whose items are also its attributes .grouper and .list.
+  bool group = false;
 };
 struct Dict;
 struct Namespace;
@@ -166,6 +168,9 @@ void append_float(double d, std::string& out);
 // Python ==, and the ordering <, which raises TypeError for types Python cannot order.
 [[nodiscard]] bool equals(const Value& a, const Value& b);
 [[nodiscard]] bool less(const Value& a, const Value& b);
+
+// groupby's pair's .grouper or .list; nullptr for any other list or name.
+[[nodiscard]] const Value* group_field(const List& l, std::string_view name);
 
 // Python len(v); TypeError for values without one.
 [[nodiscard]] std::size_t length(const Value& v);

@@ -62,6 +62,31 @@ TEST_F(ChatEncodingTest, ContentWithoutSpecialSpellingsEncodesAsBefore) {
   EXPECT_EQ(encode(messages, true), encode(messages, false));
 }
 
+// OpenAI's tool round trip: the assistant's turn that called a tool has content null beside tool_calls. The
+// template of the default model raised TypeError on it (a 400: "can only concatenate str (not "NoneType") to
+// str"); it renders that content as "", as Python Jinja2 renders the same template (the expected text below),
+// and the tool message, which the template has no turn for, is left out as before.
+TEST_F(ChatEncodingTest, DefaultTemplateTakesTheToolRoundTrip) {
+  const auto messages_json = nlohmann::ordered_json::parse(R"([
+    {"role": "user", "content": "What's the weather in Paris?"},
+    {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+      "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+    {"role": "assistant", "content": "It is 18 C and sunny in Paris."},
+    {"role": "user", "content": "Thanks"}])");
+  std::vector<ChatMessage> messages(messages_json.size());
+  for (std::size_t i = 0; i < messages.size(); ++i) {
+    ASSERT_EQ(message_from_json(messages_json[i], messages[i]), std::nullopt);
+  }
+  std::string text;
+  const Status status = template_.render(messages, {}, text);
+  ASSERT_TRUE(status.ok()) << status.message();
+  EXPECT_EQ(text,
+            "<|endoftext|><|user|>\nWhat's the weather in "
+            "Paris?\n<|assistant|>\n<|endoftext|>\n<|assistant|>\nIt is "
+            "18 C and sunny in Paris.<|endoftext|>\n<|user|>\nThanks\n<|assistant|>\n");
+}
+
 // A prompt laid out by hand, piece by piece: template text, or message content whose bytes are the client's.
 struct Layout {
   std::string text;

@@ -3,11 +3,13 @@
 // Jinja2 raised raises the same Python exception class.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <optional>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -62,6 +64,9 @@ Dict context_for(const Json& template_record, const Json& scenario, const Json& 
   return context;
 }
 
+// The counts come from the corpus files, so that another corpus (CAPSERVE_SHARED_DATA_DIR) is checked as this
+// one is: every render in renders.jsonl is compared, and a template that does not compile fails each of its
+// renders (unless Jinja2 raised the same class for it too) instead of leaving the count.
 TEST(JinjaCorpus, RendersLikePythonJinja2) {
   const std::filesystem::path dir = corpus_dir();
   const std::vector<Json> templates = read_jsonl(dir / "templates.jsonl");
@@ -69,8 +74,8 @@ TEST(JinjaCorpus, RendersLikePythonJinja2) {
   std::ifstream scenarios_in(dir / "scenarios.json");
   ASSERT_TRUE(scenarios_in) << "cannot open " << dir / "scenarios.json";
   const Json spec = Json::parse(scenarios_in);
-  ASSERT_EQ(templates.size(), 108U);
-  ASSERT_EQ(renders.size(), 540U);
+  ASSERT_FALSE(templates.empty());
+  ASSERT_FALSE(renders.empty());
 
   std::map<std::pair<std::string, std::string>, const Json*> golden;
   for (const Json& r : renders) {
@@ -82,16 +87,18 @@ TEST(JinjaCorpus, RendersLikePythonJinja2) {
   int rendered_ok = 0;
   int raised_ok = 0;
   int compared = 0;
+  int not_compiled = 0;
   int reported = 0;
   for (const Json& t : templates) {
     const std::string id = t.at("id").get<std::string>();
     const std::string source = t.at("chat_template").get<std::string>();
     std::unique_ptr<Template> compiled;
+    std::optional<Error> compile_error;
     try {
       compiled = std::make_unique<Template>(source);
     } catch (const Error& e) {
-      ADD_FAILURE() << id << ": does not compile: " << e.what();
-      continue;
+      compile_error = e;
+      ++not_compiled;
     }
     for (const Json& scenario : spec.at("scenarios")) {
       if (!applies(scenario, source)) continue;
@@ -106,14 +113,19 @@ TEST(JinjaCorpus, RendersLikePythonJinja2) {
       std::string output;
       std::string error_class_name;
       std::string error_text;
-      try {
-        output = compiled->render(context_for(t, scenario, spec.at("tools")), options).text;
-      } catch (const Error& e) {
-        error_class_name = std::string(error_class(e.kind()));
-        error_text = e.what();
-      } catch (const std::exception& e) {
-        error_class_name = "C++ exception";
-        error_text = e.what();
+      if (compile_error) {
+        error_class_name = std::string(error_class(compile_error->kind()));
+        error_text = std::string("does not compile: ") + compile_error->what();
+      } else {
+        try {
+          output = compiled->render(context_for(t, scenario, spec.at("tools")), options).text;
+        } catch (const Error& e) {
+          error_class_name = std::string(error_class(e.kind()));
+          error_text = e.what();
+        } catch (const std::exception& e) {
+          error_class_name = "C++ exception";
+          error_text = e.what();
+        }
       }
       const bool want_ok = expected.at("ok").get<bool>();
       if (want_ok && error_class_name.empty() && output == expected.at("output").get<std::string>()) {
@@ -133,11 +145,17 @@ TEST(JinjaCorpus, RendersLikePythonJinja2) {
       }
     }
   }
-  std::cout << "chat-template corpus: " << rendered_ok + raised_ok << " of " << compared << " match ("
-            << rendered_ok << " renders byte-identical, " << raised_ok << " raises of the same class)\n";
-  EXPECT_EQ(compared, 540);
-  EXPECT_EQ(rendered_ok, 475);
-  EXPECT_EQ(raised_ok, 65);
+  const auto want_rendered =
+      std::count_if(renders.begin(), renders.end(), [](const Json& r) { return r.at("ok").get<bool>(); });
+  const auto want_raised = static_cast<std::ptrdiff_t>(renders.size()) - want_rendered;
+  std::cout << "chat-template corpus: " << rendered_ok + raised_ok << " of " << renders.size()
+            << " renders of " << templates.size() << " templates match (" << rendered_ok << " of "
+            << want_rendered << " renders byte-identical, " << raised_ok << " of " << want_raised
+            << " raises of the same class; " << not_compiled << " templates do not compile)\n";
+  EXPECT_EQ(compared, static_cast<std::ptrdiff_t>(renders.size()))
+      << "renders.jsonl holds renders no scenario applies to";
+  EXPECT_EQ(rendered_ok, want_rendered);
+  EXPECT_EQ(raised_ok, want_raised);
 }
 
 }  // namespace
