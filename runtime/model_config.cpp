@@ -244,6 +244,7 @@ void ModelConfig::validate() const {
   bool any_moe = false;
   bool any_dense = false;
   for (const bool moe : layer_is_moe) (moe ? any_moe : any_dense) = true;
+  for (const bool moe : mtp_layer_is_moe) (moe ? any_moe : any_dense) = true;
   if (any_moe) {
     positive("num_experts", num_experts);
     positive("num_experts_per_tok", top_k);

@@ -4,25 +4,34 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <utility>
 #include <vector>
 
+#include <spdlog/spdlog.h>
+
 #include "kernels/cpu/weight_convert.h"
-#include "runtime/load_error.h"
 
 namespace capserve::runtime {
 namespace {
 
 // Fetches checkpoint tensors (checked against their shapes) and uploads them through the backend; a device
 // backend's copies are kept in `storage`, and then the host copies of dequantized FP8 weights are freed (the
-// CPU's tensors are those host copies).
+// CPU's tensors are those host copies). One made with `read` false only checks each tensor (shape, FP8
+// scales) and marks it used, reading nothing, and gives empty tensors: the walk over layers the model does
+// not run.
 class Uploader {
  public:
-  Uploader(Checkpoint& ckpt, kernels::Backend& backend, std::vector<kernels::Buffer>& storage)
-      : ckpt_(ckpt), backend_(backend), storage_(storage) {}
+  Uploader(Checkpoint& ckpt, kernels::Backend& backend, std::vector<kernels::Buffer>& storage,
+           bool read = true)
+      : ckpt_(ckpt), backend_(backend), storage_(storage), read_(read) {}
 
   [[nodiscard]] Checkpoint& checkpoint() { return ckpt_; }
   kernels::Tensor get(std::string_view name, std::initializer_list<std::int64_t> shape) {
+    if (!read_) {
+      ckpt_.check(name, shape);
+      return {};
+    }
     const kernels::WeightView host = ckpt_.get(name, shape);
     kernels::Tensor t = upload(host);
     release(host);
@@ -42,6 +51,7 @@ class Uploader {
   // flip near-tied experts, where transformers and DeepSeek compute the router in f32. The CPU widens stored
   // weights exactly in every GEMM, so it keeps the zero-copy view.
   kernels::Tensor get_router(std::string_view name, std::initializer_list<std::int64_t> shape) {
+    if (!read_) return get(name, shape);
     const kernels::WeightView host = ckpt_.get(name, shape);
     if (backend_.device() == kernels::kCpu || host.dtype == kernels::DType::f32) {
       kernels::Tensor t = upload(host);
@@ -55,6 +65,33 @@ class Uploader {
     release(host);
     return t;
   }
+  // In f32 whatever the checkpoint stores (BF16 and F16 widen exactly), with exactly `shape`: the router's
+  // correction bias, which the kernels add to f32 scores.
+  kernels::Tensor get_f32(std::string_view name, std::initializer_list<std::int64_t> shape) {
+    if (!read_) return get(name, shape);
+    const kernels::WeightView host = ckpt_.get_f32(name, shape);
+    kernels::Tensor t = upload(host).reshaped(shape);
+    release(host);
+    return t;
+  }
+  // A matrix's rows [0, first) and [first, rows), or a vector's elements, as two tensors:
+  // kv_a_proj_with_mqa's latent and rope-key parts, which the kernels take separately.
+  std::pair<kernels::Tensor, kernels::Tensor> get_split(std::string_view name,
+                                                        std::initializer_list<std::int64_t> shape,
+                                                        std::int64_t first) {
+    if (!read_) {
+      ckpt_.check(name, shape);
+      return {};
+    }
+    const kernels::WeightView host = ckpt_.get(name, shape);
+    const bool vector = shape.size() == 1;
+    const std::int64_t rest = (vector ? host.cols : host.rows) - first;
+    std::pair<kernels::Tensor, kernels::Tensor> parts{
+        upload(vector ? host.element_range(0, first) : host.row_range(0, first)),
+        upload(vector ? host.element_range(first, rest) : host.row_range(first, rest))};
+    release(host);
+    return parts;
+  }
   // The bytes of every tensor uploaded so far.
   [[nodiscard]] std::int64_t bytes() const { return bytes_; }
   // `host` (a view Checkpoint::get returned) is no longer needed once the device holds copies of it.
@@ -66,6 +103,7 @@ class Uploader {
   Checkpoint& ckpt_;
   kernels::Backend& backend_;
   std::vector<kernels::Buffer>& storage_;
+  bool read_;
   bool device_copies_ = false;
   std::int64_t bytes_ = 0;
 };
@@ -101,16 +139,10 @@ AttentionWeights load_latent_attention(Uploader& up, const ModelConfig& c, const
   } else {
     a.q = up.get(p + n.q_proj + ".weight", {q_width, c.hidden_size});
   }
-  const kernels::WeightView kv_a = up.checkpoint().get(p + n.kv_a_proj + ".weight", {r + dr, c.hidden_size});
-  a.kv_a_latent = up.upload(kv_a.row_range(0, r));
-  a.kv_a_rope = up.upload(kv_a.row_range(r, dr));
-  up.release(kv_a);
-  if (m.bias) {
-    const kernels::WeightView bias = up.checkpoint().get(p + n.kv_a_proj + ".bias", {r + dr});
-    a.kv_a_latent_bias = up.upload(bias.element_range(0, r));
-    a.kv_a_rope_bias = up.upload(bias.element_range(r, dr));
-    up.release(bias);
-  }
+  std::tie(a.kv_a_latent, a.kv_a_rope) =
+      up.get_split(p + n.kv_a_proj + ".weight", {r + dr, c.hidden_size}, r);
+  if (m.bias)
+    std::tie(a.kv_a_latent_bias, a.kv_a_rope_bias) = up.get_split(p + n.kv_a_proj + ".bias", {r + dr}, r);
   a.kv_a_norm = up.get(p + n.kv_a_norm, {r});
   a.kv_b = up.get(p + n.kv_b_proj + ".weight", {c.num_heads * (m.qk_nope_head_dim + m.v_head_dim), r});
   a.o = up.get(p + n.o_proj + ".weight", {c.hidden_size, c.num_heads * m.v_head_dim});
@@ -142,24 +174,18 @@ AttentionWeights load_attention(Uploader& up, const ModelConfig& c, const Tensor
   return a;
 }
 
+// `owners` empty: no rank keeps a routed expert (a layer walked without reading).
 MoeWeights load_moe(Uploader& up, const ModelConfig& c, const TensorNames& n, const std::string& p,
                     std::span<const std::int32_t> owners, int rank) {
   MoeWeights m;
   m.router = up.get_router(p + n.router, {c.num_experts, c.hidden_size});
-  if (c.router.correction_bias) {
-    const std::string name = p + n.router_bias;
-    const kernels::WeightView bias = up.checkpoint().get(name, {c.num_experts});
-    if (bias.dtype != kernels::DType::f32)
-      throw LoadError(name + ": stored as " + std::string(kernels::dtype_name(bias.dtype)) +
-                      "; the router's correction bias must be F32 (as DeepSeek-V3 ships it)");
-    m.router_bias = up.upload(bias).reshaped({c.num_experts});
-    up.release(bias);
-  }
+  if (c.router.correction_bias) m.router_bias = up.get_f32(p + n.router_bias, {c.num_experts});
   for (std::int64_t e = 0; e < c.num_experts; ++e) {
     // Every expert's tensors are checked, but only this rank's are kept: the others' pages are never touched.
-    std::optional<kernels::ExpertWeights> w = load_swiglu(
-        up, p + n.expert_prefix + std::to_string(e) + ".", n.expert_gate, n.expert_up, n.expert_down,
-        c.hidden_size, c.moe_intermediate_size, owners[static_cast<std::size_t>(e)] == rank);
+    const bool keep = !owners.empty() && owners[static_cast<std::size_t>(e)] == rank;
+    std::optional<kernels::ExpertWeights> w =
+        load_swiglu(up, p + n.expert_prefix + std::to_string(e) + ".", n.expert_gate, n.expert_up,
+                    n.expert_down, c.hidden_size, c.moe_intermediate_size, keep);
     if (w) m.experts.push_back(std::move(*w));
   }
   if (c.shared_expert_intermediate_size > 0) {
@@ -168,6 +194,44 @@ MoeWeights load_moe(Uploader& up, const ModelConfig& c, const TensorNames& n, co
     if (!n.shared_expert_gate.empty()) m.shared_gate = up.get(p + n.shared_expert_gate, {1, c.hidden_size});
   }
   return m;
+}
+
+LayerWeights load_layer(Uploader& up, const ModelConfig& c, const TensorNames& n, const std::string& p,
+                        bool is_moe, std::span<const std::int32_t> owners, int rank) {
+  LayerWeights layer;
+  layer.input_norm = up.get(p + n.input_norm, {c.hidden_size});
+  layer.post_attention_norm = up.get(p + n.post_attention_norm, {c.hidden_size});
+  layer.attention = load_attention(up, c, n, p);
+  layer.is_moe = is_moe;
+  if (layer.is_moe) {
+    layer.moe = load_moe(up, c, n, p, owners, rank);
+  } else {
+    layer.dense_mlp.push_back(*load_swiglu(up, p + n.dense_mlp_prefix, "gate_proj.weight", "up_proj.weight",
+                                           "down_proj.weight", c.hidden_size, c.dense_intermediate_size));
+  }
+  return layer;
+}
+
+// Multi-token-prediction layer `i`, checked through an uploader that does not read (speculative decoding,
+// which would run it, is not built): loading it is the same walk with a reading uploader and this rank's
+// experts. A checkpoint without the layer (no eh_proj) passes; one with part of it fails check_all_used.
+void check_mtp_layer(Uploader& up, const ModelConfig& c, const TensorNames& n, std::int64_t i) {
+  const std::int64_t l = c.num_layers + i;
+  const std::string p = "model.layers." + std::to_string(l) + ".";
+  if (!up.checkpoint().contains(p + n.mtp_eh_proj)) {
+    spdlog::info("{}: the checkpoint has no multi-token-prediction layer {} (no '{}')", c.architecture, l,
+                 p + n.mtp_eh_proj);
+    return;
+  }
+  up.get(p + n.mtp_eh_proj, {c.hidden_size, 2 * c.hidden_size});
+  for (const std::string* norm : {&n.mtp_enorm, &n.mtp_hnorm, &n.mtp_head_norm})
+    up.get(p + *norm, {c.hidden_size});
+  for (const std::string* optional : {&n.mtp_embed, &n.mtp_head}) {
+    if (up.checkpoint().contains(p + *optional)) up.get(p + *optional, {c.vocab_size, c.hidden_size});
+  }
+  load_layer(up, c, n, p, c.mtp_layer_is_moe[static_cast<std::size_t>(i)], {}, 0);
+  spdlog::info("{}: multi-token-prediction layer {} checked and not loaded (no speculative decoding)",
+               c.architecture, l);
 }
 
 }  // namespace
@@ -182,19 +246,14 @@ ModelWeights load_model_weights(Checkpoint& ckpt, const ModelConfig& c, const Te
   w.lm_head = c.tie_word_embeddings ? w.embed : up.get(n.lm_head, {c.vocab_size, c.hidden_size});
   w.layers.resize(static_cast<std::size_t>(c.num_layers));
   for (std::int64_t l = 0; l < c.num_layers; ++l) {
-    const std::string p = "model.layers." + std::to_string(l) + ".";
-    LayerWeights& layer = w.layers[static_cast<std::size_t>(l)];
-    layer.input_norm = up.get(p + n.input_norm, {c.hidden_size});
-    layer.post_attention_norm = up.get(p + n.post_attention_norm, {c.hidden_size});
-    layer.attention = load_attention(up, c, n, p);
-    layer.is_moe = c.layer_is_moe[static_cast<std::size_t>(l)];
-    if (layer.is_moe) {
-      layer.moe = load_moe(up, c, n, p, placement.owners(l), rank);
-    } else {
-      layer.dense_mlp.push_back(*load_swiglu(up, p + n.dense_mlp_prefix, "gate_proj.weight", "up_proj.weight",
-                                             "down_proj.weight", c.hidden_size, c.dense_intermediate_size));
-    }
+    const bool is_moe = c.layer_is_moe[static_cast<std::size_t>(l)];
+    w.layers[static_cast<std::size_t>(l)] =
+        load_layer(up, c, n, "model.layers." + std::to_string(l) + ".", is_moe,
+                   is_moe ? placement.owners(l) : std::span<const std::int32_t>{}, rank);
   }
+  Uploader checker(ckpt, backend, w.storage, /*read=*/false);
+  for (std::size_t i = 0; i < c.mtp_layer_is_moe.size(); ++i)
+    check_mtp_layer(checker, c, n, static_cast<std::int64_t>(i));
   // Tied checkpoints sometimes still carry lm_head.weight; it is the same matrix, so accept it.
   if (c.tie_word_embeddings && ckpt.contains(n.lm_head)) ckpt.get(n.lm_head, {c.vocab_size, c.hidden_size});
   ckpt.check_all_used();

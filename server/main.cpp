@@ -639,6 +639,7 @@ int follow(parallel::MpiWorld& world, server::RankWorker& worker) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  capserve::runtime::log_to_stderr();
   // deploy/launch.sh starts mpirun with SIGTERM, SIGINT and SIGHUP blocked (so that they cannot abort the
   // job); this process must receive them. Before MPI starts its threads, which inherit the mask.
   sigset_t stop_signals;

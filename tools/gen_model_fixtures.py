@@ -34,6 +34,8 @@ import torch
 
 import transformers
 from safetensors import safe_open
+
+from add_mtp_layers import add_mtp_layers
 from transformers.models.deepseek_v2 import modeling_deepseek_v2
 from transformers import (
     DeepseekV2Config,
@@ -320,6 +322,7 @@ FIXTURES += [
         disk_dtype=torch.float32,
         max_shard_size=None,
         seed=43,
+        mtp_shared=False,  # the MTP layer without embed_tokens and shared_head.head, as some conversions store it
         description=(
             "DeepseekV3ForCausalLM, f32; 3 layers: layer 0 dense (first_k_dense_replace 1), 1 and 2 MoE: sigmoid "
             "router with a random e_score_correction_bias (selection only), 16 routed experts in 4 groups ranked by "
@@ -340,6 +343,7 @@ FIXTURES += [
         fp8_block=(16, 16),
         max_shard_size=None,
         seed=47,
+        mtp_shared=True,  # the MTP layer as released, with its own embed_tokens and shared_head.head
         description=(
             "DeepseekV3ForCausalLM as deepseek_v3, block-quantized FP8 as DeepSeek-V3 ships it: every linear "
             "weight of attention and the MLPs (not embeddings, lm_head, norms, the router) stored as F8_E4M3 with a "
@@ -975,6 +979,9 @@ def generate_fixture(fx, seed):
     if quantized is not None:
         stats["fp8_quantized_matrices"] = fp8_rewrite_checkpoint(d, quantized, fx["fp8_block"])
         stats["transformers_fp8_dequantized_max_abs_logit_diff"] = check_transformers_fp8_load(d, ref)
+    if "mtp_shared" in fx:
+        # Last: transformers does not load the MTP layers, so the reference above is the model's without them.
+        add_mtp_layers(d, seed, shared=fx["mtp_shared"])
 
     extra = {}
     cfg = loaded.config
@@ -1075,6 +1082,8 @@ def write_readme(results):
         "N(0, 1/fan_in), rows 0..2 x0.1; norms 1 + 0.1 N(0,1); biases 0.2 N(0,1)). Seeds were picked so that every "
         "recorded greedy step has top1 - top2 >= 1e-3 max|logit|, every routed token has router p[k-1] - p[k] >= 1e-4 "
         "(group-limited routing: also between the topk_group-th and the next group), and no continuation is degenerate (>= 4 distinct ids in 16); measured values are in each `checks`.",
+        "",
+        "MTP layers: `deepseek_v3` and `deepseek_v3_fp8` (num_nextn_predict_layers 1) also hold DeepSeek-V3's multi-token-prediction layer, `model.layers.3.*` in the released layout, appended behind the other tensors by `tools/add_mtp_layers.py` (numpy only; random values at the scales above): a decoder layer's tensors (MLA attention, MoE with the correction bias, shared expert, both norms) plus `enorm`, `hnorm`, `eh_proj` [64, 128] and `shared_head.norm`; `deepseek_v3_fp8` also its own `embed_tokens` and `shared_head.head` (BF16 like `eh_proj` and the norms, the attention and expert matrices F8_E4M3 with their scales, as released), `deepseek_v3` without those two (as some conversions store it). transformers does not load them (unexpected keys), so the references are those of the model without them; every other tensor keeps its bytes.",
         "",
         "HF semantics these fixtures pin down (transformers " + transformers.__version__ + "):",
         "",

@@ -40,6 +40,14 @@ struct TensorNames {
   std::string shared_expert_prefix;       // e.g. "mlp.shared_expert."; empty: none
   std::string shared_expert_gate;         // e.g. "mlp.shared_expert_gate.weight"; empty: ungated
   std::string dense_mlp_prefix = "mlp.";  // dense layers: <prefix>{gate,up,down}_proj.weight
+  // A multi-token-prediction layer's own tensors besides a decoder layer's (ModelConfig::mtp_layer_is_moe);
+  // empty where the architecture has none.
+  std::string mtp_eh_proj;    // [hidden, 2 * hidden]; its presence marks the layer as stored
+  std::string mtp_enorm;      // [hidden]
+  std::string mtp_hnorm;      // [hidden]
+  std::string mtp_head_norm;  // [hidden]
+  std::string mtp_embed;      // [vocab, hidden], optional: conversions drop this copy of the model's own
+  std::string mtp_head;       // [vocab, hidden], optional likewise
 };
 
 struct Architecture {
@@ -58,6 +66,8 @@ const Architecture& deepseek_v3_architecture();
 // What DeepSeek-V2 and V3 share (deepseek_v2.cpp): multi-head latent attention with its softmax scale, the
 // routed and shared experts' sizes, the dense-then-MoE layer rule, and the tensor names. The routers differ.
 ModelConfig parse_deepseek_common(const ConfigReader& r);
+// DeepSeek's layer rule: MoE from first_k_dense_replace on, on the moe_layer_freq grid.
+bool deepseek_layer_is_moe(const ConfigReader& r, std::int64_t layer);
 TensorNames deepseek_tensor_names();
 
 // Qwen MoE models' layer rule (qwen2_moe.cpp): MoE where (layer + 1) % decoder_sparse_step == 0 and the layer

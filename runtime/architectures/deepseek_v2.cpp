@@ -47,14 +47,18 @@ ModelConfig parse_deepseek_common(const ConfigReader& r) {
   c.shared_expert_intermediate_size = r.integer_or("n_shared_experts", 0) * c.moe_intermediate_size;
   c.dense_intermediate_size = r.integer("intermediate_size");
 
-  // DeepSeek's rule (transformers' port ignores moe_layer_freq; the released checkpoints use 1).
+  for (std::int64_t layer = 0; layer < c.num_layers; ++layer)
+    c.layer_is_moe.push_back(deepseek_layer_is_moe(r, layer));
+  return c;
+}
+
+// transformers' port ignores moe_layer_freq; the released checkpoints use 1.
+bool deepseek_layer_is_moe(const ConfigReader& r, std::int64_t layer) {
   const std::int64_t first_dense = r.integer_or("first_k_dense_replace", 0);
   const std::int64_t freq = r.integer_or("moe_layer_freq", 1);
   if (first_dense < 0) throw LoadError("config.json: key 'first_k_dense_replace' must not be negative");
   if (freq <= 0) throw LoadError("config.json: key 'moe_layer_freq' must be positive");
-  for (std::int64_t layer = 0; layer < c.num_layers; ++layer)
-    c.layer_is_moe.push_back(layer >= first_dense && layer % freq == 0);
-  return c;
+  return layer >= first_dense && layer % freq == 0;
 }
 
 TensorNames deepseek_tensor_names() {

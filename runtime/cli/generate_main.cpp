@@ -41,6 +41,7 @@ std::vector<std::int32_t> parse_ids(const std::string& text) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  capserve::runtime::log_to_stderr();
   using namespace capserve;
   std::optional<parallel::MpiWorld> world;
   if (!parallel::start_mpi(world, argc, argv, "capserve-generate")) return 1;

@@ -1,7 +1,11 @@
 #include "runtime/cli/version.h"
 
 #include <cstdio>
+#include <memory>
 #include <span>
+
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
 
 #include "runtime/cli/flag_checks.h"
 #include "runtime/cli/version_git.h"
@@ -12,6 +16,11 @@ const BuildInfo& build_info() {
   static const BuildInfo info{CAPSERVE_VERSION, CAPSERVE_GIT_COMMIT, CAPSERVE_BUILD_TYPE,
                               CAPSERVE_CUDA_SUPPORT != 0};
   return info;
+}
+
+void log_to_stderr() {
+  spdlog::set_default_logger(
+      std::make_shared<spdlog::logger>("", std::make_shared<spdlog::sinks::stderr_color_sink_mt>()));
 }
 
 std::string version_line(std::string_view program) {

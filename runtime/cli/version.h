@@ -1,6 +1,7 @@
 #pragma once
 // What every program prints for --version and capserve exports as capserve_build_info: one place, so that the
-// binaries of one build can never disagree about which build they are.
+// binaries of one build can never disagree about which build they are. And what every program sets up first:
+// its logs on stderr.
 #include <optional>
 #include <string>
 #include <string_view>
@@ -17,6 +18,11 @@ struct BuildInfo {
 };
 
 [[nodiscard]] const BuildInfo& build_info();
+
+// Sends spdlog's default logger, which the libraries log through, to stderr: its default writes to stdout,
+// where the programs print their results (capserve-generate's token ids) for scripts to read. Call first in
+// main, before anything can log.
+void log_to_stderr();
 
 // "capserve-generate 0.1.0 (git 1a2b3c4d5e6f, Release, CUDA support: no)".
 [[nodiscard]] std::string version_line(std::string_view program);

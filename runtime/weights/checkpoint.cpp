@@ -10,6 +10,7 @@
 #include <system_error>
 #include <utility>
 
+#include "kernels/cpu/weight_convert.h"
 #include "runtime/load_error.h"
 
 namespace capserve::runtime {
@@ -223,12 +224,25 @@ kernels::WeightView Checkpoint::get(std::string_view name, std::initializer_list
   return view;
 }
 
+kernels::WeightView Checkpoint::get_f32(std::string_view name, std::initializer_list<std::int64_t> shape) {
+  const kernels::WeightView stored = get(name, shape);
+  if (stored.dtype == kernels::DType::f32) return stored;
+  std::vector<float> wide(static_cast<std::size_t>(stored.numel()));
+  kernels::cpu::convert_to_f32(stored.dtype, stored.data, 0, stored.numel(), wide.data());
+  release(stored);
+  const kernels::WeightView view{kernels::DType::f32, reinterpret_cast<const std::byte*>(wide.data()),
+                                 stored.rows, stored.cols};
+  widened_.emplace(view.data, std::move(wide));
+  return view;
+}
+
 void Checkpoint::check(std::string_view name, std::initializer_list<std::int64_t> shape) {
   checked(name, std::vector<std::int64_t>(shape));
 }
 
 void Checkpoint::release(const kernels::WeightView& view) {
   dequantized_.erase(view.data);
+  widened_.erase(view.data);
 }
 
 void Checkpoint::check_all_used() const {

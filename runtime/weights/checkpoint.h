@@ -34,10 +34,13 @@ class Checkpoint {
   // the file and tensor when it is missing or has another shape.
   // An F8_E4M3 tensor comes back dequantized to bf16 (its scale tensor checked and marked used too).
   kernels::WeightView get(std::string_view name, std::initializer_list<std::int64_t> shape);
+  // `get` widened exactly to f32 (from BF16 or F16, or an FP8 matrix's bf16 dequantization) into memory the
+  // checkpoint owns: converters store small f32 tensors in either half type.
+  kernels::WeightView get_f32(std::string_view name, std::initializer_list<std::int64_t> shape);
   // What `get` checks and marks, without reading or dequantizing the data (other ranks' experts).
   void check(std::string_view name, std::initializer_list<std::int64_t> shape);
-  // Frees the dequantized copy behind a view `get` returned, once a device holds its own copy (no-op for a
-  // view into the mapping).
+  // Frees the dequantized or widened copy behind a view `get` or `get_f32` returned, once a device holds its
+  // own copy (no-op for a view into the mapping).
   void release(const kernels::WeightView& view);
 
   // Throws LoadError listing every tensor never fetched with `get` (name and file), if any.
@@ -58,6 +61,7 @@ class Checkpoint {
   std::unordered_set<std::string> used_;
   std::optional<Fp8BlockShape> fp8_;
   std::unordered_map<const std::byte*, std::vector<std::uint16_t>> dequantized_;  // bf16, by data pointer
+  std::unordered_map<const std::byte*, std::vector<float>> widened_;              // by data pointer
 };
 
 }  // namespace capserve::runtime

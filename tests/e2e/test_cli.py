@@ -1,7 +1,7 @@
 """The programs' command lines: --version on every binary (one version line, the same build for all), --help
 showing each option's default and description (enum flags as "one of: ..."), a misspelt flag answered with the
-closest one, and capserve --config refusing an unknown key or a wrongly typed value by name (exit code 2, nothing
-loaded)."""
+closest one, capserve --config refusing an unknown key or a wrongly typed value by name (exit code 2, nothing
+loaded), and capserve-generate's stdout holding only the token ids (logs go to stderr)."""
 
 import json
 import os
@@ -55,6 +55,18 @@ class CliTest(unittest.TestCase):
                 done = run(cmd)
                 self.assertEqual(done.returncode, 2, done.stdout)
                 self.assertIn(f"unknown flag {wrong} (did you mean {right}?)", done.stdout)
+
+    def test_generate_prints_only_ids_on_stdout(self):
+        # Logs go to stderr in every program: the deepseek_v3 fixture's multi-token-prediction layer makes the load
+        # log a line, which spdlog's default logger printed on stdout between the token ids.
+        generate = os.environ["CAPSERVE_GENERATE"]
+        fixture = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fixtures", "models", "deepseek_v3")
+        done = subprocess.run([generate, "--model", fixture, "--input-ids", "5 77 300", "--input-ids", "12 9",
+                               "--max-new-tokens", "4", "--threads", "1"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=120)
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertRegex(done.stdout, r"\A(\d+ \d+ \d+ \d+\n){2}\Z")
+        self.assertIn("multi-token-prediction layer 3", done.stderr)
 
     def test_help_describes_every_option_in_words(self):
         generate = os.environ["CAPSERVE_GENERATE"]

@@ -46,6 +46,7 @@ double percentile(std::vector<double> v, double p) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  capserve::runtime::log_to_stderr();
   CLI::App app{"Decision time of the CAPS batch selector"};
   capserve::runtime::add_common_flags(app, "capserve-bench-batch-selector");
   std::string counts_path = "../shared/data/routing/olmoe_mixtral_expert_counts.json";

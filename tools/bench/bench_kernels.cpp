@@ -539,6 +539,7 @@ class Bench {
 }  // namespace
 
 int main(int argc, char** argv) {
+  capserve::runtime::log_to_stderr();
   CLI::App app{
       "capserve-bench-kernels: the CUDA backend's operations at real model shapes against their bounds"};
   runtime::add_common_flags(app, "capserve-bench-kernels");

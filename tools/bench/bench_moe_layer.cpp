@@ -895,6 +895,7 @@ int run_model(parallel::MpiWorld& world, parallel::MpiCommunicator& comm, const 
 }  // namespace
 
 int main(int argc, char** argv) {
+  capserve::runtime::log_to_stderr();
   std::optional<parallel::MpiWorld> world;
   if (!parallel::start_mpi(world, argc, argv, "capserve-bench-moe-layer")) return 1;
   CLI::App app{"MoE layer time (scheduler + dispatch + experts + combine, slowest rank) vs capacity factor"};

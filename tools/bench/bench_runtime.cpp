@@ -56,6 +56,7 @@ std::pair<double, double> run(Engine& engine, const std::vector<std::vector<std:
 }  // namespace
 
 int main(int argc, char** argv) {
+  capserve::runtime::log_to_stderr();
   CLI::App app{"CapServe runtime throughput benchmark"};
   capserve::runtime::add_common_flags(app, "capserve-bench-runtime");
   std::string model_dir;

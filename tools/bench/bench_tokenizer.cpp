@@ -30,6 +30,7 @@ std::vector<std::string> read_lines(const std::string& path) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  capserve::runtime::log_to_stderr();
   CLI::App app{"Single-thread encode throughput of the CapServe tokenizer"};
   capserve::runtime::add_common_flags(app, "capserve-bench-tokenizer");
   std::string dir;

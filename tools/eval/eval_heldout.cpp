@@ -318,6 +318,7 @@ void write_json(const std::string& path, const Options& o, const runtime::Model&
 }  // namespace
 
 int main(int argc, char** argv) {
+  capserve::runtime::log_to_stderr();
   std::optional<parallel::MpiWorld> world;
   if (!parallel::start_mpi(world, argc, argv, "capserve-eval-heldout")) return 1;
   const int rank = world->rank();

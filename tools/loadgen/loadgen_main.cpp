@@ -530,6 +530,7 @@ class Run {
 }  // namespace
 
 int main(int argc, char** argv) {
+  capserve::runtime::log_to_stderr();
   CLI::App app{
       "capserve-loadgen: streamed load against a CapServe server, with latency, throughput and the "
       "server's MoE figures"};

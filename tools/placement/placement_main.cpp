@@ -17,6 +17,7 @@
 #include "tools/placement/placement_plan.h"
 
 int main(int argc, char** argv) {
+  capserve::runtime::log_to_stderr();
   using namespace capserve;
   CLI::App app{"Balanced expert placement from routing counts (written for --expert-placement)"};
   capserve::runtime::add_common_flags(app, "capserve-placement");

@@ -123,6 +123,7 @@ Result handle_json_line(const Tokenizer& tokenizer, const std::string& line, con
 }  // namespace
 
 int main(int argc, char** argv) {
+  capserve::runtime::log_to_stderr();
   using namespace capserve;
   CLI::App app{"Encode text to token ids (or decode ids) with a Hugging Face tokenizer"};
   capserve::runtime::add_common_flags(app, "capserve-tokenize");
