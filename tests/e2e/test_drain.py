@@ -15,13 +15,22 @@ from capserve_e2e import ServerTestCase, chat_request, main, pb
 
 
 def pending_signals(pid):
-    """The signals sent to process `pid` that it has not taken yet (its own and its threads' pending sets)."""
+    """The signals sent to process `pid` that it has not taken yet (its own and its threads' pending sets). A
+    thread that ends while they are read is skipped (a draining rank ends threads), and a process that has ended
+    has none."""
     mask = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/status") as f:
-            for line in f:
-                if line.startswith(("SigPnd:", "ShdPnd:")):
-                    mask |= int(line.split()[1], 16)
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return 0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                for line in f:
+                    if line.startswith(("SigPnd:", "ShdPnd:")):
+                        mask |= int(line.split()[1], 16)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
     return mask
 
 STREAMS = 3
