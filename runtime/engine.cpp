@@ -63,6 +63,17 @@ void Engine::release(SequenceId seq) {
   lengths_.erase(seq);
 }
 
+void Engine::truncate(SequenceId seq, std::int64_t length) {
+  const auto it = lengths_.find(seq);
+  if (it == lengths_.end() || length <= 0 || length > it->second) {
+    throw std::invalid_argument("Engine::truncate: sequence " + std::to_string(seq) + " to " +
+                                std::to_string(length) + " tokens (it holds " +
+                                std::to_string(it == lengths_.end() ? 0 : it->second) + ")");
+  }
+  it->second = length;
+  cache_.blocks().truncate(seq, length);
+}
+
 Status Engine::validate(std::span<const Work> work) {
   const ModelConfig& c = model_.config();
   if (max_step_tokens_ > 0) {
@@ -121,7 +132,8 @@ Status Engine::step(std::span<const Work> work) {
     const std::int64_t start = length(w.seq);
     const auto n = static_cast<std::int64_t>(w.tokens.size());
     // A single token appended to a sequence already in the cache is a decode step.
-    decode_rows_.insert(decode_rows_.end(), static_cast<std::size_t>(n), start > 0 && n == 1 ? 1 : 0);
+    decode_rows_.insert(decode_rows_.end(), static_cast<std::size_t>(n),
+                        w.decode || (start > 0 && n == 1) ? 1 : 0);
     cache_.blocks().reserve(w.seq, start + n);  // validated above: always fits
     lengths_[w.seq] = start + n;
     const auto first_row = static_cast<std::int64_t>(tokens_.size());

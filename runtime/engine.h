@@ -37,6 +37,9 @@ class Engine {
     SequenceId seq = 0;  // an unknown id starts a new sequence
     std::span<const std::int32_t> tokens;
     bool all_logits = false;  // logits of every new position instead of only the last one
+    // Decode tokens: a sampled token and the draft tokens after it (speculative decoding), which the capacity
+    // scheduler treats as the decode phase, as it does a lone token appended to a sequence.
+    bool decode = false;
   };
 
   // Runs one step. On success the step's logits hold, for each work item in order, one row (or tokens.size()
@@ -79,6 +82,10 @@ class Engine {
   void set_latent_form(kernels::LatentForm form) { pass_.set_latent_form(form); }
 
   void release(SequenceId seq);
+  // Rolls the sequence back to its first `length` tokens (speculative decoding's rejected drafts): later
+  // positions are forgotten, their whole KV blocks freed, and the next step appends at `length`.
+  // std::invalid_argument unless 0 < length <= length(seq).
+  void truncate(SequenceId seq, std::int64_t length);
   [[nodiscard]] std::int64_t length(SequenceId seq) const;
   [[nodiscard]] const Model& model() const { return model_; }
   [[nodiscard]] const KvCache& cache() const { return cache_; }

@@ -1,5 +1,6 @@
 #include "runtime/kv_block_manager.h"
 
+#include <algorithm>
 #include <stdexcept>
 
 namespace capserve::runtime {
@@ -23,6 +24,17 @@ bool KvBlockManager::reserve(SequenceId seq, std::int64_t tokens) {
     free_.pop_back();
   }
   return true;
+}
+
+void KvBlockManager::truncate(SequenceId seq, std::int64_t tokens) {
+  const auto it = tables_.find(seq);
+  if (it == tables_.end()) return;
+  std::vector<std::int32_t>& table = it->second;
+  const auto keep = static_cast<std::size_t>(std::max<std::int64_t>(blocks_for(tokens), 0));
+  while (table.size() > keep) {
+    free_.push_back(table.back());
+    table.pop_back();
+  }
 }
 
 void KvBlockManager::release(SequenceId seq) {

@@ -29,6 +29,9 @@ class KvBlockManager {
   // Grows the sequence's block table to hold `tokens` tokens; false (and no change) when too few blocks are
   // free.
   bool reserve(SequenceId seq, std::int64_t tokens);
+  // Shrinks the sequence's block table to what `tokens` tokens occupy and frees the rest (speculative
+  // decoding's rollback of rejected draft tokens); a table already that small is left as it is.
+  void truncate(SequenceId seq, std::int64_t tokens);
   void release(SequenceId seq);
   [[nodiscard]] std::span<const std::int32_t> block_table(SequenceId seq) const;
 
