@@ -1119,7 +1119,8 @@ def generate_fixture(fx, seed):
             torch.from_numpy(np.load(d / "prompt3_logits.npy")), plain_logits[:n])
         extra["dynamic_effect_rel_on_prompt3_greedy_logits"] = rel_diff(
             torch.from_numpy(np.load(d / "prompt3_greedy_logits.npy")), plain_logits[n - 1:])
-        if min(extra["dynamic_effect_rel_on_prompt3_logits"], extra["dynamic_effect_rel_on_prompt3_greedy_logits"]) < 1e-2:
+        if min(extra["dynamic_effect_rel_on_prompt3_logits"],
+               extra["dynamic_effect_rel_on_prompt3_greedy_logits"]) < 1e-2:
             raise CheckFailed("dynamic RoPE scaling has no visible effect")
 
     cfg_json = json.loads((d / "config.json").read_text())
