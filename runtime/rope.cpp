@@ -71,15 +71,16 @@ Rope::Rope(std::int64_t dim, double theta, const RopeScaling& scaling)
 }
 
 void Rope::dynamic_inv_freq(std::int64_t seq_len, std::span<float> out) const {
-  // seq_len is an int64 tensor there and factor a Python float, so every step runs in float32; the exponent
-  // dim / (dim - 2) is a Python float that torch.pow casts to float32.
+  // seq_len is an int64 tensor there and factor a Python float, so every step runs in float32, except the
+  // power to the Python float dim / (dim - 2), which torch computes in double and rounds to float32 (this
+  // order gives its values bit for bit).
   const auto factor = static_cast<float>(scaling_.factor);
   const float scale =
       factor * static_cast<float>(seq_len) / static_cast<float>(scaling_.original_max_position_embeddings) -
       static_cast<float>(scaling_.factor - 1.0);
-  const float base =
-      static_cast<float>(theta_) *
-      std::pow(scale, static_cast<float>(static_cast<double>(dim_) / static_cast<double>(dim_ - 2)));
+  const auto stretch = static_cast<float>(
+      std::pow(static_cast<double>(scale), static_cast<double>(dim_) / static_cast<double>(dim_ - 2)));
+  const float base = static_cast<float>(theta_) * stretch;
   for (std::size_t i = 0; i < out.size(); ++i) {
     const float exponent = static_cast<float>(2 * i) / static_cast<float>(dim_);
     out[i] = 1.0F / std::pow(base, exponent);

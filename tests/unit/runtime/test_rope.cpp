@@ -49,6 +49,19 @@ double ntk_inv_freq(std::int64_t seq_len, std::int64_t i) {
   return 1.0 / std::pow(base, static_cast<double>(2 * i) / static_cast<double>(kDim));
 }
 
+// transformers 5.23's own values (_compute_dynamic_ntk_parameters of this config, seq_len a tensor as in
+// dynamic_rope_update), bit for bit.
+TEST(Rope, DynamicFrequenciesAreTransformersBitForBit) {
+  const Rope rope(kDim, kTheta, dynamic_scaling());
+  std::vector<float> got(kDim / 2);
+  rope.dynamic_inv_freq(20, got);
+  EXPECT_EQ(got, (std::vector<float>{0x1p+0F, 0x1.2549f6p-2F, 0x1.500266p-4F, 0x1.80f3d4p-6F, 0x1.b9064cp-8F,
+                                     0x1.f943ap-10F, 0x1.216e32p-11F, 0x1.4b96cp-13F}));
+  rope.dynamic_inv_freq(41, got);
+  EXPECT_EQ(got, (std::vector<float>{0x1p+0F, 0x1.e8015cp-3F, 0x1.d12292p-5F, 0x1.bb563p-7F, 0x1.a68f5p-9F,
+                                     0x1.92c1b8p-11F, 0x1.7fe1b4p-13F, 0x1.6de424p-15F}));
+}
+
 TEST(Rope, DynamicUpToTheOriginalMaximumIsThePlainRope) {
   const Rope dynamic(kDim, kTheta, dynamic_scaling());
   const Rope plain(kDim, kTheta, RopeScaling{});
