@@ -25,12 +25,12 @@ void Engine::reserve_step_memory(std::int64_t max_step_tokens) {
   // What the routing decides: sized for its bounds, which no one step need reach.
   pass_.reserve_routed(max_step_tokens_);
   // What the step's tokens decide: one step of the most tokens the cache can take (no step carries more), in
-  // sequences of at most max_position_embeddings whole blocks, every position's logits sampled and scored
+  // sequences of at most the model's context in whole blocks, every position's logits sampled and scored
   // with the most top log-probabilities; and the router dry run over as many tokens.
   const std::int64_t block = cache_.blocks().block_size();
   const std::int64_t tokens = std::min(max_step_tokens_, cache_.blocks().free_blocks() * block);
-  const std::int64_t per_seq = c.max_position_embeddings >= block ? c.max_position_embeddings / block * block
-                                                                  : c.max_position_embeddings;
+  const std::int64_t context = c.max_context_length();
+  const std::int64_t per_seq = context >= block ? context / block * block : context;
   const std::vector<std::int32_t> ids(static_cast<std::size_t>(tokens), 0);
   std::vector<Work> work;
   for (std::int64_t first = 0; first < tokens; first += per_seq) {
@@ -98,10 +98,10 @@ Status Engine::validate(std::span<const Work> work) {
       }
     }
     const std::int64_t total = length(w.seq) + static_cast<std::int64_t>(w.tokens.size());
-    if (total > c.max_position_embeddings) {
+    if (total > c.max_context_length()) {
       return Status::invalid_argument(who + ": " + std::to_string(total) +
-                                      " tokens exceed max_position_embeddings (" +
-                                      std::to_string(c.max_position_embeddings) + ")");
+                                      " tokens exceed the model's context (" +
+                                      std::to_string(c.max_context_length()) + ")");
     }
     const std::int64_t have =
         lengths_.contains(w.seq) ? static_cast<std::int64_t>(cache_.blocks().block_table(w.seq).size()) : 0;

@@ -45,7 +45,8 @@ class Engine {
   // Runs one step. On success the step's logits hold, for each work item in order, one row (or tokens.size()
   // rows with all_logits) of vocab_size floats: on the backend's device (device_logits), where sample() draws
   // from them, or copied to the host by logits(). On failure no sequence changed: an unknown or invalid token
-  // id, an empty work item, a sequence past max_position_embeddings (INVALID_ARGUMENT) or too few free KV
+  // id, an empty work item, a sequence past the model's context (ModelConfig::max_context_length:
+  // max_position_embeddings, stretched by dynamic rope scaling) (INVALID_ARGUMENT) or too few free KV
   // blocks (RESOURCE_EXHAUSTED). A collective under expert parallelism: every rank calls it every step, with
   // no work if it has none, and a rank whose work is refused still joins the step's collectives with zero
   // tokens.

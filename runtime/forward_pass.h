@@ -89,6 +89,7 @@ class ForwardPass {
     // MLA: k holds the latents, v the rope keys, q_lora the low-rank queries.
     kernels::Buffer tokens, residual, normed, q, q_lora, k, v, attn, proj, cos, sin, final_rows, exempt;
     std::vector<float> cos_host, sin_host;  // the step's rotary tables, made on the host
+    std::vector<float> dynamic_inv_freq;    // a sequence's frequencies under dynamic rope scaling
     MoeScratch moe;
   } scratch_;
   // The current step's tensors over scratch_ that every layer uses.

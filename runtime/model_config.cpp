@@ -1,5 +1,6 @@
 #include "runtime/model_config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 
@@ -109,6 +110,14 @@ RopeScaling read_rope_scaling(const nlohmann::json& obj, std::string_view key,
   if (type == "linear") {
     s.type = RopeScaling::Type::linear;
     s.factor = sub("factor");
+  } else if (type == "dynamic") {
+    // transformers' _compute_dynamic_ntk_parameters: the threshold and the formula's length are
+    // max_position_embeddings; an original_max_position_embeddings here is not read.
+    s.type = RopeScaling::Type::dynamic;
+    s.factor = sub("factor");
+    if (s.factor <= 0)
+      fail(std::string(key) + ".factor", "must be positive, got " + r.find("factor")->dump());
+    s.original_max_position_embeddings = static_cast<double>(max_position_embeddings);
   } else if (type == "llama3") {
     s.type = RopeScaling::Type::llama3;
     s.factor = sub("factor");
@@ -137,8 +146,8 @@ RopeScaling read_rope_scaling(const nlohmann::json& obj, std::string_view key,
       s.attention_factor = yarn_mscale(s.factor, 1.0);
     }
   } else {
-    fail(key,
-         "has rope type '" + type + "', which is not supported (supported: default, linear, llama3, yarn)");
+    fail(key, "has rope type '" + type +
+                  "', which is not supported (supported: default, linear, dynamic, llama3, yarn)");
   }
   s.mscale_all_dim = r.number_or("mscale_all_dim", 0.0);
   return s;
@@ -208,6 +217,13 @@ void ConfigReader::read_common(ModelConfig& c) const {
   }
 }
 
+std::int64_t ModelConfig::max_context_length() const {
+  if (rope_scaling.type != RopeScaling::Type::dynamic) return max_position_embeddings;
+  return std::max(
+      max_position_embeddings,
+      static_cast<std::int64_t>(rope_scaling.factor * static_cast<double>(max_position_embeddings)));
+}
+
 void ModelConfig::validate() const {
   const auto positive = [](std::string_view key, std::int64_t v) {
     if (v <= 0) fail(key, "must be positive, got " + std::to_string(v));
@@ -238,6 +254,9 @@ void ModelConfig::validate() const {
   if (rope_scaling.factor <= 0) fail("rope_scaling.factor", "must be positive");
   if (rope_scaling.type == RopeScaling::Type::yarn && rope_scaling.original_max_position_embeddings <= 0)
     fail("rope_scaling.original_max_position_embeddings", "must be positive");
+  // Dynamic scaling raises the base to the power dim / (dim - 2).
+  if (rope_scaling.type == RopeScaling::Type::dynamic && rotary_dim() <= 2)
+    fail(mla ? "qk_rope_head_dim" : "head_dim", "must exceed 2 for dynamic rope scaling");
   if (sliding_window < 0) fail("sliding_window", "must not be negative");
   if (static_cast<std::int64_t>(layer_is_moe.size()) != num_layers)
     fail("num_hidden_layers", "does not match the layer plan");

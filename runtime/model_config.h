@@ -17,10 +17,11 @@
 namespace capserve::runtime {
 
 struct RopeScaling {
-  enum class Type { none, linear, llama3, yarn };
+  enum class Type { none, linear, dynamic, llama3, yarn };
   Type type = Type::none;
   double factor = 1.0;
-  // llama3 and yarn
+  // llama3 and yarn; dynamic: max_position_embeddings (transformers 5.23 reads no other key for it), the
+  // sequence length past which a forward's frequencies are recomputed from its length.
   double original_max_position_embeddings = 8192.0;
   // llama3 only
   double low_freq_factor = 1.0;
@@ -121,6 +122,10 @@ struct ModelConfig {
 
   // The dims RoPE rotates in each query and key head.
   [[nodiscard]] std::int64_t rotary_dim() const { return mla ? mla->qk_rope_head_dim : head_dim; }
+
+  // The longest sequence the engine runs: max_position_embeddings, or with dynamic rope scaling the context
+  // it is meant to stretch to, factor x max_position_embeddings (vLLM's limit; transformers sets none).
+  [[nodiscard]] std::int64_t max_context_length() const;
 
   // Checks the cross-field invariants (divisibility, ranges); throws LoadError naming the key.
   void validate() const;

@@ -7,7 +7,10 @@
 namespace capserve::runtime {
 
 Rope::Rope(std::int64_t dim, double theta, const RopeScaling& scaling)
-    : attention_factor_(static_cast<float>(scaling.attention_factor)) {
+    : dim_(dim),
+      theta_(theta),
+      scaling_(scaling),
+      attention_factor_(static_cast<float>(scaling.attention_factor)) {
   const std::int64_t half = dim / 2;
   inv_freq_.resize(static_cast<std::size_t>(half));
   // YaRN (transformers' _compute_yarn_parameters): pairs that turn more than beta_fast times over the
@@ -37,6 +40,7 @@ Rope::Rope(std::int64_t dim, double theta, const RopeScaling& scaling)
     double f = 1.0 / std::pow(theta, static_cast<double>(exponent));
     switch (scaling.type) {
       case RopeScaling::Type::none:
+      case RopeScaling::Type::dynamic:  // up to the original maximum (tables() for longer sequences)
         break;
       case RopeScaling::Type::linear:
         f /= scaling.factor;
@@ -66,18 +70,52 @@ Rope::Rope(std::int64_t dim, double theta, const RopeScaling& scaling)
   }
 }
 
-void Rope::tables(std::span<const std::int32_t> positions, std::vector<float>& cos,
-                  std::vector<float>& sin) const {
-  const std::size_t half = inv_freq_.size();
-  cos.resize(positions.size() * half);
-  sin.resize(positions.size() * half);
-  for (std::size_t t = 0; t < positions.size(); ++t) {
+void Rope::dynamic_inv_freq(std::int64_t seq_len, std::span<float> out) const {
+  // seq_len is an int64 tensor there and factor a Python float, so every step runs in float32, except the
+  // power to the Python float dim / (dim - 2), which torch computes in double and rounds to float32 (this
+  // order gives its values bit for bit).
+  const auto factor = static_cast<float>(scaling_.factor);
+  const float scale =
+      factor * static_cast<float>(seq_len) / static_cast<float>(scaling_.original_max_position_embeddings) -
+      static_cast<float>(scaling_.factor - 1.0);
+  const auto stretch = static_cast<float>(
+      std::pow(static_cast<double>(scale), static_cast<double>(dim_) / static_cast<double>(dim_ - 2)));
+  const float base = static_cast<float>(theta_) * stretch;
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    const float exponent = static_cast<float>(2 * i) / static_cast<float>(dim_);
+    out[i] = 1.0F / std::pow(base, exponent);
+  }
+}
+
+void Rope::fill(std::span<const std::int32_t> positions, std::size_t first, std::size_t count,
+                std::span<const float> inv_freq, std::vector<float>& cos, std::vector<float>& sin) const {
+  const std::size_t half = inv_freq.size();
+  for (std::size_t t = first; t < first + count; ++t) {
     const auto p = static_cast<float>(positions[t]);
     for (std::size_t i = 0; i < half; ++i) {
-      const float angle = p * inv_freq_[i];  // float32 product, as transformers computes it
+      const float angle = p * inv_freq[i];  // float32 product, as transformers computes it
       cos[t * half + i] = std::cos(angle) * attention_factor_;
       sin[t * half + i] = std::sin(angle) * attention_factor_;
     }
+  }
+}
+
+void Rope::tables(std::span<const std::int32_t> positions, std::span<const kernels::SequenceSlice> seqs,
+                  std::vector<float>& cos, std::vector<float>& sin, std::vector<float>& scratch) const {
+  const std::size_t half = inv_freq_.size();
+  cos.resize(positions.size() * half);
+  sin.resize(positions.size() * half);
+  fill(positions, 0, positions.size(), inv_freq_, cos, sin);
+  if (scaling_.type != RopeScaling::Type::dynamic) return;
+  for (const kernels::SequenceSlice& seq : seqs) {
+    if (seq.num_tokens == 0) continue;
+    const auto first = static_cast<std::size_t>(seq.first_row);
+    const auto count = static_cast<std::size_t>(seq.num_tokens);
+    const std::int64_t seq_len = positions[first + count - 1] + 1;
+    if (static_cast<double>(seq_len) <= scaling_.original_max_position_embeddings) continue;
+    scratch.resize(half);
+    dynamic_inv_freq(seq_len, scratch);
+    fill(positions, first, count, scratch, cos, sin);
   }
 }
 

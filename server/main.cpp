@@ -747,7 +747,7 @@ int main(int argc, char** argv) {
   }
 
   const runtime::ModelConfig& config = model->config();
-  o.scheduler.max_context = std::min<std::int64_t>(o.scheduler.max_context, config.max_position_embeddings);
+  o.scheduler.max_context = std::min<std::int64_t>(o.scheduler.max_context, config.max_context_length());
   o.scheduler.kv_blocks_per_rank = o.engine.kv_blocks;
   o.scheduler.kv_block_size = o.engine.kv_block_size;
   o.scheduler.assignments_per_token = config.top_k * static_cast<std::int64_t>(model->moe_layers().size());

@@ -356,6 +356,39 @@ FIXTURES += [
     ),
 ]
 
+# Dynamic (NTK) RoPE: max_position_embeddings 16, so the 29-token prompt (one forward of seq_len 29), the
+# continuations of the 5- and 13-token prompts (which cross position 16 while decoding) and the 17-token batch
+# sequence all run past it, where transformers recomputes the frequencies from each forward's sequence length.
+FIXTURES += [
+    dict(
+        name="mixtral_dynamic_rope",
+        cls=MixtralForCausalLM,
+        config_cls=MixtralConfig,
+        config=dict(
+            COMMON,
+            head_dim=16,
+            max_position_embeddings=16,
+            num_hidden_layers=2,
+            intermediate_size=96,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            sliding_window=None,
+            rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0},
+            tie_word_embeddings=False,
+        ),
+        disk_dtype=torch.float32,
+        max_shard_size=None,
+        seed=65,
+        description=(
+            "MixtralForCausalLM, f32; 2 layers, 8 experts top-2, intermediate 96, no sliding window, untied "
+            "lm_head; dynamic (NTK) RoPE factor 4 (rope_theta 1e4) with max_position_embeddings 16: every forward "
+            "whose sequence length L = max(position_ids) + 1 exceeds 16 uses base rope_theta * (4 L / 16 - 3) ^ "
+            "(16 / 14), cached keys keep the frequencies they were rotated with. The batch reference is the "
+            "unbatched one (see below)."
+        ),
+    ),
+]
+
 MAX_SEED_TRIES = 200
 # init scales (see reinit_)
 LM_HEAD_ROW_TAIL = 0.0  # >0 gives log-normal lm_head row scales; makes greedy collapse onto a few tokens
@@ -740,6 +773,28 @@ def make_inputs(vocab):
     return prompts, batch
 
 
+def is_dynamic_rope(cfg):
+    return (cfg.rope_parameters or {}).get("rope_type") == "dynamic"
+
+
+def reset_dynamic_rope_before_each_forward(model):
+    """transformers' dynamic RoPE keeps state between forwards: the frequencies of the longest sequence seen
+    so far (max_seq_len_cached) are reused by a later, shorter forward unless that one is under
+    max_position_embeddings. Restoring the freshly loaded state before every forward makes each result that of
+    a newly loaded model, so it never depends on the cases recorded before it: a forward of sequence length
+    L > max_position_embeddings computes the frequencies of L, a shorter one the original ones. generate()'s
+    decode steps only grow L, so they compute exactly what they compute in one fresh generate()."""
+    def reset(mod, args):
+        mod.register_buffer("inv_freq", mod.original_inv_freq.clone(), persistent=False)
+        mod.max_seq_len_cached = mod.original_max_seq_len
+
+    rotary = [m for m in model.modules() if hasattr(m, "original_inv_freq") and m.rope_type == "dynamic"]
+    if not rotary:
+        raise CheckFailed("no dynamic rotary embedding module found")
+    for m in rotary:
+        m.register_forward_pre_hook(reset)
+
+
 @torch.no_grad()
 def record_reference(model, d: Path, stats):
     vocab = model.config.vocab_size
@@ -747,12 +802,19 @@ def record_reference(model, d: Path, stats):
     rec = RouterRecorder(model)
     ref_prompts = []
     margins, router_gaps, cache_diffs = [], [], []
+    # Dynamic RoPE: a full forward of prompt + continuation rotates every key with the frequencies of its own
+    # length, the cached decode kept each key's from the step that wrote it, so the two differ by design; the
+    # routing margins are measured on the tokens generate() itself ran instead.
+    dynamic = is_dynamic_rope(model.config)
 
     def unbatched_case(ids_1d):
         ids = ids_1d[None]
         logits = model(input_ids=ids).logits[0].float()
+        rec.calls = []
         new, glogits = greedy(model, ids)
         new, glogits = new[0], glogits[0]
+        if dynamic:
+            router_gaps.append(rec.min_gap())
         margins.append(greedy_margin(glogits))
         if margins[-1] < GREEDY_MARGIN_REL:
             raise CheckFailed(f"greedy margin {margins[-1]:.3g} < {GREEDY_MARGIN_REL}")
@@ -767,7 +829,7 @@ def record_reference(model, d: Path, stats):
         if router_gaps[-1] < ROUTER_GAP_MIN:
             raise CheckFailed(f"router top-k gap {router_gaps[-1]:.3g} < {ROUTER_GAP_MIN}")
         cache_diffs.append(rel_diff(glogits, full_logits[ids.shape[1] - 1:]))
-        if not torch.equal(full_logits[ids.shape[1] - 1:].argmax(-1), new):
+        if not dynamic and not torch.equal(full_logits[ids.shape[1] - 1:].argmax(-1), new):
             raise CheckFailed("full-sequence forward disagrees with cached greedy decode")
         return logits, new, glogits
 
@@ -805,10 +867,19 @@ def record_reference(model, d: Path, stats):
     router_gaps.append(rec.min_gap())
     last = blogits[:, -1]
     bnew, bglogits = greedy(model, padded, mask)
-    margins.append(greedy_margin(bglogits))
+    if not dynamic:
+        margins.append(greedy_margin(bglogits))
     rec.remove()
 
     batch_rel = max(rel_diff(last[r], single_last[r]) for r in range(len(batch)))
+    if dynamic:
+        # transformers computes one sequence length for the whole padded batch (its largest position + 1), so
+        # its batched rows differ from each sequence alone; the engine computes it per sequence (a result never
+        # depends on what else is in the batch), so the batch reference is the unbatched one.
+        stats["dynamic_hf_padded_batch_vs_unbatched_last_logits_rel"] = batch_rel
+        last = torch.stack(single_last)
+        bnew = torch.stack(single_new)
+        batch_rel = 0.0
     if batch_rel > BATCH_REL_TOL:
         raise CheckFailed(f"batched last logits differ from unbatched: rel {batch_rel:.3g}")
     for r in range(len(batch)):
@@ -818,7 +889,7 @@ def record_reference(model, d: Path, stats):
     stats.update(
         min_greedy_margin_rel=min(margins),
         min_router_gap=min(router_gaps),
-        max_cached_vs_full_forward_rel=max(cache_diffs),
+        **{"dynamic_cached_vs_full_forward_rel" if dynamic else "max_cached_vs_full_forward_rel": max(cache_diffs)},
         batched_vs_unbatched_last_logits_rel=batch_rel,
         max_abs_batch_last_logit=last.abs().max().item(),
     )
@@ -826,7 +897,7 @@ def record_reference(model, d: Path, stats):
         raise CheckFailed(f"greedy margin {stats['min_greedy_margin_rel']:.3g} < {GREEDY_MARGIN_REL}")
     if stats["min_router_gap"] < ROUTER_GAP_MIN:
         raise CheckFailed(f"router top-k gap {stats['min_router_gap']:.3g} < {ROUTER_GAP_MIN}")
-    if stats["max_cached_vs_full_forward_rel"] > CACHE_REL_TOL:
+    if not dynamic and stats["max_cached_vs_full_forward_rel"] > CACHE_REL_TOL:
         raise CheckFailed(f"cached decode vs full forward rel {stats['max_cached_vs_full_forward_rel']:.3g}")
 
     return {
@@ -840,6 +911,8 @@ def record_reference(model, d: Path, stats):
             "position_ids": pos.tolist(),
             "last_logits": save_npy(d, "batch_last_logits.npy", last),
             "greedy_ids": bnew.tolist(),
+            **({"note": "dynamic RoPE: last_logits and greedy_ids are each sequence's unbatched results"}
+               if dynamic else {}),
         },
     }
 
@@ -975,6 +1048,8 @@ def generate_fixture(fx, seed):
     del model
 
     stats = {"reload_max_abs_logit_diff": reload_diff}
+    if is_dynamic_rope(loaded.config):
+        reset_dynamic_rope_before_each_forward(loaded)
     ref = record_reference(loaded, d, stats)
     if quantized is not None:
         stats["fp8_quantized_matrices"] = fp8_rewrite_checkpoint(d, quantized, fx["fp8_block"])
@@ -1015,6 +1090,38 @@ def generate_fixture(fx, seed):
         extra["yarn_effect_rel_on_prompt3_plus_greedy"] = rel_diff(yarn_logits, plain_logits)
         if extra["yarn_effect_rel_on_prompt3_plus_greedy"] < 1e-2:
             raise CheckFailed("YaRN scaling has no visible effect")
+
+    if is_dynamic_rope(cfg):
+        prompts, _ = make_inputs(cfg.vocab_size)
+        # The reset before each forward changes nothing a fresh model would do: each prompt's greedy run on a
+        # newly loaded model (no hook) gives exactly the recorded logits.
+        worst = 0.0
+        for i, p in enumerate(prompts):
+            _, glogits = greedy(load_saved(d), p[None])
+            worst = max(worst, (glogits[0] - torch.from_numpy(np.load(d / f"prompt{i}_greedy_logits.npy"))).abs()
+                        .max().item())
+        extra["dynamic_fresh_model_greedy_max_abs_logit_diff"] = worst
+        if worst != 0.0:
+            raise CheckFailed(f"a freshly loaded model's greedy logits differ from the recorded ones by {worst}")
+        # Dynamic scaling must matter for what the tests compare: the same weights with plain RoPE give
+        # different prompt logits for the 29-token prompt (one forward past max_position_embeddings) and
+        # different logits for its recorded continuation (teacher-forced).
+        plain = fx["cls"]._from_config(build_config_with(fx, rope_parameters={
+            "rope_type": "default", "rope_theta": fx["config"]["rope_parameters"]["rope_theta"]}),
+            attn_implementation="eager", experts_implementation="eager", dtype=torch.float32)
+        plain.load_state_dict(loaded.state_dict())
+        plain.eval()
+        with torch.no_grad():
+            ids = torch.cat([prompts[-1], torch.tensor(ref["prompts"][-1]["greedy_ids"][:-1])])[None]
+            plain_logits = plain(input_ids=ids).logits[0]
+        n = len(prompts[-1])
+        extra["dynamic_effect_rel_on_prompt3_logits"] = rel_diff(
+            torch.from_numpy(np.load(d / "prompt3_logits.npy")), plain_logits[:n])
+        extra["dynamic_effect_rel_on_prompt3_greedy_logits"] = rel_diff(
+            torch.from_numpy(np.load(d / "prompt3_greedy_logits.npy")), plain_logits[n - 1:])
+        if min(extra["dynamic_effect_rel_on_prompt3_logits"],
+               extra["dynamic_effect_rel_on_prompt3_greedy_logits"]) < 1e-2:
+            raise CheckFailed("dynamic RoPE scaling has no visible effect")
 
     cfg_json = json.loads((d / "config.json").read_text())
     reference = {
@@ -1111,6 +1218,18 @@ def write_readme(results):
         "- RoPE config is v5's `rope_parameters` (`{rope_type, rope_theta[, factor]}`); `linear` divides the inverse "
         "frequencies (equivalently the positions) by `factor`. Real Hub configs written by transformers 4.x use "
         "top-level `rope_theta` + `rope_scaling` instead.",
+        "- Dynamic (NTK) RoPE (`mixtral_dynamic_rope`): a forward whose sequence length L = max(position_ids) + 1 "
+        "exceeds max_position_embeddings M rotates its new tokens with base rope_theta * (factor L / M - (factor - "
+        "1)) ^ (dim / (dim - 2)) (float32), a shorter one with the plain frequencies; cached keys keep the "
+        "frequencies of the step that wrote them, so a cached decode differs from one full forward of the same "
+        "tokens (`dynamic_cached_vs_full_forward_rel`). transformers keeps the longest L seen as module state and "
+        "reuses its frequencies for shorter forwards above M; the generator restores the freshly loaded state "
+        "before every forward, so each case is what a newly loaded model computes (checked: "
+        "`dynamic_fresh_model_greedy_max_abs_logit_diff` 0). A left-padded HF batch uses the batch's largest L "
+        "for every row (`dynamic_hf_padded_batch_vs_unbatched_last_logits_rel`); the engine uses each "
+        "sequence's own, so this fixture's `batch` reference holds each sequence's unbatched results. "
+        "`dynamic_effect_rel_*`: the same weights with plain RoPE, on the 29-token prompt's logits and on its "
+        "continuation's.",
         "",
         "`reference.json` (all computed in float32, eager attention, from the saved files re-loaded with "
         "`from_pretrained`; BF16 weights are upcast exactly):",

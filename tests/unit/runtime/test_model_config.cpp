@@ -130,6 +130,45 @@ TEST(ModelConfig, UnsupportedRopeTypeIsNamed) {
   EXPECT_ERROR_MENTIONS(m, "rope_parameters.factor");
 }
 
+// Dynamic (NTK) scaling, as rope_parameters (transformers 5.x) or rope_scaling with "type" or "rope_type"
+// (4.x): the threshold is max_position_embeddings (transformers 5.23 reads no
+// original_max_position_embeddings for it), and the engine runs sequences up to factor x
+// max_position_embeddings.
+TEST(ModelConfig, DynamicRopeIsAcceptedInEveryForm) {
+  EditedModel m("mixtral_dynamic_rope");
+  ASSERT_EQ(m.load_error(), "");
+  const auto expect_dynamic = [](const ModelConfig& c) {
+    EXPECT_EQ(c.rope_scaling.type, RopeScaling::Type::dynamic);
+    EXPECT_EQ(c.rope_scaling.factor, 4.0);
+    EXPECT_EQ(c.rope_scaling.original_max_position_embeddings, 16.0);
+    EXPECT_EQ(c.rope_theta, 10000.0);
+    EXPECT_EQ(c.max_context_length(), 64);
+  };
+  expect_dynamic(Model::load(m.dir(), cpu_backend())->config());
+  m.config().erase("rope_parameters");
+  m.config()["rope_theta"] = 10000.0;
+  for (const char* type_key : {"type", "rope_type"}) {
+    m.config()["rope_scaling"] = {
+        {type_key, "dynamic"}, {"factor", 4}, {"original_max_position_embeddings", 8}};
+    ASSERT_EQ(m.load_error(), "") << type_key;
+    expect_dynamic(Model::load(m.dir(), cpu_backend())->config());
+  }
+}
+
+TEST(ModelConfig, DynamicRopeFactorErrorsAreNamed) {
+  EditedModel m("mixtral_dynamic_rope");
+  m.config()["rope_parameters"].erase("factor");
+  EXPECT_ERROR_MENTIONS(
+      m, "'rope_parameters.factor' is missing or not a number (needed by rope type 'dynamic')");
+  m.config()["rope_parameters"]["factor"] = 0;
+  EXPECT_ERROR_MENTIONS(m, "'rope_parameters.factor' must be positive, got 0");
+  m.config().erase("rope_parameters");
+  m.config()["rope_scaling"] = {{"type", "dynamic"}, {"factor", -2.5}};
+  EXPECT_ERROR_MENTIONS(m, "'rope_scaling.factor' must be positive, got -2.5");
+  m.config()["rope_scaling"] = {{"type", "dynamic"}, {"factor", "4"}};
+  EXPECT_ERROR_MENTIONS(m, "'rope_scaling.factor' is missing or not a number");
+}
+
 TEST(ModelConfig, MissingTensorIsNamed) {
   EditedModel m("mixtral_sharded");
   m.config()["num_hidden_layers"] = 3;
