@@ -84,7 +84,8 @@ void ForwardPass::forward(const ForwardBatch& batch, KvCache& cache, const Tenso
 
   backend.from_host(bytes_of(batch.tokens), ids);
   backend.embedding(ids, weights_.embed, a.residual);
-  model_.rope().tables(batch.positions, batch.seqs, s.cos_host, s.sin_host, s.dynamic_inv_freq);
+  model_.rope().tables(batch.positions, batch.seqs, batch.decode_rows, s.cos_host, s.sin_host,
+                       s.dynamic_inv_freq);
   backend.from_host(bytes_of(std::span<const float>(s.cos_host)), a.cos);
   backend.from_host(bytes_of(std::span<const float>(s.sin_host)), a.sin);
 

@@ -107,7 +107,7 @@ Status generate(Engine& engine, std::span<const std::vector<std::int32_t>> promp
       // Drafts past the token budget or the context would be verified for nothing (or refused).
       const std::int64_t room =
           std::min({k, params[i].max_new_tokens - 1 - static_cast<std::int64_t>(out[i].tokens.size()),
-                    config.max_position_embeddings - 1 - engine.length(i)});
+                    config.max_context_length() - 1 - engine.length(i)});
       slots.push_back({static_cast<SequenceId>(i), history[i],
                        std::span(feed).subspan(i * static_cast<std::size_t>(k + 1) + 1,
                                                static_cast<std::size_t>(std::max<std::int64_t>(room, 0)))});

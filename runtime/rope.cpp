@@ -101,21 +101,30 @@ void Rope::fill(std::span<const std::int32_t> positions, std::size_t first, std:
 }
 
 void Rope::tables(std::span<const std::int32_t> positions, std::span<const kernels::SequenceSlice> seqs,
-                  std::vector<float>& cos, std::vector<float>& sin, std::vector<float>& scratch) const {
+                  std::span<const std::uint8_t> decode_rows, std::vector<float>& cos, std::vector<float>& sin,
+                  std::vector<float>& scratch) const {
   const std::size_t half = inv_freq_.size();
   cos.resize(positions.size() * half);
   sin.resize(positions.size() * half);
   fill(positions, 0, positions.size(), inv_freq_, cos, sin);
   if (scaling_.type != RopeScaling::Type::dynamic) return;
+  const auto dynamic = [&](std::size_t first, std::size_t count, std::int64_t seq_len) {
+    if (static_cast<double>(seq_len) <= scaling_.original_max_position_embeddings) return;
+    scratch.resize(half);
+    dynamic_inv_freq(seq_len, scratch);
+    fill(positions, first, count, scratch, cos, sin);
+  };
   for (const kernels::SequenceSlice& seq : seqs) {
     if (seq.num_tokens == 0) continue;
     const auto first = static_cast<std::size_t>(seq.first_row);
     const auto count = static_cast<std::size_t>(seq.num_tokens);
-    const std::int64_t seq_len = positions[first + count - 1] + 1;
-    if (static_cast<double>(seq_len) <= scaling_.original_max_position_embeddings) continue;
-    scratch.resize(half);
-    dynamic_inv_freq(seq_len, scratch);
-    fill(positions, first, count, scratch, cos, sin);
+    if (!decode_rows.empty() && decode_rows[first] != 0) {
+      // Decode tokens (a sampled token and its drafts): each row as the one-token step that would have run it
+      // without speculation, so verifying drafts never changes a token.
+      for (std::size_t r = first; r < first + count; ++r) dynamic(r, 1, positions[r] + 1);
+    } else {
+      dynamic(first, count, positions[first + count - 1] + 1);
+    }
   }
 }
 

@@ -20,8 +20,12 @@ class Rope {
   // whose length (its last new position + 1) exceeds the original maximum turn with the frequencies of that
   // length (computed in `scratch`, grow-only), so a row never depends on the other sequences of the
   // step; the keys cached by earlier steps keep the frequencies they were rotated with, as in transformers.
+  // A sequence whose rows are decode rows (`decode_rows`, [rows] or empty: a sampled token and its draft
+  // tokens) turns each row with its own length (its position + 1), as the one-token steps of decoding without
+  // speculation would.
   void tables(std::span<const std::int32_t> positions, std::span<const kernels::SequenceSlice> seqs,
-              std::vector<float>& cos, std::vector<float>& sin, std::vector<float>& scratch) const;
+              std::span<const std::uint8_t> decode_rows, std::vector<float>& cos, std::vector<float>& sin,
+              std::vector<float>& scratch) const;
 
   [[nodiscard]] std::span<const float> inv_freq() const { return inv_freq_; }
 

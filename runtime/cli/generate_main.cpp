@@ -19,6 +19,7 @@
 #include "runtime/cli/parallel_flags.h"
 #include "runtime/cli/proc_status.h"
 #include "runtime/cli/rank_devices.h"
+#include "runtime/cli/speculation_flags.h"
 #include "runtime/cli/version.h"
 #include "runtime/engine.h"
 #include "runtime/generator.h"
@@ -65,6 +66,7 @@ int main(int argc, char** argv) {
   std::string kv_dtype = "auto";
   runtime::EngineOptions engine_options;
   runtime::ParallelFlags parallel_flags;
+  runtime::SpeculationConfig speculation;
   app.add_option("--model", model_dir, "checkpoint directory (config.json + safetensors)")
       ->required()
       ->check(CLI::ExistingDirectory);
@@ -100,6 +102,7 @@ int main(int argc, char** argv) {
   app.add_option("--kv-blocks", engine_options.kv_blocks, "KV cache blocks of 16 tokens per rank")
       ->check(runtime::at_least(1));
   runtime::add_parallel_flags(app, parallel_flags);
+  runtime::add_speculation_flags(app, speculation);
   // Every rank parses the same flags; rank 0 alone prints.
   if (const std::optional<int> exit_code =
           runtime::parse_flags(app, argc, argv, "capserve-generate", rank == 0))
@@ -121,8 +124,10 @@ int main(int argc, char** argv) {
   std::unique_ptr<runtime::Model> model;
   std::optional<runtime::Tokenizer> tokenizer;
   std::vector<std::vector<std::int32_t>> prompts;
+  std::unique_ptr<runtime::Drafter> drafter;
   std::string failure;
   try {
+    drafter = runtime::make_drafter(speculation);
     devices = runtime::make_rank_devices(device, threads, *world);
     model = devices.load(model_dir, runtime::finish_parallel_flags(parallel_flags));
     for (const std::string& ids : input_ids) prompts.push_back(parse_ids(ids));
@@ -173,7 +178,9 @@ int main(int argc, char** argv) {
   runtime::Engine engine(*model, engine_options);
   std::vector<runtime::Generation> out;
   const std::vector<runtime::SamplingParams> all_params(mine.size(), params);
-  const runtime::Status status = runtime::generate(engine, mine, all_params, !dump_logits.empty(), out);
+  runtime::SpeculationStats speculation_stats;
+  const runtime::Status status = runtime::generate(engine, mine, all_params, !dump_logits.empty(), out,
+                                                   drafter.get(), &speculation_stats);
   if (!status.ok()) std::fprintf(stderr, "capserve-generate: rank %d: %s\n", rank, status.message().c_str());
   if (!world->all_agree(status.ok())) return 2;
 
@@ -209,6 +216,37 @@ int main(int argc, char** argv) {
   for (int r = 0; r < world->size(); ++r) {
     stats["rank_resident_kib"].push_back(all_resident[2 * static_cast<std::size_t>(r)]);
     stats["rank_resident_file_kib"].push_back(all_resident[2 * static_cast<std::size_t>(r) + 1]);
+  }
+  if (drafter != nullptr) {
+    // Per draft position, verified then kept, summed over the ranks.
+    const auto k = static_cast<std::size_t>(drafter->max_drafts());
+    std::vector<std::int64_t> counts(2 * k, 0);
+    for (std::size_t j = 0; j < speculation_stats.proposed.size(); ++j) {
+      counts[j] = speculation_stats.proposed[j];
+      counts[k + j] = speculation_stats.accepted[j];
+    }
+    devices.control->allreduce_sum(counts);
+    nlohmann::json& s = stats["speculation"];
+    s["verified_per_position"] =
+        std::vector<std::int64_t>(counts.begin(), counts.begin() + static_cast<std::ptrdiff_t>(k));
+    s["kept_per_position"] =
+        std::vector<std::int64_t>(counts.begin() + static_cast<std::ptrdiff_t>(k), counts.end());
+    std::int64_t verified = 0;
+    std::int64_t kept = 0;
+    std::string positions;
+    for (std::size_t j = 0; j < k; ++j) {
+      verified += counts[j];
+      kept += counts[k + j];
+      positions += " " + std::to_string(counts[k + j]) + "/" + std::to_string(counts[j]);
+    }
+    if (rank == 0) {
+      std::fprintf(stderr,
+                   "capserve-generate: speculative decoding: %lld of %lld drafts kept (%.1f%%); "
+                   "kept/verified per position:%s\n",
+                   static_cast<long long>(kept), static_cast<long long>(verified),
+                   verified > 0 ? 100.0 * static_cast<double>(kept) / static_cast<double>(verified) : 0.0,
+                   positions.c_str());
+    }
   }
   const std::string stats_json = stats.dump(1);
   if (rank != 0) return 0;

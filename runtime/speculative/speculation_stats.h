@@ -20,6 +20,16 @@ struct SpeculationStats {
       if (j < kept) ++accepted[j];
     }
   }
+  void add(const SpeculationStats& other) {
+    if (proposed.size() < other.proposed.size()) {
+      proposed.resize(other.proposed.size(), 0);
+      accepted.resize(other.proposed.size(), 0);
+    }
+    for (std::size_t j = 0; j < other.proposed.size(); ++j) {
+      proposed[j] += other.proposed[j];
+      accepted[j] += other.accepted[j];
+    }
+  }
   [[nodiscard]] std::int64_t total_proposed() const {
     std::int64_t n = 0;
     for (const std::int64_t p : proposed) n += p;

@@ -1,7 +1,8 @@
 """The programs' command lines: --version on every binary (one version line, the same build for all), --help
 showing each option's default and description (enum flags as "one of: ..."), a misspelt flag answered with the
 closest one, capserve --config refusing an unknown key or a wrongly typed value by name (exit code 2, nothing
-loaded), and capserve-generate's stdout holding only the token ids (logs go to stderr)."""
+loaded), capserve-generate's stdout holding only the token ids (logs go to stderr), and its --speculative ngram
+giving the same tokens on 2 ranks with the acceptance on stderr."""
 
 import json
 import os
@@ -67,6 +68,35 @@ class CliTest(unittest.TestCase):
         self.assertEqual(done.returncode, 0, done.stderr)
         self.assertRegex(done.stdout, r"\A(\d+ \d+ \d+ \d+\n){2}\Z")
         self.assertIn("multi-token-prediction layer 3", done.stderr)
+
+    def test_generate_speculative_ngram_prints_the_same_tokens_and_its_acceptance(self):
+        # Two prompts on 2 ranks (expert-parallel): n-gram drafts, verified in one step each, leave the greedy
+        # tokens unchanged; stderr reports the drafts kept per position.
+        generate = os.environ["CAPSERVE_GENERATE"]
+        base = [generate, "--model", MODEL, "--prompt", "def add(a, b):\n    return a + b\n\ndef add(",
+                "--prompt", "The sea. The sea. The", "--max-new-tokens", "40", "--threads", "1"]
+        plain = subprocess.run(["bash", LAUNCH, str(NP)] + base, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, timeout=300)
+        spec = subprocess.run(["bash", LAUNCH, str(NP)] + base + ["--speculative", "ngram",
+                                                                  "--num-speculative-tokens", "3"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300)
+        self.assertEqual(plain.returncode, 0, plain.stderr)
+        self.assertEqual(spec.returncode, 0, spec.stderr)
+        self.assertEqual(spec.stdout, plain.stdout)
+        m = re.search(r"speculative decoding: (\d+) of (\d+) drafts kept \([\d.]+%\); kept/verified per position:"
+                      r"( \d+/\d+){3}\n", spec.stderr)
+        self.assertIsNotNone(m, spec.stderr)
+        self.assertGreater(int(m.group(1)), 0)
+        self.assertNotIn("speculative decoding", plain.stderr)
+        for flags, message in ((["--speculative", "ngram", "--ngram-min", "3", "--ngram-max", "2"],
+                                "--ngram-min (3) must not exceed --ngram-max (2)"),
+                               (["--num-speculative-tokens", "2"], "--num-speculative-tokens requires --speculative"),
+                               (["--speculative", "ngram", "--num-speculative-tokens", "17"],
+                                "--num-speculative-tokens: Value 17 not in range 1 to 16")):
+            with self.subTest(flags=flags):
+                done = run([generate, "--model", MODEL, "--input-ids", "1 2", "--threads", "1"] + flags)
+                self.assertNotEqual(done.returncode, 0, done.stdout)
+                self.assertIn(message, done.stdout)
 
     def test_help_describes_every_option_in_words(self):
         generate = os.environ["CAPSERVE_GENERATE"]

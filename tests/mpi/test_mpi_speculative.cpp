@@ -66,7 +66,13 @@ TEST_P(MpiSpeculative, NgramGreedyEqualsPlainGreedy) {
                               ", rank " + std::to_string(comm_.rank()) + " of " +
                               std::to_string(comm_.size());
     const std::vector<Tokens> prompts = mine(all_on_rank0);
-    const std::vector<runtime::SamplingParams> params(prompts.size(), greedy);
+    std::vector<runtime::SamplingParams> params(prompts.size(), greedy);
+    // Within the context (the dynamic-rope fixture's is 64 tokens).
+    for (std::size_t i = 0; i < prompts.size(); ++i) {
+      params[i].max_new_tokens =
+          std::min(greedy.max_new_tokens,
+                   model->config().max_context_length() - static_cast<std::int64_t>(prompts[i].size()));
+    }
     std::vector<runtime::Generation> plain;
     std::vector<runtime::Generation> spec;
     runtime::NgramDrafter drafter(4, 1, 3);

@@ -35,9 +35,10 @@ struct Tables {
 };
 
 Tables run(const Rope& rope, const std::vector<std::int32_t>& positions,
-           const std::vector<kernels::SequenceSlice>& seqs) {
+           const std::vector<kernels::SequenceSlice>& seqs,
+           const std::vector<std::uint8_t>& decode_rows = {}) {
   Tables t;
-  rope.tables(positions, seqs, t.cos, t.sin, t.scratch);
+  rope.tables(positions, seqs, decode_rows, t.cos, t.sin, t.scratch);
   return t;
 }
 
@@ -102,6 +103,33 @@ TEST(Rope, DynamicAboveTheMaximumUsesTheSequencesOwnLength) {
   // The scaling matters here: the long sequence's rows differ from the plain rope's.
   const Tables unscaled = run(plain, positions, seqs);
   EXPECT_GT(std::fabs(step.cos[5 * half + 3] - unscaled.cos[5 * half + 3]), 1e-2);
+}
+
+TEST(Rope, DynamicDecodeRowsWithDraftsTurnAsOneTokenStepsWould) {
+  // A sampled token at position 30 and three drafts after it (speculative decoding), as decode rows: row j
+  // gets the frequencies of length 31 + j, exactly the table of the one-token step at its position.
+  const Rope rope(kDim, kTheta, dynamic_scaling());
+  std::vector<std::int32_t> positions;
+  const std::vector<kernels::SequenceSlice> seqs{slice(0, 4, 30, positions)};
+  const Tables verify = run(rope, positions, seqs, std::vector<std::uint8_t>(4, 1));
+  const std::size_t half = kDim / 2;
+  for (std::size_t j = 0; j < 4; ++j) {
+    std::vector<std::int32_t> one;
+    const Tables step = run(rope, one, {slice(0, 1, 30 + static_cast<std::int64_t>(j), one)}, {1});
+    EXPECT_EQ(std::vector<float>(verify.cos.begin() + static_cast<std::ptrdiff_t>(j * half),
+                                 verify.cos.begin() + static_cast<std::ptrdiff_t>((j + 1) * half)),
+              step.cos)
+        << "draft row " << j;
+    EXPECT_EQ(std::vector<float>(verify.sin.begin() + static_cast<std::ptrdiff_t>(j * half),
+                                 verify.sin.begin() + static_cast<std::ptrdiff_t>((j + 1) * half)),
+              step.sin)
+        << "draft row " << j;
+  }
+  // As a prefill chunk the same rows share the length of the last one (transformers' one forward): row 0
+  // differs.
+  const Tables chunk = run(rope, positions, seqs);
+  EXPECT_NE(std::vector<float>(chunk.cos.begin(), chunk.cos.begin() + static_cast<std::ptrdiff_t>(half)),
+            std::vector<float>(verify.cos.begin(), verify.cos.begin() + static_cast<std::ptrdiff_t>(half)));
 }
 
 }  // namespace

@@ -107,7 +107,13 @@ class SpeculativeFixture : public ::testing::TestWithParam<std::string> {
   std::vector<Generation> run(const std::vector<Tokens>& prompts, const SamplingParams& params,
                               Drafter* drafter, SpeculationStats* stats = nullptr) {
     std::vector<Generation> out;
-    const std::vector<SamplingParams> all(prompts.size(), params);
+    std::vector<SamplingParams> all(prompts.size(), params);
+    // Within the context (the dynamic-rope fixture's is 64 tokens).
+    for (std::size_t i = 0; i < prompts.size(); ++i) {
+      all[i].max_new_tokens =
+          std::min(params.max_new_tokens,
+                   model_->config().max_context_length() - static_cast<std::int64_t>(prompts[i].size()));
+    }
     const Status s = generate(*engine_, prompts, all, false, out, drafter, stats);
     EXPECT_TRUE(s.ok()) << s.message();
     EXPECT_EQ(engine_->cache().blocks().free_blocks(), engine_->cache().blocks().num_blocks());

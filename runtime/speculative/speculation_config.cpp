@@ -1,0 +1,25 @@
+#include "runtime/speculative/speculation_config.h"
+
+#include <stdexcept>
+#include <string>
+
+#include "runtime/speculative/ngram_drafter.h"
+
+namespace capserve::runtime {
+
+std::unique_ptr<Drafter> make_drafter(const SpeculationConfig& config) {
+  switch (config.method) {
+    case SpeculationConfig::Method::none:
+      return nullptr;
+    case SpeculationConfig::Method::ngram:
+      if (config.ngram_min > config.ngram_max) {
+        throw std::invalid_argument("--ngram-min (" + std::to_string(config.ngram_min) +
+                                    ") must not exceed --ngram-max (" + std::to_string(config.ngram_max) +
+                                    ")");
+      }
+      return std::make_unique<NgramDrafter>(config.num_tokens, config.ngram_min, config.ngram_max);
+  }
+  throw std::invalid_argument("unknown speculation method");
+}
+
+}  // namespace capserve::runtime

@@ -1,0 +1,22 @@
+#pragma once
+// Which drafter a program runs (the --speculative flags of capserve and capserve-generate,
+// runtime/cli/speculation_flags.h), and the drafter it makes.
+#include <cstdint>
+#include <memory>
+
+#include "runtime/speculative/drafter.h"
+
+namespace capserve::runtime {
+
+struct SpeculationConfig {
+  enum class Method : std::int32_t { none, ngram };
+  Method method = Method::none;
+  std::int64_t num_tokens = 3;  // k: drafts per sequence and step
+  std::int64_t ngram_min = 1;
+  std::int64_t ngram_max = 4;
+};
+
+// nullptr for Method::none; std::invalid_argument naming the flag for an unusable combination.
+std::unique_ptr<Drafter> make_drafter(const SpeculationConfig& config);
+
+}  // namespace capserve::runtime
