@@ -383,6 +383,33 @@ TEST_F(SchedulerTest, DraftsStayWithinMaxTokensTheContextAndTheBatchedTokens) {
   EXPECT_EQ(second.back().completion_tokens, 3U) << "5 + 3 tokens: the context";
 }
 
+// A verifying step whose row after some kept tokens was not finite: the kept tokens are sent, then the
+// request ends with the error, naming the completion token that could not be drawn.
+TEST_F(SchedulerTest, TokensKeptBeforeANonFiniteRowAreSentBeforeTheError) {
+  SchedulerConfig config;
+  config.speculative_tokens = 3;
+  Scheduler scheduler(config, 1, &tokenizer_, nullptr, nullptr);
+  const auto request = chat_request({}, 16);
+  ASSERT_EQ(scheduler.submit(request), Scheduler::Refusal::none);
+  const std::int32_t a = single_token(tokenizer_, "a");
+  const std::int32_t b = single_token(tokenizer_, "b");
+  step(scheduler, a);
+  const StepPlan plan = scheduler.plan(Clock::now());
+  StepResult result;
+  result.sequences.push_back({plan.decodes.at(0), 2, 0, 0, SequenceFailure::non_finite_logits, 3, 2});
+  result.tokens = {b, a};
+  scheduler.complete(std::span<const StepResult>(&result, 1), {}, Clock::now());
+  std::string text;
+  const std::vector<RequestEvent> events = drain_events(*request);
+  for (const RequestEvent& e : events) text += e.text;
+  EXPECT_EQ(text, "aba");
+  ASSERT_FALSE(events.empty());
+  EXPECT_EQ(events.back().terminal, Terminal::internal);
+  EXPECT_NE(events.back().message.find("at completion token 4"), std::string::npos) << events.back().message;
+  EXPECT_EQ(events.back().completion_tokens, 3U);
+  EXPECT_EQ(scheduler.plan(Clock::now()).frees, std::vector<std::uint64_t>{plan.decodes[0]});
+}
+
 // The drafts of each decode reach the speculation counters, per draft position, and the access line.
 TEST_F(SchedulerTest, VerifiedDraftsFeedTheSpeculationMetrics) {
   const std::vector<std::int64_t> layers{0};
