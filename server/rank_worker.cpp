@@ -85,7 +85,8 @@ StepResult RankWorker::run(const StepPlan& plan) {
     out.rerouted = counts[i].rerouted;
     out.drafted = static_cast<std::int32_t>(drafts.size());
     out.accepted = static_cast<std::int32_t>(kept - 1);
-    if (scoring && seq.params.prompt_logprobs) {
+    // A prefill's rows before its last score the prompt (a verifying decode's rows score its draws, below).
+    if (scoring && seq.params.prompt_logprobs && i < prefills_) {
       for (std::size_t r = first_row; r + 1 < row; ++r) report(id, seq.params.top_logprobs, r, true, result);
     }
     for (std::size_t j = 0; j < kept; ++j) {

@@ -294,6 +294,7 @@ Generated generate_all(RankWorker& worker, const std::vector<SequenceStart>& sta
     }
     EXPECT_EQ(token, result.tokens.size());
     for (const LogprobRecord& r : result.logprobs) {
+      EXPECT_TRUE(r.prompt == 0 || g.steps == 1) << "a prompt record after the prefill, step " << g.steps;
       for (std::size_t i = 0; i < starts.size(); ++i) {
         if (r.prompt == 0 && r.id == starts[i].id) g.logprobs[i].push_back(r);
       }
@@ -340,12 +341,13 @@ TEST_F(RankWorkerTest, SpeculationKeepsTheTokensOfPlainDecodingWithFewerSteps) {
 }
 
 // Speculative decoding reports one log-probability record per kept token, each scored on its own row's
-// logits: the records of decoding without drafts.
+// logits: the records of decoding without drafts (a verifying decode's rows are never prompt records).
 TEST_F(RankWorkerTest, SpeculationReportsALogprobForEveryKeptToken) {
   constexpr std::size_t kTokens = 24;
   std::vector<SequenceStart> starts = speculation_starts();
   for (SequenceStart& s : starts) {
     s.logprobs = 1;
+    s.prompt_logprobs = 1;
     s.top_logprobs = 2;
   }
   RankWorker plain(engine_, 0);
