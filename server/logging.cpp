@@ -137,21 +137,28 @@ void log_access(const AccessRecord& r) {
   // Before configure_logging (unit tests): the default logger, as text.
   spdlog::logger& logger = access ? *access : *spdlog::default_logger_raw();
   if (!logger.should_log(spdlog::level::info)) return;
-  if (access && g_format.load(std::memory_order_relaxed) == LogFormat::json) {
+  const bool json = access && g_format.load(std::memory_order_relaxed) == LogFormat::json;
+  // Speculative decoding's counts end the line when the server speculates.
+  std::string drafts;
+  if (r.drafted && r.accepted) {
+    drafts = json ? fmt::format(R"(,"drafted":{},"accepted":{})", *r.drafted, *r.accepted)
+                  : fmt::format(" drafted={} accepted={}", *r.drafted, *r.accepted);
+  }
+  if (json) {
     logger.info(
         R"("request_id":{},"peer":{},"prompt_tokens":{},"completion_tokens":{},"finish_reason":{},"queue_s":{},)"
-        R"("ttft_s":{},"e2e_s":{:.6f},"dropped":{},"rerouted":{})",
+        R"("ttft_s":{},"e2e_s":{:.6f},"dropped":{},"rerouted":{}{})",
         json_string(r.request_id), json_string(r.peer), r.prompt_tokens, r.completion_tokens,
         json_string(r.finish_reason), seconds_text(r.queue_s, true), seconds_text(r.ttft_s, true), r.e2e_s,
-        r.dropped, r.rerouted);
+        r.dropped, r.rerouted, drafts);
     return;
   }
   logger.info(
       "request id={} peer={} prompt_tokens={} completion_tokens={} finish_reason={} queue_s={} ttft_s={} "
-      "e2e_s={:.6f} dropped={} rerouted={}",
+      "e2e_s={:.6f} dropped={} rerouted={}{}",
       r.request_id, r.peer.empty() ? std::string_view("-") : r.peer, r.prompt_tokens, r.completion_tokens,
       r.finish_reason, seconds_text(r.queue_s, false), seconds_text(r.ttft_s, false), r.e2e_s, r.dropped,
-      r.rerouted);
+      r.rerouted, drafts);
 }
 
 }  // namespace capserve::server

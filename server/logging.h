@@ -38,11 +38,15 @@ struct AccessRecord {
   double e2e_s = 0;
   std::int64_t dropped = 0;   // MoE assignments of this request dropped by the capacity scheduler
   std::int64_t rerouted = 0;  // ... and rerouted to another expert
+  // Speculative decoding (only when the server speculates): draft tokens verified for the request, and kept.
+  std::optional<std::int64_t> drafted = std::nullopt;
+  std::optional<std::int64_t> accepted = std::nullopt;
 };
 
 // Text: "request id=... peer=... prompt_tokens=... completion_tokens=... finish_reason=... queue_s=...
-// ttft_s=... e2e_s=... dropped=... rerouted=..." (absent times as "-"); JSON: the same keys as fields of the
-// line's object, absent times null, with "logger": "access".
+// ttft_s=... e2e_s=... dropped=... rerouted=...[ drafted=... accepted=...]" (absent times as "-"; the draft
+// counts only when present); JSON: the same keys as fields of the line's object, absent times null, with
+// "logger": "access".
 void log_access(const AccessRecord& record);
 
 }  // namespace capserve::server

@@ -35,12 +35,14 @@
 #include "parallel/rank_hosts.h"
 #include "runtime/chat/chat_template.h"
 #include "runtime/cli/cores.h"
+#include "runtime/cli/flag_checks.h"
 #include "runtime/cli/parallel_flags.h"
 #include "runtime/cli/proc_status.h"
 #include "runtime/cli/rank_devices.h"
 #include "runtime/cli/version.h"
 #include "runtime/engine.h"
 #include "runtime/model.h"
+#include "runtime/speculative/ngram_drafter.h"
 #include "runtime/tokenizer/tokenizer.h"
 #include "server/http/http_server.h"
 #include "server/http/openai_api.h"
@@ -86,6 +88,9 @@ void handle_signal(int signal, void (*handler)(int)) {
   ::sigaction(signal, &action, nullptr);
 }
 
+// --speculative: the drafter of speculative decoding (DeepSeek's MTP layers are not a drafter yet).
+enum class Speculative { none, ngram };
+
 struct Options {
   std::string model_dir;
   std::string host = "0.0.0.0";
@@ -107,6 +112,11 @@ struct Options {
   std::int64_t chat_template_max_steps = static_cast<std::int64_t>(runtime::jinja::RenderOptions{}.max_steps);
   std::string generation_defaults = "model";
   double step_timeout_s = 60;
+  // Speculative decoding (server/README.md): the drafter, drafts per decode, the n-gram lengths looked up.
+  Speculative speculative = Speculative::none;
+  std::int64_t num_speculative_tokens = 3;
+  std::int64_t ngram_min = 1;
+  std::int64_t ngram_max = 4;
   bool metrics_per_expert = false;
   std::string log_level = "info";
   std::string log_format = "text";
@@ -239,6 +249,21 @@ void add_flags(CLI::App& app, Options& o) {
                  "a step making no progress this long (a hung rank) fails every request and ends the job")
       ->check(CLI::Range(0.1, 86400.0))
       ->capture_default_str();
+  runtime::add_enum_option(
+      app, "--speculative", o.speculative,
+      "speculative decoding's drafter (ngram: prompt lookup, each sequence's last tokens "
+      "found earlier in its own prompt and output propose what followed them)",
+      {{"none", Speculative::none}, {"ngram", Speculative::ngram}});
+  app.add_option("--num-speculative-tokens", o.num_speculative_tokens,
+                 "with --speculative: the most draft tokens a decode verifies per step")
+      ->check(CLI::Range(std::int64_t{1}, std::int64_t{16}))
+      ->capture_default_str();
+  app.add_option("--ngram-min", o.ngram_min, "with --speculative ngram: the shortest n-gram looked up")
+      ->check(runtime::at_least(1))
+      ->capture_default_str();
+  app.add_option("--ngram-max", o.ngram_max, "with --speculative ngram: the longest n-gram looked up")
+      ->check(runtime::at_least(1))
+      ->capture_default_str();
   runtime::add_parallel_flags(app, o.parallel);
   app.add_flag("--metrics-per-expert", o.metrics_per_expert,
                "token counters per (layer, expert) besides per (layer, rank): layers * experts series");
@@ -286,6 +311,9 @@ std::string cross_check(const Options& o) {
   if (o.limits.default_max_tokens > o.limits.max_tokens_limit)
     return "--default-max-tokens " + std::to_string(o.limits.default_max_tokens) +
            " exceeds --max-tokens-limit " + std::to_string(o.limits.max_tokens_limit);
+  if (o.ngram_min > o.ngram_max)
+    return "--ngram-min " + std::to_string(o.ngram_min) + " exceeds --ngram-max " +
+           std::to_string(o.ngram_max);
   return {};
 }
 
@@ -362,9 +390,14 @@ void log_startup_summary(const Options& o, const runtime::Model& model, const ca
         megabytes(memory[r].weights), megabytes(memory[r].kv_cache), o.engine.kv_blocks,
         o.engine.kv_block_size, megabytes(memory[r].resident_kib * 1024));
   }
-  spdlog::info("scheduler: max_running={} max_batched_tokens={} max_queue={} max_context={}; selector {}",
-               o.scheduler.max_running, o.scheduler.max_batched_tokens, o.scheduler.max_queue,
-               o.scheduler.max_context, info.batch_selector());
+  spdlog::info(
+      "scheduler: max_running={} max_batched_tokens={} max_queue={} max_context={}; selector {}; speculative "
+      "{}",
+      o.scheduler.max_running, o.scheduler.max_batched_tokens, o.scheduler.max_queue, o.scheduler.max_context,
+      info.batch_selector(),
+      o.speculative == Speculative::none
+          ? std::string("none")
+          : fmt::format("ngram (k={}, n={}..{})", o.num_speculative_tokens, o.ngram_min, o.ngram_max));
   spdlog::info("listening: gRPC at {}; HTTP API at {}; metrics (/metrics) at {}; {}; {}{}", grpc_address,
                http_address, host_port(o.metrics_host.empty() ? o.host : o.metrics_host, metrics_port),
                o.tls.cert.empty()        ? "plain TCP (no TLS)"
@@ -458,6 +491,7 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Engine& engine, server
         server::MetricsOptions{.model_name = o.limits.model_id,
                                .per_expert = o.metrics_per_expert,
                                .max_context = o.scheduler.max_context,
+                               .speculative_tokens = o.scheduler.speculative_tokens,
                                .version = std::string(build.version),
                                .git_commit = std::string(build.git_commit),
                                .build_type = std::string(build.build_type),
@@ -614,7 +648,7 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Engine& engine, server
     grpc_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
     world.abort(1);
   }
-  std::vector<std::byte> bytes = server::serialize(server::StepPlan{true, {}, {}, {}});
+  std::vector<std::byte> bytes = server::serialize(server::StepPlan{true, {}, {}, {}, {}});
   watchdog.begin_step();
   world.broadcast(bytes, 0);
   if (!watchdog.end_step()) wait_for_stall_handler();
@@ -758,7 +792,13 @@ int main(int argc, char** argv) {
   o.limits.model_id =
       o.model_id.empty() ? std::filesystem::path(o.model_dir).filename().string() : o.model_id;
   runtime::Engine& engine = *engine_storage;
-  server::RankWorker worker(engine, rank);
+  // Every rank drafts for its own sequences (the n-gram drafter needs no model).
+  std::optional<runtime::NgramDrafter> drafter;
+  if (o.speculative == Speculative::ngram) {
+    drafter.emplace(o.num_speculative_tokens, o.ngram_min, o.ngram_max);
+    o.scheduler.speculative_tokens = o.num_speculative_tokens;
+  }
+  server::RankWorker worker(engine, rank, drafter ? &*drafter : nullptr);
   // Lets rank 0's step watchdog name a stalled rank. Every rank decides alike (same flags, same MPI).
   std::optional<parallel::RankHeartbeat> heartbeat;
   if (world->size() > 1 && world->thread_level() == MPI_THREAD_MULTIPLE) {

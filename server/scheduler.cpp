@@ -27,8 +27,10 @@ double cosine(std::span<const float> a, std::span<const std::int64_t> b) {
   return aa > 0 && bb > 0 ? ab / std::sqrt(aa * bb) : std::numeric_limits<double>::quiet_NaN();
 }
 
-// The access line of a request that ends without having run: no tokens, no MoE work.
-void log_unadmitted(const Request& r, std::string_view reason, std::optional<double> queue_s, double e2e_s) {
+// The access line of a request that ends without having run: no tokens, no MoE work, no drafts (named when
+// the server speculates, as on every line).
+void log_unadmitted(const Request& r, std::string_view reason, std::optional<double> queue_s, double e2e_s,
+                    bool speculative) {
   log_access({.request_id = r.id(),
               .peer = r.peer(),
               .prompt_tokens = static_cast<std::int64_t>(r.prompt().size()),
@@ -38,7 +40,9 @@ void log_unadmitted(const Request& r, std::string_view reason, std::optional<dou
               .ttft_s = std::nullopt,
               .e2e_s = e2e_s,
               .dropped = 0,
-              .rerouted = 0});
+              .rerouted = 0,
+              .drafted = speculative ? std::optional<std::int64_t>(0) : std::nullopt,
+              .accepted = speculative ? std::optional<std::int64_t>(0) : std::nullopt});
 }
 
 }  // namespace
@@ -106,7 +110,7 @@ Scheduler::Refusal Scheduler::submit(std::shared_ptr<Request> request) {
                  refusal == Refusal::never_fits ? "invalid_argument"
                  : refusal == Refusal::draining ? "unavailable"
                                                 : "resource_exhausted",
-                 std::nullopt, seconds(Clock::now() - r.arrival()));
+                 std::nullopt, seconds(Clock::now() - r.arrival()), config_.speculative_tokens > 0);
   return refusal;
 }
 
@@ -139,7 +143,7 @@ void Scheduler::end_waiting(Waiting& w, Terminal terminal, const std::string& me
   const Request& r = *w.request;
   // It spent its whole life in the queue.
   const double waited = seconds(now - r.arrival());
-  log_unadmitted(r, finish_reason(terminal), waited, waited);
+  log_unadmitted(r, finish_reason(terminal), waited, waited, config_.speculative_tokens > 0);
   RequestEvent e;
   e.terminal = terminal;
   e.prompt_tokens = static_cast<std::uint32_t>(r.prompt().size());
@@ -192,6 +196,7 @@ StepPlan Scheduler::plan(Clock::time_point now) {
   }
   std::sort(plan.decodes.begin(), plan.decodes.end());
   admit(now, plan);
+  plan_drafts(plan);
   if (metrics_ != nullptr) {
     metrics_->set_requests_running(static_cast<std::int64_t>(running_.size()));
     metrics_->set_requests_waiting(static_cast<std::int64_t>(waiting_.size()));
@@ -276,6 +281,27 @@ void Scheduler::admit(Clock::time_point now, StepPlan& plan) {
   }
 }
 
+void Scheduler::plan_drafts(StepPlan& plan) const {
+  if (config_.speculative_tokens <= 0 || plan.decodes.empty()) return;
+  // Drafts are ordinary tokens of the step: they take what the decodes' own tokens and the admitted prompts
+  // leave of the batched tokens, so speculation never delays an admission.
+  std::int64_t budget = config_.max_batched_tokens - static_cast<std::int64_t>(plan.decodes.size());
+  for (const SequenceStart& s : plan.starts) budget -= static_cast<std::int64_t>(s.prompt.size());
+  plan.max_drafts.reserve(plan.decodes.size());
+  for (const std::uint64_t id : plan.decodes) {
+    const Running& run = running_.at(id);
+    const Request& r = *run.request;
+    const std::int64_t length = static_cast<std::int64_t>(r.prompt().size()) + run.completion;
+    // The step keeps at most drafts + 1 tokens: within max_tokens and the context, so the sequence never
+    // outgrows the KV blocks its admission reserved (kv_blocks_needed) and no kept token is past its end.
+    const std::int64_t drafts = std::max<std::int64_t>(
+        0, std::min({config_.speculative_tokens, r.params().max_new_tokens - run.completion - 1,
+                     config_.max_context - length - 1, budget}));
+    plan.max_drafts.push_back(static_cast<std::int32_t>(drafts));
+    budget -= drafts;
+  }
+}
+
 void Scheduler::emit_token(std::uint64_t id, Running& run, std::int32_t token, const Scored& scored,
                            Clock::time_point now) {
   const Request& req = *run.request;
@@ -330,13 +356,16 @@ void Scheduler::finish(std::uint64_t id, Running& run, Terminal terminal, const 
   take_logprobs(run, true, e);
   e.prompt_tokens = static_cast<std::uint32_t>(run.request->prompt().size());
   e.completion_tokens = static_cast<std::uint32_t>(run.completion);
+  // Fed tokens: the prompt, each later token, and the drafts the verification rejected.
   e.moe_assignments = static_cast<std::uint64_t>((static_cast<std::int64_t>(run.request->prompt().size()) +
-                                                  std::max<std::int64_t>(0, run.completion - 1)) *
+                                                  std::max<std::int64_t>(0, run.completion - 1) +
+                                                  run.drafted - run.accepted) *
                                                  config_.assignments_per_token);
   e.moe_dropped = static_cast<std::uint64_t>(run.dropped);
   e.moe_rerouted = static_cast<std::uint64_t>(run.rerouted);
   const Request& r = *run.request;
   const double e2e = seconds(now - r.arrival());
+  const bool speculative = config_.speculative_tokens > 0;
   std::optional<double> ttft;
   if (run.completion > 0) ttft = seconds(run.first_token - r.arrival());
   if (metrics_ != nullptr) {
@@ -356,7 +385,9 @@ void Scheduler::finish(std::uint64_t id, Running& run, Terminal terminal, const 
               .ttft_s = ttft,
               .e2e_s = e2e,
               .dropped = run.dropped,
-              .rerouted = run.rerouted});
+              .rerouted = run.rerouted,
+              .drafted = speculative ? std::optional<std::int64_t>(run.drafted) : std::nullopt,
+              .accepted = speculative ? std::optional<std::int64_t>(run.accepted) : std::nullopt});
   run.request->push(std::move(e));
   to_free_.push_back(id);
   rank_blocks_used_[static_cast<std::size_t>(run.rank)] -= run.blocks;
@@ -382,6 +413,7 @@ void Scheduler::complete(std::span<const StepResult> results, const parallel::Mo
     // The result's log-probability records, in the order of its sequences, and their alternatives.
     std::size_t record = 0;
     std::size_t top = 0;
+    std::size_t token = 0;  // the next sequence's first token in result.tokens
     if (!result.ok) {
       for (const auto& [id, rank] : in_step_) {
         if (rank != static_cast<std::int32_t>(r)) continue;
@@ -395,7 +427,11 @@ void Scheduler::complete(std::span<const StepResult> results, const parallel::Mo
     }
     for (const SequenceResult& s : result.sequences) {
       const auto it = running_.find(s.id);
-      Scored scored;
+      const std::span<const std::int32_t> tokens(
+          result.tokens.data() + token,
+          std::min(static_cast<std::size_t>(std::max(0, s.tokens)), result.tokens.size() - token));
+      token += tokens.size();
+      scored_.clear();
       for (; record < result.logprobs.size() && result.logprobs[record].id == s.id; ++record) {
         const LogprobRecord& rec = result.logprobs[record];
         const auto count = static_cast<std::size_t>(std::max(0, rec.top_count));
@@ -406,25 +442,34 @@ void Scheduler::complete(std::span<const StepResult> results, const parallel::Mo
         if (rec.prompt != 0) {
           it->second.prompt_logprobs.append(rec.token, rec.logprob, alternatives);
         } else {
-          scored = {&rec, alternatives};
+          scored_.push_back({&rec, alternatives});
         }
       }
       if (it == running_.end()) continue;
       Running& run = it->second;
-      step_tokens += run.completion == 0 ? static_cast<std::int64_t>(run.request->prompt().size()) : 1;
+      step_tokens +=
+          run.completion == 0 ? static_cast<std::int64_t>(run.request->prompt().size()) : 1 + s.drafted;
       run.dropped += s.dropped;
       run.rerouted += s.rerouted;
-      if (s.failure != SequenceFailure::none) {
+      run.drafted += s.drafted;
+      run.accepted += s.accepted;
+      if (metrics_ != nullptr && s.drafted > 0) metrics_->record_speculation(s.drafted, s.accepted);
+      // The kept tokens in order, each as a lone token would be: the first that ends the request (stop token,
+      // stop string, max_tokens, context) discards the ones after it.
+      bool ended = false;
+      for (std::size_t k = 0; k < tokens.size() && !ended; ++k) {
+        const std::size_t before = to_free_.size();
+        emit_token(s.id, run, tokens[k], k < scored_.size() ? scored_[k] : Scored{}, now);
+        ended = to_free_.size() > before;
+      }
+      if (!ended && s.failure != SequenceFailure::none) {
         finish(s.id, run, Terminal::internal,
                "the model's logits for this request are not finite (NaN or infinity) at completion token " +
                    std::to_string(run.completion + 1) + "; no token can be sampled",
                now);
-        running_.erase(it);
-        continue;
+        ended = true;
       }
-      const std::size_t before = to_free_.size();
-      emit_token(s.id, run, s.token, scored, now);
-      if (to_free_.size() > before) running_.erase(it);
+      if (ended) running_.erase(it);
     }
   }
   // The running batch's realized per-rank load of the dry-run layers, per decode token, times the decodes

@@ -35,6 +35,8 @@ struct SchedulerConfig {
   std::int64_t max_context = 4096;         // prompt + generated tokens
   std::int64_t assignments_per_token = 0;  // top_k * MoE layers, for the per-request statistics
   std::int64_t dry_run_layers = 1;         // MoE layers the predictor and the realized load cover
+  // Speculative decoding: the most drafts a decode verifies per step (--num-speculative-tokens; 0: off).
+  std::int64_t speculative_tokens = 0;
   SelectorConfig selector;
 };
 
@@ -89,6 +91,7 @@ class Scheduler {
     std::int64_t blocks = 0;  // reserved for prompt + max tokens
     std::int64_t completion = 0;
     std::int64_t dropped = 0, rerouted = 0;
+    std::int64_t drafted = 0, accepted = 0;  // speculative decoding's drafts verified and kept
     OutputStream stream;
     Clock::time_point last_token{};
     // Log-probability entries not yet sent: the prompt's, and the sampled tokens', each with the stream's
@@ -107,6 +110,9 @@ class Scheduler {
   // KV blocks reserved for the request: prompt + max tokens, within the context length.
   [[nodiscard]] std::int64_t kv_blocks_needed(const Request& request) const;
   void admit(Clock::time_point now, StepPlan& plan);
+  // The plan's max_drafts: each decode's room within its max_tokens and the context, from the batched tokens
+  // the decodes and the admitted prompts leave.
+  void plan_drafts(StepPlan& plan) const;
   void finish(std::uint64_t id, Running& run, Terminal terminal, const std::string& message,
               Clock::time_point now);
   void emit_token(std::uint64_t id, Running& run, std::int32_t token, const Scored& scored,
@@ -142,6 +148,7 @@ class Scheduler {
   std::int64_t last_step_tokens_ = 0;
   // Per step, reused.
   std::vector<Candidate> candidates_;
+  std::vector<Scored> scored_;  // a result's sampled-token records of one sequence
 };
 
 }  // namespace capserve::server

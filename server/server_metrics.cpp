@@ -126,6 +126,10 @@ struct ServerMetrics::Impl {
   Gauge* waiting = nullptr;
   Counter* prompt_tokens = nullptr;
   Counter* generation_tokens = nullptr;
+  Counter* spec_drafted = nullptr;
+  Counter* spec_accepted = nullptr;
+  std::vector<Counter*> spec_position_drafted;   // [speculative_tokens]
+  std::vector<Counter*> spec_position_accepted;  // [speculative_tokens]
   std::array<Counter*, kOutcomeNames.size()> outcomes{};
   std::array<Counter*, kErrorCodes.size()> errors{};
   Counter* other_error = nullptr;
@@ -257,6 +261,27 @@ ServerMetrics::ServerMetrics(std::span<const std::int64_t> moe_layers, std::int6
               "Prompt tokens of admitted requests (prefill work); rate() gives prefill throughput.");
   m.generation_tokens = counter("capserve_generation_tokens_total",
                                 "Tokens generated for clients; rate() gives decode throughput.");
+  if (options.speculative_tokens > 0) {
+    m.spec_drafted =
+        counter("capserve_spec_draft_tokens_total",
+                "Speculative decoding: draft tokens verified by the target model (ordinary tokens "
+                "of their step: they count against --max-batched-tokens and expert capacity).");
+    m.spec_accepted = counter("capserve_spec_accepted_tokens_total",
+                              "Speculative decoding: verified draft tokens the verification kept; divided by "
+                              "capserve_spec_draft_tokens_total, the acceptance rate.");
+    auto& drafted = counter_family("capserve_spec_position_draft_tokens_total",
+                                   "Speculative decoding: draft tokens verified at each draft position (0: "
+                                   "right after the sampled token).");
+    auto& accepted =
+        counter_family("capserve_spec_position_accepted_tokens_total",
+                       "Speculative decoding: draft tokens kept at each draft position; divided by "
+                       "capserve_spec_position_draft_tokens_total of the same position, that "
+                       "position's acceptance rate.");
+    for (std::int64_t j = 0; j < options.speculative_tokens; ++j) {
+      m.spec_position_drafted.push_back(&drafted.Add({{"position", std::to_string(j)}}));
+      m.spec_position_accepted.push_back(&accepted.Add({{"position", std::to_string(j)}}));
+    }
+  }
 
   auto& outcomes =
       prometheus::BuildCounter()
@@ -507,6 +532,18 @@ void ServerMetrics::add_prompt_tokens(std::int64_t n) {
 }
 void ServerMetrics::add_generation_tokens(std::int64_t n) {
   add_count(impl_->generation_tokens, n);
+}
+
+void ServerMetrics::record_speculation(std::int64_t drafted, std::int64_t accepted) {
+  Impl& m = *impl_;
+  if (m.spec_drafted == nullptr) return;  // the server does not speculate
+  add_count(m.spec_drafted, drafted);
+  add_count(m.spec_accepted, accepted);
+  const auto positions = static_cast<std::int64_t>(m.spec_position_drafted.size());
+  for (std::int64_t j = 0; j < std::min(drafted, positions); ++j) {
+    m.spec_position_drafted[static_cast<std::size_t>(j)]->Increment();
+    if (j < accepted) m.spec_position_accepted[static_cast<std::size_t>(j)]->Increment();
+  }
 }
 
 void ServerMetrics::count_outcome(Outcome outcome) {

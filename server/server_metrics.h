@@ -22,6 +22,9 @@ struct MetricsOptions {
   bool per_expert = false;
   // The top bucket of the prompt and generation length histograms: the context length.
   std::int64_t max_context = 4096;
+  // Speculative decoding's most drafts per decode (--num-speculative-tokens; 0: off, and no capserve_spec_
+  // series): the per-position series are labelled 0 .. speculative_tokens - 1.
+  std::int64_t speculative_tokens = 0;
   // capserve_build_info's labels.
   std::string version, git_commit, build_type, device;
 };
@@ -56,6 +59,8 @@ class ServerMetrics {
   void set_requests_waiting(std::int64_t n);
   void add_prompt_tokens(std::int64_t n);
   void add_generation_tokens(std::int64_t n);
+  // One decode's verification (speculative decoding): `drafted` drafts verified, the first `accepted` kept.
+  void record_speculation(std::int64_t drafted, std::int64_t accepted);
 
   // A request's terminal status: by finish reason, and by gRPC status code name for errors
   // ("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "CANCELLED", "UNAVAILABLE", "INTERNAL",

@@ -85,6 +85,7 @@ std::vector<std::byte> serialize(const StepPlan& plan) {
     w.put(s.top_logprobs);
   }
   w.put_vector(plan.decodes);
+  w.put_vector(plan.max_drafts);
   return std::move(w.out);
 }
 
@@ -109,7 +110,10 @@ StepPlan deserialize_plan(const std::vector<std::byte>& bytes) {
     s.top_logprobs = r.get<std::int32_t>();
   }
   r.get_vector(plan.decodes);
+  r.get_vector(plan.max_drafts);
   r.finish();
+  if (!plan.max_drafts.empty() && plan.max_drafts.size() != plan.decodes.size())
+    throw std::runtime_error("step message: draft limits do not match the decodes");
   return plan;
 }
 
@@ -118,6 +122,7 @@ std::vector<std::byte> serialize(const StepResult& result) {
   w.put(static_cast<std::uint8_t>(result.ok ? 1 : 0));
   w.put_string(result.error);
   w.put_vector(result.sequences);
+  w.put_vector(result.tokens);
   w.put_vector(result.logprobs);
   w.put_vector(result.top_logprobs);
   return std::move(w.out);
@@ -129,9 +134,17 @@ StepResult deserialize_result(const std::vector<std::byte>& bytes) {
   result.ok = r.get<std::uint8_t>() != 0;
   result.error = r.get_string();
   r.get_vector(result.sequences);
+  r.get_vector(result.tokens);
   r.get_vector(result.logprobs);
   r.get_vector(result.top_logprobs);
   r.finish();
+  std::size_t tokens = 0;
+  for (const SequenceResult& s : result.sequences) {
+    if (s.tokens < 0 || static_cast<std::size_t>(s.tokens) > result.tokens.size() - tokens)
+      throw std::runtime_error("step message: more sequence tokens than the message holds");
+    tokens += static_cast<std::size_t>(s.tokens);
+  }
+  if (tokens != result.tokens.size()) throw std::runtime_error("step message: tokens of no sequence");
   return result;
 }
 

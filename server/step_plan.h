@@ -30,6 +30,10 @@ struct StepPlan {
   std::vector<std::uint64_t> frees;    // sequences to release first (finished, cancelled, failed)
   std::vector<SequenceStart> starts;   // new sequences
   std::vector<std::uint64_t> decodes;  // running sequences that take one more token (each on its own rank)
+  // Speculative decoding: [i] is the most draft tokens decodes[i] may verify after its token this step (rank
+  // 0 bounds it by the request's max_tokens and the context, so the KV blocks reserved at admission always
+  // suffice); empty when speculation is off.
+  std::vector<std::int32_t> max_drafts;
 };
 
 // Why a sequence could not take a token (rank 0 ends its request with an error; the others go on).
@@ -38,18 +42,23 @@ enum class SequenceFailure : std::int32_t { none, non_finite_logits };
 // One sequence's outcome of the step on its rank.
 struct SequenceResult {
   std::uint64_t id = 0;
-  std::int32_t token = 0;  // the sampled next token, when failure is none
+  // The tokens it kept, in order: the next `tokens` entries of StepResult::tokens (one for a prefill or a
+  // plain decode; up to 1 + drafted when verifying drafts).
+  std::int32_t tokens = 0;
   std::int64_t dropped = 0;
   std::int64_t rerouted = 0;
-  SequenceFailure failure = SequenceFailure::none;
+  SequenceFailure failure = SequenceFailure::none;  // no token could be drawn after the kept ones
+  std::int32_t drafted = 0;                         // drafts verified this step
+  std::int32_t accepted = 0;                        // of those, the ones kept (a prefix)
 };
 
 struct StepResult {
   bool ok = true;
   std::string error;  // when !ok: why this rank's step was refused (its sequences all failed)
   std::vector<SequenceResult> sequences;
+  std::vector<std::int32_t> tokens;  // every sequence's kept tokens, in the order of `sequences`
   // The log-probabilities of the sequences that ask, in the order of `sequences` (a sequence's prompt
-  // entries, then its sampled token's), and their alternatives in the same order.
+  // entries, then one per kept token), and their alternatives in the same order.
   std::vector<LogprobRecord> logprobs;
   std::vector<TopLogprob> top_logprobs;
 };

@@ -31,6 +31,11 @@ BAD_FLAGS = [
     (["--selector-d", "0"], "--selector-d"),
     (["--step-timeout-s", "0"], "--step-timeout-s"),
     (["--default-max-tokens", "5000", "--max-tokens-limit", "4096"], "--default-max-tokens"),
+    (["--speculative", "mtp"], "--speculative: mtp is not one of: none, ngram"),
+    (["--num-speculative-tokens", "0"], "--num-speculative-tokens"),
+    (["--num-speculative-tokens", "17"], "--num-speculative-tokens"),
+    (["--ngram-max", "0"], "--ngram-max"),
+    (["--ngram-min", "5", "--ngram-max", "4"], "--ngram-min 5 exceeds --ngram-max 4"),
     (["--kv-blocks=", "--max-running", "4"], "--kv-blocks= has an empty value"),  # CLI11 took --max-running
 ]
 

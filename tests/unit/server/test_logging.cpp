@@ -52,7 +52,9 @@ AccessRecord record() {
           .ttft_s = std::nullopt,
           .e2e_s = 1.5,
           .dropped = 3,
-          .rerouted = 4};
+          .rerouted = 4,
+          .drafted = std::nullopt,
+          .accepted = std::nullopt};
 }
 
 TEST(Logging, JsonLinesAreValidJsonWithTheAccessFields) {
@@ -97,6 +99,28 @@ TEST(Logging, TextHasNoColourOffATerminal) {
             "] request id=req-\"1\" peer=ipv4:127.0.0.1:5555 prompt_tokens=12 completion_tokens=8 "
             "finish_reason=length queue_s=0.250000 ttft_s=- e2e_s=1.500000 dropped=3 rerouted=4");
   for (const auto& line : lines) EXPECT_EQ(line.find('\x1b'), std::string::npos) << line;
+}
+
+// With speculative decoding the access line ends with the request's drafts verified and kept, in both
+// formats.
+TEST(Logging, TheAccessLineCountsDraftsWhenPresent) {
+  AccessRecord speculative = record();
+  speculative.drafted = 30;
+  speculative.accepted = 17;
+  const auto lines = capture_stderr([&] {
+    configure_logging("info", LogFormat::text, 0);
+    log_access(speculative);
+    configure_logging("info", LogFormat::json, 0);
+    log_access(speculative);
+    log_access(record());
+  });
+  ASSERT_EQ(lines.size(), 3U);
+  EXPECT_TRUE(lines[0].ends_with(" dropped=3 rerouted=4 drafted=30 accepted=17")) << lines[0];
+  const auto access = nlohmann::json::parse(lines[1]);
+  EXPECT_EQ(access["drafted"], 30);
+  EXPECT_EQ(access["accepted"], 17);
+  EXPECT_EQ(access["rerouted"], 4);
+  EXPECT_FALSE(nlohmann::json::parse(lines[2]).contains("drafted"));
 }
 
 TEST(Logging, UnknownLevelIsRefused) {

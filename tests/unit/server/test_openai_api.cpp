@@ -49,8 +49,14 @@ class OpenAiApiTest : public testing::Test {
   void step(std::int32_t token) {
     const StepPlan plan = scheduler_.plan(Clock::now());
     StepResult result;
-    for (const SequenceStart& s : plan.starts) result.sequences.push_back({s.id, token, 0, 0});
-    for (const std::uint64_t id : plan.decodes) result.sequences.push_back({id, token, 0, 0});
+    for (const SequenceStart& s : plan.starts) {
+      result.sequences.push_back({s.id, 1, 0, 0});
+      result.tokens.push_back(token);
+    }
+    for (const std::uint64_t id : plan.decodes) {
+      result.sequences.push_back({id, 1, 0, 0});
+      result.tokens.push_back(token);
+    }
     scheduler_.complete(std::span<const StepResult>(&result, 1), {}, Clock::now());
   }
 

@@ -9,6 +9,7 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "runtime/model.h"
 #include "runtime/npy.h"
+#include "runtime/speculative/ngram_drafter.h"
 #include "tests/unit/kernels/log_softmax_reference.h"
 #include "tests/unit/runtime/fixture_models.h"
 
@@ -42,11 +43,19 @@ class RankWorkerTest : public ::testing::Test {
       EXPECT_TRUE(result.ok) << result.error;
       EXPECT_EQ(result.sequences.size(), 1U);
       if (result.sequences.size() != 1) break;
-      tokens.push_back(result.sequences[0].token);
+      tokens.insert(tokens.end(), result.tokens.begin(), result.tokens.end());
       plan = {};
       plan.decodes.push_back(s.id);
     }
     return tokens;
+  }
+
+  // Three sequences side by side for speculative decoding: a prompt repeating itself (the n-gram lookup finds
+  // it from the first decode), a plain one, and a seeded sampled one.
+  [[nodiscard]] std::vector<SequenceStart> speculation_starts() const {
+    std::vector<std::int32_t> looping;
+    for (int i = 0; i < 4; ++i) looping.insert(looping.end(), prompts_[1].begin(), prompts_[1].end());
+    return {start(1, 0, looping), start(2, 0, prompts_[2]), start(3, 0, prompts_[3], 0.8F, 77)};
   }
 
   kernels::cpu::CpuBackend backend_;
@@ -67,10 +76,13 @@ TEST_F(RankWorkerTest, PrefillsPlacedOnThisRankYieldOneTokenEachAndOtherRanksAre
   ASSERT_EQ(result.sequences.size(), 2U);
   EXPECT_EQ(result.sequences[0].id, 10U);
   EXPECT_EQ(result.sequences[1].id, 12U);
-  for (const SequenceResult& s : result.sequences) {
-    EXPECT_EQ(s.failure, SequenceFailure::none);
-    EXPECT_GE(s.token, 0);
-    EXPECT_LT(s.token, model_->config().vocab_size);
+  ASSERT_EQ(result.tokens.size(), 2U);
+  for (std::size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(result.sequences[i].failure, SequenceFailure::none);
+    EXPECT_EQ(result.sequences[i].tokens, 1);
+    EXPECT_EQ(result.sequences[i].drafted, 0);
+    EXPECT_GE(result.tokens[i], 0);
+    EXPECT_LT(result.tokens[i], model_->config().vocab_size);
   }
   EXPECT_EQ(worker.sequences(), 2U);
   EXPECT_EQ(engine_.length(10), static_cast<std::int64_t>(prompts_[1].size()));
@@ -194,7 +206,7 @@ TEST_F(RankWorkerTest, ReportsPromptAndSampledLogprobsOfTheSequencesThatAsk) {
   StepResult result = worker.run(plan);
   ASSERT_TRUE(result.ok) << result.error;
   ASSERT_EQ(result.sequences.size(), 2U);
-  EXPECT_EQ(result.sequences[1].token, greedy[0]);
+  EXPECT_EQ(result.tokens.at(1), greedy[0]);
   ASSERT_EQ(result.logprobs.size(), ids.size());
   ASSERT_EQ(result.top_logprobs.size(), 3 * ids.size());
   for (std::size_t r = 0; r < ids.size(); ++r) {
@@ -226,6 +238,147 @@ TEST_F(RankWorkerTest, ReportsPromptAndSampledLogprobsOfTheSequencesThatAsk) {
   EXPECT_EQ(result.top_logprobs.size(), 3U);
   EXPECT_EQ(result.top_logprobs[0].token, greedy[1]) << "greedy takes the most likely token";
   EXPECT_EQ(result.top_logprobs[0].logprob, result.logprobs[0].logprob);
+}
+
+// The n-gram drafter, counting its calls: one per step for all of a rank's decodes.
+class CountingDrafter final : public runtime::Drafter {
+ public:
+  CountingDrafter(std::int64_t k) : inner_(k, 1, 4) {}
+  [[nodiscard]] std::int64_t max_drafts() const override { return inner_.max_drafts(); }
+  void propose(std::span<const runtime::DraftSlot> slots, std::span<std::int64_t> counts) override {
+    ++calls;
+    inner_.propose(slots, counts);
+  }
+  int calls = 0;
+
+ private:
+  runtime::NgramDrafter inner_;
+};
+
+// What a worker generated for several sequences decoded side by side: their tokens, and the drafts verified
+// and kept.
+struct Generated {
+  std::vector<std::vector<std::int32_t>> tokens;
+  std::vector<std::vector<LogprobRecord>> logprobs;  // each sequence's sampled tokens' records, in order
+  std::int64_t drafted = 0, accepted = 0;
+  int steps = 0;
+};
+
+// Runs `starts` on `worker` (rank 0) until every sequence has at least `count` tokens, letting each decode
+// verify up to `max_drafts` drafts.
+Generated generate_all(RankWorker& worker, const std::vector<SequenceStart>& starts, std::size_t count,
+                       std::int32_t max_drafts) {
+  Generated g;
+  g.tokens.resize(starts.size());
+  g.logprobs.resize(starts.size());
+  StepPlan plan;
+  plan.starts = starts;
+  while (true) {
+    const StepResult result = worker.run(plan);
+    ++g.steps;
+    EXPECT_TRUE(result.ok) << result.error;
+    EXPECT_EQ(result.sequences.size(), starts.size());
+    if (!result.ok || result.sequences.size() != starts.size()) break;
+    std::size_t token = 0;
+    for (std::size_t i = 0; i < starts.size(); ++i) {
+      const SequenceResult& s = result.sequences[i];
+      EXPECT_EQ(s.id, starts[i].id);
+      EXPECT_EQ(s.failure, SequenceFailure::none);
+      EXPECT_LE(s.drafted, max_drafts);
+      EXPECT_EQ(s.tokens, s.accepted + 1);
+      g.drafted += s.drafted;
+      g.accepted += s.accepted;
+      g.tokens[i].insert(g.tokens[i].end(), result.tokens.begin() + static_cast<std::ptrdiff_t>(token),
+                         result.tokens.begin() + static_cast<std::ptrdiff_t>(token + s.tokens));
+      token += static_cast<std::size_t>(s.tokens);
+    }
+    EXPECT_EQ(token, result.tokens.size());
+    for (const LogprobRecord& r : result.logprobs) {
+      EXPECT_TRUE(r.prompt == 0 || g.steps == 1) << "a prompt record after the prefill, step " << g.steps;
+      for (std::size_t i = 0; i < starts.size(); ++i) {
+        if (r.prompt == 0 && r.id == starts[i].id) g.logprobs[i].push_back(r);
+      }
+    }
+    if (std::all_of(g.tokens.begin(), g.tokens.end(), [&](const auto& t) { return t.size() >= count; }))
+      break;
+    plan = {};
+    for (const SequenceStart& s : starts) {
+      plan.decodes.push_back(s.id);
+      plan.max_drafts.push_back(max_drafts);
+    }
+  }
+  return g;
+}
+
+// Speculative decoding: with an n-gram drafter the worker verifies drafts (proposed in one call per step for
+// all its decodes) and keeps exactly the tokens of decoding without them, greedy and seeded sampling alike;
+// each sequence's cache holds its prompt and every kept token but the last (the rejected drafts rolled back).
+TEST_F(RankWorkerTest, SpeculationKeepsTheTokensOfPlainDecodingWithFewerSteps) {
+  constexpr std::size_t kTokens = 24;
+  const std::vector<SequenceStart> starts = speculation_starts();
+  RankWorker plain(engine_, 0);
+  const Generated expected = generate_all(plain, starts, kTokens, 0);
+  for (const SequenceStart& s : starts) engine_.release(s.id);
+  EXPECT_EQ(expected.drafted, 0);
+
+  CountingDrafter drafter(3);
+  RankWorker speculating(engine_, 0, &drafter);
+  const Generated got = generate_all(speculating, starts, kTokens, 3);
+  EXPECT_GT(got.drafted, 0) << "the n-gram drafter proposed nothing";
+  EXPECT_GT(got.accepted, 0) << "no draft was kept";
+  EXPECT_EQ(drafter.calls, got.steps - 1) << "one proposal per decode step";
+  for (std::size_t i = 0; i < starts.size(); ++i) {
+    const std::vector<std::int32_t>& want = expected.tokens[i];
+    std::vector<std::int32_t> have = got.tokens[i];
+    ASSERT_GE(have.size(), kTokens);
+    EXPECT_EQ(std::vector<std::int32_t>(have.begin(), have.begin() + kTokens),
+              std::vector<std::int32_t>(want.begin(), want.begin() + kTokens))
+        << "sequence " << starts[i].id;
+    EXPECT_EQ(engine_.length(starts[i].id),
+              static_cast<std::int64_t>(starts[i].prompt.size() + have.size()) - 1)
+        << "sequence " << starts[i].id;
+  }
+}
+
+// Speculative decoding reports one log-probability record per kept token, each scored on its own row's
+// logits: the records of decoding without drafts (a verifying decode's rows are never prompt records).
+TEST_F(RankWorkerTest, SpeculationReportsALogprobForEveryKeptToken) {
+  constexpr std::size_t kTokens = 24;
+  std::vector<SequenceStart> starts = speculation_starts();
+  for (SequenceStart& s : starts) {
+    s.logprobs = 1;
+    s.prompt_logprobs = 1;
+    s.top_logprobs = 2;
+  }
+  RankWorker plain(engine_, 0);
+  const Generated expected = generate_all(plain, starts, kTokens, 0);
+  for (const SequenceStart& s : starts) engine_.release(s.id);
+  CountingDrafter drafter(3);
+  RankWorker speculating(engine_, 0, &drafter);
+  const Generated got = generate_all(speculating, starts, kTokens, 3);
+  ASSERT_GT(got.accepted, 0);
+  for (std::size_t i = 0; i < starts.size(); ++i) {
+    ASSERT_EQ(got.logprobs[i].size(), got.tokens[i].size()) << "sequence " << i;
+    for (std::size_t j = 0; j < kTokens; ++j) {
+      EXPECT_EQ(got.logprobs[i][j].token, got.tokens[i][j]) << "sequence " << i << " token " << j;
+      EXPECT_EQ(got.logprobs[i][j].token, expected.logprobs[i][j].token)
+          << "sequence " << i << " token " << j;
+      EXPECT_NEAR(got.logprobs[i][j].logprob, expected.logprobs[i][j].logprob, 1e-4)
+          << "sequence " << i << " token " << j;
+    }
+  }
+}
+
+// A plan that allows no drafts (the request's last token, or no room in the step) feeds the lone token.
+TEST_F(RankWorkerTest, ADecodeWithoutDraftRoomFeedsOneToken) {
+  std::vector<std::int32_t> looping;
+  for (int i = 0; i < 4; ++i) looping.insert(looping.end(), prompts_[1].begin(), prompts_[1].end());
+  CountingDrafter drafter(3);
+  RankWorker worker(engine_, 0, &drafter);
+  const Generated got = generate_all(worker, {start(1, 0, looping)}, 4, 0);
+  EXPECT_EQ(got.drafted, 0);
+  EXPECT_EQ(got.steps, 4);
+  EXPECT_EQ(engine_.length(1), static_cast<std::int64_t>(looping.size()) + 3);
 }
 
 }  // namespace

@@ -27,6 +27,12 @@ std::vector<RequestEvent> drain_events(Request& request) {
   return events;
 }
 
+// Appends sequence `id`'s one kept token to a step result.
+void add_token(StepResult& result, std::uint64_t id, std::int32_t token) {
+  result.sequences.push_back({id, 1, 0, 0});
+  result.tokens.push_back(token);
+}
+
 class SchedulerTest : public testing::Test {
  protected:
   SchedulerTest() : tokenizer_(load_tiny_tokenizer()) {}
@@ -35,8 +41,8 @@ class SchedulerTest : public testing::Test {
   void step(Scheduler& scheduler, std::int32_t token) {
     const StepPlan plan = scheduler.plan(Clock::now());
     StepResult result;
-    for (const SequenceStart& s : plan.starts) result.sequences.push_back({s.id, token, 0, 0});
-    for (const std::uint64_t id : plan.decodes) result.sequences.push_back({id, token, 0, 0});
+    for (const SequenceStart& s : plan.starts) add_token(result, s.id, token);
+    for (const std::uint64_t id : plan.decodes) add_token(result, id, token);
     scheduler.complete(std::span<const StepResult>(&result, 1), {}, Clock::now());
   }
 
@@ -93,7 +99,7 @@ TEST_F(SchedulerTest, LogprobEntriesGoWithTheTextThatCoversTheirTokens) {
       EXPECT_EQ(plan.starts[0].prompt_logprobs, 1);
       EXPECT_EQ(plan.starts[0].top_logprobs, 1);
     }
-    result.sequences.push_back({id, token, 0, 0});
+    add_token(result, id, token);
     if (!plan.starts.empty()) {
       for (const std::int32_t next : {6, 7}) {
         result.logprobs.push_back({id, next, -0.5F, 1, 1});
@@ -138,7 +144,7 @@ TEST_F(SchedulerTest, ASequenceWithoutATokenFailsAloneWithAnError) {
   ASSERT_EQ(plan.starts.size(), 2U);
   StepResult result;
   result.sequences.push_back({plan.starts[0].id, 0, 0, 0, SequenceFailure::non_finite_logits});
-  result.sequences.push_back({plan.starts[1].id, a, 0, 0});
+  add_token(result, plan.starts[1].id, a);
   scheduler.complete(std::span<const StepResult>(&result, 1), {}, Clock::now());
   const std::vector<RequestEvent> failed = drain_events(*bad);
   ASSERT_EQ(failed.size(), 1U);
@@ -293,6 +299,156 @@ TEST_F(SchedulerTest, AFinishedRequestFeedsTheKvAndRequestMetrics) {
   EXPECT_TRUE(has("capserve_request_decode_time_seconds_count{model_name=\"m\"} 1\n"));
   scheduler.plan(Clock::now());  // frees the finished sequence
   EXPECT_TRUE(has("capserve_kv_cache_usage_ratio{model_name=\"m\"} 0\n")) << metrics.exposition();
+}
+
+// Speculative decoding: a decode's kept tokens reach the client in order, each as a lone token would; a stop
+// token among them ends the request there, and the kept tokens after it are never sent.
+TEST_F(SchedulerTest, AStopTokenInsideAMultiTokenResultEndsTheRequestThere) {
+  SchedulerConfig config;
+  config.speculative_tokens = 3;
+  Scheduler scheduler(config, 1, &tokenizer_, nullptr, nullptr);
+  const std::int32_t a = single_token(tokenizer_, "a");
+  const std::int32_t b = single_token(tokenizer_, "b");
+  const std::int32_t q = single_token(tokenizer_, "Q");
+  runtime::SamplingParams params;
+  params.max_new_tokens = 16;
+  params.stop_token_ids = {q};
+  const auto request = std::make_shared<Request>("r", std::vector<std::int32_t>{5, 6, 7}, params,
+                                                 std::vector<std::string>{}, true, Clock::time_point::max());
+  ASSERT_EQ(scheduler.submit(request), Scheduler::Refusal::none);
+  step(scheduler, a);
+  const StepPlan plan = scheduler.plan(Clock::now());
+  ASSERT_EQ(plan.decodes.size(), 1U);
+  EXPECT_EQ(plan.max_drafts, std::vector<std::int32_t>{3});
+  StepResult result;
+  result.sequences.push_back({plan.decodes[0], 4, 0, 0, SequenceFailure::none, 3, 3});
+  result.tokens = {b, q, a, b};
+  scheduler.complete(std::span<const StepResult>(&result, 1), {}, Clock::now());
+  std::string text;
+  const std::vector<RequestEvent> events = drain_events(*request);
+  for (const RequestEvent& e : events) text += e.text;
+  EXPECT_EQ(text, "ab");
+  ASSERT_FALSE(events.empty());
+  EXPECT_EQ(events.back().terminal, Terminal::ok_stop);
+  EXPECT_EQ(events.back().completion_tokens, 3U) << "a, b and the stop token; the two after it are dropped";
+  EXPECT_EQ(scheduler.plan(Clock::now()).frees, std::vector<std::uint64_t>{plan.decodes[0]});
+}
+
+// A decode's drafts never reach past its request's max_tokens or the context (so the KV blocks reserved at
+// admission always suffice), and take only the batched tokens that the decodes and the prompts admitted in
+// the same step leave.
+TEST_F(SchedulerTest, DraftsStayWithinMaxTokensTheContextAndTheBatchedTokens) {
+  SchedulerConfig config;
+  config.speculative_tokens = 3;
+  config.max_context = 8;
+  config.max_batched_tokens = 6;
+  Scheduler scheduler(config, 1, &tokenizer_, nullptr, nullptr);
+  const std::int32_t a = single_token(tokenizer_, "a");
+  const auto near_max_tokens = chat_request({}, 3, 2);  // after its first token: 2 left, so 1 draft
+  const auto near_context = chat_request({}, 16, 5);    // after its first token: 6 of 8, so 1 draft
+  ASSERT_EQ(scheduler.submit(near_max_tokens), Scheduler::Refusal::none);
+  ASSERT_EQ(scheduler.submit(near_context), Scheduler::Refusal::none);
+  StepPlan plan = scheduler.plan(Clock::now());
+  ASSERT_EQ(plan.starts.size(), 1U) << "the second prompt does not fit the step's 6 tokens beside the first";
+  EXPECT_TRUE(plan.max_drafts.empty()) << "no decode yet";
+  StepResult result;
+  add_token(result, plan.starts[0].id, a);
+  scheduler.complete(std::span<const StepResult>(&result, 1), {}, Clock::now());
+
+  plan = scheduler.plan(Clock::now());
+  ASSERT_EQ(plan.decodes.size(), 1U);
+  ASSERT_EQ(plan.starts.size(), 1U);
+  EXPECT_EQ(plan.max_drafts, std::vector<std::int32_t>{0}) << "1 decode + a 5-token prompt fill the 6 tokens";
+  result = {};
+  add_token(result, plan.decodes[0], a);
+  add_token(result, plan.starts[0].id, a);
+  scheduler.complete(std::span<const StepResult>(&result, 1), {}, Clock::now());
+
+  plan = scheduler.plan(Clock::now());
+  ASSERT_EQ(plan.decodes.size(), 2U);
+  EXPECT_EQ(plan.max_drafts, (std::vector<std::int32_t>{0, 1}))
+      << "max_tokens 3 with 2 generated leaves no draft; the context 8 with 5 + 1 leaves 1";
+  result = {};
+  add_token(result, plan.decodes[0], a);
+  result.sequences.push_back({plan.decodes[1], 2, 0, 0, SequenceFailure::none, 1, 1});
+  result.tokens.insert(result.tokens.end(), {a, a});
+  scheduler.complete(std::span<const StepResult>(&result, 1), {}, Clock::now());
+  const std::vector<RequestEvent> first = drain_events(*near_max_tokens);
+  ASSERT_FALSE(first.empty());
+  EXPECT_EQ(first.back().terminal, Terminal::ok_length);
+  EXPECT_EQ(first.back().completion_tokens, 3U);
+  const std::vector<RequestEvent> second = drain_events(*near_context);
+  ASSERT_FALSE(second.empty());
+  EXPECT_EQ(second.back().terminal, Terminal::ok_length);
+  EXPECT_EQ(second.back().completion_tokens, 3U) << "5 + 3 tokens: the context";
+}
+
+// A verifying step whose row after some kept tokens was not finite: the kept tokens are sent, then the
+// request ends with the error, naming the completion token that could not be drawn.
+TEST_F(SchedulerTest, TokensKeptBeforeANonFiniteRowAreSentBeforeTheError) {
+  SchedulerConfig config;
+  config.speculative_tokens = 3;
+  Scheduler scheduler(config, 1, &tokenizer_, nullptr, nullptr);
+  const auto request = chat_request({}, 16);
+  ASSERT_EQ(scheduler.submit(request), Scheduler::Refusal::none);
+  const std::int32_t a = single_token(tokenizer_, "a");
+  const std::int32_t b = single_token(tokenizer_, "b");
+  step(scheduler, a);
+  const StepPlan plan = scheduler.plan(Clock::now());
+  StepResult result;
+  result.sequences.push_back({plan.decodes.at(0), 2, 0, 0, SequenceFailure::non_finite_logits, 3, 2});
+  result.tokens = {b, a};
+  scheduler.complete(std::span<const StepResult>(&result, 1), {}, Clock::now());
+  std::string text;
+  const std::vector<RequestEvent> events = drain_events(*request);
+  for (const RequestEvent& e : events) text += e.text;
+  EXPECT_EQ(text, "aba");
+  ASSERT_FALSE(events.empty());
+  EXPECT_EQ(events.back().terminal, Terminal::internal);
+  EXPECT_NE(events.back().message.find("at completion token 4"), std::string::npos) << events.back().message;
+  EXPECT_EQ(events.back().completion_tokens, 3U);
+  EXPECT_EQ(scheduler.plan(Clock::now()).frees, std::vector<std::uint64_t>{plan.decodes[0]});
+}
+
+// The drafts of each decode reach the speculation counters, per draft position, and the access line.
+TEST_F(SchedulerTest, VerifiedDraftsFeedTheSpeculationMetrics) {
+  const std::vector<std::int64_t> layers{0};
+  ServerMetrics metrics(layers, 2, 1,
+                        MetricsOptions{.model_name = "m",
+                                       .per_expert = false,
+                                       .max_context = 64,
+                                       .speculative_tokens = 3,
+                                       .version = "v",
+                                       .git_commit = "c",
+                                       .build_type = "Release",
+                                       .device = "cpu"});
+  SchedulerConfig config;
+  config.speculative_tokens = 3;
+  Scheduler scheduler(config, 1, &tokenizer_, nullptr, &metrics);
+  ASSERT_EQ(scheduler.submit(chat_request({}, 16)), Scheduler::Refusal::none);
+  const std::int32_t a = single_token(tokenizer_, "a");
+  step(scheduler, a);
+  for (const auto& [drafted, accepted] : {std::pair{3, 1}, std::pair{2, 2}}) {
+    const StepPlan plan = scheduler.plan(Clock::now());
+    StepResult result;
+    result.sequences.push_back(
+        {plan.decodes.at(0), accepted + 1, 0, 0, SequenceFailure::none, drafted, accepted});
+    result.tokens.assign(static_cast<std::size_t>(accepted + 1), a);
+    scheduler.complete(std::span<const StepResult>(&result, 1), {}, Clock::now());
+  }
+  const std::string text = metrics.exposition();
+  const auto has = [&](const std::string& sample) { return text.find(sample) != std::string::npos; };
+  EXPECT_TRUE(has("capserve_spec_draft_tokens_total{model_name=\"m\"} 5\n")) << text;
+  EXPECT_TRUE(has("capserve_spec_accepted_tokens_total{model_name=\"m\"} 3\n")) << text;
+  EXPECT_TRUE(has("capserve_spec_position_draft_tokens_total{model_name=\"m\",position=\"0\"} 2\n")) << text;
+  EXPECT_TRUE(has("capserve_spec_position_draft_tokens_total{model_name=\"m\",position=\"2\"} 1\n")) << text;
+  EXPECT_TRUE(has("capserve_spec_position_accepted_tokens_total{model_name=\"m\",position=\"0\"} 2\n"))
+      << text;
+  EXPECT_TRUE(has("capserve_spec_position_accepted_tokens_total{model_name=\"m\",position=\"1\"} 1\n"))
+      << text;
+  EXPECT_TRUE(has("capserve_spec_position_accepted_tokens_total{model_name=\"m\",position=\"2\"} 0\n"))
+      << text;
+  EXPECT_TRUE(has("capserve_generation_tokens_total{model_name=\"m\"} 6\n")) << text;
 }
 
 }  // namespace

@@ -46,7 +46,7 @@ TEST(StepPlanTest, ResultRoundTripKeepsErrorAndSequences) {
   StepResult result;
   result.ok = false;
   result.error = "KV cache: step needs 3 blocks, 1 free";
-  result.sequences.push_back({21, 99, 2, 1, SequenceFailure::non_finite_logits});
+  result.sequences.push_back({21, 0, 2, 1, SequenceFailure::non_finite_logits});
   result.logprobs.push_back({21, 98, -0.25F, 2, 1});
   result.top_logprobs = {{98, -0.25F}, {3, -1.5F}};
   const StepResult back = deserialize_result(serialize(result));
@@ -63,10 +63,59 @@ TEST(StepPlanTest, ResultRoundTripKeepsErrorAndSequences) {
   EXPECT_EQ(back.error, "KV cache: step needs 3 blocks, 1 free");
   ASSERT_EQ(back.sequences.size(), 1U);
   EXPECT_EQ(back.sequences[0].id, 21U);
-  EXPECT_EQ(back.sequences[0].token, 99);
+  EXPECT_EQ(back.sequences[0].tokens, 0);
   EXPECT_EQ(back.sequences[0].dropped, 2);
   EXPECT_EQ(back.sequences[0].rerouted, 1);
   EXPECT_EQ(back.sequences[0].failure, SequenceFailure::non_finite_logits);
+}
+
+// Speculative decoding: each decode's draft limit travels with the plan, and a result carries every kept
+// token of each sequence (in the order of the sequences) with its draft counts.
+TEST(StepPlanTest, DraftLimitsAndMultiTokenResultsRoundTrip) {
+  StepPlan plan;
+  plan.decodes = {3, 4, 5};
+  plan.max_drafts = {3, 0, 16};
+  const StepPlan back = deserialize_plan(serialize(plan));
+  EXPECT_EQ(back.decodes, (std::vector<std::uint64_t>{3, 4, 5}));
+  EXPECT_EQ(back.max_drafts, (std::vector<std::int32_t>{3, 0, 16}));
+
+  StepResult result;
+  result.sequences.push_back({3, 4, 0, 0, SequenceFailure::none, 3, 3});
+  result.sequences.push_back({4, 1, 1, 0});
+  result.sequences.push_back({5, 2, 0, 2, SequenceFailure::non_finite_logits, 5, 2});
+  result.tokens = {10, 11, 12, 13, 20, 30, 31};
+  const StepResult r = deserialize_result(serialize(result));
+  ASSERT_EQ(r.sequences.size(), 3U);
+  EXPECT_EQ(r.tokens, result.tokens);
+  EXPECT_EQ(r.sequences[0].tokens, 4);
+  EXPECT_EQ(r.sequences[0].drafted, 3);
+  EXPECT_EQ(r.sequences[0].accepted, 3);
+  EXPECT_EQ(r.sequences[1].tokens, 1);
+  EXPECT_EQ(r.sequences[1].drafted, 0);
+  EXPECT_EQ(r.sequences[1].dropped, 1);
+  EXPECT_EQ(r.sequences[2].tokens, 2);
+  EXPECT_EQ(r.sequences[2].drafted, 5);
+  EXPECT_EQ(r.sequences[2].accepted, 2);
+  EXPECT_EQ(r.sequences[2].rerouted, 2);
+  EXPECT_EQ(r.sequences[2].failure, SequenceFailure::non_finite_logits);
+}
+
+// Draft limits that are not one per decode, and token counts that do not add up to the result's tokens, are
+// refused rather than read out of bounds.
+TEST(StepPlanTest, MismatchedDraftLimitsOrTokenCountsAreRefused) {
+  StepPlan plan;
+  plan.decodes = {3, 4};
+  plan.max_drafts = {3};
+  EXPECT_THROW(deserialize_plan(serialize(plan)), std::runtime_error);
+
+  StepResult result;
+  result.sequences.push_back({3, 3, 0, 0});
+  result.tokens = {1, 2};
+  EXPECT_THROW(deserialize_result(serialize(result)), std::runtime_error);
+  result.tokens = {1, 2, 3, 4};
+  EXPECT_THROW(deserialize_result(serialize(result)), std::runtime_error);
+  result.sequences[0].tokens = -1;
+  EXPECT_THROW(deserialize_result(serialize(result)), std::runtime_error);
 }
 
 TEST(StepPlanTest, TruncatedOrTrailingBytesAreRefused) {
