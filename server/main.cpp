@@ -39,10 +39,10 @@
 #include "runtime/cli/parallel_flags.h"
 #include "runtime/cli/proc_status.h"
 #include "runtime/cli/rank_devices.h"
+#include "runtime/cli/speculation_flags.h"
 #include "runtime/cli/version.h"
 #include "runtime/engine.h"
 #include "runtime/model.h"
-#include "runtime/speculative/ngram_drafter.h"
 #include "runtime/tokenizer/tokenizer.h"
 #include "server/http/http_server.h"
 #include "server/http/openai_api.h"
@@ -88,9 +88,6 @@ void handle_signal(int signal, void (*handler)(int)) {
   ::sigaction(signal, &action, nullptr);
 }
 
-// --speculative: the drafter of speculative decoding (DeepSeek's MTP layers are not a drafter yet).
-enum class Speculative { none, ngram };
-
 struct Options {
   std::string model_dir;
   std::string host = "0.0.0.0";
@@ -112,11 +109,7 @@ struct Options {
   std::int64_t chat_template_max_steps = static_cast<std::int64_t>(runtime::jinja::RenderOptions{}.max_steps);
   std::string generation_defaults = "model";
   double step_timeout_s = 60;
-  // Speculative decoding (server/README.md): the drafter, drafts per decode, the n-gram lengths looked up.
-  Speculative speculative = Speculative::none;
-  std::int64_t num_speculative_tokens = 3;
-  std::int64_t ngram_min = 1;
-  std::int64_t ngram_max = 4;
+  runtime::SpeculationConfig speculation;  // server/README.md, "Speculative decoding"
   bool metrics_per_expert = false;
   std::string log_level = "info";
   std::string log_format = "text";
@@ -249,21 +242,7 @@ void add_flags(CLI::App& app, Options& o) {
                  "a step making no progress this long (a hung rank) fails every request and ends the job")
       ->check(CLI::Range(0.1, 86400.0))
       ->capture_default_str();
-  runtime::add_enum_option(
-      app, "--speculative", o.speculative,
-      "speculative decoding's drafter (ngram: prompt lookup, each sequence's last tokens "
-      "found earlier in its own prompt and output propose what followed them)",
-      {{"none", Speculative::none}, {"ngram", Speculative::ngram}});
-  app.add_option("--num-speculative-tokens", o.num_speculative_tokens,
-                 "with --speculative: the most draft tokens a decode verifies per step")
-      ->check(CLI::Range(std::int64_t{1}, std::int64_t{16}))
-      ->capture_default_str();
-  app.add_option("--ngram-min", o.ngram_min, "with --speculative ngram: the shortest n-gram looked up")
-      ->check(runtime::at_least(1))
-      ->capture_default_str();
-  app.add_option("--ngram-max", o.ngram_max, "with --speculative ngram: the longest n-gram looked up")
-      ->check(runtime::at_least(1))
-      ->capture_default_str();
+  runtime::add_speculation_flags(app, o.speculation);
   runtime::add_parallel_flags(app, o.parallel);
   app.add_flag("--metrics-per-expert", o.metrics_per_expert,
                "token counters per (layer, expert) besides per (layer, rank): layers * experts series");
@@ -311,10 +290,7 @@ std::string cross_check(const Options& o) {
   if (o.limits.default_max_tokens > o.limits.max_tokens_limit)
     return "--default-max-tokens " + std::to_string(o.limits.default_max_tokens) +
            " exceeds --max-tokens-limit " + std::to_string(o.limits.max_tokens_limit);
-  if (o.ngram_min > o.ngram_max)
-    return "--ngram-min " + std::to_string(o.ngram_min) + " exceeds --ngram-max " +
-           std::to_string(o.ngram_max);
-  return {};
+  return runtime::why_speculation_invalid(o.speculation);
 }
 
 // "host:port", with an IPv6 literal in brackets ("[::]:50051") as gRPC expects.
@@ -395,9 +371,10 @@ void log_startup_summary(const Options& o, const runtime::Model& model, const ca
       "{}",
       o.scheduler.max_running, o.scheduler.max_batched_tokens, o.scheduler.max_queue, o.scheduler.max_context,
       info.batch_selector(),
-      o.speculative == Speculative::none
+      o.speculation.method == runtime::SpeculationConfig::Method::none
           ? std::string("none")
-          : fmt::format("ngram (k={}, n={}..{})", o.num_speculative_tokens, o.ngram_min, o.ngram_max));
+          : fmt::format("ngram (k={}, n={}..{})", o.speculation.num_tokens, o.speculation.ngram_min,
+                        o.speculation.ngram_max));
   spdlog::info("listening: gRPC at {}; HTTP API at {}; metrics (/metrics) at {}; {}; {}{}", grpc_address,
                http_address, host_port(o.metrics_host.empty() ? o.host : o.metrics_host, metrics_port),
                o.tls.cert.empty()        ? "plain TCP (no TLS)"
@@ -792,13 +769,10 @@ int main(int argc, char** argv) {
   o.limits.model_id =
       o.model_id.empty() ? std::filesystem::path(o.model_dir).filename().string() : o.model_id;
   runtime::Engine& engine = *engine_storage;
-  // Every rank drafts for its own sequences (the n-gram drafter needs no model).
-  std::optional<runtime::NgramDrafter> drafter;
-  if (o.speculative == Speculative::ngram) {
-    drafter.emplace(o.num_speculative_tokens, o.ngram_min, o.ngram_max);
-    o.scheduler.speculative_tokens = o.num_speculative_tokens;
-  }
-  server::RankWorker worker(engine, rank, drafter ? &*drafter : nullptr);
+  // Every rank drafts for its own sequences (the n-gram drafter needs no model). The flags were checked.
+  const std::unique_ptr<runtime::Drafter> drafter = runtime::make_drafter(o.speculation);
+  if (drafter != nullptr) o.scheduler.speculative_tokens = drafter->max_drafts();
+  server::RankWorker worker(engine, rank, drafter.get());
   // Lets rank 0's step watchdog name a stalled rank. Every rank decides alike (same flags, same MPI).
   std::optional<parallel::RankHeartbeat> heartbeat;
   if (world->size() > 1 && world->thread_level() == MPI_THREAD_MULTIPLE) {

@@ -3,6 +3,7 @@
 // runtime/cli/speculation_flags.h), and the drafter it makes.
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "runtime/speculative/drafter.h"
 
@@ -16,7 +17,10 @@ struct SpeculationConfig {
   std::int64_t ngram_max = 4;
 };
 
-// nullptr for Method::none; std::invalid_argument naming the flag for an unusable combination.
+// Empty when the combination is usable, else why not, naming the flags (checked before anything loads).
+std::string why_speculation_invalid(const SpeculationConfig& config);
+
+// nullptr for Method::none; std::invalid_argument with why_speculation_invalid's message.
 std::unique_ptr<Drafter> make_drafter(const SpeculationConfig& config);
 
 }  // namespace capserve::runtime

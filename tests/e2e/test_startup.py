@@ -32,10 +32,12 @@ BAD_FLAGS = [
     (["--step-timeout-s", "0"], "--step-timeout-s"),
     (["--default-max-tokens", "5000", "--max-tokens-limit", "4096"], "--default-max-tokens"),
     (["--speculative", "mtp"], "--speculative: mtp is not one of: none, ngram"),
-    (["--num-speculative-tokens", "0"], "--num-speculative-tokens"),
-    (["--num-speculative-tokens", "17"], "--num-speculative-tokens"),
-    (["--ngram-max", "0"], "--ngram-max"),
-    (["--ngram-min", "5", "--ngram-max", "4"], "--ngram-min 5 exceeds --ngram-max 4"),
+    (["--speculative", "ngram", "--num-speculative-tokens", "0"], "--num-speculative-tokens"),
+    (["--speculative", "ngram", "--num-speculative-tokens", "17"], "--num-speculative-tokens"),
+    (["--speculative", "ngram", "--ngram-max", "0"], "--ngram-max"),
+    (["--speculative", "ngram", "--ngram-min", "5", "--ngram-max", "4"],
+     "--ngram-min (5) must not exceed --ngram-max (4)"),
+    (["--ngram-max", "4"], "--ngram-max requires --speculative"),
     (["--kv-blocks=", "--max-running", "4"], "--kv-blocks= has an empty value"),  # CLI11 took --max-running
 ]
 
