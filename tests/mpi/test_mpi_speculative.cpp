@@ -84,7 +84,8 @@ TEST_P(MpiSpeculative, NgramGreedyEqualsPlainGreedy) {
     EXPECT_EQ(spec.size(), plain.size()) << where;
     for (std::size_t i = 0; i < std::min(spec.size(), plain.size()); ++i)
       EXPECT_EQ(spec[i].tokens, plain[i].tokens) << where << ", prompt " << i;
-    // Every rank with prompts verified drafts (the doubled prompts guarantee n-gram matches).
+    // Every rank with prompts verified drafts (the continuations of the doubled prompts repeat earlier
+    // n-grams: deterministic on these fixtures).
     if (!prompts.empty()) {
       EXPECT_GT(stats.total_proposed(), 0) << where;
     }

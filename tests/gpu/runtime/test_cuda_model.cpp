@@ -1,6 +1,7 @@
 // The whole model on CudaBackend (one process; the cuda-emu label runs it on the emulation): for every
 // committed fixture, the prompt logits against transformers' and against the CPU backend's, a 16-token greedy
-// continuation equal to the CPU backend's, and a ragged batch equal to each sequence alone.
+// continuation equal to the CPU backend's, a ragged batch equal to each sequence alone, and speculative
+// greedy decoding equal to plain greedy decoding.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -19,6 +20,7 @@
 #include "runtime/generator.h"
 #include "runtime/model.h"
 #include "runtime/npy.h"
+#include "runtime/speculative/drafter.h"
 #include "tests/gpu/gpu_test_support.h"
 #include "tests/unit/kernels/log_softmax_reference.h"
 #include "tests/unit/runtime/fixture_models.h"
@@ -101,6 +103,60 @@ TEST_P(CudaModel, GreedyContinuationEqualsTheCpuBackends) {
         << " is no near-tie";
     break;  // the continuations diverge from here
   }
+}
+
+// Drafts from a known continuation: after `prompt_length + g` tokens, tokens g, g + 1, ... of `script`, the
+// one at draft position 2 replaced by the next vocabulary id (never right), so every verifying step keeps two
+// drafts and rolls the rest back.
+class ScriptedDrafter final : public runtime::Drafter {
+ public:
+  ScriptedDrafter(std::size_t prompt_length, std::vector<std::int32_t> script, std::int32_t vocab)
+      : prompt_length_(prompt_length), script_(std::move(script)), vocab_(vocab) {}
+  [[nodiscard]] std::int64_t max_drafts() const override { return 3; }
+  void propose(std::span<const runtime::DraftSlot> slots, std::span<std::int64_t> counts) override {
+    for (std::size_t s = 0; s < slots.size(); ++s) {
+      const std::size_t from = slots[s].history.size() - prompt_length_;
+      std::int64_t n = 0;
+      for (std::size_t j = 0; j < slots[s].drafts.size() && from + j < script_.size(); ++j, ++n)
+        slots[s].drafts[j] = j == 2 ? (script_[from + j] + 1) % vocab_ : script_[from + j];
+      counts[s] = n;
+    }
+  }
+
+ private:
+  std::size_t prompt_length_;
+  std::vector<std::int32_t> script_;
+  std::int32_t vocab_;
+};
+
+// Speculative decoding on the device: drafts verified in one forward each (all-logits rows, the draws on the
+// device, the cache rolled back past the rejected ones) keep plain greedy decoding's tokens, up to a near-tie
+// of the device's rounding between a verifying forward and a one-token step.
+TEST_P(CudaModel, SpeculativeGreedyEqualsPlainGreedy) {
+  const std::vector<std::vector<std::int32_t>> prompts{
+      ref_["prompts"][2]["input_ids"].get<std::vector<std::int32_t>>()};
+  std::vector<runtime::SamplingParams> greedy(1);
+  greedy[0].max_new_tokens = 24;
+  std::vector<runtime::Generation> plain, spec;
+  ASSERT_TRUE(runtime::generate(*cuda_engine_, prompts, greedy, true, plain).ok());
+  const auto vocab = static_cast<std::size_t>(cuda_model_->config().vocab_size);
+  ScriptedDrafter drafter(prompts[0].size(), plain[0].tokens, static_cast<std::int32_t>(vocab));
+  runtime::SpeculationStats stats;
+  ASSERT_TRUE(runtime::generate(*cuda_engine_, prompts, greedy, false, spec, &drafter, &stats).ok());
+  ASSERT_EQ(stats.proposed.size(), 3U);
+  EXPECT_GT(stats.accepted[0], 0);
+  EXPECT_EQ(stats.accepted[2], 0);
+  for (std::size_t i = 0; i < std::min(plain[0].tokens.size(), spec[0].tokens.size()); ++i) {
+    if (plain[0].tokens[i] == spec[0].tokens[i]) continue;
+    const std::span<const float> row(plain[0].logits.data() + i * vocab, vocab);
+    std::vector<float> sorted(row.begin(), row.end());
+    std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<>());
+    EXPECT_LE(sorted[0] - sorted[1], tolerance(*cuda_model_) * std::max(std::fabs(sorted[0]), 1.0F))
+        << "token " << i << ": speculative " << spec[0].tokens[i] << ", plain " << plain[0].tokens[i]
+        << " is no near-tie";
+    return;  // the continuations diverge from here
+  }
+  EXPECT_EQ(spec[0].tokens.size(), plain[0].tokens.size());
 }
 
 // Prompt log-probabilities scored on the device (Engine::score, the CUDA token_logprobs kernel) against
