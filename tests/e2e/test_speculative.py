@@ -72,11 +72,11 @@ class SpeculativeTest(ServerTestCase):
                     return m
             return None
 
-        m = self.wait_for(found, 10, lambda: "an access line for spec-access-1 in:\n" + "".join(self.server.log[-10:]))
+        m = self.wait_for(found, 60, lambda: "an access line for spec-access-1 in:\n" + "".join(self.server.log[-10:]))
         self.assertGreater(int(m.group(1)), 0)
         self.assertLessEqual(int(m.group(2)), int(m.group(1)))
         self.chat(self.plain.stub, PROMPTS[0], request_id="spec-access-2")
-        self.wait_for(lambda: any("request id=spec-access-2 " in line for line in list(self.plain.log)), 10,
+        self.wait_for(lambda: any("request id=spec-access-2 " in line for line in list(self.plain.log)), 60,
                       "the plain server's access line")
         line = next(line for line in list(self.plain.log) if "request id=spec-access-2 " in line)
         self.assertNotIn("drafted=", line)
