@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -1190,7 +1191,7 @@ def write_readme(results):
         "recorded greedy step has top1 - top2 >= 1e-3 max|logit|, every routed token has router p[k-1] - p[k] >= 1e-4 "
         "(group-limited routing: also between the topk_group-th and the next group), and no continuation is degenerate (>= 4 distinct ids in 16); measured values are in each `checks`.",
         "",
-        "MTP layers: `deepseek_v3` and `deepseek_v3_fp8` (num_nextn_predict_layers 1) also hold DeepSeek-V3's multi-token-prediction layer, `model.layers.3.*` in the released layout, appended behind the other tensors by `tools/add_mtp_layers.py` (numpy only; random values at the scales above): a decoder layer's tensors (MLA attention, MoE with the correction bias, shared expert, both norms) plus `enorm`, `hnorm`, `eh_proj` [64, 128] and `shared_head.norm`; `deepseek_v3_fp8` also its own `embed_tokens` and `shared_head.head` (BF16 like `eh_proj` and the norms, the attention and expert matrices F8_E4M3 with their scales, as released), `deepseek_v3` without those two (as some conversions store it). transformers does not load them (unexpected keys), so the references are those of the model without them; every other tensor keeps its bytes.",
+        "MTP layers: `deepseek_v3` and `deepseek_v3_fp8` (num_nextn_predict_layers 1) also hold DeepSeek-V3's multi-token-prediction layer, `model.layers.3.*` in the released layout, appended behind the other tensors by `tools/add_mtp_layers.py` (numpy only; random values at the scales above): a decoder layer's tensors (MLA attention, MoE with the correction bias, shared expert, both norms) plus `enorm`, `hnorm`, `eh_proj` [64, 128] and `shared_head.norm`; `deepseek_v3_fp8` also its own `embed_tokens` and `shared_head.head` (BF16 like `eh_proj` and the norms, the attention and expert matrices F8_E4M3 with their scales, as released), `deepseek_v3` without those two (as some conversions store it). transformers does not load them (unexpected keys), so the references are those of the model without them; every other tensor keeps its bytes. `tools/mtp_reference.py` (run by the generator after each of them) computes the MTP layer's draft logits in PyTorch (transformers' `DeepseekV3DecoderLayer` with the layer's weights, the norms, `eh_proj` and head as vLLM's and SGLang's DeepSeekMTP; its docstring cites the lines) and adds `prompt{i}_mtp_logits.npy` [len, vocab] (the prompt as one MTP prefill: row t takes the main model's hidden state at t after the final norm and token t+1, the last row the first greedy id, at rotary position t, with the layer's own causal KV) and `prompt{i}_mtp_chain_logits.npy` [3, vocab] (3 greedy draft steps after the last row, each fed the previous argmax and the previous row's output after `shared_head.norm`, at positions len, len+1, len+2) with an `mtp` section in `reference.json` (the conventions, ids, draft ids and `checks`: the main model's logits reproduced, the cached chain's first row equal to the prefill's last, the smallest draft margin, and how far zeroing `eh_proj`, the pre-norm hidden state, vLLM's position-0 masking and vLLM's pre-norm chaining move the logits).",
         "",
         "HF semantics these fixtures pin down (transformers " + transformers.__version__ + "):",
         "",
@@ -1281,6 +1282,11 @@ def main():
             sys.exit(f"{fx['name']}: no seed passed the checks")
         if seed != fx["seed"]:
             log(f"WARNING: {fx['name']} used seed {seed}, not the configured {fx['seed']}; update FIXTURES")
+        if "mtp_shared" in fx:
+            # The MTP draft goldens (reference.json's mtp section) need the finished checkpoint; a separate
+            # process, since tools/mtp_reference.py imports this module's helpers.
+            subprocess.run([sys.executable, str(REPO / "tools" / "mtp_reference.py"), str(d)], check=True)
+            ref = json.loads((d / "reference.json").read_text())
         results.append((d, ref))
         log(f"{fx['name']}: seed {seed}, {dir_size(d) / 1e3:.0f} kB, checks {json.dumps(ref['checks'])}")
     write_readme(results)
