@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <optional>
 #include <string>
@@ -37,6 +38,12 @@ struct Run {
   std::vector<runtime::Generation> out;
   runtime::SpeculationStats stats;
 };
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
 
 Run generate_timed(runtime::Engine& engine, const std::vector<Tokens>& prompts,
                    const runtime::SamplingParams& p, runtime::Drafter* drafter) {
@@ -115,7 +122,8 @@ int main(int argc, char** argv) {
     prefill_only.max_new_tokens = 1;
     nlohmann::json results = nlohmann::json::array();
     std::string table =
-        "| gamma | batch | plain decode tok/s | speculative decode tok/s | ratio | kept/verified per "
+        "| gamma | batch | plain decode tok/s | speculative decode tok/s | ratio, median (min..max) | "
+        "kept/verified per "
         "position | "
         "kept rate | greedy output identical |\n|---|---|---|---|---|---|---|---|\n";
     for (const std::string& gamma : gammas) {
@@ -127,29 +135,37 @@ int main(int argc, char** argv) {
       runtime::Engine engine(*model, {});
       for (const std::int64_t batch : batches) {
         const std::vector<Tokens> prompts(all.begin(), all.begin() + batch);
-        double plain_s = 0.0, spec_s = 0.0, prefill_s = 0.0;
-        std::int64_t plain_tokens = 0, spec_tokens = 0;
+        std::vector<double> plain_rates, spec_rates, ratios;
         runtime::SpeculationStats stats;
         bool identical = true;
         for (int r = 0; r < reps; ++r) {
+          // Decode time: a run's time minus a prefill-only run's; the order alternates so drift hits both.
           const Run prefill = generate_timed(engine, prompts, prefill_only, nullptr);
-          const Run plain = generate_timed(engine, prompts, greedy, nullptr);
-          const Run spec = generate_timed(engine, prompts, greedy, drafter.get());
-          prefill_s += prefill.seconds;
-          plain_s += plain.seconds;
-          spec_s += spec.seconds;
-          plain_tokens += plain.tokens - batch;  // the prefill's token is not a decode token
-          spec_tokens += spec.tokens - batch;
+          const bool plain_first = r % 2 == 0;
+          const Run first = generate_timed(engine, prompts, greedy, plain_first ? nullptr : drafter.get());
+          const Run second = generate_timed(engine, prompts, greedy, plain_first ? drafter.get() : nullptr);
+          const Run& plain = plain_first ? first : second;
+          const Run& spec = plain_first ? second : first;
+          // The prefill's token is not a decode token.
+          plain_rates.push_back(static_cast<double>(plain.tokens - batch) /
+                                (plain.seconds - prefill.seconds));
+          spec_rates.push_back(static_cast<double>(spec.tokens - batch) / (spec.seconds - prefill.seconds));
+          ratios.push_back(spec_rates.back() / plain_rates.back());
           for (std::size_t i = 0; i < plain.out.size(); ++i)
             identical = identical && plain.out[i].tokens == spec.out[i].tokens;
           stats.add(spec.stats);
         }
-        const double plain_rate = static_cast<double>(plain_tokens) / (plain_s - prefill_s);
-        const double spec_rate = static_cast<double>(spec_tokens) / (spec_s - prefill_s);
+        const double plain_rate = median(plain_rates);
+        const double spec_rate = median(spec_rates);
+        const double ratio = median(ratios);
+        const auto [low, high] = std::minmax_element(ratios.begin(), ratios.end());
         std::string positions;
-        for (std::size_t j = 0; j < stats.proposed.size(); ++j)
-          positions +=
-              (j ? " " : "") + std::to_string(stats.accepted[j]) + "/" + std::to_string(stats.proposed[j]);
+        for (std::size_t j = 0; j < stats.proposed.size(); ++j) {
+          if (j > 0) positions += ' ';
+          positions += std::to_string(stats.accepted[j]);
+          positions += '/';
+          positions += std::to_string(stats.proposed[j]);
+        }
         const double kept_rate = stats.total_proposed() > 0 ? static_cast<double>(stats.total_accepted()) /
                                                                   static_cast<double>(stats.total_proposed())
                                                             : 0.0;
@@ -157,14 +173,16 @@ int main(int argc, char** argv) {
                            {"batch", batch},
                            {"plain_decode_tokens_per_s", plain_rate},
                            {"speculative_decode_tokens_per_s", spec_rate},
-                           {"ratio", spec_rate / plain_rate},
+                           {"ratio_median", ratio},
+                           {"ratio_min", *low},
+                           {"ratio_max", *high},
                            {"verified_per_position", stats.proposed},
                            {"kept_per_position", stats.accepted},
                            {"kept_rate", kept_rate},
                            {"greedy_identical", identical}});
         char row[512];
-        std::snprintf(row, sizeof row, "| %s | %lld | %.1f | %.1f | %.2f | %s | %.3f | %s |\n", gamma.c_str(),
-                      static_cast<long long>(batch), plain_rate, spec_rate, spec_rate / plain_rate,
+        std::snprintf(row, sizeof row, "| %s | %lld | %.1f | %.1f | %.2f (%.2f..%.2f) | %s | %.3f | %s |\n",
+                      gamma.c_str(), static_cast<long long>(batch), plain_rate, spec_rate, ratio, *low, *high,
                       positions.c_str(), kept_rate, identical ? "yes" : "no");
         table += row;
         std::fputs(row, stdout);
@@ -181,7 +199,22 @@ int main(int argc, char** argv) {
                          {"ngram", {speculation.ngram_min, speculation.ngram_max}},
                          {"results", results}};
       std::ofstream(out_prefix + ".json") << doc.dump(1) << "\n";
-      std::ofstream(out_prefix + ".md") << table;
+      std::ofstream(out_prefix + ".md")
+          << "# capserve-bench-speculative\n\n"
+          << "Decode tokens/s of greedy generation without and with speculative decoding ("
+          << (speculation.method == runtime::SpeculationConfig::Method::ngram ? "n-gram" : "?")
+          << " drafter, k = " << speculation.num_tokens << ", n-grams " << speculation.ngram_min << ".."
+          << speculation.ngram_max << "), side by side (plain and speculative runs alternate, " << reps
+          << " repetitions), on the CPU backend (" << threads << " thread" << (threads == 1 ? "" : "s")
+          << "), " << new_tokens << " new tokens per prompt, "
+          << "prompts from " << std::filesystem::path(prompts_file).filename().string() << ", model "
+          << std::filesystem::path(model_dir).filename().string()
+          << ". Decode time is a run's time minus a prefill-only run's. \"kept/verified per position\" "
+             "counts "
+          << "the drafts at each draft position; \"greedy output identical\" compares the tokens with and "
+          << "without speculation (at a finite capacity factor the verifying steps carry more tokens, so the "
+          << "capacity and the drops differ and so may the tokens).\n\n"
+          << table;
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "capserve-bench-speculative: %s\n", e.what());
