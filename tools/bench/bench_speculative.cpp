@@ -209,7 +209,8 @@ int main(int argc, char** argv) {
           << "), " << new_tokens << " new tokens per prompt, "
           << "prompts from " << std::filesystem::path(prompts_file).filename().string() << ", model "
           << std::filesystem::path(model_dir).filename().string()
-          << ". Decode time is a run's time minus a prefill-only run's. \"kept/verified per position\" "
+          << ". Decode time is a run's time minus a prefill-only run's; rates and ratios are medians over "
+             "the repetitions, the ratio's range beside it. \"kept/verified per position\" "
              "counts "
           << "the drafts at each draft position; \"greedy output identical\" compares the tokens with and "
           << "without speculation (at a finite capacity factor the verifying steps carry more tokens, so the "
