@@ -61,7 +61,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 import transformers
 from safetensors import safe_open
 from transformers.cache_utils import DynamicCache
