@@ -61,7 +61,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 import transformers
 from safetensors import safe_open
 from transformers.cache_utils import DynamicCache
@@ -77,9 +76,6 @@ TOLERANCE = 1e-4  # relative (max|a - b| / max|b|), issue 26's bound for the C++
 # to the file's dequantized values): float rounding far under TOLERANCE.
 MAIN_TOLERANCE = 1e-5
 MIN_EFFECT = 1e-2  # a change to the MTP weights or conventions must move the logits at least this much
-
-# Names inside model.layers.{n}. that are the MTP module's own, not its decoder layer's.
-OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens.")
 
 
 def load_main(d: Path, cfg: dict):
@@ -122,9 +118,10 @@ def read_mtp_tensors(d: Path, cfg: dict, layer: int):
     return out
 
 
-def decoder_state_dict(w: dict, n_experts: int):
-    """The checkpoint's per-expert names -> transformers' fused experts ([E, 2I, H] gate then up, [E, H, I])."""
-    sd = {k: v for k, v in w.items() if not k.startswith(OWN) and ".experts." not in k}
+def module_state_dict(w: dict, n_experts: int):
+    """The checkpoint's tensors of one MTP layer -> MTPLayer's state dict: the same names, but the per-expert
+    matrices fused as transformers holds them ([E, 2I, H] gate then up, [E, H, I])."""
+    sd = {k: v for k, v in w.items() if ".experts." not in k}
     if "mlp.experts.0.gate_proj.weight" in w:
         e = range(n_experts)
         sd["mlp.experts.gate_up_proj"] = torch.stack(
@@ -133,43 +130,85 @@ def decoder_state_dict(w: dict, n_experts: int):
     return sd
 
 
-class MTPLayer:
-    """One MTP module: its norms and eh_proj, transformers' decoder layer, and the embedding / head it uses."""
+def checkpoint_tensors(mtp, embed=None, head=None):
+    """module_state_dict's inverse: {name inside model.layers.{layer}.: tensor} in DeepSeek-V3's per-expert layout;
+    `embed` / `head` are written as the layer's embed_tokens / shared_head.head where given (the release stores
+    copies of the main model's)."""
+    out = {}
+    for k, v in mtp.state_dict().items():
+        if k == "mlp.experts.gate_up_proj":
+            inter = v.shape[1] // 2
+            for i in range(v.shape[0]):
+                out[f"mlp.experts.{i}.gate_proj.weight"] = v[i, :inter]
+                out[f"mlp.experts.{i}.up_proj.weight"] = v[i, inter:]
+        elif k == "mlp.experts.down_proj":
+            for i in range(v.shape[0]):
+                out[f"mlp.experts.{i}.down_proj.weight"] = v[i]
+        else:
+            out[k] = v
+    if embed is not None:
+        out["embed_tokens.weight"] = embed
+    if head is not None:
+        out["shared_head.head.weight"] = head
+    return {k: v.detach().contiguous() for k, v in out.items()}
 
-    def __init__(self, main, w: dict, layer: int):
+
+class MTPLayer(DeepseekV3DecoderLayer):
+    """One MTP module as a torch module, so that tools/train_mtp_model.py trains this very class: transformers'
+    decoder layer (its parameters under the checkpoint's names: input_layernorm, self_attn.*, mlp.*) plus enorm,
+    hnorm, eh_proj and shared_head.norm, and embed_tokens / shared_head.head where the layer has its own. Without
+    them it uses the main model's (shared, as DeepSeek-V3's report, section 2.2, and SGLang do); those, and the
+    rotary embedding, are held in a tuple so that they are not registered as this module's parameters."""
+
+    def __init__(self, main, layer: int, own_embed: bool = False, own_head: bool = False):
         cfg = main.config
+        super().__init__(cfg, layer_idx=layer)
         self.layer = layer
-        self.block = DeepseekV3DecoderLayer(cfg, layer_idx=layer).float().eval()
-        self.block.load_state_dict(decoder_state_dict(w, cfg.n_routed_experts), strict=True)
-        self.norms = {}
-        for name in ("enorm", "hnorm", "shared_head.norm"):
-            n = DeepseekV3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-            n.weight.data = w[name + ".weight"].clone()
-            self.norms[name] = n
-        self.eh_proj = w["eh_proj.weight"].clone()
-        self.own_embed = "embed_tokens.weight" in w
-        self.own_head = "shared_head.head.weight" in w
-        self.embed = w["embed_tokens.weight"] if self.own_embed else main.model.embed_tokens.weight.detach()
-        self.head = w["shared_head.head.weight"] if self.own_head else main.lm_head.weight.detach()
-        self.rotary = main.model.rotary_emb
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.enorm = DeepseekV3RMSNorm(h, eps=eps)
+        self.hnorm = DeepseekV3RMSNorm(h, eps=eps)
+        self.eh_proj = torch.nn.Linear(2 * h, h, bias=False)
+        self.shared_head = torch.nn.Module()
+        self.shared_head.norm = DeepseekV3RMSNorm(h, eps=eps)
+        self.own_embed, self.own_head = own_embed, own_head
+        if own_embed:
+            self.embed_tokens = torch.nn.Embedding(cfg.vocab_size, h)
+        if own_head:
+            self.shared_head.head = torch.nn.Linear(h, cfg.vocab_size, bias=False)
+        self.shared = (main.model.embed_tokens, main.lm_head, main.model.rotary_emb)
 
-    def step(self, tokens, hidden, positions, cache, zero_position0=False, prenorm_out=False):
-        """Rows [n] of one sequence: tokens [n], hidden [n, H], positions [n] (consecutive), the MTP layer's
-        cache holding every earlier row. Returns (logits [n, vocab], the hidden state a chained step takes)."""
-        e = F.embedding(tokens, self.embed)
+    @classmethod
+    def from_checkpoint(cls, main, w: dict, layer: int):
+        """The layer with the checkpoint's tensors `w` (read_mtp_tensors), f32, eval mode."""
+        m = cls(main, layer, own_embed="embed_tokens.weight" in w, own_head="shared_head.head.weight" in w)
+        m.load_state_dict(module_state_dict(w, main.config.n_routed_experts), strict=True)
+        return m.float().eval()
+
+    def forward(self, tokens, hidden, positions, cache=None, zero_position0=False, prenorm_out=False):
+        """Rows [B, n]: tokens [B, n], hidden [B, n, H], positions [n] (consecutive, shared by the batch), the MTP
+        layer's cache holding every earlier row (or None: no earlier rows, nothing cached). Returns (logits
+        [B, n, vocab], the hidden state a chained step takes)."""
+        embed_tokens, lm_head, rotary = self.shared
+        e = (self.embed_tokens if self.own_embed else embed_tokens)(tokens)
         if zero_position0:
-            e = torch.where((positions == 0)[:, None], torch.zeros_like(e), e)
-        x = F.linear(torch.cat([self.norms["enorm"](e), self.norms["hnorm"](hidden)], -1), self.eh_proj)[None]
+            e = torch.where((positions == 0)[None, :, None], torch.zeros_like(e), e)
+        x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(hidden)], -1))
         pos = positions[None]
-        n, past = tokens.shape[0], int(positions[0])
+        n, past = tokens.shape[1], int(positions[0])
         mask = None
         if n > 1:  # causal over this block's rows; every cached row is earlier, so visible
             future = torch.arange(past + n)[None, :] > (past + torch.arange(n))[:, None]
             mask = torch.zeros(n, past + n).masked_fill(future, torch.finfo(torch.float32).min)[None, None]
-        out = self.block(x, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
-                         position_embeddings=self.rotary(x, pos))[0]
-        normed = self.norms["shared_head.norm"](out)
-        return F.linear(normed, self.head), (out if prenorm_out else normed)
+        out = super().forward(x, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                              use_cache=cache is not None, position_embeddings=rotary(x, pos))
+        normed = self.shared_head.norm(out)
+        logits = (self.shared_head.head if self.own_head else lm_head)(normed)
+        return logits, (out if prenorm_out else normed)
+
+    def step(self, tokens, hidden, positions, cache, zero_position0=False, prenorm_out=False):
+        """forward for the rows [n] of one sequence: tokens [n], hidden [n, H]."""
+        logits, h = self(tokens[None], hidden[None], positions, cache, zero_position0, prenorm_out)
+        return logits[0], h[0]
 
 
 def main_hidden(main, ids):
@@ -233,12 +272,12 @@ def record(d: Path):
     layer = cfg["num_hidden_layers"]
     main = load_main(d, cfg)
     w = read_mtp_tensors(d, cfg, layer)
-    mtp = MTPLayer(main, w, layer)
+    mtp = MTPLayer.from_checkpoint(main, w, layer)
     checks = {"main_logits_vs_reference_rel": 0.0, "chain_input_row_vs_prefill_last_row_rel": 0.0,
               "min_draft_margin_rel": float("inf"),
               "eh_proj_zeroed_rel": float("inf"), "pre_final_norm_hidden_rel": float("inf"),
               "vllm_position0_mask_rel": float("inf"), "vllm_prenorm_chain_rel": float("inf")}
-    zeroed = MTPLayer(main, {**w, "eh_proj.weight": torch.zeros_like(w["eh_proj.weight"])}, layer)
+    zeroed = MTPLayer.from_checkpoint(main, {**w, "eh_proj.weight": torch.zeros_like(w["eh_proj.weight"])}, layer)
     prompts = []
     for i, p in enumerate(ref["prompts"]):
         ids = torch.tensor(p["input_ids"])

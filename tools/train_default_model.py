@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Train CapServe's embedded default model, capserve-moe-tiny: a small OLMoE (HF transformers
-OlmoeForCausalLM) trained from scratch on the domain corpus in ../shared/data/corpus/.
+OlmoeForCausalLM) trained from scratch on the domain corpus in ../shared/data/corpus/ (or
+$CAPSERVE_SHARED_DATA_DIR/corpus).
 
 Usage (from the repository root; CPU only: about 1.25 s per training step on 2 idle AMD EPYC cores, i.e. ~25 minutes
 for the default 1,200 steps, more when the machine is busy):
@@ -45,7 +46,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-CORPUS = REPO.parent / "shared" / "data" / "corpus"
+# ../shared/data beside the checkout, or CAPSERVE_SHARED_DATA_DIR (a worktree elsewhere), as the tests read it
+CORPUS = Path(os.environ.get("CAPSERVE_SHARED_DATA_DIR", REPO.parent / "shared" / "data")) / "corpus"
 DEFAULT_OUT = REPO / "deploy" / "models" / "capserve-moe-tiny"
 RESULTS = REPO / "tools" / "results"
 
@@ -254,31 +256,47 @@ def lr_at(step: int, steps: int) -> float:
     return LR * (MIN_LR_FRAC + (1 - MIN_LR_FRAC) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
+def make_optimizer(named_parameters):
+    """AdamW with weight decay on the matrices only (not on norms, biases, embeddings)."""
+    import torch
+
+    decay, no_decay = [], []
+    for n, p in named_parameters:
+        (no_decay if (p.ndim < 2 or "norm" in n or "embed_tokens" in n) else decay).append(p)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=LR, betas=BETAS, eps=1e-8,
+    )
+
+
+def sample_batch(rng, train_ids: dict):
+    """One training batch [len(DOMAINS) * SEQS_PER_DOMAIN, SEQ_LEN]: <|endoftext|> then SEQ_TEXT_TOKENS tokens of
+    one domain's stream at a random offset, SEQS_PER_DOMAIN sequences per domain."""
+    import numpy as np
+    import torch
+
+    bos = MODEL_CONFIG["bos_token_id"]
+    rows = []
+    for d in DOMAINS:
+        ids = train_ids[d]
+        offs = rng.integers(0, len(ids) - SEQ_TEXT_TOKENS, size=SEQS_PER_DOMAIN)
+        for o in offs:
+            rows.append(np.concatenate([[bos], ids[o : o + SEQ_TEXT_TOKENS]]))
+    return torch.from_numpy(np.stack(rows))
+
+
 def train(model, train_ids: dict, steps: int, seed: int, log_every: int = 25):
     import numpy as np
     import torch
 
     rng = np.random.default_rng(seed)
-    decay, no_decay = [], []
-    for n, p in model.named_parameters():
-        (no_decay if (p.ndim < 2 or "norm" in n or "embed_tokens" in n) else decay).append(p)
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=LR, betas=BETAS, eps=1e-8,
-    )
-    bos = MODEL_CONFIG["bos_token_id"]
+    opt = make_optimizer(model.named_parameters())
     history = []
     model.train()
     t0 = time.time()
     ema = None
     for step in range(steps):
-        rows = []
-        for d in DOMAINS:
-            ids = train_ids[d]
-            offs = rng.integers(0, len(ids) - SEQ_TEXT_TOKENS, size=SEQS_PER_DOMAIN)
-            for o in offs:
-                rows.append(np.concatenate([[bos], ids[o : o + SEQ_TEXT_TOKENS]]))
-        x = torch.from_numpy(np.stack(rows))
+        x = sample_batch(rng, train_ids)
         lr = lr_at(step, steps)
         for g in opt.param_groups:
             g["lr"] = lr
@@ -358,14 +376,8 @@ def check_export(model, out: Path, sample_ids):
     sys.path.insert(0, str(REPO / "tools"))
     import gen_model_fixtures as gmf
 
+    # exactly the Hub names of the model's type (per-expert, no fused gate_up_proj), each with its value
     files = gmf.check_checkpoint({"max_shard_size": None, "disk_dtype": torch.bfloat16}, out, model)
-    names = set()
-    from safetensors import safe_open
-
-    with safe_open(str(out / "model.safetensors"), "pt") as s:
-        names = set(s.keys())
-    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in names and "model.layers.0.mlp.gate.weight" in names
-    assert not any("gate_up_proj" in n for n in names)
     reloaded = gmf.load_saved(out)
     x = torch.as_tensor(sample_ids)
     with torch.no_grad():
