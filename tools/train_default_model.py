@@ -3,8 +3,8 @@
 OlmoeForCausalLM) trained from scratch on the domain corpus in ../shared/data/corpus/ (or
 $CAPSERVE_SHARED_DATA_DIR/corpus).
 
-Usage (from the repository root; CPU only: about 1.25 s per training step on 2 idle AMD EPYC cores, i.e. ~25 minutes
-for the default 1,200 steps, more when the machine is busy):
+Usage (from the repository root; CPU only: the committed run took 2,953 s for the default 1,200 steps on 2 AMD EPYC
+cores, about 2.5 s per step (tools/results/default_model_train.json, "timing"), more when the machine is busy):
 
     tools/.venv/bin/python tools/train_default_model.py            # tokenizer + model + export + measurement
     tools/.venv/bin/python tools/train_default_model.py --steps 20 --out /tmp/smoke   # quick smoke run
