@@ -9,11 +9,23 @@
 
 namespace capserve::runtime {
 
+namespace {
+
+// The decoder's layers and the loaded MTP layers after them.
+KvCacheShape engine_cache_shape(const Model& model, const EngineOptions& options) {
+  KvCacheShape shape =
+      kv_cache_shape(model.config(), options.kv_block_size, options.kv_blocks, options.kv_dtype);
+  shape.num_layers += model.mtp_layers();
+  return shape;
+}
+
+}  // namespace
+
 Engine::Engine(const Model& model, const EngineOptions& options)
     : model_(model),
       pass_(model),
-      cache_(kv_cache_shape(model.config(), options.kv_block_size, options.kv_blocks, options.kv_dtype),
-             model.backend()) {
+      mtp_pass_(model.mtp_layers() > 0 ? std::make_unique<ForwardPass>(model, LayerStack::mtp) : nullptr),
+      cache_(engine_cache_shape(model, options), model.backend()) {
   if (options.max_step_tokens > 0) reserve_step_memory(options.max_step_tokens);
 }
 
@@ -48,7 +60,21 @@ void Engine::reserve_step_memory(std::int64_t max_step_tokens) {
   score(ids, std::min<std::int64_t>(kMaxTopLogprobs, c.vocab_size), scored);
   std::vector<std::int64_t> counts(model_.moe_layers().size() * static_cast<std::size_t>(c.num_experts));
   router_dry_run(ids, static_cast<std::int64_t>(model_.moe_layers().size()), counts);
+  if (mtp_pass_ != nullptr) {
+    // A draft step's rows never outnumber the step's before it; this one has them all, each with logits.
+    mtp_pass_->reserve_routed(max_step_tokens_);
+    std::vector<DraftWork> drafts;
+    for (std::size_t i = 0; i < work.size(); ++i)
+      drafts.push_back({work[i].seq, 0, work[i].tokens, slices_[i].first_row, true});
+    if (Status s = draft_step(0, DraftInput::step_hidden, drafts); !s.ok())
+      throw std::runtime_error("Engine: start-up reservation of the MTP draft: " + s.message());
+    draft_argmax(drawn);
+    end_drafts();
+    mtp_pass_->reset_run_stats();
+  }
   for (const Work& w : work) release(w.seq);
+  slices_.clear();
+  step_seqs_.clear();
   pass_.reset_run_stats();
   backend.seal_scratch(true);
 }
@@ -120,6 +146,7 @@ Status Engine::step(std::span<const Work> work) {
   slices_.clear();
   logit_rows_.clear();
   decode_rows_.clear();
+  step_seqs_.clear();
   kernels::Backend& backend = model_.backend();
   const std::int64_t vocab = model_.config().vocab_size;
   host_logits_current_ = false;
@@ -140,6 +167,7 @@ Status Engine::step(std::span<const Work> work) {
     tokens_.insert(tokens_.end(), w.tokens.begin(), w.tokens.end());
     for (std::int64_t i = 0; i < n; ++i) positions_.push_back(static_cast<std::int32_t>(start + i));
     slices_.push_back({first_row, n, start, cache_.blocks().block_table(w.seq)});
+    step_seqs_.push_back(w.seq);
     if (w.all_logits) {
       for (std::int64_t i = 0; i < n; ++i) logit_rows_.push_back(first_row + i);
     } else {
@@ -148,7 +176,11 @@ Status Engine::step(std::span<const Work> work) {
   }
   logits_ = backend.scratch(logits_buffer_, kernels::DType::f32,
                             {static_cast<std::int64_t>(logit_rows_.size()), vocab});
-  pass_.forward({tokens_, positions_, slices_, logit_rows_, decode_rows_}, cache_, logits_);
+  if (mtp_pass_ != nullptr) {
+    hidden_ = backend.scratch(hidden_buffer_, kernels::DType::f32,
+                              {static_cast<std::int64_t>(tokens_.size()), model_.config().hidden_size});
+  }
+  pass_.forward({tokens_, positions_, slices_, logit_rows_, decode_rows_}, cache_, logits_, hidden_);
   const std::span<const std::int32_t> dropped = pass_.last_row_dropped();
   const std::span<const std::int32_t> rerouted = pass_.last_row_rerouted();
   moe_counts_.assign(work.size(), {});
@@ -160,6 +192,102 @@ Status Engine::step(std::span<const Work> work) {
     }
   }
   return {};
+}
+
+Status Engine::validate_drafts(std::int64_t depth, DraftInput input, std::span<const DraftWork> work) {
+  const ModelConfig& c = model_.config();
+  if (mtp_pass_ == nullptr)
+    return Status::invalid_argument("draft step: the model was loaded without multi-token-prediction layers");
+  if (depth < 0 || depth >= model_.mtp_layers()) {
+    return Status::invalid_argument("draft step: MTP layer " + std::to_string(depth) + " of " +
+                                    std::to_string(model_.mtp_layers()));
+  }
+  const kernels::Tensor& source = input == DraftInput::step_hidden ? hidden_ : draft_out_;
+  const std::int64_t states = source.dims() == 0 ? 0 : source.dim(0);
+  std::unordered_set<SequenceId> seen;
+  std::int64_t blocks_needed = 0;
+  for (const DraftWork& w : work) {
+    const std::string who = "draft step: sequence " + std::to_string(w.seq);
+    const auto n = static_cast<std::int64_t>(w.tokens.size());
+    if (!lengths_.contains(w.seq)) return Status::invalid_argument(who + ": not in the cache");
+    if (!seen.insert(w.seq).second) return Status::invalid_argument(who + ": appears twice in one step");
+    if (n == 0) return Status::invalid_argument(who + ": no tokens to process");
+    for (const std::int32_t t : w.tokens) {
+      if (t < 0 || t >= c.vocab_size)
+        return Status::invalid_argument(who + ": token id " + std::to_string(t) + " outside the vocabulary");
+    }
+    if (w.start < 0 || w.start + n > c.max_context_length())
+      return Status::invalid_argument(who + ": positions " + std::to_string(w.start) + "+" +
+                                      std::to_string(n) + " outside the model's context");
+    if (w.state_row < 0 || w.state_row + n > states) {
+      return Status::invalid_argument(who + ": state rows " + std::to_string(w.state_row) + "+" +
+                                      std::to_string(n) + " of " + std::to_string(states));
+    }
+    const auto have = static_cast<std::int64_t>(cache_.blocks().block_table(w.seq).size());
+    blocks_needed += std::max<std::int64_t>(0, cache_.blocks().blocks_for(w.start + n) - have);
+  }
+  if (blocks_needed > cache_.blocks().free_blocks()) {
+    return Status::resource_exhausted("KV cache: draft step needs " + std::to_string(blocks_needed) +
+                                      " blocks, " + std::to_string(cache_.blocks().free_blocks()) + " free");
+  }
+  return {};
+}
+
+Status Engine::draft_step(std::int64_t depth, DraftInput input, std::span<const DraftWork> work) {
+  kernels::Backend& backend = model_.backend();
+  const ModelConfig& c = model_.config();
+  const Status status = validate_drafts(depth, input, work);
+  if (mtp_pass_ == nullptr) return status;
+  tokens_.clear();
+  positions_.clear();
+  slices_.clear();
+  logit_rows_.clear();
+  decode_rows_.clear();
+  step_seqs_.clear();
+  draft_state_rows_.clear();
+  host_logits_current_ = false;
+  if (status.ok()) {
+    for (const DraftWork& w : work) {
+      const auto n = static_cast<std::int64_t>(w.tokens.size());
+      if (w.start + n > length(w.seq)) {
+        cache_.blocks().reserve(w.seq, w.start + n);  // validated: fits
+        drafted_.push_back(w.seq);
+      }
+      const auto first_row = static_cast<std::int64_t>(tokens_.size());
+      tokens_.insert(tokens_.end(), w.tokens.begin(), w.tokens.end());
+      // Decode-phase rows for the capacity scheduler; dynamic rope by each row's own length.
+      decode_rows_.insert(decode_rows_.end(), static_cast<std::size_t>(n), 1);
+      for (std::int64_t i = 0; i < n; ++i) {
+        positions_.push_back(static_cast<std::int32_t>(w.start + i));
+        draft_state_rows_.push_back(w.state_row + i);
+        if (w.all_logits || i == n - 1) logit_rows_.push_back(first_row + i);
+      }
+      slices_.push_back({first_row, n, w.start, cache_.blocks().block_table(w.seq)});
+    }
+  }
+  const auto rows = static_cast<std::int64_t>(tokens_.size());
+  const auto wanted = static_cast<std::int64_t>(logit_rows_.size());
+  const kernels::Tensor state =
+      backend.scratch(draft_state_buffer_, kernels::DType::f32, {rows, c.hidden_size});
+  // Gathered before the output states are overwritten: a chain step reads the last step's.
+  backend.gather_rows(input == DraftInput::step_hidden ? hidden_ : draft_out_, draft_state_rows_, state);
+  logits_ = backend.scratch(logits_buffer_, kernels::DType::f32, {wanted, c.vocab_size});
+  draft_out_ = backend.scratch(draft_out_buffer_, kernels::DType::f32, {wanted, c.hidden_size});
+  mtp_pass_->mtp_forward(status.ok() ? depth : 0, {tokens_, positions_, slices_, logit_rows_, decode_rows_},
+                         state, cache_, logits_, draft_out_);
+  return status;
+}
+
+void Engine::draft_argmax(std::span<std::int32_t> tokens) {
+  greedy_.resize(tokens.size());
+  sample(greedy_, tokens);
+}
+
+void Engine::end_drafts() {
+  for (const SequenceId seq : drafted_) {
+    if (const auto it = lengths_.find(seq); it != lengths_.end()) cache_.blocks().truncate(seq, it->second);
+  }
+  drafted_.clear();
 }
 
 std::span<const float> Engine::logits() const {

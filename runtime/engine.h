@@ -3,6 +3,7 @@
 // chunks or single decoded tokens, mixed freely), runs them as one ragged forward pass, and returns
 // next-token logits.
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <unordered_map>
 #include <vector>
@@ -91,6 +92,35 @@ class Engine {
   [[nodiscard]] const Model& model() const { return model_; }
   [[nodiscard]] const KvCache& cache() const { return cache_; }
 
+  // Multi-token prediction: a model loaded with its MTP layers (ParallelOptions::mtp) drafts with them
+  // (runtime/speculative/mtp_drafter.h) through the calls below; every step then also keeps each row's final
+  // hidden state, their input. The last successful step's work items: each one's sequence and rows
+  // (first_row, num_tokens, start_pos; not its block table).
+  [[nodiscard]] std::span<const SequenceId> last_step_seqs() const { return step_seqs_; }
+  [[nodiscard]] std::span<const kernels::SequenceSlice> last_step_slices() const { return slices_; }
+  struct DraftWork {
+    SequenceId seq = 0;                    // a sequence in the cache
+    std::int64_t start = 0;                // the position of its first row
+    std::span<const std::int32_t> tokens;  // row i: the token at position start + i + 1
+    // Row i's state is row state_row + i of the source: the last step's hidden states, or the last draft
+    // step's output states (one per logits row).
+    std::int64_t state_row = 0;
+    bool all_logits = false;  // logits (and output state) of every row instead of only the last one
+  };
+  enum class DraftInput { step_hidden, draft_hidden };
+  // One forward of MTP layer `depth` (ForwardPass::mtp_forward) over the work items' rows, their K/V into
+  // the MTP layer's cache at their positions (blocks past a sequence's length are taken until end_drafts).
+  // Then device_logits() holds each item's logits rows, and the step's own logits are gone. On failure
+  // (unknown sequence, bad token or position, state row out of range: INVALID_ARGUMENT; too few free
+  // blocks: RESOURCE_EXHAUSTED; a model without MTP layers: INVALID_ARGUMENT) nothing ran but the
+  // collectives, with zero rows. A collective, as step().
+  Status draft_step(std::int64_t depth, DraftInput input, std::span<const DraftWork> work);
+  // The greedy token of each logits row of the last draft step (a non-finite row's sentinel,
+  // kernels::is_non_finite_token); one synchronisation (HostSync::sampled_tokens).
+  void draft_argmax(std::span<std::int32_t> tokens);
+  // Frees the blocks draft steps took past their sequences' lengths.
+  void end_drafts();
+
   // Sizes every step buffer for steps of up to `max_step_tokens` and seals them
   // (EngineOptions::max_step_tokens, which the constructor passes here). A collective, as a step: every rank
   // calls it together. A server calls it after its ranks agree that each built its engine, so that one rank's
@@ -99,10 +129,12 @@ class Engine {
 
  private:
   Status validate(std::span<const Work> work);
+  Status validate_drafts(std::int64_t depth, DraftInput input, std::span<const DraftWork> work);
 
   const Model& model_;
   std::int64_t max_step_tokens_ = 0;
   ForwardPass pass_;
+  std::unique_ptr<ForwardPass> mtp_pass_;  // with MTP layers only
   KvCache cache_;
   std::unordered_map<SequenceId, std::int64_t> lengths_;
   // Grow-only step buffers.
@@ -111,8 +143,16 @@ class Engine {
   std::vector<kernels::SequenceSlice> slices_;
   std::vector<std::int64_t> logit_rows_;
   std::vector<std::uint8_t> decode_rows_;
+  std::vector<SequenceId> step_seqs_;
   kernels::Buffer logits_buffer_, tokens_buffer_, scored_buffer_, scores_buffer_;
   kernels::Tensor logits_;
+  // MTP drafting: the step's hidden states, the draft step's rows, their gathered input states and output
+  // states, the sequences whose drafts took blocks.
+  kernels::Buffer hidden_buffer_, draft_state_buffer_, draft_out_buffer_;
+  kernels::Tensor hidden_, draft_out_;
+  std::vector<std::int64_t> draft_state_rows_;
+  std::vector<SequenceId> drafted_;
+  std::vector<kernels::SampleControls> greedy_;
   mutable std::vector<float> host_logits_;
   mutable bool host_logits_current_ = false;
   std::vector<MoeCounts> moe_counts_;

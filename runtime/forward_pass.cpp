@@ -17,14 +17,24 @@ std::span<const std::byte> bytes_of(std::span<T> values) {
 
 }  // namespace
 
-ForwardPass::ForwardPass(const Model& model)
+namespace {
+
+std::span<const std::int64_t> stack_moe_layers(const Model& model, LayerStack stack) {
+  return stack == LayerStack::decoder ? model.moe_layers() : model.mtp_moe_layers();
+}
+
+}  // namespace
+
+ForwardPass::ForwardPass(const Model& model, LayerStack stack)
     : model_(model),
       config_(model.config()),
       weights_(model.weights()),
-      scheduler_(model.capacity(), model.communicator(), model.control()),
+      stack_(stack),
+      scheduler_(stack == LayerStack::decoder ? model.capacity() : model.mtp_capacity(), model.communicator(),
+                 model.control()),
       dispatcher_(model.communicator()),
-      stats_({model.moe_layers().begin(), model.moe_layers().end()}, model.config().num_experts,
-             model.communicator().size()) {}
+      stats_({stack_moe_layers(model, stack).begin(), stack_moe_layers(model, stack).end()},
+             model.config().num_experts, model.communicator().size()) {}
 
 void ForwardPass::router_dry_run(std::span<const std::int32_t> tokens, std::int64_t layers,
                                  std::span<std::int64_t> counts) {
@@ -61,14 +71,12 @@ void ForwardPass::router_dry_run(std::span<const std::int32_t> tokens, std::int6
 
 void ForwardPass::reserve_routed(std::int64_t tokens) {
   kernels::Backend& backend = model_.backend();
-  for (const std::int64_t layer : model_.moe_layers()) {
-    reserve_moe_scratch(backend, config_, weights_.layers[static_cast<std::size_t>(layer)].moe.experts,
-                        tokens, scratch_.moe);
-  }
+  for (const std::int64_t layer : stack_moe_layers(model_, stack_))
+    reserve_moe_scratch(backend, config_, model_.layer(layer).moe.experts, tokens, scratch_.moe);
   dispatcher_.reserve(backend, tokens, config_.top_k, config_.hidden_size);
 }
 
-void ForwardPass::forward(const ForwardBatch& batch, KvCache& cache, const Tensor& logits) {
+void ForwardPass::begin_step(const ForwardBatch& batch) {
   kernels::Backend& backend = model_.backend();
   const auto rows = static_cast<std::int64_t>(batch.tokens.size());
   const std::int64_t hidden = config_.hidden_size;
@@ -80,10 +88,6 @@ void ForwardPass::forward(const ForwardBatch& batch, KvCache& cache, const Tenso
   a.proj = backend.scratch(s.proj, DType::f32, {rows, hidden});
   a.cos = backend.scratch(s.cos, DType::f32, {rows, half});
   a.sin = backend.scratch(s.sin, DType::f32, {rows, half});
-  const Tensor ids = backend.scratch(s.tokens, DType::i32, {rows});
-
-  backend.from_host(bytes_of(batch.tokens), ids);
-  backend.embedding(ids, weights_.embed, a.residual);
   model_.rope().tables(batch.positions, batch.seqs, batch.decode_rows, s.cos_host, s.sin_host,
                        s.dynamic_inv_freq);
   backend.from_host(bytes_of(std::span<const float>(s.cos_host)), a.cos);
@@ -109,6 +113,22 @@ void ForwardPass::forward(const ForwardBatch& batch, KvCache& cache, const Tenso
   row_rerouted_.assign(static_cast<std::size_t>(rows), 0);
   stats_.begin_step();
   scheduler_.begin_step(rows);
+}
+
+void ForwardPass::end_step() {
+  stats_.reduce(model_.control(), model_.placement());
+  run_stats_.add(stats_.step());
+}
+
+void ForwardPass::forward(const ForwardBatch& batch, KvCache& cache, const Tensor& logits,
+                          const Tensor& hidden) {
+  kernels::Backend& backend = model_.backend();
+  const auto rows = static_cast<std::int64_t>(batch.tokens.size());
+  Scratch& s = scratch_;
+  begin_step(batch);
+  const Tensor ids = backend.scratch(s.tokens, DType::i32, {rows});
+  backend.from_host(bytes_of(batch.tokens), ids);
+  backend.embedding(ids, weights_.embed, act_.residual);
 
   for (std::int64_t layer = 0; layer < config_.num_layers; ++layer) {
     attention(layer, batch, cache);
@@ -116,17 +136,60 @@ void ForwardPass::forward(const ForwardBatch& batch, KvCache& cache, const Tenso
   }
 
   const auto wanted = static_cast<std::int64_t>(batch.logit_rows.size());
-  const Tensor final_rows = backend.scratch(s.final_rows, DType::f32, {wanted, hidden});
-  backend.gather_rows(a.residual, batch.logit_rows, final_rows);
-  backend.rms_norm(final_rows, weights_.final_norm, static_cast<float>(config_.rms_norm_eps), final_rows);
+  const auto eps = static_cast<float>(config_.rms_norm_eps);
+  const Tensor final_rows = backend.scratch(s.final_rows, DType::f32, {wanted, config_.hidden_size});
+  if (hidden.empty()) {
+    backend.gather_rows(act_.residual, batch.logit_rows, final_rows);
+    backend.rms_norm(final_rows, weights_.final_norm, eps, final_rows);
+  } else {
+    // Row-wise, so each row's state and logits are those of the form above.
+    backend.rms_norm(act_.residual, weights_.final_norm, eps, hidden);
+    backend.gather_rows(hidden, batch.logit_rows, final_rows);
+  }
   backend.linear(final_rows, weights_.lm_head, {}, logits);
-  stats_.reduce(model_.control(), model_.placement());
-  run_stats_.add(stats_.step());
+  end_step();
+}
+
+void ForwardPass::mtp_forward(std::int64_t depth, const ForwardBatch& batch, const Tensor& hidden,
+                              KvCache& cache, const Tensor& logits, const Tensor& out_hidden) {
+  kernels::Backend& backend = model_.backend();
+  const MtpWeights& m = weights_.mtp[static_cast<std::size_t>(depth)];
+  const std::int64_t layer = config_.num_layers + depth;
+  const auto rows = static_cast<std::int64_t>(batch.tokens.size());
+  const std::int64_t width = config_.hidden_size;
+  const auto eps = static_cast<float>(config_.rms_norm_eps);
+  Scratch& s = scratch_;
+  begin_step(batch);
+  // [enorm(embed(tokens)); hnorm(hidden)] stacked, then interleaved so that row r of [rows, 2 * hidden] is
+  // its embedding and its state side by side: eh_proj's input.
+  const Tensor ids = backend.scratch(s.tokens, DType::i32, {rows});
+  const Tensor parts = backend.scratch(s.mtp_parts, DType::f32, {2 * rows, width});
+  const Tensor joined = backend.scratch(s.mtp_joined, DType::f32, {2 * rows, width});
+  const Tensor embedded = parts.rows(0, rows);
+  backend.from_host(bytes_of(batch.tokens), ids);
+  backend.embedding(ids, m.embed, embedded);
+  backend.rms_norm(embedded, m.enorm, eps, embedded);
+  backend.rms_norm(hidden, m.hnorm, eps, parts.rows(rows, rows));
+  mtp_join_.resize(static_cast<std::size_t>(2 * rows));
+  for (std::int64_t r = 0; r < rows; ++r) {
+    mtp_join_[static_cast<std::size_t>(2 * r)] = r;
+    mtp_join_[static_cast<std::size_t>(2 * r + 1)] = rows + r;
+  }
+  backend.gather_rows(parts, mtp_join_, joined);
+  backend.linear(joined.reshaped({rows, 2 * width}), m.eh_proj, {}, act_.residual);
+
+  attention(layer, batch, cache);
+  feed_forward(layer, rows);
+
+  backend.gather_rows(act_.residual, batch.logit_rows, out_hidden);
+  backend.rms_norm(out_hidden, m.head_norm, eps, out_hidden);
+  backend.linear(out_hidden, m.lm_head, {}, logits);
+  end_step();
 }
 
 void ForwardPass::attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache) {
   kernels::Backend& backend = model_.backend();
-  const LayerWeights& lw = weights_.layers[static_cast<std::size_t>(layer)];
+  const LayerWeights& lw = model_.layer(layer);
   const Activations& a = act_;
   backend.rms_norm(a.residual, lw.input_norm, static_cast<float>(config_.rms_norm_eps), a.normed);
   const Tensor attn =
@@ -142,7 +205,7 @@ float ForwardPass::softmax_scale() const {
 
 Tensor ForwardPass::grouped_query_attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache) {
   kernels::Backend& backend = model_.backend();
-  const AttentionWeights& a = weights_.layers[static_cast<std::size_t>(layer)].attention;
+  const AttentionWeights& a = model_.layer(layer).attention;
   const auto rows = static_cast<std::int64_t>(batch.tokens.size());
   const std::int64_t d = config_.head_dim;
   const std::int64_t q_width = config_.num_heads * d;
@@ -185,7 +248,7 @@ Tensor ForwardPass::grouped_query_attention(std::int64_t layer, const ForwardBat
 
 Tensor ForwardPass::latent_attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache) {
   kernels::Backend& backend = model_.backend();
-  const AttentionWeights& a = weights_.layers[static_cast<std::size_t>(layer)].attention;
+  const AttentionWeights& a = model_.layer(layer).attention;
   const MlaConfig& m = *config_.mla;
   const auto rows = static_cast<std::int64_t>(batch.tokens.size());
   const std::int64_t heads = config_.num_heads;
@@ -224,7 +287,7 @@ Tensor ForwardPass::latent_attention(std::int64_t layer, const ForwardBatch& bat
 
 void ForwardPass::feed_forward(std::int64_t layer, std::int64_t rows) {
   kernels::Backend& backend = model_.backend();
-  const LayerWeights& lw = weights_.layers[static_cast<std::size_t>(layer)];
+  const LayerWeights& lw = model_.layer(layer);
   const Activations& a = act_;
   backend.rms_norm(a.residual, lw.post_attention_norm, static_cast<float>(config_.rms_norm_eps), a.normed);
   if (lw.is_moe) {

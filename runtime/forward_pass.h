@@ -25,20 +25,34 @@ struct ForwardBatch {
   std::span<const std::uint8_t> decode_rows;     // [rows] or empty (all prefill): 1 = a decode token
 };
 
+// Which layers a pass runs: the decoder's (forward), or the model's multi-token-prediction layers
+// (mtp_forward), each stack with its own capacity state and MoE statistics.
+enum class LayerStack { decoder, mtp };
+
 // Owns every per-step buffer and the step's capacity, dispatch and statistics state; reads the Model only.
 // Several ForwardPasses may run one Model, each with its own state, but not concurrently: they share the
 // model's backend and communicator, and interleaved collectives would pair the wrong calls across ranks.
 class ForwardPass {
  public:
   // `model` must outlive the pass.
-  explicit ForwardPass(const Model& model);
+  explicit ForwardPass(const Model& model, LayerStack stack = LayerStack::decoder);
 
   // Writes the new tokens' K/V into `cache` and fills logits [logit_rows.size(), vocab_size] (a tensor of the
-  // model's backend). A collective: every rank calls it once per step, with zero rows if it has nothing to
-  // run.
-  void forward(const ForwardBatch& batch, KvCache& cache, const kernels::Tensor& logits);
+  // model's backend); with `hidden` [rows, hidden_size] also every row's final hidden state (after the final
+  // norm: the MTP layers' input). A collective: every rank calls it once per step, with zero rows if it has
+  // nothing to run. A decoder pass.
+  void forward(const ForwardBatch& batch, KvCache& cache, const kernels::Tensor& logits,
+               const kernels::Tensor& hidden = {});
+  // MTP layer `depth` (an MTP pass; DeepSeek-V3's MTP module, tools/mtp_reference.py): row r, at position
+  // positions[r] of its sequence, joins `hidden` row r (the state at that position: the decoder's final
+  // hidden state, or an earlier MTP output) with the embedding of tokens[r] (the token at the next
+  // position): eh_proj([enorm(embed); hnorm(hidden)]), the layer (its K/V into the cache's layer
+  // num_layers + depth), then for the logit rows shared_head.norm into `out_hidden` [logit rows, hidden]
+  // and the head into logits [logit rows, vocab]: the token two positions on. A collective, as forward.
+  void mtp_forward(std::int64_t depth, const ForwardBatch& batch, const kernels::Tensor& hidden,
+                   KvCache& cache, const kernels::Tensor& logits, const kernels::Tensor& out_hidden);
 
-  // The last forward's MoE statistics over all ranks, one entry per MoE layer.
+  // The last forward's MoE statistics over all ranks, one entry per MoE layer of the pass's stack.
   [[nodiscard]] const parallel::MoeStepStats& last_moe_stats() const { return stats_.step(); }
   // Router dry run for batch selection: each token's embedding through the first `layers` MoE layers'
   // post-attention RMSNorm and router to its top-k, no attention, no experts, no collective; adds the chosen
@@ -63,6 +77,10 @@ class ForwardPass {
   void set_latent_form(kernels::LatentForm form) { latent_form_ = form; }
 
  private:
+  // The step's activations, rotary tables and capacity state for `batch`; the residual is left to fill.
+  void begin_step(const ForwardBatch& batch);
+  // The statistics' reduction over ranks (a collective) and the run's sums.
+  void end_step();
   // Input norm, the layer's attention (grouped-query or multi-head latent) into scratch_.attn, o_proj,
   // residual.
   void attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache);
@@ -75,6 +93,7 @@ class ForwardPass {
   const Model& model_;
   const ModelConfig& config_;  // model_'s, named as every step function reads them
   const ModelWeights& weights_;
+  LayerStack stack_;
   parallel::CapacityStage scheduler_;
   parallel::TokenDispatcher dispatcher_;
   parallel::StepStatsRecorder stats_;
@@ -82,12 +101,14 @@ class ForwardPass {
   std::vector<std::uint8_t> exempt_;  // [rows]: rows the capacity scheduler may not drop this step
   std::vector<std::int64_t> dry_run_counts_;
   std::vector<std::int32_t> row_dropped_, row_rerouted_;
+  std::vector<std::int64_t> mtp_join_;  // [2 * rows]: the MTP input's interleaving of embeddings and states
   kernels::LatentForm latent_form_ = kernels::LatentForm::cheaper;
 
   // Grow-only activation buffers of the backend, reused by every step.
   struct Scratch {
     // MLA: k holds the latents, v the rope keys, q_lora the low-rank queries.
     kernels::Buffer tokens, residual, normed, q, q_lora, k, v, attn, proj, cos, sin, final_rows, exempt;
+    kernels::Buffer mtp_parts, mtp_joined;  // MTP: [embeddings; states], then each row's pair side by side
     std::vector<float> cos_host, sin_host;  // the step's rotary tables, made on the host
     std::vector<float> dynamic_inv_freq;    // a sequence's frequencies under dynamic rope scaling
     MoeScratch moe;

@@ -54,7 +54,12 @@ Status generate(Engine& engine, std::span<const std::vector<std::int32_t>> promp
     }
     if (state[0] == 0) break;
     status = engine.step(work);
-    if (!status.ok()) continue;
+    // A drafter that runs the model drafts after every step on every rank, a failed one's included.
+    const bool draft_anyway = drafter != nullptr && drafter->collective();
+    if (!status.ok()) {
+      if (draft_anyway) drafter->propose({}, {});
+      continue;
+    }
     // One draw per logits row: rows j of an item are draws generated + j.
     controls.clear();
     for (std::size_t w = 0; w < work.size(); ++w) {
@@ -96,7 +101,10 @@ Status generate(Engine& engine, std::span<const std::vector<std::int32_t>> promp
         engine.truncate(static_cast<SequenceId>(i), engine.length(i) - rows + kept);
       row += rows;
     }
-    if (!status.ok()) continue;  // every rank stops at the next check
+    if (!status.ok()) {
+      if (draft_anyway) drafter->propose({}, {});
+      continue;  // every rank stops at the next check
+    }
     work.clear();
     owner.clear();
     slots.clear();
@@ -113,7 +121,7 @@ Status generate(Engine& engine, std::span<const std::vector<std::int32_t>> promp
                                                static_cast<std::size_t>(std::max<std::int64_t>(room, 0)))});
     }
     draft_counts.assign(slots.size(), 0);
-    if (drafter != nullptr && !slots.empty()) drafter->propose(slots, draft_counts);
+    if (drafter != nullptr && (!slots.empty() || draft_anyway)) drafter->propose(slots, draft_counts);
     for (std::size_t w = 0; w < owner.size(); ++w) {
       const std::size_t i = owner[w];
       const auto fed = static_cast<std::size_t>(1 + (drafter != nullptr ? draft_counts[w] : 0));

@@ -1,6 +1,7 @@
 #include "runtime/model.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "parallel/self_communicator.h"
 #include "runtime/architectures/architecture.h"
@@ -17,17 +18,38 @@ std::vector<std::int64_t> moe_layer_indices(const ModelConfig& config) {
   return layers;
 }
 
-parallel::ExpertPlacement make_placement(const ModelConfig& config, const std::string& spec, int ranks) {
+std::vector<std::int64_t> mtp_moe_layer_indices(const ModelConfig& config, std::int64_t loaded) {
+  std::vector<std::int64_t> layers;
+  for (std::int64_t i = 0; i < loaded; ++i) {
+    if (config.mtp_layer_is_moe[static_cast<std::size_t>(i)]) layers.push_back(config.num_layers + i);
+  }
+  return layers;
+}
+
+// A placement over the decoder's layers, and the MTP layers after them when they load (a statistics file
+// covers the decoder's layers only: the MTP layers are placed contiguously).
+parallel::ExpertPlacement make_placement(const ModelConfig& config, const ParallelOptions& options,
+                                         int ranks) {
+  const std::int64_t layers =
+      config.num_layers + (options.mtp ? static_cast<std::int64_t>(config.mtp_layer_is_moe.size()) : 0);
   try {
-    return parallel::ExpertPlacement::from_spec(spec, config.num_layers, config.num_experts, ranks);
+    return parallel::ExpertPlacement::from_spec(options.placement, layers, config.num_experts, ranks);
   } catch (const std::exception& e) {
     throw LoadError(e.what());
   }
 }
 
+// The MTP layers' capacity: a per-layer --capacity-gamma list names the decoder's layers only.
+parallel::CapacityConfig capacity_for_mtp(const parallel::CapacityConfig& capacity) {
+  parallel::CapacityConfig c = capacity;
+  if (c.gamma.size() != 1) c.gamma = {std::numeric_limits<double>::infinity()};
+  return c;
+}
+
 }  // namespace
 
-std::unique_ptr<Model> Model::load(const std::filesystem::path& dir, kernels::Backend& backend) {
+std::unique_ptr<Model> Model::load(const std::filesystem::path& dir, kernels::Backend& backend,
+                                   const ParallelOptions& options) {
   Communicators comms;
   // The data plane in the backend's memory: its copies are the backend's.
   comms.owned.push_back(std::make_unique<parallel::SelfCommunicator>(
@@ -41,7 +63,7 @@ std::unique_ptr<Model> Model::load(const std::filesystem::path& dir, kernels::Ba
   comms.owned.push_back(std::make_unique<parallel::SelfCommunicator>());
   comms.data = comms.owned[0].get();
   comms.control = comms.owned[1].get();
-  return load_with(dir, backend, std::move(comms), ParallelOptions{});
+  return load_with(dir, backend, std::move(comms), options);
 }
 
 std::unique_ptr<Model> Model::load(const std::filesystem::path& dir, kernels::Backend& backend,
@@ -83,6 +105,13 @@ std::unique_ptr<Model> Model::load_with(const std::filesystem::path& dir, kernel
   }
   if (const std::string why = options.capacity.validate(config.num_layers); !why.empty())
     throw LoadError(why);
+  // The MTP drafter runs one layer (DeepSeek-V3 and R1 ship one; SGLang and vLLM's DeepSeek MTP read one).
+  if (options.mtp && config.mtp_layer_is_moe.size() != 1) {
+    throw LoadError(config.architecture +
+                    ": MTP speculation needs exactly one multi-token-prediction layer " +
+                    "(config.json's num_nextn_predict_layers); this model declares " +
+                    std::to_string(config.mtp_layer_is_moe.size()));
+  }
   return std::unique_ptr<Model>(new Model(std::move(config), Checkpoint::open(dir, config.fp8_blocks),
                                           arch.tensor_names(), backend, std::move(comms), options));
 }
@@ -94,16 +123,27 @@ Model::Model(ModelConfig config, Checkpoint checkpoint, const TensorNames& names
       own_comms_(std::move(comms.owned)),
       data_(comms.data),
       control_(comms.control),
-      placement_(make_placement(config_, options.placement, data_->size())),
+      placement_(make_placement(config_, options, data_->size())),
       checkpoint_(std::move(checkpoint)),
-      weights_(load_model_weights(checkpoint_, config_, names, placement_, data_->rank(), backend)),
+      weights_(
+          load_model_weights(checkpoint_, config_, names, placement_, data_->rank(), backend, options.mtp)),
       tables_(backend, placement_, data_->rank()),
       rope_(config_.rotary_dim(), config_.rope_theta, config_.rope_scaling),
       capacity_(options.capacity),
+      mtp_capacity_(capacity_for_mtp(options.capacity)),
       moe_layers_(moe_layer_indices(config_)),
-      moe_index_(static_cast<std::size_t>(config_.num_layers), -1) {
-  std::int64_t i = 0;
-  for (const std::int64_t l : moe_layers_) moe_index_[static_cast<std::size_t>(l)] = i++;
+      mtp_moe_layers_(mtp_moe_layer_indices(config_, mtp_layers())),
+      moe_index_(static_cast<std::size_t>(config_.num_layers + mtp_layers()), -1) {
+  for (const std::vector<std::int64_t>* stack : {&moe_layers_, &mtp_moe_layers_}) {
+    std::int64_t i = 0;
+    for (const std::int64_t l : *stack) moe_index_[static_cast<std::size_t>(l)] = i++;
+  }
+}
+
+const LayerWeights& Model::layer(std::int64_t layer) const {
+  return layer < config_.num_layers
+             ? weights_.layers[static_cast<std::size_t>(layer)]
+             : weights_.mtp[static_cast<std::size_t>(layer - config_.num_layers)].layer;
 }
 
 }  // namespace capserve::runtime

@@ -25,6 +25,9 @@ namespace capserve::runtime {
 struct ParallelOptions {
   std::string placement = "contiguous";  // contiguous | round-robin | a --moe-stats file
   parallel::CapacityConfig capacity;
+  // Load the checkpoint's multi-token-prediction layers (speculative decoding's MTP draft); off, they are
+  // checked and skipped unread.
+  bool mtp = false;
 };
 
 class Model {
@@ -36,7 +39,8 @@ class Model {
   // on a GPU), `control` reduces the step's statistics and token counts in host memory. The single-process
   // form owns a group of one of each; the others keep references (one host communicator may serve as both on
   // the CPU). Backend and communicators must outlive the model.
-  static std::unique_ptr<Model> load(const std::filesystem::path& dir, kernels::Backend& backend);
+  static std::unique_ptr<Model> load(const std::filesystem::path& dir, kernels::Backend& backend,
+                                     const ParallelOptions& options = {});
   static std::unique_ptr<Model> load(const std::filesystem::path& dir, kernels::Backend& backend,
                                      parallel::Communicator& comm, const ParallelOptions& options);
   static std::unique_ptr<Model> load(const std::filesystem::path& dir, kernels::Backend& backend,
@@ -59,10 +63,20 @@ class Model {
   [[nodiscard]] const parallel::CapacityConfig& capacity() const { return capacity_; }
   // Indices of the MoE layers.
   [[nodiscard]] std::span<const std::int64_t> moe_layers() const { return moe_layers_; }
-  // A layer's index among the MoE layers, -1 for a dense layer.
+  // A layer's index among the MoE layers of its stack (the decoder's, or the MTP layers'), -1 for a dense
+  // layer.
   [[nodiscard]] std::int64_t moe_index(std::int64_t layer) const {
     return moe_index_[static_cast<std::size_t>(layer)];
   }
+  // The loaded multi-token-prediction layers (ParallelOptions::mtp): layer i runs as model layer
+  // num_layers + i, with its experts placed as a layer of the placement, its KV in the cache's layer of that
+  // index. Their MoE layers, and the capacity they run under: --capacity-gamma's value when it is one,
+  // else infinity (a per-layer list names the decoder's layers only).
+  [[nodiscard]] std::int64_t mtp_layers() const { return static_cast<std::int64_t>(weights_.mtp.size()); }
+  [[nodiscard]] std::span<const std::int64_t> mtp_moe_layers() const { return mtp_moe_layers_; }
+  [[nodiscard]] const parallel::CapacityConfig& mtp_capacity() const { return mtp_capacity_; }
+  // A layer's weights, decoder or MTP.
+  [[nodiscard]] const LayerWeights& layer(std::int64_t layer) const;
 
  private:
   // The communicators a model runs over; `owned` holds those it owns (single-process).
@@ -87,7 +101,9 @@ class Model {
   parallel::PlacementTables tables_;
   Rope rope_;
   parallel::CapacityConfig capacity_;
+  parallel::CapacityConfig mtp_capacity_;
   std::vector<std::int64_t> moe_layers_;
+  std::vector<std::int64_t> mtp_moe_layers_;
   std::vector<std::int64_t> moe_index_;
 };
 

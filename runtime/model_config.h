@@ -108,8 +108,8 @@ struct ModelConfig {
   std::vector<bool> layer_is_moe;            // per layer
   // Multi-token-prediction layers (DeepSeek-V3's num_nextn_predict_layers), one flag each: MoE or dense under
   // the decoder's rule. Layer i is stored as model.layers.<num_layers + i>: a decoder layer's tensors plus
-  // the architecture's MTP tensors (TensorNames::mtp_*). Nothing runs them yet (they are speculative
-  // decoding's draft), so the loader checks their tensors and skips them unread.
+  // the architecture's MTP tensors (TensorNames::mtp_*). They run only as speculative decoding's draft
+  // (ParallelOptions::mtp); otherwise the loader checks their tensors and skips them unread.
   std::vector<bool> mtp_layer_is_moe;
 
   // config.json's eos ids, then generation_config.json's that config.json lacks: generation stops at each.

@@ -11,6 +11,7 @@
 #include <spdlog/spdlog.h>
 
 #include "kernels/cpu/weight_convert.h"
+#include "runtime/load_error.h"
 
 namespace capserve::runtime {
 namespace {
@@ -27,6 +28,7 @@ class Uploader {
       : ckpt_(ckpt), backend_(backend), storage_(storage), read_(read) {}
 
   [[nodiscard]] Checkpoint& checkpoint() { return ckpt_; }
+  [[nodiscard]] bool reads() const { return read_; }
   kernels::Tensor get(std::string_view name, std::initializer_list<std::int64_t> shape) {
     if (!read_) {
       ckpt_.check(name, shape);
@@ -212,33 +214,46 @@ LayerWeights load_layer(Uploader& up, const ModelConfig& c, const TensorNames& n
   return layer;
 }
 
-// Multi-token-prediction layer `i`, checked through an uploader that does not read (speculative decoding,
-// which would run it, is not built): loading it is the same walk with a reading uploader and this rank's
-// experts. A checkpoint without the layer (no eh_proj) passes; one with part of it fails check_all_used.
-void check_mtp_layer(Uploader& up, const ModelConfig& c, const TensorNames& n, std::int64_t i) {
+// Multi-token-prediction layer `i`: loaded through a reading uploader with this rank's experts (`owners`),
+// or only checked through one that does not read (speculation off). A checkpoint without the layer (no
+// eh_proj) passes the check (and fails a load); one with part of it fails check_all_used.
+std::optional<MtpWeights> load_mtp_layer(Uploader& up, const ModelConfig& c, const TensorNames& n,
+                                         std::int64_t i, std::span<const std::int32_t> owners, int rank,
+                                         const ModelWeights& model) {
   const std::int64_t l = c.num_layers + i;
   const std::string p = "model.layers." + std::to_string(l) + ".";
   if (!up.checkpoint().contains(p + n.mtp_eh_proj)) {
+    if (up.reads())
+      throw LoadError(c.architecture + ": speculative decoding with MTP needs multi-token-prediction layer " +
+                      std::to_string(l) + ", which the checkpoint does not have (no '" + p + n.mtp_eh_proj +
+                      "')");
     spdlog::info("{}: the checkpoint has no multi-token-prediction layer {} (no '{}')", c.architecture, l,
                  p + n.mtp_eh_proj);
-    return;
+    return std::nullopt;
   }
-  up.get(p + n.mtp_eh_proj, {c.hidden_size, 2 * c.hidden_size});
-  for (const std::string* norm : {&n.mtp_enorm, &n.mtp_hnorm, &n.mtp_head_norm})
-    up.get(p + *norm, {c.hidden_size});
-  for (const std::string* optional : {&n.mtp_embed, &n.mtp_head}) {
-    if (up.checkpoint().contains(p + *optional)) up.get(p + *optional, {c.vocab_size, c.hidden_size});
+  MtpWeights m;
+  m.eh_proj = up.get(p + n.mtp_eh_proj, {c.hidden_size, 2 * c.hidden_size});
+  m.enorm = up.get(p + n.mtp_enorm, {c.hidden_size});
+  m.hnorm = up.get(p + n.mtp_hnorm, {c.hidden_size});
+  m.head_norm = up.get(p + n.mtp_head_norm, {c.hidden_size});
+  m.embed = up.checkpoint().contains(p + n.mtp_embed) ? up.get(p + n.mtp_embed, {c.vocab_size, c.hidden_size})
+                                                      : model.embed;
+  m.lm_head = up.checkpoint().contains(p + n.mtp_head) ? up.get(p + n.mtp_head, {c.vocab_size, c.hidden_size})
+                                                       : model.lm_head;
+  m.layer = load_layer(up, c, n, p, c.mtp_layer_is_moe[static_cast<std::size_t>(i)], owners, rank);
+  if (!up.reads()) {
+    spdlog::info("{}: multi-token-prediction layer {} checked and not loaded (no MTP speculation)",
+                 c.architecture, l);
+    return std::nullopt;
   }
-  load_layer(up, c, n, p, c.mtp_layer_is_moe[static_cast<std::size_t>(i)], {}, 0);
-  spdlog::info("{}: multi-token-prediction layer {} checked and not loaded (no speculative decoding)",
-               c.architecture, l);
+  return m;
 }
 
 }  // namespace
 
 ModelWeights load_model_weights(Checkpoint& ckpt, const ModelConfig& c, const TensorNames& n,
                                 const parallel::ExpertPlacement& placement, int rank,
-                                kernels::Backend& backend) {
+                                kernels::Backend& backend, bool load_mtp) {
   ModelWeights w;
   Uploader up(ckpt, backend, w.storage);
   w.embed = up.get(n.embed, {c.vocab_size, c.hidden_size});
@@ -252,8 +267,14 @@ ModelWeights load_model_weights(Checkpoint& ckpt, const ModelConfig& c, const Te
                    is_moe ? placement.owners(l) : std::span<const std::int32_t>{}, rank);
   }
   Uploader checker(ckpt, backend, w.storage, /*read=*/false);
-  for (std::size_t i = 0; i < c.mtp_layer_is_moe.size(); ++i)
-    check_mtp_layer(checker, c, n, static_cast<std::int64_t>(i));
+  for (std::size_t i = 0; i < c.mtp_layer_is_moe.size(); ++i) {
+    const auto layer = c.num_layers + static_cast<std::int64_t>(i);
+    const bool moe = c.mtp_layer_is_moe[i];
+    std::optional<MtpWeights> m =
+        load_mtp_layer(load_mtp ? up : checker, c, n, static_cast<std::int64_t>(i),
+                       load_mtp && moe ? placement.owners(layer) : std::span<const std::int32_t>{}, rank, w);
+    if (m) w.mtp.push_back(std::move(*m));
+  }
   // Tied checkpoints sometimes still carry lm_head.weight; it is the same matrix, so accept it.
   if (c.tie_word_embeddings && ckpt.contains(n.lm_head)) ckpt.get(n.lm_head, {c.vocab_size, c.hidden_size});
   ckpt.check_all_used();

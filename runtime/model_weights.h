@@ -43,6 +43,16 @@ struct LayerWeights {
   std::vector<kernels::ExpertWeights> dense_mlp;  // one entry on dense layers
 };
 
+// A multi-token-prediction layer (DeepSeek-V3's MTP module, speculative decoding's draft): its own decoder
+// layer behind eh_proj([enorm(embed(next token)); hnorm(hidden state)]), then shared_head.norm and the head.
+struct MtpWeights {
+  kernels::Tensor eh_proj;         // [hidden, 2 * hidden]
+  kernels::Tensor enorm, hnorm;    // [hidden]
+  kernels::Tensor head_norm;       // [hidden]: shared_head.norm
+  kernels::Tensor embed, lm_head;  // the layer's own copies when the checkpoint has them, else the model's
+  LayerWeights layer;
+};
+
 struct ModelWeights {
   std::vector<kernels::Buffer>
       storage;  // device copies (empty on the CPU); the tensors below point into them
@@ -50,6 +60,8 @@ struct ModelWeights {
   kernels::Tensor final_norm;
   kernels::Tensor lm_head;
   std::vector<LayerWeights> layers;
+  // Loaded MTP layers, in order (empty unless asked for); layer i runs as model layer num_layers + i.
+  std::vector<MtpWeights> mtp;
   // The bytes of the tensors above, the rank's own experts only: device copies, or on the CPU the
   // checkpoint's mapped bytes (which the backend never allocates).
   std::int64_t bytes = 0;
@@ -57,8 +69,10 @@ struct ModelWeights {
 
 // Fetches every tensor (LoadError naming file and tensor on a missing one or a wrong shape) and then rejects
 // tensors the architecture does not use. Routed experts are kept only where `placement` puts them on `rank`.
+// The MTP layers (ModelConfig::mtp_layer_is_moe) are loaded when `load_mtp` (LoadError when the checkpoint
+// lacks them; `placement` then covers num_layers + their count), else checked and skipped unread.
 ModelWeights load_model_weights(Checkpoint& ckpt, const ModelConfig& config, const TensorNames& names,
                                 const parallel::ExpertPlacement& placement, int rank,
-                                kernels::Backend& backend);
+                                kernels::Backend& backend, bool load_mtp = false);
 
 }  // namespace capserve::runtime

@@ -715,7 +715,9 @@ int main(int argc, char** argv) {
   std::string failure;
   try {
     devices = runtime::make_rank_devices(o.device, threads, *world);
-    model = devices.load(o.model_dir, runtime::finish_parallel_flags(o.parallel));
+    runtime::ParallelOptions options = runtime::finish_parallel_flags(o.parallel);
+    options.mtp = runtime::loads_mtp_layers(o.speculation);
+    model = devices.load(o.model_dir, options);
     memory.weights = model->weights().bytes;
     o.engine.kv_dtype = runtime::kv_dtype_for(o.kv_dtype, devices.backend->device());
     engine_storage = std::make_unique<runtime::Engine>(*model, o.engine);
@@ -769,8 +771,9 @@ int main(int argc, char** argv) {
   o.limits.model_id =
       o.model_id.empty() ? std::filesystem::path(o.model_dir).filename().string() : o.model_id;
   runtime::Engine& engine = *engine_storage;
-  // Every rank drafts for its own sequences (the n-gram drafter needs no model). The flags were checked.
-  const std::unique_ptr<runtime::Drafter> drafter = runtime::make_drafter(o.speculation);
+  // Every rank drafts for its own sequences (MTP drafting is a collective; the n-gram drafter needs no
+  // model). The flags were checked and the MTP layers loaded.
+  const std::unique_ptr<runtime::Drafter> drafter = runtime::make_drafter(o.speculation, engine);
   if (drafter != nullptr) o.scheduler.speculative_tokens = drafter->max_drafts();
   server::RankWorker worker(engine, rank, drafter.get());
   // Lets rank 0's step watchdog name a stalled rank. Every rank decides alike (same flags, same MPI).

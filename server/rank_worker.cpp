@@ -131,7 +131,8 @@ void RankWorker::plan_decodes(const StepPlan& plan) {
     slots_.push_back(
         {id, it->second.history, std::span<std::int32_t>(fed + 1, static_cast<std::size_t>(room))});
   }
-  if (slots_.empty()) return;
+  // A drafter that runs the model (a collective) drafts every step on every rank, with or without decodes.
+  if (drafter_ == nullptr || (slots_.empty() && !drafter_->collective())) return;
   // One proposal for all of this rank's decodes; slot s is decode work item prefills_ + s.
   draft_counts_.assign(slots_.size(), 0);
   drafter_->propose(slots_, draft_counts_);

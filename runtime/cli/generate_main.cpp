@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -124,12 +125,14 @@ int main(int argc, char** argv) {
   std::unique_ptr<runtime::Model> model;
   std::optional<runtime::Tokenizer> tokenizer;
   std::vector<std::vector<std::int32_t>> prompts;
-  std::unique_ptr<runtime::Drafter> drafter;
   std::string failure;
   try {
-    drafter = runtime::make_drafter(speculation);
+    if (const std::string why = runtime::why_speculation_invalid(speculation); !why.empty())
+      throw std::invalid_argument(why);
     devices = runtime::make_rank_devices(device, threads, *world);
-    model = devices.load(model_dir, runtime::finish_parallel_flags(parallel_flags));
+    runtime::ParallelOptions options = runtime::finish_parallel_flags(parallel_flags);
+    options.mtp = runtime::loads_mtp_layers(speculation);
+    model = devices.load(model_dir, options);
     for (const std::string& ids : input_ids) prompts.push_back(parse_ids(ids));
     if (!prompts_text.empty()) {
       tokenizer = runtime::Tokenizer::load(model_dir);
@@ -176,6 +179,7 @@ int main(int argc, char** argv) {
   }
   engine_options.kv_dtype = runtime::kv_dtype_for(kv_dtype, model->backend().device());
   runtime::Engine engine(*model, engine_options);
+  const std::unique_ptr<runtime::Drafter> drafter = runtime::make_drafter(speculation, engine);
   std::vector<runtime::Generation> out;
   const std::vector<runtime::SamplingParams> all_params(mine.size(), params);
   runtime::SpeculationStats speculation_stats;

@@ -12,9 +12,11 @@ inline constexpr std::int64_t kMaxSpeculativeTokens = 16;
 inline void add_speculation_flags(CLI::App& app, SpeculationConfig& config) {
   CLI::Option* method = add_enum_option(
       app, "--speculative", config.method,
-      "speculative decoding's drafter (runtime/README.md): none, or ngram (prompt lookup in the "
-      "sequence's own tokens)",
-      {{"none", SpeculationConfig::Method::none}, {"ngram", SpeculationConfig::Method::ngram}});
+      "speculative decoding's drafter (runtime/README.md): none; ngram (prompt lookup in the "
+      "sequence's own tokens); or mtp (the checkpoint's multi-token-prediction layer, DeepSeek-V3's)",
+      {{"none", SpeculationConfig::Method::none},
+       {"ngram", SpeculationConfig::Method::ngram},
+       {"mtp", SpeculationConfig::Method::mtp}});
   app.add_option("--num-speculative-tokens", config.num_tokens,
                  "k: draft tokens verified per sequence and step")
       ->capture_default_str()

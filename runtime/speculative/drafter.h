@@ -21,8 +21,11 @@ class Drafter {
   virtual ~Drafter() = default;
   // The most drafts a slot may ask for (k, the server's --num-speculative-tokens).
   [[nodiscard]] virtual std::int64_t max_drafts() const = 0;
+  // True when propose is a collective under expert parallelism (it runs the model): then every rank calls
+  // it once after every engine step, with no slots if it has none, and never skips it.
+  [[nodiscard]] virtual bool collective() const { return false; }
   // Writes each slot's drafts to the front of slot.drafts and their number to counts[i] (0: no proposal).
-  // One call per step for all of a rank's decoding sequences.
+  // One call per step for all of a rank's decoding sequences, made before the step that verifies them.
   virtual void propose(std::span<const DraftSlot> slots, std::span<std::int64_t> counts) = 0;
 };
 

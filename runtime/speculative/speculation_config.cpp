@@ -3,6 +3,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "runtime/speculative/mtp_drafter.h"
 #include "runtime/speculative/ngram_drafter.h"
 
 namespace capserve::runtime {
@@ -15,13 +16,15 @@ std::string why_speculation_invalid(const SpeculationConfig& config) {
   return {};
 }
 
-std::unique_ptr<Drafter> make_drafter(const SpeculationConfig& config) {
+std::unique_ptr<Drafter> make_drafter(const SpeculationConfig& config, Engine& engine) {
   if (std::string why = why_speculation_invalid(config); !why.empty()) throw std::invalid_argument(why);
   switch (config.method) {
     case SpeculationConfig::Method::none:
       return nullptr;
     case SpeculationConfig::Method::ngram:
       return std::make_unique<NgramDrafter>(config.num_tokens, config.ngram_min, config.ngram_max);
+    case SpeculationConfig::Method::mtp:
+      return std::make_unique<MtpDrafter>(engine, config.num_tokens);
   }
   throw std::invalid_argument("unknown speculation method");
 }

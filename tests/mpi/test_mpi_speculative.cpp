@@ -2,7 +2,8 @@
 // committed fixture architecture, gamma = inf: n-gram speculation gives each rank's sequences the same greedy
 // tokens as plain decoding, with the prompts spread over the ranks or all on rank 0 (the other ranks then
 // join every verifying step's collectives with zero tokens). Every test is collective: all ranks run the same
-// steps; failures use EXPECT_* so that no rank leaves a collective early.
+// steps; failures use EXPECT_* so that no rank leaves a collective early. MTP drafting too, on the two
+// DeepSeek-V3 fixtures.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -17,6 +18,7 @@
 #include "runtime/engine.h"
 #include "runtime/generator.h"
 #include "runtime/model.h"
+#include "runtime/speculative/mtp_drafter.h"
 #include "runtime/speculative/ngram_drafter.h"
 #include "tests/mpi/mpi_gtest_main.h"
 #include "tests/unit/runtime/fixture_models.h"
@@ -93,6 +95,45 @@ TEST_P(MpiSpeculative, NgramGreedyEqualsPlainGreedy) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, MpiSpeculative, ::testing::ValuesIn(testing::fixture_model_names()),
+                         [](const auto& info) { return info.param; });
+
+// MTP drafting is itself a collective (the MTP layer's MoE): every rank runs the draft steps after every
+// step, those without decodes (all prompts on rank 0) with zero rows.
+class MpiMtpSpeculative : public MpiSpeculative {};
+
+TEST_P(MpiMtpSpeculative, MtpGreedyEqualsPlainGreedy) {
+  runtime::ParallelOptions options;
+  options.capacity.gamma = {std::numeric_limits<double>::infinity()};
+  options.mtp = true;
+  const auto model =
+      runtime::Model::load(testing::fixture_models_dir() / GetParam(), backend_, comm_, options);
+  runtime::Engine engine(*model, {});
+  runtime::SamplingParams greedy;
+  greedy.max_new_tokens = 24;
+  for (const bool all_on_rank0 : {false, true}) {
+    const std::string where = GetParam() + (all_on_rank0 ? ", all prompts on rank 0" : ", prompts spread") +
+                              ", rank " + std::to_string(comm_.rank()) + " of " +
+                              std::to_string(comm_.size());
+    const std::vector<Tokens> prompts = mine(all_on_rank0);
+    const std::vector<runtime::SamplingParams> params(prompts.size(), greedy);
+    std::vector<runtime::Generation> plain;
+    std::vector<runtime::Generation> spec;
+    runtime::MtpDrafter drafter(engine, 3);
+    runtime::SpeculationStats stats;
+    const runtime::Status a = runtime::generate(engine, prompts, params, false, plain);
+    const runtime::Status b = runtime::generate(engine, prompts, params, false, spec, &drafter, &stats);
+    EXPECT_TRUE(a.ok()) << where << ": " << a.message();
+    EXPECT_TRUE(b.ok()) << where << ": " << b.message();
+    EXPECT_EQ(spec.size(), plain.size()) << where;
+    for (std::size_t i = 0; i < std::min(spec.size(), plain.size()); ++i)
+      EXPECT_EQ(spec[i].tokens, plain[i].tokens) << where << ", prompt " << i;
+    if (!prompts.empty()) {
+      EXPECT_GT(stats.total_proposed(), 0) << where;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, MpiMtpSpeculative, ::testing::Values("deepseek_v3", "deepseek_v3_fp8"),
                          [](const auto& info) { return info.param; });
 
 }  // namespace

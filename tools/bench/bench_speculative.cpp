@@ -110,8 +110,8 @@ int main(int argc, char** argv) {
     return *exit_code;
 
   try {
-    const auto drafter = runtime::make_drafter(speculation);
-    if (drafter == nullptr) throw std::invalid_argument("--speculative none: nothing to compare");
+    if (speculation.method == runtime::SpeculationConfig::Method::none)
+      throw std::invalid_argument("--speculative none: nothing to compare");
     const runtime::Tokenizer tokenizer = runtime::Tokenizer::load(model_dir);
     const std::vector<Tokens> all =
         load_prompts(prompts_file, field, tokenizer,
@@ -130,9 +130,11 @@ int main(int argc, char** argv) {
       kernels::cpu::CpuBackend backend(threads);
       runtime::ParallelOptions options;
       options.capacity.gamma = *parallel::parse_gamma(gamma);
+      options.mtp = runtime::loads_mtp_layers(speculation);
       parallel::SelfCommunicator comm;
       const auto model = runtime::Model::load(model_dir, backend, comm, options);
       runtime::Engine engine(*model, {});
+      const auto drafter = runtime::make_drafter(speculation, engine);
       for (const std::int64_t batch : batches) {
         const std::vector<Tokens> prompts(all.begin(), all.begin() + batch);
         std::vector<double> plain_rates, spec_rates, ratios;

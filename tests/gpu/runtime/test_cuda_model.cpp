@@ -1,7 +1,8 @@
 // The whole model on CudaBackend (one process; the cuda-emu label runs it on the emulation): for every
 // committed fixture, the prompt logits against transformers' and against the CPU backend's, a 16-token greedy
 // continuation equal to the CPU backend's, a ragged batch equal to each sequence alone, and speculative
-// greedy decoding equal to plain greedy decoding.
+// greedy decoding equal to plain greedy decoding (scripted drafts, and DeepSeek-V3's MTP draft, whose logits
+// are held to the CPU backend's).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -21,6 +22,7 @@
 #include "runtime/model.h"
 #include "runtime/npy.h"
 #include "runtime/speculative/drafter.h"
+#include "runtime/speculative/mtp_drafter.h"
 #include "tests/gpu/gpu_test_support.h"
 #include "tests/unit/kernels/log_softmax_reference.h"
 #include "tests/unit/runtime/fixture_models.h"
@@ -129,9 +131,26 @@ class ScriptedDrafter final : public runtime::Drafter {
   std::int32_t vocab_;
 };
 
+// Tokens equal to plain greedy decoding's, up to a near-tie of the device's rounding between a verifying
+// forward and a one-token step (plain recorded with its logits); from there the continuations diverge.
+void expect_greedy_kept(const runtime::Model& model, const runtime::Generation& plain,
+                        const runtime::Generation& spec) {
+  const auto vocab = static_cast<std::size_t>(model.config().vocab_size);
+  for (std::size_t i = 0; i < std::min(plain.tokens.size(), spec.tokens.size()); ++i) {
+    if (plain.tokens[i] == spec.tokens[i]) continue;
+    const std::span<const float> row(plain.logits.data() + i * vocab, vocab);
+    std::vector<float> sorted(row.begin(), row.end());
+    std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<>());
+    EXPECT_LE(sorted[0] - sorted[1], tolerance(model) * std::max(std::fabs(sorted[0]), 1.0F))
+        << "token " << i << ": speculative " << spec.tokens[i] << ", plain " << plain.tokens[i]
+        << " is no near-tie";
+    return;
+  }
+  EXPECT_EQ(spec.tokens.size(), plain.tokens.size());
+}
+
 // Speculative decoding on the device: drafts verified in one forward each (all-logits rows, the draws on the
-// device, the cache rolled back past the rejected ones) keep plain greedy decoding's tokens, up to a near-tie
-// of the device's rounding between a verifying forward and a one-token step.
+// device, the cache rolled back past the rejected ones) keep plain greedy decoding's tokens.
 TEST_P(CudaModel, SpeculativeGreedyEqualsPlainGreedy) {
   const std::vector<std::vector<std::int32_t>> prompts{
       ref_["prompts"][2]["input_ids"].get<std::vector<std::int32_t>>()};
@@ -146,18 +165,66 @@ TEST_P(CudaModel, SpeculativeGreedyEqualsPlainGreedy) {
   ASSERT_EQ(stats.proposed.size(), 3U);
   EXPECT_GT(stats.accepted[0], 0);
   EXPECT_EQ(stats.accepted[2], 0);
-  for (std::size_t i = 0; i < std::min(plain[0].tokens.size(), spec[0].tokens.size()); ++i) {
-    if (plain[0].tokens[i] == spec[0].tokens[i]) continue;
-    const std::span<const float> row(plain[0].logits.data() + i * vocab, vocab);
-    std::vector<float> sorted(row.begin(), row.end());
-    std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<>());
-    EXPECT_LE(sorted[0] - sorted[1], tolerance(*cuda_model_) * std::max(std::fabs(sorted[0]), 1.0F))
-        << "token " << i << ": speculative " << spec[0].tokens[i] << ", plain " << plain[0].tokens[i]
-        << " is no near-tie";
-    return;  // the continuations diverge from here
-  }
-  EXPECT_EQ(spec[0].tokens.size(), plain[0].tokens.size());
+  expect_greedy_kept(*cuda_model_, plain[0], spec[0]);
 }
+
+// DeepSeek-V3's MTP draft on the device: the MTP layer's logits over a prompt (the catch-up of
+// runtime/speculative/mtp_drafter.h) against the CPU backend's, within the model's tolerance, and greedy
+// decoding with MTP drafts keeping plain greedy decoding's tokens.
+class CudaMtp : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(CudaMtp, DraftLogitsEqualTheCpuBackendsAndGreedyIsKept) {
+  CAPSERVE_REQUIRE_CUDA_DEVICE();
+  const std::filesystem::path dir = testing::fixture_models_dir() / GetParam();
+  const nlohmann::json ref = testing::fixture_reference(GetParam());
+  runtime::ParallelOptions mtp;
+  mtp.mtp = true;
+  kernels::cpu::CpuBackend cpu(2);
+  kernels::cuda::CudaBackend gpu(0);
+  const auto cpu_model = runtime::Model::load(dir, cpu, mtp);
+  const auto cuda_model = runtime::Model::load(dir, gpu, mtp);
+  runtime::Engine cpu_engine(*cpu_model, {});
+  runtime::Engine cuda_engine(*cuda_model, {});
+  const auto prompt = ref["prompts"][2]["input_ids"].get<std::vector<std::int32_t>>();
+  std::vector<std::int32_t> next(prompt.begin() + 1, prompt.end());
+  next.push_back(ref["prompts"][2]["greedy_ids"][0].get<std::int32_t>());
+  std::vector<std::vector<float>> logits;
+  for (runtime::Engine* engine : {&cpu_engine, &cuda_engine}) {
+    const runtime::Engine::Work work{1, prompt};
+    ASSERT_TRUE(engine->step(std::span(&work, 1)).ok());
+    const runtime::Engine::DraftWork catch_up{1, 0, next, 0, true};
+    const runtime::Status s = engine->draft_step(0, runtime::Engine::DraftInput::step_hidden, {&catch_up, 1});
+    ASSERT_TRUE(s.ok()) << s.message();
+    logits.emplace_back(engine->logits().begin(), engine->logits().end());
+    engine->end_drafts();
+    engine->release(1);
+  }
+  // Row by row: with bf16 weights the rounding may move a row's token to another routed expert of the MTP
+  // layer's sigmoid router, as for the decoder's (tolerance() above; seen on deepseek_v3_fp8: one row of 13
+  // at 0.32, the others at most 1.5e-2), so one such row is allowed there and none with f32 weights.
+  const auto vocab = static_cast<std::size_t>(cuda_model->config().vocab_size);
+  int beyond = 0;
+  for (std::size_t r = 0; r < next.size(); ++r) {
+    const double diff = testing::relative_max_diff(std::span(logits[1]).subspan(r * vocab, vocab),
+                                                   std::span(logits[0]).subspan(r * vocab, vocab));
+    if (diff > tolerance(*cuda_model)) ++beyond;
+  }
+  EXPECT_LE(beyond, cuda_model->weights().lm_head.dtype() == kernels::DType::f32 ? 0 : 1);
+
+  const std::vector<std::vector<std::int32_t>> prompts{prompt};
+  std::vector<runtime::SamplingParams> greedy(1);
+  greedy[0].max_new_tokens = 24;
+  std::vector<runtime::Generation> plain, spec;
+  ASSERT_TRUE(runtime::generate(cuda_engine, prompts, greedy, true, plain).ok());
+  runtime::MtpDrafter drafter(cuda_engine, 3);
+  runtime::SpeculationStats stats;
+  ASSERT_TRUE(runtime::generate(cuda_engine, prompts, greedy, false, spec, &drafter, &stats).ok());
+  EXPECT_GT(stats.total_proposed(), 0);
+  expect_greedy_kept(*cuda_model, plain[0], spec[0]);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, CudaMtp, ::testing::Values("deepseek_v3", "deepseek_v3_fp8"),
+                         [](const auto& info) { return info.param; });
 
 // Prompt log-probabilities scored on the device (Engine::score, the CUDA token_logprobs kernel) against
 // log_softmax of transformers' prompt logits: every position's next token and its top 5, within 1e-4 with

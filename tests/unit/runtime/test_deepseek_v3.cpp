@@ -82,10 +82,10 @@ class EditedCheckpoint {
   [[nodiscard]] const fs::path& dir() const { return temp_.path(); }
 
   // The LoadError message of loading it, or "" when it loads.
-  [[nodiscard]] std::string load_error() const {
+  [[nodiscard]] std::string load_error(const ParallelOptions& options = {}) const {
     kernels::cpu::CpuBackend backend(1);
     try {
-      Model::load(dir(), backend);
+      Model::load(dir(), backend, options);
     } catch (const LoadError& e) {
       return e.what();
     }
@@ -121,6 +121,18 @@ TEST_P(DeepSeekV3Mtp, LayerIsCheckedAndSkippedUnread) {
   const auto plain = Model::load(without.dir(), backend);
   EXPECT_EQ(model->weights().bytes, plain->weights().bytes);
   EXPECT_GT(model->weights().bytes, 0);
+}
+
+// MTP speculation loads the layer, so a checkpoint without it (the config declaring one) is refused by name.
+TEST_P(DeepSeekV3Mtp, LoadingForMtpNeedsTheLayer) {
+  const EditedCheckpoint without(GetParam(), [&](Tensors& t) {
+    std::erase_if(t, [&](const auto& entry) { return entry.first.starts_with("model.layers.3."); });
+  });
+  ParallelOptions mtp;
+  mtp.mtp = true;
+  const std::string error = without.load_error(mtp);
+  EXPECT_NE(error.find("model.layers.3.eh_proj.weight"), std::string::npos) << error;
+  EXPECT_EQ(without.load_error(), "");
 }
 
 // Strict everywhere else: a tensor past the MTP layers, an unknown name inside one, a part of one, a
