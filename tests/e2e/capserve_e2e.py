@@ -248,14 +248,16 @@ class Server:
 
 
 class ServerTestCase(unittest.TestCase):
-    """One server shared by the test methods of a class; FLAGS are its extra capserve flags."""
+    """One server shared by the test methods of a class; FLAGS are its extra capserve flags, MODEL its
+    checkpoint."""
 
     FLAGS = []
+    MODEL = MODEL
     server = None
 
     @classmethod
     def setUpClass(cls):
-        cls.server = Server(*cls.FLAGS)
+        cls.server = Server(*cls.FLAGS, model=cls.MODEL)
         cls.addClassCleanup(cls.server.stop)
         cls.server.start()
         cls.stub = cls.server.stub

@@ -192,21 +192,26 @@ int main(int argc, char** argv) {
       }
     }
     if (!out_prefix.empty()) {
+      const bool ngram = speculation.method == runtime::SpeculationConfig::Method::ngram;
+      const std::string drafter_name = ngram ? "n-gram" : "MTP";
       nlohmann::json doc{{"model", model_dir},
                          {"prompts", prompts_file},
                          {"max_new_tokens", new_tokens},
                          {"reps", reps},
                          {"threads", threads},
+                         {"drafter", drafter_name},
                          {"num_speculative_tokens", speculation.num_tokens},
-                         {"ngram", {speculation.ngram_min, speculation.ngram_max}},
                          {"results", results}};
+      if (ngram) doc["ngram"] = {speculation.ngram_min, speculation.ngram_max};
       std::ofstream(out_prefix + ".json") << doc.dump(1) << "\n";
       std::ofstream(out_prefix + ".md")
           << "# capserve-bench-speculative\n\n"
-          << "Decode tokens/s of greedy generation without and with speculative decoding ("
-          << (speculation.method == runtime::SpeculationConfig::Method::ngram ? "n-gram" : "?")
-          << " drafter, k = " << speculation.num_tokens << ", n-grams " << speculation.ngram_min << ".."
-          << speculation.ngram_max << "), side by side (plain and speculative runs alternate, " << reps
+          << "Decode tokens/s of greedy generation without and with speculative decoding (" << drafter_name
+          << " drafter, k = " << speculation.num_tokens
+          << (ngram ? ", n-grams " + std::to_string(speculation.ngram_min) + ".." +
+                          std::to_string(speculation.ngram_max)
+                    : std::string())
+          << "), side by side (plain and speculative runs alternate, " << reps
           << " repetitions), on the CPU backend (" << threads << " thread" << (threads == 1 ? "" : "s")
           << "), " << new_tokens << " new tokens per prompt, "
           << "prompts from " << std::filesystem::path(prompts_file).filename().string() << ", model "
