@@ -140,16 +140,20 @@ Status Engine::validate(std::span<const Work> work) {
   return {};
 }
 
-Status Engine::step(std::span<const Work> work) {
+void Engine::begin_rows() {
   tokens_.clear();
   positions_.clear();
   slices_.clear();
   logit_rows_.clear();
   decode_rows_.clear();
   step_seqs_.clear();
+  host_logits_current_ = false;
+}
+
+Status Engine::step(std::span<const Work> work) {
+  begin_rows();
   kernels::Backend& backend = model_.backend();
   const std::int64_t vocab = model_.config().vocab_size;
-  host_logits_current_ = false;
   if (Status s = validate(work); !s.ok()) {
     logits_ = backend.scratch(logits_buffer_, kernels::DType::f32, {0, vocab});
     pass_.forward({tokens_, positions_, slices_, logit_rows_, decode_rows_}, cache_, logits_);
@@ -238,14 +242,8 @@ Status Engine::draft_step(std::int64_t depth, DraftInput input, std::span<const 
   const ModelConfig& c = model_.config();
   const Status status = validate_drafts(depth, input, work);
   if (mtp_pass_ == nullptr) return status;
-  tokens_.clear();
-  positions_.clear();
-  slices_.clear();
-  logit_rows_.clear();
-  decode_rows_.clear();
-  step_seqs_.clear();
+  begin_rows();
   draft_state_rows_.clear();
-  host_logits_current_ = false;
   if (status.ok()) {
     for (const DraftWork& w : work) {
       const auto n = static_cast<std::int64_t>(w.tokens.size());

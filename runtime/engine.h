@@ -129,6 +129,8 @@ class Engine {
 
  private:
   Status validate(std::span<const Work> work);
+  // Forgets the last step's rows (and its logits on the host) before a step or a draft step lays out its own.
+  void begin_rows();
   Status validate_drafts(std::int64_t depth, DraftInput input, std::span<const DraftWork> work);
 
   const Model& model_;

@@ -21,6 +21,7 @@
 #include "runtime/npy.h"
 #include "runtime/speculative/mtp_drafter.h"
 #include "runtime/speculative/speculation_config.h"
+#include "tests/unit/runtime/decode_params.h"
 #include "tests/unit/runtime/fixture_models.h"
 
 namespace capserve::runtime {
@@ -132,22 +133,13 @@ TEST_P(MtpFixture, LogitsEqualTheReference) {
   }
 }
 
-SamplingParams tokens(std::int64_t n, float temperature = 0.0F) {
-  SamplingParams p;
-  p.max_new_tokens = n;
-  p.temperature = temperature;
-  p.top_p = temperature > 0 ? 0.95F : 1.0F;
-  p.seed = 77;
-  return p;
-}
-
 TEST_P(MtpFixture, GreedyWithMtpDraftsEqualsPlainGreedy) {
   const std::vector<Tokens> all = prompts();
-  const std::vector<Generation> plain = run(all, tokens(32), nullptr);
+  const std::vector<Generation> plain = run(all, testing::decode_params(32), nullptr);
   for (const std::int64_t k : {1, 3}) {
     MtpDrafter drafter(*engine_, k);
     SpeculationStats stats;
-    const std::vector<Generation> spec = run(all, tokens(32), &drafter, &stats);
+    const std::vector<Generation> spec = run(all, testing::decode_params(32), &drafter, &stats);
     ASSERT_EQ(spec.size(), all.size());
     for (std::size_t i = 0; i < all.size(); ++i)
       EXPECT_EQ(spec[i].tokens, plain[i].tokens) << GetParam() << ", prompt " << i << ", k " << k;
@@ -159,9 +151,9 @@ TEST_P(MtpFixture, GreedyWithMtpDraftsEqualsPlainGreedy) {
 
 TEST_P(MtpFixture, SampledTokensAreThoseOfTheSameSeedWithoutSpeculation) {
   const std::vector<Tokens> all = prompts();
-  const std::vector<Generation> plain = run(all, tokens(24, 0.9F), nullptr);
+  const std::vector<Generation> plain = run(all, testing::decode_params(24, 0.9F), nullptr);
   MtpDrafter drafter(*engine_, 2);
-  const std::vector<Generation> spec = run(all, tokens(24, 0.9F), &drafter);
+  const std::vector<Generation> spec = run(all, testing::decode_params(24, 0.9F), &drafter);
   for (std::size_t i = 0; i < all.size(); ++i) EXPECT_EQ(spec[i].tokens, plain[i].tokens) << "prompt " << i;
 }
 

@@ -17,6 +17,7 @@
 #include "runtime/model.h"
 #include "runtime/speculative/ngram_drafter.h"
 #include "runtime/speculative/verify.h"
+#include "tests/unit/runtime/decode_params.h"
 #include "tests/unit/runtime/fixture_models.h"
 
 namespace capserve::runtime {
@@ -126,17 +127,8 @@ class SpeculativeFixture : public ::testing::TestWithParam<std::string> {
   std::vector<Tokens> prompts_;
 };
 
-SamplingParams tokens(std::int64_t n, float temperature = 0.0F) {
-  SamplingParams p;
-  p.max_new_tokens = n;
-  p.temperature = temperature;
-  p.top_p = temperature > 0 ? 0.95F : 1.0F;
-  p.seed = 1234;
-  return p;
-}
-
 TEST_P(SpeculativeFixture, NgramGreedyEqualsPlainGreedy) {
-  const SamplingParams greedy = tokens(40);
+  const SamplingParams greedy = testing::decode_params(40);
   const std::vector<Generation> plain = run(prompts_, greedy, nullptr);
   for (const std::int64_t k : {1, 4}) {
     NgramDrafter drafter(k, 1, 3);
@@ -158,11 +150,11 @@ TEST_P(SpeculativeFixture, RejectedDraftsLeaveTheCacheAsIfNeverFed) {
   // tokens after it.
   ASSERT_FALSE(prompts_.empty());
   const Tokens prompt = prompts_[0];
-  const Generation plain = run({prompt}, tokens(30), nullptr)[0];
+  const Generation plain = run({prompt}, testing::decode_params(30), nullptr)[0];
   ScriptedDrafter drafter(4, prompt.size(), plain.tokens, 2,
                           static_cast<std::int32_t>(model_->config().vocab_size));
   SpeculationStats stats;
-  const Generation spec = run({prompt}, tokens(30), &drafter, &stats)[0];
+  const Generation spec = run({prompt}, testing::decode_params(30), &drafter, &stats)[0];
   EXPECT_EQ(spec.tokens, plain.tokens);
   ASSERT_GE(stats.proposed.size(), 3U);
   EXPECT_EQ(stats.accepted[0], stats.proposed[0]);
@@ -173,7 +165,7 @@ TEST_P(SpeculativeFixture, RejectedDraftsLeaveTheCacheAsIfNeverFed) {
 }
 
 TEST_P(SpeculativeFixture, SampledTokensAreThoseOfTheSameSeedWithoutSpeculation) {
-  const SamplingParams sampled = tokens(40, 0.9F);
+  const SamplingParams sampled = testing::decode_params(40, 0.9F);
   const std::vector<Generation> plain = run(prompts_, sampled, nullptr);
   NgramDrafter drafter(3, 1, 3);
   SpeculationStats stats;
