@@ -2,7 +2,7 @@
 showing each option's default and description (enum flags as "one of: ..."), a misspelt flag answered with the
 closest one, capserve --config refusing an unknown key or a wrongly typed value by name (exit code 2, nothing
 loaded), capserve-generate's stdout holding only the token ids (logs go to stderr), and its --speculative ngram
-giving the same tokens on 2 ranks with the acceptance on stderr."""
+and mtp giving the same tokens on 2 ranks with the acceptance on stderr."""
 
 import json
 import os
@@ -88,7 +88,8 @@ class CliTest(unittest.TestCase):
         self.assertIsNotNone(m, spec.stderr)
         self.assertGreater(int(m.group(1)), 0)
         self.assertNotIn("speculative decoding", plain.stderr)
-        for flags, message in ((["--speculative", "ngram", "--ngram-min", "3", "--ngram-max", "2"],
+        for flags, message in ((["--speculative", "mtp"], "needs exactly one multi-token-prediction layer"),
+                               (["--speculative", "ngram", "--ngram-min", "3", "--ngram-max", "2"],
                                 "--ngram-min (3) must not exceed --ngram-max (2)"),
                                (["--num-speculative-tokens", "2"], "--num-speculative-tokens requires --speculative"),
                                (["--speculative", "ngram", "--num-speculative-tokens", "17"],
@@ -97,6 +98,21 @@ class CliTest(unittest.TestCase):
                 done = run([generate, "--model", MODEL, "--input-ids", "1 2", "--threads", "1"] + flags)
                 self.assertNotEqual(done.returncode, 0, done.stdout)
                 self.assertIn(message, done.stdout)
+
+    def test_generate_speculative_mtp_prints_the_same_tokens(self):
+        # DeepSeek-V3's MTP layer as the draft on 2 ranks (its experts spread over both, drafting a collective).
+        generate = os.environ["CAPSERVE_GENERATE"]
+        fixture = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fixtures", "models", "deepseek_v3")
+        base = [generate, "--model", fixture, "--input-ids", "5 77 300", "--input-ids", "12 9 12 9",
+                "--input-ids", "400", "--max-new-tokens", "24", "--threads", "1"]
+        plain = subprocess.run(["bash", LAUNCH, str(NP)] + base, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, timeout=300)
+        spec = subprocess.run(["bash", LAUNCH, str(NP)] + base + ["--speculative", "mtp"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, timeout=300)
+        self.assertEqual(plain.returncode, 0, plain.stderr)
+        self.assertEqual(spec.returncode, 0, spec.stderr)
+        self.assertEqual(spec.stdout, plain.stdout)
+        self.assertRegex(spec.stderr, r"speculative decoding: \d+ of \d+ drafts kept")
 
     def test_help_describes_every_option_in_words(self):
         generate = os.environ["CAPSERVE_GENERATE"]
