@@ -267,8 +267,10 @@ Status Engine::draft_step(std::int64_t depth, DraftInput input, std::span<const 
   const auto wanted = static_cast<std::int64_t>(logit_rows_.size());
   const kernels::Tensor state =
       backend.scratch(draft_state_buffer_, kernels::DType::f32, {rows, c.hidden_size});
-  // Gathered before the output states are overwritten: a chain step reads the last step's.
-  backend.gather_rows(input == DraftInput::step_hidden ? hidden_ : draft_out_, draft_state_rows_, state);
+  // Gathered before the output states are overwritten: a chain step reads the last step's. With no rows there
+  // may be no source yet (a rank drafting before its first step).
+  if (rows > 0)
+    backend.gather_rows(input == DraftInput::step_hidden ? hidden_ : draft_out_, draft_state_rows_, state);
   logits_ = backend.scratch(logits_buffer_, kernels::DType::f32, {wanted, c.vocab_size});
   draft_out_ = backend.scratch(draft_out_buffer_, kernels::DType::f32, {wanted, c.hidden_size});
   mtp_pass_->mtp_forward(status.ok() ? depth : 0, {tokens_, positions_, slices_, logit_rows_, decode_rows_},

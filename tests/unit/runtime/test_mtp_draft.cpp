@@ -183,6 +183,18 @@ TEST_P(MtpFixture, BadDraftWorkIsRefusedAndChangesNothing) {
   EXPECT_EQ(engine_->cache().blocks().free_blocks(), engine_->cache().blocks().num_blocks());
 }
 
+// A server's rank drafts (a collective) at its first step too, before any step gave hidden states: with no
+// work it is an empty step. The server's first request once ended in "gather_rows: 0 rows of [] ...".
+TEST_P(MtpFixture, DraftingBeforeAnyStepIsAnEmptyStep) {
+  for (const Engine::DraftInput input : {Engine::DraftInput::step_hidden, Engine::DraftInput::draft_hidden}) {
+    const Status s = engine_->draft_step(0, input, {});
+    EXPECT_TRUE(s.ok()) << s.message();
+  }
+  std::vector<std::int64_t> counts;
+  MtpDrafter(*engine_, 3).propose({}, counts);
+  engine_->end_drafts();
+}
+
 INSTANTIATE_TEST_SUITE_P(Fixtures, MtpFixture, ::testing::Values("deepseek_v3", "deepseek_v3_fp8"),
                          [](const auto& info) { return info.param; });
 
