@@ -31,7 +31,7 @@ BAD_FLAGS = [
     (["--selector-d", "0"], "--selector-d"),
     (["--step-timeout-s", "0"], "--step-timeout-s"),
     (["--default-max-tokens", "5000", "--max-tokens-limit", "4096"], "--default-max-tokens"),
-    (["--speculative", "mtp"], "--speculative: mtp is not one of: none, ngram"),
+    (["--speculative", "eagle"], "--speculative: eagle is not one of: none, ngram, mtp"),
     (["--speculative", "ngram", "--num-speculative-tokens", "0"], "--num-speculative-tokens"),
     (["--speculative", "ngram", "--num-speculative-tokens", "17"], "--num-speculative-tokens"),
     (["--speculative", "ngram", "--ngram-max", "0"], "--ngram-max"),
@@ -118,6 +118,16 @@ class StartupTest(unittest.TestCase):
         self.assertIn("config.json", errors[-1])
         self.assertTrue(errors[-1].startswith("capserve: "), errors)
         self.assertFalse(any("MPI_ABORT" in line or "Primary job" in line for line in everything), everything)
+
+    def test_mtp_speculation_without_an_mtp_layer_is_a_load_error(self):
+        # The default model (OLMoE) has no multi-token-prediction layer: every rank refuses, exit 1, the reason last.
+        cmd = ["bash", LAUNCH, str(NP), BIN, "--model", MODEL, "--port", "0", "--metrics-port", "0", "--threads",
+               "1", "--speculative", "mtp"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
+        errors = [line for line in done.stderr.splitlines() if line.strip()]
+        self.assertEqual(done.returncode, 1, errors + done.stdout.splitlines())
+        self.assertIn("needs exactly one multi-token-prediction layer (config.json's num_nextn_predict_layers)",
+                      errors[-1])
 
 
 if __name__ == "__main__":
