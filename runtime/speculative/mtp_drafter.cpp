@@ -19,18 +19,21 @@ MtpDrafter::MtpDrafter(Engine& engine, std::int64_t k) : engine_(engine), k_(k) 
 void MtpDrafter::propose(std::span<const DraftSlot> slots, std::span<std::int64_t> counts) {
   std::fill(counts.begin(), counts.end(), 0);
   out_row_.assign(slots.size(), -1);
+  // Sorted by sequence (a reused vector: no allocation per step, as a hash map's nodes would be).
   step_item_.clear();
   const std::span<const SequenceId> seqs = engine_.last_step_seqs();
   const std::span<const kernels::SequenceSlice> slices = engine_.last_step_slices();
-  for (std::size_t i = 0; i < seqs.size(); ++i) step_item_[seqs[i]] = i;
+  for (std::size_t i = 0; i < seqs.size(); ++i) step_item_.emplace_back(seqs[i], i);
+  std::sort(step_item_.begin(), step_item_.end());
 
   // Catch-up: each slot's rows of the last step whose next token is now known (the kept ones), one item.
   work_.clear();
   owner_.clear();
   for (std::size_t s = 0; s < slots.size(); ++s) {
     const DraftSlot& slot = slots[s];
-    const auto it = step_item_.find(slot.seq);
-    if (it == step_item_.end()) continue;
+    const auto it =
+        std::lower_bound(step_item_.begin(), step_item_.end(), std::pair(slot.seq, std::size_t{0}));
+    if (it == step_item_.end() || it->first != slot.seq) continue;
     const kernels::SequenceSlice& rows = slices[it->second];
     const auto known = static_cast<std::int64_t>(slot.history.size());
     const std::int64_t last = std::min(known - 2, rows.start_pos + rows.num_tokens - 1);

@@ -7,7 +7,7 @@
 // shares each sequence's block table in its own cache layer (Engine::draft_step).
 #include <cstdint>
 #include <span>
-#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "runtime/engine.h"
@@ -33,7 +33,7 @@ class MtpDrafter final : public Drafter {
   std::int64_t k_;
   // Reused every step: the last step's item of each sequence, the draft step's work and the slot each item
   // drafts for, the drawn tokens, each slot's output row in the last draft step.
-  std::unordered_map<SequenceId, std::size_t> step_item_;
+  std::vector<std::pair<SequenceId, std::size_t>> step_item_;
   std::vector<Engine::DraftWork> work_;
   std::vector<std::size_t> owner_;
   std::vector<std::int32_t> drawn_;
