@@ -147,9 +147,15 @@ const T* CudaBackend::stage(std::span<const T> host) {
 DeviceAttentionBatch CudaBackend::attention_batch(std::span<const SequenceSlice> seqs) {
   arrays_ = attention_batch_arrays(seqs);
   const auto rows = static_cast<std::int64_t>(arrays_.row_pos.size());
-  return {rows, stage(std::span<const std::int32_t>(arrays_.row_pos)),
+  return {rows,
+          stage(std::span<const std::int32_t>(arrays_.row_pos)),
           stage(std::span<const std::int32_t>(arrays_.row_seq)),
-          stage(std::span<const std::int32_t>(arrays_.block_tables)), arrays_.max_blocks};
+          stage(std::span<const std::int32_t>(arrays_.block_tables)),
+          arrays_.max_blocks,
+          stage(std::span<const std::int32_t>(arrays_.seq_first_row)),
+          stage(std::span<const std::int32_t>(arrays_.seq_tokens)),
+          static_cast<std::int64_t>(arrays_.seq_tokens.size()),
+          arrays_.max_seq_tokens};
 }
 
 void CudaBackend::run_linear(const float* x, std::int64_t m, std::int64_t k, const Tensor& w,

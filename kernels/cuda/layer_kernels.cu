@@ -5,6 +5,7 @@
 #include "kernels/cuda/block_reduce.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/element_types.h"
+#include "kernels/cuda/flash_attention.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/layer_kernels.h"
 #include "kernels/cuda/paged_cache_slot.h"
@@ -367,6 +368,9 @@ AttentionBatchArrays attention_batch_arrays(std::span<const SequenceSlice> seqs)
   a.block_tables.assign(seqs.size() * static_cast<std::size_t>(a.max_blocks), 0);
   for (std::size_t si = 0; si < seqs.size(); ++si) {
     const SequenceSlice& s = seqs[si];
+    a.seq_first_row.push_back(static_cast<std::int32_t>(s.first_row));
+    a.seq_tokens.push_back(static_cast<std::int32_t>(s.num_tokens));
+    a.max_seq_tokens = std::max(a.max_seq_tokens, s.num_tokens);
     std::copy(s.block_table.begin(), s.block_table.end(),
               a.block_tables.begin() + static_cast<std::ptrdiff_t>(si) * a.max_blocks);
     const auto end = static_cast<std::size_t>(s.first_row + s.num_tokens);
@@ -403,6 +407,30 @@ void paged_attention(const DeviceAttentionBatch& batch, const float* q, const De
     throw std::invalid_argument("paged_attention: heads must be a multiple of the kv heads");
   check_cache_dtype(cache.dtype, "paged_attention");
   if (batch.rows <= 0) return;
+  if (cache.dtype == DType::bf16) {
+    const auto* k = static_cast<const __nv_bfloat16*>(cache.k);
+    const auto* v = static_cast<const __nv_bfloat16*>(cache.v);
+    const std::int64_t width = cache.num_kv_heads * cache.head_dim;
+    const SharedKvAttention flash{q,
+                                  params.num_heads,
+                                  params.num_heads / cache.num_kv_heads,
+                                  cache.head_dim,
+                                  cache.head_dim,
+                                  k,
+                                  v,
+                                  width,
+                                  width,
+                                  cache.head_dim,
+                                  cache.head_dim,
+                                  cache.block_size,
+                                  params.scale,
+                                  params.sliding_window,
+                                  out};
+    if (flash_attention_supports(flash)) {
+      flash_attention(batch, flash, stream);
+      return;
+    }
+  }
   const dim3 grid(static_cast<unsigned>(batch.rows), static_cast<unsigned>(params.num_heads));
   if (cache.dtype == DType::bf16) {
     launch(paged_attention_kernel<__nv_bfloat16>, grid, kAttnThreads, 0, stream, batch, q, cache, params,

@@ -31,6 +31,11 @@ struct DeviceAttentionBatch {
   const std::int32_t* row_seq = nullptr;       // [rows]: its sequence
   const std::int32_t* block_tables = nullptr;  // [sequences, max_blocks]
   std::int64_t max_blocks = 0;
+  // Per sequence (what the tensor-core attention tiles by): its first row and number of rows.
+  const std::int32_t* seq_first_row = nullptr;  // [sequences]
+  const std::int32_t* seq_tokens = nullptr;     // [sequences]
+  std::int64_t sequences = 0;
+  std::int64_t max_seq_tokens = 0;  // the most rows of one sequence (a host value)
 };
 
 // The host arrays behind a DeviceAttentionBatch, built from the CPU path's sequence slices.
@@ -39,6 +44,9 @@ struct AttentionBatchArrays {
   std::vector<std::int32_t> row_seq;
   std::vector<std::int32_t> block_tables;
   std::int64_t max_blocks = 0;
+  std::vector<std::int32_t> seq_first_row;
+  std::vector<std::int32_t> seq_tokens;
+  std::int64_t max_seq_tokens = 0;
 };
 AttentionBatchArrays attention_batch_arrays(std::span<const SequenceSlice> seqs);
 
@@ -60,8 +68,10 @@ void check_cache_dtype(DType dtype, const char* op);
 void kv_store(const DeviceAttentionBatch& batch, const float* k, const float* v, const DeviceKvLayer& cache,
               cudaStream_t stream);
 
-// Causal (optionally sliding-window) GQA of q [rows, heads * head_dim] over the cache; out likewise. One
-// block per (row, head), online softmax over the row's context. head_dim <= 512.
+// Causal (optionally sliding-window) GQA of q [rows, heads * head_dim] over the cache; out likewise. A bf16
+// cache goes to the tensor-core kernel (flash_attention.h) where it takes the shapes; an f32 cache (and a
+// shape it refuses) to the fp32 kernel: one block per (row, head), online softmax over the row's context.
+// head_dim <= 512. Needs the batch's sequence arrays.
 void paged_attention(const DeviceAttentionBatch& batch, const float* q, const DeviceKvLayer& cache,
                      const AttentionParams& params, float* out, cudaStream_t stream);
 

@@ -374,3 +374,6 @@ template <class T>
 T* capserve_dynamic_shared() {
   return static_cast<T*>(::capserve::cuda_emu::detail::dynamic_shared_memory());
 }
+
+// The warp matrix functions, over the built-ins above.
+#include "wmma_emu.h"

@@ -19,6 +19,7 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/layer_kernels.h"
+#include "kernels/cuda/wmma.h"
 
 namespace capserve {
 namespace {
@@ -109,6 +110,58 @@ __global__ void collectives_kernel(int* out, int n) {
   const unsigned half = lane < 16 ? 0x0000FFFFU & full : 0xFFFF0000U & full;
   o[6] = half == 0 ? -1 : __shfl_sync(half, t, lane < 16 ? 0 : 16);
   o[7] = __syncthreads_count(lane == 0);
+}
+
+// c[16, 16] += a[16, 16] * b (b stored row-major, or column-major when `b_col`), the accumulator loaded from
+// c, updated and stored back in place by the warp, as the tensor-core attention keeps its output.
+__global__ void wmma_update_kernel(const __nv_bfloat16* a, const __nv_bfloat16* b, bool b_col, float* c) {
+  namespace wmma = kernels::cuda::wmma;
+  wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+  wmma::load_matrix_sync(fa, a, 16);
+  wmma::load_matrix_sync(acc, c, 16, wmma::mem_row_major);
+  if (b_col) {
+    wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb;
+    wmma::load_matrix_sync(fb, b, 16);
+    wmma::mma_sync(acc, fa, fb, acc);
+  } else {
+    wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> fb;
+    wmma::load_matrix_sync(fb, b, 16);
+    wmma::mma_sync(acc, fa, fb, acc);
+  }
+  for (int i = 0; i < acc.num_elements; ++i) acc.x[i] *= 2.0F;  // element-wise, as the API allows
+  wmma::store_matrix_sync(c, acc, 16, wmma::mem_row_major);
+}
+
+TEST(CudaEmulation, WarpMatrixFunctionsComputeTheProductOfTheirLayouts) {
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<int> small(-4, 4);  // exact in bf16 and in every sum
+  std::vector<__nv_bfloat16> a(256);
+  std::vector<__nv_bfloat16> b(256);
+  std::vector<float> c(256);
+  for (auto& v : a) v = __float2bfloat16(static_cast<float>(small(rng)));
+  for (auto& v : b) v = __float2bfloat16(static_cast<float>(small(rng)));
+  for (float& v : c) v = static_cast<float>(small(rng));
+  for (const bool b_col : {false, true}) {
+    std::vector<float> want(256);
+    for (int i = 0; i < 16; ++i) {
+      for (int j = 0; j < 16; ++j) {
+        float sum = c[static_cast<std::size_t>(i * 16 + j)];
+        for (int k = 0; k < 16; ++k) {
+          const __nv_bfloat16 bk =
+              b_col ? b[static_cast<std::size_t>(j * 16 + k)] : b[static_cast<std::size_t>(k * 16 + j)];
+          sum += __bfloat162float(a[static_cast<std::size_t>(i * 16 + k)]) * __bfloat162float(bk);
+        }
+        want[static_cast<std::size_t>(i * 16 + j)] = 2.0F * sum;
+      }
+    }
+    const auto d_a = upload(a);
+    const auto d_b = upload(b);
+    auto d_c = upload(c);
+    launch(wmma_update_kernel, 1, 32, 0, nullptr, d_a.data(), d_b.data(), b_col, d_c.data());
+    CAPSERVE_CUDA_CHECK_LAUNCH();
+    EXPECT_EQ(download(d_c), want) << (b_col ? "b column-major" : "b row-major");
+  }
 }
 
 TEST(CudaEmulation, WarpCollectivesFollowTheirDefinitions) {

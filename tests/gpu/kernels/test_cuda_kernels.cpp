@@ -12,6 +12,7 @@
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -20,6 +21,7 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/expert_ffn.h"
+#include "kernels/cuda/flash_attention.h"
 #include "kernels/cuda/latent_attention.h"
 #include "kernels/cuda/layer_kernels.h"
 #include "kernels/cuda/linear.h"
@@ -568,6 +570,162 @@ TEST(CudaKernels, PagedAttentionMatchesTheCpuBackend) {
     EXPECT_EQ(download(d_cache_v, cache_v.size()), cache_v);
     EXPECT_LT(relative_error(download(d_out, q.size()), ref), 1e-5) << "window " << window;
   }
+}
+
+// The tensor-core attention against attention in double over the same bf16 cache: grouped-query shapes
+// (one to sixteen heads per K/V head, 16- and 64-row tiles), a sliding window, a decode-only batch, and the
+// latent layout (values are the keys' first dims, every head one group), contexts of several 64-key tiles.
+// The queries and probabilities are rounded to bf16 for the products: about 2e-3 here, hence 5e-3.
+struct FlashCase {
+  const char* name;
+  std::int64_t heads, kv_heads, dk, dv, window, block_size;
+  bool values_in_keys;
+  std::vector<std::int64_t> starts, counts;
+};
+
+TEST(CudaKernels, FlashAttentionOverABf16CacheEqualsAttentionInDouble) {
+  CAPSERVE_REQUIRE_CUDA_DEVICE();
+  const std::vector<FlashCase> cases = {
+      {"gqa group 4, 64-row tiles", 8, 2, 64, 64, 0, 4, false, {0, 140, 7}, {21, 1, 5}},
+      {"gqa group 16, window 6", 32, 2, 32, 32, 6, 16, false, {0, 40, 7}, {21, 1, 5}},
+      {"one head per kv head", 4, 4, 16, 16, 0, 16, false, {3, 0}, {70, 2}},
+      {"decode only, group 8", 8, 1, 32, 32, 0, 8, false, {90, 3, 17}, {1, 1, 1}},
+      {"latent: values in keys", 8, 1, 48, 32, 0, 8, true, {0, 130}, {30, 1}},
+  };
+  Rng rng(131);
+  for (const FlashCase& c : cases) {
+    SCOPED_TRACE(c.name);
+    const std::int64_t group = c.heads / c.kv_heads;
+    const std::int64_t key_width = c.kv_heads * c.dk;
+    const std::int64_t value_width = c.kv_heads * c.dv;
+    // Block tables over a shuffled pool.
+    std::int64_t blocks_needed = 0;
+    for (std::size_t i = 0; i < c.starts.size(); ++i)
+      blocks_needed += (c.starts[i] + c.counts[i] + c.block_size - 1) / c.block_size;
+    const std::int64_t num_blocks = blocks_needed + 3;
+    std::vector<std::int32_t> pool_order(static_cast<std::size_t>(num_blocks));
+    std::iota(pool_order.begin(), pool_order.end(), 0);
+    std::shuffle(pool_order.begin(), pool_order.end(), rng);
+    std::vector<std::vector<std::int32_t>> tables(c.starts.size());
+    std::vector<kernels::SequenceSlice> seqs;
+    std::int64_t rows = 0;
+    std::size_t next = 0;
+    for (std::size_t i = 0; i < c.starts.size(); ++i) {
+      for (std::int64_t b = 0; b < (c.starts[i] + c.counts[i] + c.block_size - 1) / c.block_size; ++b)
+        tables[i].push_back(pool_order[next++]);
+      seqs.push_back({rows, c.counts[i], c.starts[i], tables[i]});
+      rows += c.counts[i];
+    }
+    const auto bf16_pool = [&](std::int64_t width) {
+      std::vector<std::uint16_t> bits(static_cast<std::size_t>(num_blocks * c.block_size * width));
+      const std::vector<float> values = normal_vector(rng, bits.size());
+      for (std::size_t i = 0; i < bits.size(); ++i) bits[i] = to_bf16(values[i]);
+      return bits;
+    };
+    const std::vector<std::uint16_t> keys = bf16_pool(key_width);
+    const std::vector<std::uint16_t> values = c.values_in_keys ? keys : bf16_pool(value_width);
+    const std::int64_t value_stride = c.values_in_keys ? key_width : value_width;
+    const std::int64_t value_head = c.values_in_keys ? c.dk : c.dv;
+    // Peaked scores (sd 3), so that a later key tile's larger maximum rescales what came before.
+    const std::vector<float> q = normal_vector(rng, static_cast<std::size_t>(rows * c.heads * c.dk), 3.0F);
+    const float scale = 1.0F / std::sqrt(static_cast<float>(c.dk));
+
+    // The reference: each row over its sequence's positions [lo, pos], in double.
+    std::vector<float> ref(static_cast<std::size_t>(rows * c.heads * c.dv));
+    for (std::size_t si = 0; si < seqs.size(); ++si) {
+      const kernels::SequenceSlice& sl = seqs[si];
+      const auto slot = [&](std::int64_t p) {
+        return static_cast<std::int64_t>(tables[si][static_cast<std::size_t>(p / c.block_size)]) *
+                   c.block_size +
+               p % c.block_size;
+      };
+      for (std::int64_t t = 0; t < sl.num_tokens; ++t) {
+        const std::int64_t row = sl.first_row + t;
+        const std::int64_t pos = sl.start_pos + t;
+        const std::int64_t lo = c.window > 0 ? std::max<std::int64_t>(0, pos - c.window + 1) : 0;
+        for (std::int64_t h = 0; h < c.heads; ++h) {
+          const std::int64_t kv = h / group;
+          std::vector<double> w;
+          double top = -INFINITY;
+          for (std::int64_t p = lo; p <= pos; ++p) {
+            double dot = 0.0;
+            for (std::int64_t e = 0; e < c.dk; ++e) {
+              dot += static_cast<double>(q[static_cast<std::size_t>((row * c.heads + h) * c.dk + e)]) *
+                     from_bf16(keys[static_cast<std::size_t>(slot(p) * key_width + kv * c.dk + e)]);
+            }
+            w.push_back(dot * scale);
+            top = std::max(top, w.back());
+          }
+          double total = 0.0;
+          for (double& x : w) total += (x = std::exp(x - top));
+          for (std::int64_t e = 0; e < c.dv; ++e) {
+            double acc = 0.0;
+            for (std::int64_t p = lo; p <= pos; ++p) {
+              acc +=
+                  w[static_cast<std::size_t>(p - lo)] *
+                  from_bf16(values[static_cast<std::size_t>(slot(p) * value_stride + kv * value_head + e)]);
+            }
+            ref[static_cast<std::size_t>((row * c.heads + h) * c.dv + e)] = static_cast<float>(acc / total);
+          }
+        }
+      }
+    }
+
+    const kernels::cuda::AttentionBatchArrays arrays = kernels::cuda::attention_batch_arrays(seqs);
+    const auto d_pos = upload(arrays.row_pos);
+    const auto d_seq = upload(arrays.row_seq);
+    const auto d_tables = upload(arrays.block_tables);
+    const auto d_first = upload(arrays.seq_first_row);
+    const auto d_tokens = upload(arrays.seq_tokens);
+    const auto d_keys = upload(keys);
+    const auto d_values = upload(values);
+    const auto d_q = upload(q);
+    auto d_out = poisoned<float>(ref.size());
+    const kernels::cuda::DeviceAttentionBatch batch{rows,
+                                                    d_pos.data(),
+                                                    d_seq.data(),
+                                                    d_tables.data(),
+                                                    arrays.max_blocks,
+                                                    d_first.data(),
+                                                    d_tokens.data(),
+                                                    static_cast<std::int64_t>(seqs.size()),
+                                                    arrays.max_seq_tokens};
+    const __nv_bfloat16* k_ptr = bf16_ptr(d_keys);
+    const kernels::cuda::SharedKvAttention a{d_q.data(),
+                                             c.heads,
+                                             group,
+                                             c.dk,
+                                             c.dv,
+                                             k_ptr,
+                                             c.values_in_keys ? k_ptr : bf16_ptr(d_values),
+                                             key_width,
+                                             value_stride,
+                                             c.dk,
+                                             value_head,
+                                             c.block_size,
+                                             scale,
+                                             c.window,
+                                             d_out.data()};
+    ASSERT_TRUE(kernels::cuda::flash_attention_supports(a));
+    kernels::cuda::flash_attention(batch, a, nullptr);
+    EXPECT_LT(relative_error(download(d_out, ref.size()), ref), 5e-3);
+  }
+}
+
+TEST(CudaKernels, FlashAttentionRefusesShapesItDoesNotTake) {
+  kernels::cuda::SharedKvAttention a;
+  a.heads = 8;
+  a.group = 4;
+  a.dk = 72;  // not a multiple of 16
+  a.dv = 64;
+  a.key_stride = a.value_stride = 144;
+  a.block_size = 16;
+  EXPECT_FALSE(kernels::cuda::flash_attention_supports(a));
+  EXPECT_THROW(kernels::cuda::flash_attention({}, a, nullptr), std::invalid_argument);
+  a.dk = 64;
+  EXPECT_TRUE(kernels::cuda::flash_attention_supports(a));
+  a.dv = 528;  // above 512
+  EXPECT_FALSE(kernels::cuda::flash_attention_supports(a));
 }
 
 TEST(CudaKernels, SamplingFollowsTheCpuSampler) {
