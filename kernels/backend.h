@@ -11,7 +11,9 @@
 #include <functional>
 #include <initializer_list>
 #include <span>
+#include <string>
 #include <string_view>
+#include <vector>
 
 #include "kernels/buffer.h"
 #include "kernels/dtype.h"
@@ -149,6 +151,24 @@ struct ReceivedGroups {
   Tensor row_source;   // int32 [rows * k]: out, received row of each grouped row
 };
 
+// The loaded model's attention, for the start-up check of a backend's fast kernels.
+struct AttentionShapes {
+  std::int64_t num_heads = 0;
+  std::int64_t num_kv_heads = 0;
+  std::int64_t head_dim = 0;
+  std::int64_t block_size = 0;
+  std::int64_t sliding_window = 0;  // 0: full causal attention
+  DType cache_dtype = DType::f32;
+  bool latent = false;  // multi-head latent attention (num_kv_heads and head_dim unused)
+};
+
+// One fast kernel compared with its reference on this device: the start-up log's line, and whether the
+// backend uses it from now on.
+struct FastKernelCheck {
+  std::string summary;
+  bool in_use = false;
+};
+
 // Why a step copies device data to the host: every synchronisation point of a step has a name, and the
 // backend counts them, so tests can assert how many a step makes.
 enum class HostSync : std::uint8_t {
@@ -192,6 +212,10 @@ class Backend {
   // std::invalid_argument naming --kv-cache-dtype unless this backend keeps KV (and latent) caches of `dtype`
   // (the CPU: f32; a GPU: f32 or bf16). KvCache asks when it is built, so a bad choice fails at start.
   virtual void check_kv_dtype(DType dtype) const = 0;
+  // Runs the fast kernels this backend would use for the model's attention against their reference kernels
+  // on random inputs of its shapes, on this device, and from then on uses only those that agree (the engine
+  // asks at start-up and logs the lines). The CPU backend has one kernel per operation: nothing to check.
+  virtual std::vector<FastKernelCheck> check_fast_kernels(const AttentionShapes& /*shapes*/) { return {}; }
   // A tensor of `shape` over `slot`, which is reallocated when too small: grow-only, so a warm step
   // allocates nothing. The contents are undefined. Once sealed (below), a slot too small is an error.
   Tensor scratch(Buffer& slot, DType dtype, std::initializer_list<std::int64_t> shape);

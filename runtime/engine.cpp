@@ -5,6 +5,8 @@
 #include <string>
 #include <unordered_set>
 
+#include <spdlog/spdlog.h>
+
 #include "runtime/sampler.h"
 
 namespace capserve::runtime {
@@ -19,6 +21,12 @@ KvCacheShape engine_cache_shape(const Model& model, const EngineOptions& options
   return shape;
 }
 
+// The model's attention as the backend's start-up check of its fast kernels sees it.
+kernels::AttentionShapes attention_shapes(const ModelConfig& c, const EngineOptions& options) {
+  return {c.num_heads,      c.num_kv_heads,   c.head_dim,       options.kv_block_size,
+          c.sliding_window, options.kv_dtype, c.mla.has_value()};
+}
+
 }  // namespace
 
 Engine::Engine(const Model& model, const EngineOptions& options)
@@ -26,6 +34,14 @@ Engine::Engine(const Model& model, const EngineOptions& options)
       pass_(model),
       mtp_pass_(model.mtp_layers() > 0 ? std::make_unique<ForwardPass>(model, LayerStack::mtp) : nullptr),
       cache_(engine_cache_shape(model, options), model.backend()) {
+  for (const kernels::FastKernelCheck& check :
+       model_.backend().check_fast_kernels(attention_shapes(model.config(), options))) {
+    if (check.in_use) {
+      spdlog::info("{}", check.summary);
+    } else {
+      spdlog::warn("{}", check.summary);
+    }
+  }
   if (options.max_step_tokens > 0) reserve_step_memory(options.max_step_tokens);
 }
 

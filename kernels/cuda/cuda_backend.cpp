@@ -270,7 +270,36 @@ void CudaBackend::paged_attention(std::span<const SequenceSlice> seqs, const Ten
                                   const PagedKvLayer& cache, const AttentionParams& params,
                                   const Tensor& out) {
   enter({&q, &cache.k, &cache.v, &out});
-  cuda::paged_attention(attention_batch(seqs), f32(q), device_layer(cache), params, f32(out), stream_);
+  const DeviceAttentionBatch batch = attention_batch(seqs);
+  const DeviceKvLayer layer = device_layer(cache);
+  if (layer.dtype == DType::bf16) {
+    const SharedKvAttention fast = gqa_attention(f32(q), layer, params, f32(out));
+    const GqaShape shape{params.num_heads, layer.num_kv_heads, layer.head_dim, layer.block_size,
+                         params.sliding_window};
+    const auto refused = [&shape](const auto& c) { return c.first == shape && !c.second.in_use; };
+    if (flash_attention_supports(fast) && std::ranges::none_of(attention_checks_, refused)) {
+      fast_attention_(batch, fast, stream_);
+      return;
+    }
+  }
+  cuda::paged_attention(batch, f32(q), layer, params, f32(out), stream_);
+}
+
+std::vector<FastKernelCheck> CudaBackend::check_fast_kernels(const AttentionShapes& shapes) {
+  // Latent attention has no fast kernel yet; an f32 cache keeps the fp32 kernels by choice.
+  if (shapes.latent || shapes.cache_dtype != DType::bf16 || shapes.num_kv_heads <= 0) return {};
+  const GqaShape shape{shapes.num_heads, shapes.num_kv_heads, shapes.head_dim, shapes.block_size,
+                       shapes.sliding_window};
+  const DeviceKvLayer layer{nullptr,       nullptr, DType::bf16, shape.block_size, shape.num_kv_heads,
+                            shape.head_dim};
+  const AttentionParams params{shape.num_heads, 1.0F, shape.sliding_window};
+  if (!flash_attention_supports(gqa_attention(nullptr, layer, params, nullptr))) return {};
+  for (const auto& [checked, found] : attention_checks_)
+    if (checked == shape) return {found};
+  enter({});
+  const KernelCheck check = check_gqa_attention(shape, fast_attention_, stream_);
+  attention_checks_.emplace_back(shape, FastKernelCheck{check.summary(), check.passed()});
+  return {attention_checks_.back().second};
 }
 
 void CudaBackend::latent_store(std::span<const SequenceSlice> seqs, const Tensor& latent,

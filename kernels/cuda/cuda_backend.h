@@ -10,9 +10,11 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "kernels/backend.h"
+#include "kernels/cuda/attention_self_check.h"
 #include "kernels/cuda/host_staging.h"
 #include "kernels/cuda/layer_kernels.h"
 #include "kernels/cuda/linear.h"
@@ -32,6 +34,11 @@ class CudaBackend final : public Backend {
   // staging ring's waits for the device to read a chunk poll with it too.
   void set_wait_check(std::function<void()> check);
   void check_kv_dtype(DType dtype) const override;
+  // The tensor-core attention against the fp32 kernel for a bf16 cache (attention_self_check.h).
+  std::vector<FastKernelCheck> check_fast_kernels(const AttentionShapes& shapes) override;
+  // The fast attention kernel that check_fast_kernels compares and paged_attention then uses:
+  // flash_attention, unless a test puts a broken one in its place.
+  void use_fast_attention(FastAttention fast) { fast_attention_ = std::move(fast); }
   [[nodiscard]] Tensor upload(const WeightView& host, Buffer& storage) override;
 
   void linear(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& y) override;
@@ -90,6 +97,9 @@ class CudaBackend final : public Backend {
   Linear linear_;
   std::function<void()> wait_check_;
   AttentionBatchArrays arrays_;  // host side of the last attention batch, reused
+  FastAttention fast_attention_ = flash_attention;
+  // What check_fast_kernels found per attention shape (checked once per backend).
+  std::vector<std::pair<GqaShape, FastKernelCheck>> attention_checks_;
   Buffer linear_workspace_, gate_, up_;
   // MoE index work (moe_stages.cpp): the capacity scheduler's workspace; the dispatch plan's destinations and
   // entry places; each permute's per-chunk bases.

@@ -304,6 +304,29 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
+SharedKvAttention gqa_attention(const float* q, const DeviceKvLayer& cache, const AttentionParams& params,
+                                float* out) {
+  const auto* k = static_cast<const __nv_bfloat16*>(cache.k);
+  const auto* v = static_cast<const __nv_bfloat16*>(cache.v);
+  const std::int64_t width = cache.num_kv_heads * cache.head_dim;
+  const std::int64_t group = cache.num_kv_heads > 0 ? params.num_heads / cache.num_kv_heads : 0;
+  return {q,
+          params.num_heads,
+          group,
+          cache.head_dim,
+          cache.head_dim,
+          k,
+          v,
+          width,
+          width,
+          cache.head_dim,
+          cache.head_dim,
+          cache.block_size,
+          params.scale,
+          params.sliding_window,
+          out};
+}
+
 bool flash_attention_supports(const SharedKvAttention& a) {
   const auto multiple = [](std::int64_t v, std::int64_t of) { return v > 0 && v % of == 0; };
   return multiple(a.dk, kTile) && multiple(a.dv, kTile) && a.dk <= kMaxDk && a.dv <= kMaxDv && a.group > 0 &&

@@ -41,6 +41,10 @@ struct SharedKvAttention {
 // head strides multiples of 8 (16-byte loads); otherwise the caller keeps its fp32 kernel.
 [[nodiscard]] bool flash_attention_supports(const SharedKvAttention& a);
 
+// The grouped-query attention of a paged K/V layer of bf16 (layer_kernels.h) as a SharedKvAttention.
+[[nodiscard]] SharedKvAttention gqa_attention(const float* q, const DeviceKvLayer& cache,
+                                              const AttentionParams& params, float* out);
+
 // Needs the batch's sequence arrays (seq_first_row, seq_tokens, max_seq_tokens). std::invalid_argument for
 // shapes flash_attention_supports refuses.
 void flash_attention(const DeviceAttentionBatch& batch, const SharedKvAttention& a, cudaStream_t stream);

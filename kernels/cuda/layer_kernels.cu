@@ -5,7 +5,6 @@
 #include "kernels/cuda/block_reduce.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/element_types.h"
-#include "kernels/cuda/flash_attention.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/layer_kernels.h"
 #include "kernels/cuda/paged_cache_slot.h"
@@ -407,30 +406,6 @@ void paged_attention(const DeviceAttentionBatch& batch, const float* q, const De
     throw std::invalid_argument("paged_attention: heads must be a multiple of the kv heads");
   check_cache_dtype(cache.dtype, "paged_attention");
   if (batch.rows <= 0) return;
-  if (cache.dtype == DType::bf16) {
-    const auto* k = static_cast<const __nv_bfloat16*>(cache.k);
-    const auto* v = static_cast<const __nv_bfloat16*>(cache.v);
-    const std::int64_t width = cache.num_kv_heads * cache.head_dim;
-    const SharedKvAttention flash{q,
-                                  params.num_heads,
-                                  params.num_heads / cache.num_kv_heads,
-                                  cache.head_dim,
-                                  cache.head_dim,
-                                  k,
-                                  v,
-                                  width,
-                                  width,
-                                  cache.head_dim,
-                                  cache.head_dim,
-                                  cache.block_size,
-                                  params.scale,
-                                  params.sliding_window,
-                                  out};
-    if (flash_attention_supports(flash)) {
-      flash_attention(batch, flash, stream);
-      return;
-    }
-  }
   const dim3 grid(static_cast<unsigned>(batch.rows), static_cast<unsigned>(params.num_heads));
   if (cache.dtype == DType::bf16) {
     launch(paged_attention_kernel<__nv_bfloat16>, grid, kAttnThreads, 0, stream, batch, q, cache, params,

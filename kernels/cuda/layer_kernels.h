@@ -68,10 +68,9 @@ void check_cache_dtype(DType dtype, const char* op);
 void kv_store(const DeviceAttentionBatch& batch, const float* k, const float* v, const DeviceKvLayer& cache,
               cudaStream_t stream);
 
-// Causal (optionally sliding-window) GQA of q [rows, heads * head_dim] over the cache; out likewise. A bf16
-// cache goes to the tensor-core kernel (flash_attention.h) where it takes the shapes; an f32 cache (and a
-// shape it refuses) to the fp32 kernel: one block per (row, head), online softmax over the row's context.
-// head_dim <= 512. Needs the batch's sequence arrays.
+// Causal (optionally sliding-window) GQA of q [rows, heads * head_dim] over the cache; out likewise, in fp32.
+// One block per (row, head), online softmax over the row's context. head_dim <= 512. The reference for the
+// tensor-core kernel (flash_attention.h), which CudaBackend prefers for a bf16 cache.
 void paged_attention(const DeviceAttentionBatch& batch, const float* q, const DeviceKvLayer& cache,
                      const AttentionParams& params, float* out, cudaStream_t stream);
 

@@ -338,6 +338,68 @@ TEST_F(BackendPair, AttentionOverPagedCachesAgrees) {
   EXPECT_LT(relative_error(out[1][1], out[0][1]), 1e-5) << "latent attention";
 }
 
+// The start-up self-check over a bf16 cache: the tensor-core attention agrees with the fp32 kernel and is
+// used; a deliberately broken one is caught, reported with its figures, and the fp32 kernel serves instead
+// (so the result equals the CPU backend's over the same rounded values to fp32 rounding, which the
+// tensor-core kernel's bf16 products would not).
+TEST_F(BackendPair, FastAttentionIsCheckedAtStartAndABrokenOneIsNotUsed) {
+  const AttentionShapes shapes{8, 2, 32, 16, 0, DType::bf16, false};
+  {
+    cuda::CudaBackend good(0);
+    const std::vector<FastKernelCheck> checks = good.check_fast_kernels(shapes);
+    ASSERT_EQ(checks.size(), 1U);
+    EXPECT_TRUE(checks[0].in_use) << checks[0].summary;
+    EXPECT_NE(checks[0].summary.find("in use"), std::string::npos) << checks[0].summary;
+    AttentionShapes f32_cache = shapes;
+    f32_cache.cache_dtype = DType::f32;
+    EXPECT_TRUE(good.check_fast_kernels(f32_cache).empty()) << "an f32 cache has no fast kernel to check";
+  }
+  gpu().use_fast_attention(
+      [](const cuda::DeviceAttentionBatch& batch, const cuda::SharedKvAttention& a, cudaStream_t stream) {
+        cuda::SharedKvAttention wrong = a;
+        wrong.scale *= 4.0F;
+        cuda::flash_attention(batch, wrong, stream);
+      });
+  const std::vector<FastKernelCheck> checks = gpu().check_fast_kernels(shapes);
+  ASSERT_EQ(checks.size(), 1U);
+  EXPECT_FALSE(checks[0].in_use);
+  EXPECT_NE(checks[0].summary.find("NOT used"), std::string::npos) << checks[0].summary;
+
+  Rng rng(109);
+  const std::int64_t heads = 8, kv_heads = 2, d = 32, block = 16, blocks = 4, rows = 23;
+  const std::vector<std::int32_t> table0 = {3, 1};
+  const std::vector<std::int32_t> table1 = {0};
+  const std::vector<SequenceSlice> seqs = {{0, 20, 0, table0}, {20, 3, 0, table1}};
+  const auto rounded = [](std::vector<float> values) {
+    for (float& x : values) {
+      const auto u = std::bit_cast<std::uint32_t>(x);
+      x = std::bit_cast<float>(((u + 0x7FFFU + ((u >> 16) & 1U)) >> 16) << 16);
+    }
+    return values;
+  };
+  const std::vector<float> q = normal(rng, static_cast<std::size_t>(rows * heads * d));
+  const std::vector<float> k = rounded(normal(rng, static_cast<std::size_t>(rows * kv_heads * d)));
+  const std::vector<float> v = rounded(normal(rng, k.size()));
+  std::vector<float> out[2];
+  Backend* backends[2] = {&cpu_, &gpu()};
+  for (int b = 0; b < 2; ++b) {
+    Backend& be = *backends[b];
+    const DType dtype = b == 0 ? DType::f32 : DType::bf16;
+    buffers_.emplace_back();
+    const Tensor kc = be.scratch(buffers_.back(), dtype, {blocks, block, kv_heads, d});
+    buffers_.emplace_back();
+    const Tensor vc = be.scratch(buffers_.back(), dtype, {blocks, block, kv_heads, d});
+    be.zero(kc);
+    be.zero(vc);
+    const PagedKvLayer cache{kc, vc, block, kv_heads, d};
+    be.kv_store(seqs, put(be, k, {rows, kv_heads * d}), put(be, v, {rows, kv_heads * d}), cache);
+    const Tensor attn = zeros(be, {rows, heads * d});
+    be.paged_attention(seqs, put(be, q, {rows, heads * d}), cache, {heads, 0.25F, 0}, attn);
+    out[b] = get<float>(be, attn);
+  }
+  EXPECT_LT(relative_error(out[1], out[0]), 1e-5) << "the fp32 kernel serves after the check refused";
+}
+
 TEST_F(BackendPair, GroupedExpertFfnAgrees) {
   Rng rng(107);
   const std::int64_t hidden = 32, ffn = 24;

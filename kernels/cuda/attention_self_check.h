@@ -1,0 +1,43 @@
+#pragma once
+// The start-up self-check of the tensor-core attention: on the user's device, the fast kernel and the fp32
+// reference kernel (paged_attention) run the same random problem of the loaded model's shapes, and the
+// fast one is used only if they agree. No machine that builds this code has a GPU; this is how a kernel that
+// misbehaves on a device (a driver, an architecture, a compiler) defends the user's answers instead of
+// corrupting them.
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "kernels/cuda/flash_attention.h"
+
+namespace capserve::kernels::cuda {
+
+// The kernel under check (flash_attention in product use; tests pass a broken one).
+using FastAttention =
+    std::function<void(const DeviceAttentionBatch&, const SharedKvAttention&, cudaStream_t)>;
+
+struct GqaShape {
+  std::int64_t num_heads = 0;
+  std::int64_t num_kv_heads = 0;
+  std::int64_t head_dim = 0;
+  std::int64_t block_size = 0;
+  std::int64_t sliding_window = 0;
+  friend bool operator==(const GqaShape&, const GqaShape&) = default;
+};
+
+struct KernelCheck {
+  std::string kernel;  // what was checked, with its shape
+  double error = 0.0;  // relative (root-mean-square) difference from the reference, inf if not finite
+  double tolerance = 0.0;
+  [[nodiscard]] bool passed() const { return error <= tolerance; }
+  // One line for the start-up log: the figures, and what the backend does about them.
+  [[nodiscard]] std::string summary() const;
+};
+
+// The relative difference of fp32 attention and `fast` over a bf16 cache of this shape: a prefill after a
+// cached context, a chunk and decodes, contexts of several key tiles, a fixed seed. Synchronises the stream.
+KernelCheck check_gqa_attention(const GqaShape& shape, const FastAttention& fast, cudaStream_t stream);
+
+}  // namespace capserve::kernels::cuda
