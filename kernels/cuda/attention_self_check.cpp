@@ -58,7 +58,8 @@ std::string KernelCheck::summary() const {
                    : "(above " + std::to_string(tolerance) + "): NOT used, the fp32 kernel serves instead");
 }
 
-KernelCheck check_gqa_attention(const GqaShape& shape, const FastAttention& fast, cudaStream_t stream) {
+KernelCheck check_gqa_attention(const GqaShape& shape, const FastAttention& fast,
+                                const FlashWorkspace& workspace, cudaStream_t stream) {
   const std::int64_t width = shape.num_kv_heads * shape.head_dim;
   // A prefill of 24 tokens after 50 cached, a 5-token chunk and two decodes: 64-row tiles where the group has
   // 4 heads or more, 16-row ones, and rows over two key tiles. Small, for it runs at every start.
@@ -108,7 +109,7 @@ KernelCheck check_gqa_attention(const GqaShape& shape, const FastAttention& fast
                             shape.block_size, shape.num_kv_heads, shape.head_dim};
   const AttentionParams params{shape.num_heads, 1.0F / std::sqrt(static_cast<float>(shape.head_dim)),
                                shape.sliding_window};
-  fast(batch, gqa_attention(d_q.data(), cache, params, d_fast.data()), stream);
+  fast(batch, gqa_attention(d_q.data(), cache, params, d_fast.data()), workspace, stream);
   paged_attention(batch, d_q.data(), cache, params, d_ref.data(), stream);
   CAPSERVE_CUDA_CHECK(cudaStreamSynchronize(stream));
   KernelCheck check;

@@ -15,8 +15,8 @@
 namespace capserve::kernels::cuda {
 
 // The kernel under check (flash_attention in product use; tests pass a broken one).
-using FastAttention =
-    std::function<void(const DeviceAttentionBatch&, const SharedKvAttention&, cudaStream_t)>;
+using FastAttention = std::function<void(const DeviceAttentionBatch&, const SharedKvAttention&,
+                                         const FlashWorkspace&, cudaStream_t)>;
 
 struct GqaShape {
   std::int64_t num_heads = 0;
@@ -38,6 +38,8 @@ struct KernelCheck {
 
 // The relative difference of fp32 attention and `fast` over a bf16 cache of this shape: a prefill after a
 // cached context, a chunk and decodes, contexts of several key tiles, a fixed seed. Synchronises the stream.
-KernelCheck check_gqa_attention(const GqaShape& shape, const FastAttention& fast, cudaStream_t stream);
+// `workspace` is the one the backend serves with, so that split-K runs as it will.
+KernelCheck check_gqa_attention(const GqaShape& shape, const FastAttention& fast,
+                                const FlashWorkspace& workspace, cudaStream_t stream);
 
 }  // namespace capserve::kernels::cuda

@@ -47,6 +47,8 @@ DeviceLatentLayer device_layer(const PagedLatentLayer& cache) {
 // The page-locked staging ring (host_staging.h): four chunks, so a weight upload fills one while the device
 // reads the others, and a step's metadata (kilobytes to a few MiB) never laps it.
 constexpr std::size_t kStagingBytes = std::size_t{32} << 20;
+// Split-K attention's partial results: a decode batch of 8 rows x 128 heads x 16 splits of 512-dim values.
+constexpr std::size_t kFlashPartialBytes = std::size_t{32} << 20;
 constexpr int kStagingChunks = 4;
 
 // Makes `device` current and returns it; std::runtime_error with the runtime's reason when it does not exist
@@ -70,6 +72,12 @@ int make_current(int device) {
 CudaBackend::CudaBackend(int device) : device_(make_current(device)) {
   CAPSERVE_CUDA_CHECK(cudaStreamCreate(&stream_));
   staging_ = std::make_unique<HostStaging>(allocate(kStagingBytes), kStagingChunks);
+  cudaDeviceProp prop{};
+  CAPSERVE_CUDA_CHECK(cudaGetDeviceProperties(&prop, device_));
+  flash_partial_ = allocate(kFlashPartialBytes);
+  const auto floats = static_cast<std::int64_t>(kFlashPartialBytes / sizeof(float));
+  flash_workspace_ = FlashWorkspace{flash_partial_.view(DType::f32, {floats}).ptr<float>(), floats,
+                                    prop.multiProcessorCount};
 }
 
 void CudaBackend::set_wait_check(std::function<void()> check) {
@@ -278,7 +286,7 @@ void CudaBackend::paged_attention(std::span<const SequenceSlice> seqs, const Ten
                          params.sliding_window};
     const auto refused = [&shape](const auto& c) { return c.first == shape && !c.second.in_use; };
     if (flash_attention_supports(fast) && std::ranges::none_of(attention_checks_, refused)) {
-      fast_attention_(batch, fast, stream_);
+      fast_attention_(batch, fast, flash_workspace_, stream_);
       return;
     }
   }
@@ -297,7 +305,7 @@ std::vector<FastKernelCheck> CudaBackend::check_fast_kernels(const AttentionShap
   for (const auto& [checked, found] : attention_checks_)
     if (checked == shape) return {found};
   enter({});
-  const KernelCheck check = check_gqa_attention(shape, fast_attention_, stream_);
+  const KernelCheck check = check_gqa_attention(shape, fast_attention_, flash_workspace_, stream_);
   attention_checks_.emplace_back(shape, FastKernelCheck{check.summary(), check.passed()});
   return {attention_checks_.back().second};
 }

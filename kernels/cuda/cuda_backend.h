@@ -98,6 +98,8 @@ class CudaBackend final : public Backend {
   std::function<void()> wait_check_;
   AttentionBatchArrays arrays_;  // host side of the last attention batch, reused
   FastAttention fast_attention_ = flash_attention;
+  Buffer flash_partial_;  // split-K partial results, allocated once
+  FlashWorkspace flash_workspace_;
   // What check_fast_kernels found per attention shape (checked once per backend).
   std::vector<std::pair<GqaShape, FastKernelCheck>> attention_checks_;
   Buffer linear_workspace_, gate_, up_;

@@ -22,6 +22,8 @@ constexpr int kPad = 8;  // elements after each shared row: fewer bank conflicts
 constexpr std::int64_t kMaxDk = 576;
 constexpr std::int64_t kMaxDv = 512;
 constexpr std::size_t kMaxShared = 200 * 1024;  // of the 227 KB a Hopper block may opt into
+constexpr int kMaxSplits = 32;
+constexpr int kMinTilesPerSplit = 2;  // a split walks at least this many key tiles
 
 using Frag16A = wmma::fragment<wmma::matrix_a, kTile, kTile, kTile, __nv_bfloat16, wmma::row_major>;
 using Frag16BCol = wmma::fragment<wmma::matrix_b, kTile, kTile, kTile, __nv_bfloat16, wmma::col_major>;
@@ -116,10 +118,13 @@ __device__ inline float warp_sum(float v) {
   return v;
 }
 
-// Block (x, sequence, K/V head): query rows [x * rows, (x + 1) * rows) of the sequence's (token, head)
-// pairs in token-major order.
+// Block (x, sequence, K/V head), x = row tile * splits + split: query rows [tile * rows, (tile + 1) * rows)
+// of the sequence's (token, head) pairs in token-major order, over the split's share of their key tiles.
+// One split writes the output; several write partial[(row * heads + head) * splits + split] = the
+// unnormalised output [dv], then the running maximum and sum.
 __global__ void __launch_bounds__(kThreads)
-    flash_attention_kernel(DeviceAttentionBatch batch, SharedKvAttention a, Layout L) {
+    flash_attention_kernel(DeviceAttentionBatch batch, SharedKvAttention a, Layout L, int splits,
+                           float* partial) {
   CAPSERVE_DYNAMIC_SHARED(SharedUnit, shared);
   auto* base = reinterpret_cast<unsigned char*>(shared);
   auto* q_s = reinterpret_cast<__nv_bfloat16*>(base + L.q);
@@ -142,7 +147,8 @@ __global__ void __launch_bounds__(kThreads)
   const int dk = static_cast<int>(a.dk);
   const int dv = static_cast<int>(a.dv);
   const int flat_rows = batch.seq_tokens[seq] * group;
-  const int f0 = static_cast<int>(blockIdx.x) * L.rows;
+  const int split = static_cast<int>(blockIdx.x) % splits;
+  const int f0 = static_cast<int>(blockIdx.x) / splits * L.rows;
   if (f0 >= flat_rows) return;  // the whole block: this sequence has fewer rows
   const int rows_here = min(L.rows, flat_rows - f0);
   const std::int64_t first_row = batch.seq_first_row[seq];
@@ -186,7 +192,11 @@ __global__ void __launch_bounds__(kThreads)
   const int v_chunks = dv / 8;
   __syncthreads();
 
-  for (std::int64_t key0 = key_lo; key0 <= last_pos; key0 += kKeys) {
+  const auto key_tiles = static_cast<int>((last_pos - key_lo) / kKeys + 1);
+  const int tiles_per_split = (key_tiles + splits - 1) / splits;
+  const int end_tile = min(key_tiles, (split + 1) * tiles_per_split);
+  for (int tile = split * tiles_per_split; tile < end_tile; ++tile) {
+    const std::int64_t key0 = key_lo + static_cast<std::int64_t>(tile) * kKeys;
     // The tile's keys (and values), each row once for every query row of the block.
     for (int i = static_cast<int>(threadIdx.x); i < kKeys * k_chunks; i += kThreads) {
       const int j = i / k_chunks;
@@ -292,13 +302,42 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
   }
 
-  for (int i = static_cast<int>(threadIdx.x); i < rows_here * dv; i += kThreads) {
-    const int r = i / dv;
-    const int e = i % dv;
+  const int stats = dv + 2;
+  for (int i = static_cast<int>(threadIdx.x); i < rows_here * stats; i += kThreads) {
+    const int r = i / stats;
+    const int e = i % stats;
     const int f = f0 + r;
     const std::int64_t row = first_row + f / group;
     const std::int64_t head = static_cast<std::int64_t>(kv_head) * group + f % group;
-    a.out[(row * a.heads + head) * a.dv + e] = o_s[r * L.ld_o + e] / l_s[r];
+    if (splits == 1) {
+      if (e < dv) a.out[(row * a.heads + head) * a.dv + e] = o_s[r * L.ld_o + e] / l_s[r];
+    } else {
+      const float v = e < dv ? o_s[r * L.ld_o + e] : e == dv ? m_s[r] : l_s[r];
+      partial[((row * a.heads + head) * splits + split) * stats + e] = v;
+    }
+  }
+}
+
+// out[row, head] from its splits' partial results: a block per (row, head).
+__global__ void __launch_bounds__(kThreads)
+    combine_splits_kernel(const float* partial, std::int64_t dv, int splits, float* out) {
+  const std::int64_t rh = blockIdx.x;
+  const std::int64_t stats = dv + 2;
+  const float* p = partial + rh * splits * stats;
+  float m = -INFINITY;
+  for (int s = 0; s < splits; ++s) m = fmaxf(m, p[s * stats + dv]);
+  float l = 0.0F;
+  for (int s = 0; s < splits; ++s) {
+    const float ms = p[s * stats + dv];
+    if (ms != -INFINITY) l += p[s * stats + dv + 1] * expf(ms - m);
+  }
+  for (std::int64_t e = threadIdx.x; e < dv; e += kThreads) {
+    float acc = 0.0F;
+    for (int s = 0; s < splits; ++s) {
+      const float ms = p[s * stats + dv];
+      if (ms != -INFINITY) acc += p[s * stats + e] * expf(ms - m);
+    }
+    out[rh * dv + e] = acc / l;
   }
 }
 
@@ -335,7 +374,40 @@ bool flash_attention_supports(const SharedKvAttention& a) {
          layout(a, kTile).bytes <= kMaxShared;
 }
 
-void flash_attention(const DeviceAttentionBatch& batch, const SharedKvAttention& a, cudaStream_t stream) {
+namespace {
+
+// The row tile: 64 query rows share each key tile where a sequence has that many (token, head) pairs and
+// they fit in shared memory; otherwise 16 (decode, or the 576-dim latent rows).
+Layout batch_layout(const DeviceAttentionBatch& batch, const SharedKvAttention& a) {
+  const std::int64_t flat_rows = batch.max_seq_tokens * a.group;
+  const Layout wide = layout(a, 4 * kTile);
+  return flat_rows <= kTile || wide.bytes > kMaxShared ? layout(a, kTile) : wide;
+}
+
+std::int64_t row_tiles(const DeviceAttentionBatch& batch, const SharedKvAttention& a, const Layout& L) {
+  return (batch.max_seq_tokens * a.group + L.rows - 1) / L.rows;
+}
+
+int splits_for(const DeviceAttentionBatch& batch, const SharedKvAttention& a, const FlashWorkspace& ws,
+               const Layout& L) {
+  const std::int64_t blocks = row_tiles(batch, a, L) * batch.sequences * (a.heads / a.group);
+  if (ws.partial == nullptr || ws.multiprocessors <= 0 || blocks >= ws.multiprocessors) return 1;
+  const std::int64_t key_tiles = (batch.max_blocks * a.block_size + kKeys - 1) / kKeys;
+  std::int64_t splits = std::min<std::int64_t>(
+      {(2 * ws.multiprocessors + blocks - 1) / blocks, key_tiles / kMinTilesPerSplit, kMaxSplits});
+  while (splits > 1 && batch.rows * a.heads * splits * (a.dv + 2) > ws.floats) --splits;
+  return static_cast<int>(std::max<std::int64_t>(splits, 1));
+}
+
+}  // namespace
+
+int flash_attention_splits(const DeviceAttentionBatch& batch, const SharedKvAttention& a,
+                           const FlashWorkspace& workspace) {
+  return splits_for(batch, a, workspace, batch_layout(batch, a));
+}
+
+void flash_attention(const DeviceAttentionBatch& batch, const SharedKvAttention& a,
+                     const FlashWorkspace& workspace, cudaStream_t stream) {
   if (!flash_attention_supports(a)) {
     throw std::invalid_argument("flash_attention: dk " + std::to_string(a.dk) + ", dv " +
                                 std::to_string(a.dv) + ", group " + std::to_string(a.group) + " of " +
@@ -343,22 +415,25 @@ void flash_attention(const DeviceAttentionBatch& batch, const SharedKvAttention&
                                 "/" + std::to_string(a.value_stride) + " are not shapes it takes");
   }
   if (batch.rows <= 0 || batch.sequences <= 0) return;
-  // 64 query rows share each key tile where a sequence has that many (token, head) pairs and they fit in
-  // shared memory; otherwise 16 (decode, or the 576-dim latent rows).
   const std::int64_t flat_rows = batch.max_seq_tokens * a.group;
   if (flat_rows > std::numeric_limits<std::int32_t>::max())
     throw std::invalid_argument("flash_attention: " + std::to_string(flat_rows) +
                                 " query rows in one sequence");
-  Layout L = layout(a, 4 * kTile);
-  if (flat_rows <= kTile || L.bytes > kMaxShared) L = layout(a, kTile);
-  const std::int64_t row_tiles = (flat_rows + L.rows - 1) / L.rows;
-  const dim3 grid(static_cast<unsigned>(row_tiles), static_cast<unsigned>(batch.sequences),
-                  static_cast<unsigned>(a.heads / a.group));
+  const Layout L = batch_layout(batch, a);
+  const int splits = splits_for(batch, a, workspace, L);
+  const dim3 grid(static_cast<unsigned>(row_tiles(batch, a, L) * splits),
+                  static_cast<unsigned>(batch.sequences), static_cast<unsigned>(a.heads / a.group));
   CAPSERVE_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(flash_attention_kernel),
                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(L.bytes)));
-  launch(flash_attention_kernel, grid, kThreads, L.bytes, stream, batch, a, L);
+  launch(flash_attention_kernel, grid, kThreads, L.bytes, stream, batch, a, L, splits,
+         splits > 1 ? workspace.partial : nullptr);
   CAPSERVE_CUDA_CHECK_LAUNCH();
+  if (splits > 1) {
+    launch(combine_splits_kernel, static_cast<unsigned>(batch.rows * a.heads), kThreads, 0, stream,
+           static_cast<const float*>(workspace.partial), a.dv, splits, a.out);
+    CAPSERVE_CUDA_CHECK_LAUNCH();
+  }
 }
 
 }  // namespace capserve::kernels::cuda

@@ -45,8 +45,23 @@ struct SharedKvAttention {
 [[nodiscard]] SharedKvAttention gqa_attention(const float* q, const DeviceKvLayer& cache,
                                               const AttentionParams& params, float* out);
 
+// Where split-K decoding keeps its partial results: a batch with too few (sequence, row tile, K/V head)
+// blocks to fill the device splits each context into up to 32 ranges, each block writes its range's
+// unnormalised output and softmax statistics here, and a second kernel combines them. Without it (or when the
+// partials of a batch would not fit) every block walks its rows' whole context.
+struct FlashWorkspace {
+  float* partial = nullptr;
+  std::int64_t floats = 0;
+  int multiprocessors = 0;  // the device's: splits are chosen to give about two blocks per multiprocessor
+};
+
 // Needs the batch's sequence arrays (seq_first_row, seq_tokens, max_seq_tokens). std::invalid_argument for
 // shapes flash_attention_supports refuses.
-void flash_attention(const DeviceAttentionBatch& batch, const SharedKvAttention& a, cudaStream_t stream);
+void flash_attention(const DeviceAttentionBatch& batch, const SharedKvAttention& a,
+                     const FlashWorkspace& workspace, cudaStream_t stream);
+
+// The context splits flash_attention makes for this batch (1: none), given the blocks it would launch.
+[[nodiscard]] int flash_attention_splits(const DeviceAttentionBatch& batch, const SharedKvAttention& a,
+                                         const FlashWorkspace& workspace);
 
 }  // namespace capserve::kernels::cuda

@@ -354,12 +354,12 @@ TEST_F(BackendPair, FastAttentionIsCheckedAtStartAndABrokenOneIsNotUsed) {
     f32_cache.cache_dtype = DType::f32;
     EXPECT_TRUE(good.check_fast_kernels(f32_cache).empty()) << "an f32 cache has no fast kernel to check";
   }
-  gpu().use_fast_attention(
-      [](const cuda::DeviceAttentionBatch& batch, const cuda::SharedKvAttention& a, cudaStream_t stream) {
-        cuda::SharedKvAttention wrong = a;
-        wrong.scale *= 4.0F;
-        cuda::flash_attention(batch, wrong, stream);
-      });
+  gpu().use_fast_attention([](const cuda::DeviceAttentionBatch& batch, const cuda::SharedKvAttention& a,
+                              const cuda::FlashWorkspace& workspace, cudaStream_t stream) {
+    cuda::SharedKvAttention wrong = a;
+    wrong.scale *= 4.0F;
+    cuda::flash_attention(batch, wrong, workspace, stream);
+  });
   const std::vector<FastKernelCheck> checks = gpu().check_fast_kernels(shapes);
   ASSERT_EQ(checks.size(), 1U);
   EXPECT_FALSE(checks[0].in_use);

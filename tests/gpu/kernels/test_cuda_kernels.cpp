@@ -591,7 +591,12 @@ TEST(CudaKernels, FlashAttentionOverABf16CacheEqualsAttentionInDouble) {
       {"one head per kv head", 4, 4, 16, 16, 0, 16, false, {3, 0}, {70, 2}},
       {"decode only, group 8", 8, 1, 32, 32, 0, 8, false, {90, 3, 17}, {1, 1, 1}},
       {"latent: values in keys", 8, 1, 48, 32, 0, 8, true, {0, 130}, {30, 1}},
+      {"one long decode, split-K", 8, 2, 32, 32, 0, 16, false, {700}, {1}},
+      {"latent decodes, split-K", 8, 1, 48, 32, 0, 16, true, {300, 90}, {1, 1}},
   };
+  // Split-K partials as a device of 132 multiprocessors would get them.
+  DeviceBuffer<float> partial(1 << 20);
+  const kernels::cuda::FlashWorkspace workspace{partial.data(), 1 << 20, 132};
   Rng rng(131);
   for (const FlashCase& c : cases) {
     SCOPED_TRACE(c.name);
@@ -707,8 +712,17 @@ TEST(CudaKernels, FlashAttentionOverABf16CacheEqualsAttentionInDouble) {
                                              c.window,
                                              d_out.data()};
     ASSERT_TRUE(kernels::cuda::flash_attention_supports(a));
-    kernels::cuda::flash_attention(batch, a, nullptr);
-    EXPECT_LT(relative_error(download(d_out, ref.size()), ref), 5e-3);
+    const int splits = kernels::cuda::flash_attention_splits(batch, a, workspace);
+    if (std::string(c.name).ends_with("split-K")) {
+      EXPECT_GT(splits, 1);
+    }
+    // Each batch whole, and split where the device would be idle otherwise.
+    for (const bool split : {false, true}) {
+      SCOPED_TRACE(split ? "with the workspace: " + std::to_string(splits) + " splits" : "whole");
+      kernels::cuda::flash_attention(batch, a, split ? workspace : kernels::cuda::FlashWorkspace{}, nullptr);
+      EXPECT_LT(relative_error(download(d_out, ref.size()), ref), 5e-3);
+      CAPSERVE_CUDA_CHECK(cudaMemset(d_out.data(), 0xFF, d_out.bytes()));
+    }
   }
 }
 
@@ -721,7 +735,7 @@ TEST(CudaKernels, FlashAttentionRefusesShapesItDoesNotTake) {
   a.key_stride = a.value_stride = 144;
   a.block_size = 16;
   EXPECT_FALSE(kernels::cuda::flash_attention_supports(a));
-  EXPECT_THROW(kernels::cuda::flash_attention({}, a, nullptr), std::invalid_argument);
+  EXPECT_THROW(kernels::cuda::flash_attention({}, a, {}, nullptr), std::invalid_argument);
   a.dk = 64;
   EXPECT_TRUE(kernels::cuda::flash_attention_supports(a));
   a.dv = 528;  // above 512
