@@ -99,6 +99,128 @@ __global__ void take_rows_kernel(const float* src, std::int64_t width, const std
   for (std::int64_t c = threadIdx.x; c < width; c += blockDim.x) out[c] = in[c];
 }
 
+// The router with a warp per token (RouteToken's decisions, its thread body's loops spread over the lanes):
+// each lane scores the experts e = lane (mod 32), and every choice is a warp argmax with RouteToken's rule —
+// the first eligible candidate in ascending id, replaced only by a strictly larger one — so ties go to the
+// lower id and a NaN first candidate stays chosen, as on the host. Softmax sums in another order than the
+// host's loop: probabilities may differ in the last bits, never the rule.
+constexpr int kRouterWarps = 8;                   // tokens per block
+constexpr std::int64_t kRouterMaxExperts = 2048;  // 64 per lane: a lane's chosen experts fit one mask word
+
+// The warp's choice among each lane's candidate (value, id; id < 0: none): RouteToken's rule over ascending
+// ids. `first` carries the lowest candidate id and its value.
+struct WarpChoice {
+  std::int64_t first = -1;
+  float first_value = 0.0F;
+  std::int64_t best = -1;  // the largest non-NaN value, ties to the lower id
+  float best_value = 0.0F;
+
+  __device__ void offer(std::int64_t id, float v) {
+    if (first < 0) {
+      first = id;
+      first_value = v;
+    }
+    if (v == v && (best < 0 || v > best_value)) {
+      best = id;
+      best_value = v;
+    }
+  }
+  __device__ void merge(const WarpChoice& o) {
+    if (o.first >= 0 && (first < 0 || o.first < first)) {
+      first = o.first;
+      first_value = o.first_value;
+    }
+    if (o.best >= 0 &&
+        (best < 0 || o.best_value > best_value || (o.best_value == best_value && o.best < best))) {
+      best = o.best;
+      best_value = o.best_value;
+    }
+  }
+  // Every lane gets the warp's choice.
+  __device__ std::int64_t reduce() {
+    for (int d = 16; d > 0; d /= 2) {
+      WarpChoice o;
+      o.first = __shfl_xor_sync(0xFFFFFFFFU, first, d);
+      o.first_value = __shfl_xor_sync(0xFFFFFFFFU, first_value, d);
+      o.best = __shfl_xor_sync(0xFFFFFFFFU, best, d);
+      o.best_value = __shfl_xor_sync(0xFFFFFFFFU, best_value, d);
+      merge(o);
+    }
+    // Nothing replaces a NaN first candidate; otherwise the largest wins.
+    return first >= 0 && first_value != first_value ? first : best;
+  }
+};
+
+__device__ inline float warp_sum(float v) {
+  for (int d = 16; d > 0; d /= 2) v += __shfl_xor_sync(0xFFFFFFFFU, v, d);
+  return v;
+}
+
+__global__ void __launch_bounds__(kRouterWarps * 32) route_warp_kernel(moe::RouteToken r) {
+  const moe::RouterParams& p = r.p;
+  const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kRouterWarps + threadIdx.x / 32;
+  if (t >= p.tokens) return;  // the whole warp: t is the warp's
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const std::int64_t E = p.num_experts;
+  const std::int64_t k = p.top_k;
+  const float* logit = r.logits + t * E;
+  float* prob = r.probs + t * E;
+  if (p.score == moe::RouterScore::softmax) {
+    WarpChoice top;  // row_max's rule: a NaN first logit is the maximum, as on the host
+    for (std::int64_t e = lane; e < E; e += 32) top.offer(e, logit[e]);
+    const float mx = logit[top.reduce()];
+    float sum = 0.0F;
+    for (std::int64_t e = lane; e < E; e += 32) {
+      prob[e] = moe::exp_f32(logit[e] - mx);
+      sum += prob[e];
+    }
+    sum = warp_sum(sum);
+    for (std::int64_t e = lane; e < E; e += 32) prob[e] /= sum;
+  } else {
+    for (std::int64_t e = lane; e < E; e += 32) prob[e] = 1.0F / (1.0F + moe::exp_f32(-logit[e]));
+  }
+  __syncwarp();  // group values read other lanes' probabilities
+
+  const std::int64_t group_size = E / p.n_group;
+  const bool limited = p.topk_group < p.n_group;
+  std::uint64_t groups = 0;  // bit g: group g is eligible (the same on every lane)
+  if (limited) {
+    for (std::int64_t chosen = 0; chosen < p.topk_group; ++chosen) {
+      WarpChoice c;
+      for (std::int64_t g = lane; g < p.n_group; g += 32) {
+        if (((groups >> g) & 1U) == 0) c.offer(g, r.group_value(prob, g * group_size, group_size));
+      }
+      groups |= std::uint64_t{1} << c.reduce();
+    }
+  }
+  std::uint64_t taken = 0;  // bit j: this lane's expert lane + 32 j is chosen
+  float total = 0.0F;
+  for (std::int64_t s = 0; s < k; ++s) {
+    WarpChoice c;
+    for (std::int64_t e = lane, j = 0; e < E; e += 32, ++j) {
+      if (limited && ((groups >> (e / group_size)) & 1U) == 0) continue;
+      if ((taken >> j) & 1U) continue;
+      c.offer(e, r.choice(prob, e));
+    }
+    const std::int64_t best = c.reduce();
+    if (best % 32 == lane) taken |= std::uint64_t{1} << (best / 32);
+    const float w = prob[best];
+    total += w;
+    if (lane == 0) {
+      r.experts[t * k + s] = static_cast<std::int32_t>(best);
+      r.weights[t * k + s] = w;
+    }
+  }
+  if (lane == 0 && (p.normalize || p.scaling != 1.0F)) {
+    for (std::int64_t s = 0; s < k; ++s) {
+      float w = r.weights[t * k + s];
+      if (p.normalize) w /= total;
+      if (p.scaling != 1.0F) w *= p.scaling;
+      r.weights[t * k + s] = w;
+    }
+  }
+}
+
 }  // namespace
 
 void route(const moe::RouterParams& p, const float* logits, const float* bias, float* probs,
@@ -112,8 +234,16 @@ void route(const moe::RouterParams& p, const float* logits, const float* bias, f
         "route: topk_group must be in [1, n_group] and its groups hold at least top_k experts");
   if (p.group_score == moe::GroupScore::top2_sum && p.num_experts / p.n_group < 2)
     throw std::invalid_argument("route: groups ranked by their best two need two experts each");
+  const moe::RouteToken body{p, logits, bias, probs, experts, weights};
+  if (p.num_experts <= kRouterMaxExperts) {
+    if (p.tokens <= 0) return;
+    launch(route_warp_kernel, static_cast<unsigned>((p.tokens + kRouterWarps - 1) / kRouterWarps),
+           kRouterWarps * 32, 0, stream, body);
+    CAPSERVE_CUDA_CHECK_LAUNCH();
+    return;
+  }
   CudaExec x{stream};
-  moe::run_router(x, moe::RouteToken{p, logits, bias, probs, experts, weights});
+  moe::run_router(x, body);
 }
 
 std::int64_t capacity_workspace_bytes(const moe::CapacityParams& p) {

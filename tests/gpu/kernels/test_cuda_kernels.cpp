@@ -176,6 +176,74 @@ TEST(CudaKernels, SigmoidRouterMatchesTheCpu) {
   }
 }
 
+// The warp router against the host's run of RouteToken, exactly: integer logits (ties everywhere, which go to
+// the lower id), NaN logits (a NaN first logit is the row's maximum; a NaN expert is never preferred), and
+// DeepSeek-V3's shape (256 sigmoid experts, 8 groups ranked by their best two, a correction bias, scaling);
+// beyond 2048 experts the thread router still serves.
+TEST(CudaKernels, WarpRouterFollowsTheHostRuleOnTiesNansAndDeepSeekV3Shapes) {
+  CAPSERVE_REQUIRE_CUDA_DEVICE();
+  Rng rng(29);
+  struct Case {
+    const char* name;
+    moe::RouterParams p;
+    bool with_bias;
+  };
+  const auto params = [](std::int64_t T, std::int64_t E, std::int64_t k, moe::RouterScore score) {
+    moe::RouterParams p;
+    p.tokens = T;
+    p.num_experts = E;
+    p.top_k = k;
+    p.score = score;
+    return p;
+  };
+  std::vector<Case> cases = {
+      {"softmax ties", params(100, 64, 6, moe::RouterScore::softmax), false},
+      {"deepseek-v3", params(70, 256, 8, moe::RouterScore::sigmoid), true},
+      {"softmax with NaN", params(8, 40, 4, moe::RouterScore::softmax), false},
+      {"thread router beyond 2048 experts", params(5, 3000, 2, moe::RouterScore::softmax), false}};
+  cases[0].p.normalize = true;
+  cases[1].p.n_group = 8;
+  cases[1].p.topk_group = 4;
+  cases[1].p.group_score = moe::GroupScore::top2_sum;
+  cases[1].p.normalize = true;
+  cases[1].p.scaling = 2.5F;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const moe::RouterParams& p = c.p;
+    std::vector<float> logits(static_cast<std::size_t>(p.tokens * p.num_experts));
+    for (float& l : logits) l = static_cast<float>(uniform(rng, -3, 3)) / 2.0F;
+    if (std::string(c.name) == "softmax with NaN") {
+      logits[static_cast<std::size_t>(3 * p.num_experts)] = NAN;       // row 3: its first logit
+      logits[static_cast<std::size_t>(5 * p.num_experts + 17)] = NAN;  // row 5: one in the middle
+    }
+    std::vector<float> bias;
+    if (c.with_bias) {
+      bias.resize(static_cast<std::size_t>(p.num_experts));
+      for (float& b : bias) b = static_cast<float>(uniform(rng, 0, 4)) / 8.0F;
+    }
+    std::vector<float> cpu_probs(logits.size());
+    std::vector<std::int32_t> cpu_experts(static_cast<std::size_t>(p.tokens * p.top_k));
+    std::vector<float> cpu_weights(cpu_experts.size());
+    moe::route_on_host(p, logits, bias, cpu_probs, cpu_experts, cpu_weights);
+    const auto d_logits = upload(logits);
+    const auto d_bias = upload(bias);
+    auto d_probs = poisoned<float>(logits.size());
+    auto d_experts = poisoned<std::int32_t>(cpu_experts.size());
+    auto d_weights = poisoned<float>(cpu_weights.size());
+    kernels::cuda::route(p, d_logits.data(), c.with_bias ? d_bias.data() : nullptr, d_probs.data(),
+                         d_experts.data(), d_weights.data(), nullptr);
+    EXPECT_EQ(download(d_experts, cpu_experts.size()), cpu_experts);
+    const std::vector<float> weights = download(d_weights, cpu_weights.size());
+    for (std::size_t i = 0; i < weights.size(); ++i) {
+      if (std::isnan(cpu_weights[i])) {
+        EXPECT_TRUE(std::isnan(weights[i])) << "slot " << i;
+      } else {
+        EXPECT_NEAR(weights[i], cpu_weights[i], 1e-6F * std::abs(cpu_weights[i])) << "slot " << i;
+      }
+    }
+  }
+}
+
 TEST(CudaKernels, RouterRejectsGroupLimitsItCannotMeet) {
   CAPSERVE_REQUIRE_CUDA_DEVICE();
   moe::RouterParams p;
