@@ -159,7 +159,9 @@ struct AttentionShapes {
   std::int64_t block_size = 0;
   std::int64_t sliding_window = 0;  // 0: full causal attention
   DType cache_dtype = DType::f32;
-  bool latent = false;  // multi-head latent attention (num_kv_heads and head_dim unused)
+  // Multi-head latent attention instead when kv_lora_rank > 0 (num_kv_heads and head_dim unused).
+  std::int64_t kv_lora_rank = 0;
+  std::int64_t rope_dim = 0;
 };
 
 // One fast kernel compared with its reference on this device: the start-up log's line, and whether the

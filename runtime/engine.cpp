@@ -23,8 +23,14 @@ KvCacheShape engine_cache_shape(const Model& model, const EngineOptions& options
 
 // The model's attention as the backend's start-up check of its fast kernels sees it.
 kernels::AttentionShapes attention_shapes(const ModelConfig& c, const EngineOptions& options) {
-  return {c.num_heads,      c.num_kv_heads,   c.head_dim,       options.kv_block_size,
-          c.sliding_window, options.kv_dtype, c.mla.has_value()};
+  return {c.num_heads,
+          c.num_kv_heads,
+          c.head_dim,
+          options.kv_block_size,
+          c.sliding_window,
+          options.kv_dtype,
+          c.mla ? c.mla->kv_lora_rank : 0,
+          c.mla ? c.mla->qk_rope_head_dim : 0};
 }
 
 }  // namespace

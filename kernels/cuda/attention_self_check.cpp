@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/latent_attention.h"
 
 namespace capserve::kernels::cuda {
 namespace {
@@ -45,8 +46,8 @@ double relative_difference(const std::vector<float>& out, const std::vector<floa
   return std::sqrt(num / std::max(den, 1e-300));
 }
 
-// Rounding the queries and probabilities to bf16 costs about 2e-3 (tests/gpu/kernels/test_cuda_kernels.cpp);
-// a wrong kernel is off by far more.
+// Rounding the probabilities to bf16 costs about 1e-3 (tests/gpu/kernels/test_cuda_kernels.cpp); a wrong
+// kernel is off by far more.
 constexpr double kTolerance = 1e-2;
 
 }  // namespace
@@ -58,9 +59,10 @@ std::string KernelCheck::summary() const {
                    : "(above " + std::to_string(tolerance) + "): NOT used, the fp32 kernel serves instead");
 }
 
-KernelCheck check_gqa_attention(const GqaShape& shape, const FastAttention& fast,
-                                const FlashWorkspace& workspace, cudaStream_t stream) {
-  const std::int64_t width = shape.num_kv_heads * shape.head_dim;
+KernelCheck check_fast_attention(const FastAttentionShape& shape, const FastAttention& fast,
+                                 const FlashWorkspace& workspace, cudaStream_t stream) {
+  const std::int64_t key_width = shape.num_kv_heads * shape.dk;
+  const std::int64_t value_width = shape.num_kv_heads * shape.dv;
   // A prefill of 24 tokens after 50 cached, a 5-token chunk and two decodes: 64-row tiles where the group has
   // 4 heads or more, 16-row ones, and rows over two key tiles. Small, for it runs at every start.
   const std::int64_t starts[] = {50, 9, 100, 3};
@@ -78,11 +80,14 @@ KernelCheck check_gqa_attention(const GqaShape& shape, const FastAttention& fast
   }
   std::mt19937_64 rng(20261128);
   std::normal_distribution<float> normal(0.0F, 1.0F);
-  std::vector<std::uint16_t> k(static_cast<std::size_t>(next_block * shape.block_size * width));
-  std::vector<std::uint16_t> v(k.size());
-  for (std::uint16_t& x : k) x = bf16_bits(normal(rng));
-  for (std::uint16_t& x : v) x = bf16_bits(normal(rng));
-  std::vector<float> q(static_cast<std::size_t>(rows * shape.num_heads * shape.head_dim));
+  const auto pool = [&](std::int64_t width) {
+    std::vector<std::uint16_t> bits(static_cast<std::size_t>(next_block * shape.block_size * width));
+    for (std::uint16_t& x : bits) x = bf16_bits(normal(rng));
+    return bits;
+  };
+  const std::vector<std::uint16_t> k = pool(key_width);
+  const std::vector<std::uint16_t> v = shape.latent ? std::vector<std::uint16_t>{} : pool(value_width);
+  std::vector<float> q(static_cast<std::size_t>(rows * shape.num_heads * shape.dk));
   for (float& x : q) x = 3.0F * normal(rng);  // peaked scores: later tiles rescale earlier ones
 
   const AttentionBatchArrays arrays = attention_batch_arrays(seqs);
@@ -94,7 +99,7 @@ KernelCheck check_gqa_attention(const GqaShape& shape, const FastAttention& fast
   const auto d_k = to_device(k);
   const auto d_v = to_device(v);
   const auto d_q = to_device(q);
-  DeviceBuffer<float> d_fast(q.size());
+  DeviceBuffer<float> d_fast(static_cast<std::size_t>(rows * shape.num_heads * shape.dv));
   DeviceBuffer<float> d_ref(d_fast.size());
   const DeviceAttentionBatch batch{rows,
                                    d_pos.data(),
@@ -105,18 +110,29 @@ KernelCheck check_gqa_attention(const GqaShape& shape, const FastAttention& fast
                                    d_tokens.data(),
                                    static_cast<std::int64_t>(seqs.size()),
                                    arrays.max_seq_tokens};
-  const DeviceKvLayer cache{d_k.data(),       d_v.data(),         DType::bf16,
-                            shape.block_size, shape.num_kv_heads, shape.head_dim};
-  const AttentionParams params{shape.num_heads, 1.0F / std::sqrt(static_cast<float>(shape.head_dim)),
-                               shape.sliding_window};
-  fast(batch, gqa_attention(d_q.data(), cache, params, d_fast.data()), workspace, stream);
-  paged_attention(batch, d_q.data(), cache, params, d_ref.data(), stream);
-  CAPSERVE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const float scale = 1.0F / std::sqrt(static_cast<float>(shape.dk));
   KernelCheck check;
-  check.kernel = "tensor-core attention (" + std::to_string(shape.num_heads) + " heads over " +
-                 std::to_string(shape.num_kv_heads) + " K/V heads of " + std::to_string(shape.head_dim) +
-                 ", blocks of " + std::to_string(shape.block_size) +
-                 (shape.sliding_window > 0 ? ", window " + std::to_string(shape.sliding_window) : "") + ")";
+  if (shape.latent) {
+    const DeviceLatentLayer cache{d_k.data(), DType::bf16, shape.block_size, shape.dv, shape.dk - shape.dv};
+    fast(batch, latent_attention_problem(d_q.data(), cache, shape.num_heads, scale, d_fast.data()), workspace,
+         stream);
+    latent_attention_core(batch, d_q.data(), cache, shape.num_heads, scale, d_ref.data(), stream);
+    check.kernel = "tensor-core latent attention (" + std::to_string(shape.num_heads) +
+                   " heads over latent rows of " + std::to_string(shape.dv) + " + " +
+                   std::to_string(shape.dk - shape.dv) + ", blocks of " + std::to_string(shape.block_size) +
+                   ")";
+  } else {
+    const DeviceKvLayer cache{d_k.data(),       d_v.data(),         DType::bf16,
+                              shape.block_size, shape.num_kv_heads, shape.dk};
+    const AttentionParams params{shape.num_heads, scale, shape.sliding_window};
+    fast(batch, gqa_attention(d_q.data(), cache, params, d_fast.data()), workspace, stream);
+    paged_attention(batch, d_q.data(), cache, params, d_ref.data(), stream);
+    check.kernel = "tensor-core attention (" + std::to_string(shape.num_heads) + " heads over " +
+                   std::to_string(shape.num_kv_heads) + " K/V heads of " + std::to_string(shape.dk) +
+                   ", blocks of " + std::to_string(shape.block_size) +
+                   (shape.sliding_window > 0 ? ", window " + std::to_string(shape.sliding_window) : "") + ")";
+  }
+  CAPSERVE_CUDA_CHECK(cudaStreamSynchronize(stream));
   check.error = relative_difference(to_host(d_fast), to_host(d_ref));
   check.tolerance = kTolerance;
   return check;

@@ -18,13 +18,17 @@ namespace capserve::kernels::cuda {
 using FastAttention = std::function<void(const DeviceAttentionBatch&, const SharedKvAttention&,
                                          const FlashWorkspace&, cudaStream_t)>;
 
-struct GqaShape {
+// The shapes a check runs: grouped-query attention, or the latent core (one K/V head, values the keys' first
+// dv dims).
+struct FastAttentionShape {
   std::int64_t num_heads = 0;
   std::int64_t num_kv_heads = 0;
-  std::int64_t head_dim = 0;
+  std::int64_t dk = 0;
+  std::int64_t dv = 0;
   std::int64_t block_size = 0;
   std::int64_t sliding_window = 0;
-  friend bool operator==(const GqaShape&, const GqaShape&) = default;
+  bool latent = false;
+  friend bool operator==(const FastAttentionShape&, const FastAttentionShape&) = default;
 };
 
 struct KernelCheck {
@@ -36,10 +40,11 @@ struct KernelCheck {
   [[nodiscard]] std::string summary() const;
 };
 
-// The relative difference of fp32 attention and `fast` over a bf16 cache of this shape: a prefill after a
-// cached context, a chunk and decodes, contexts of several key tiles, a fixed seed. Synchronises the stream.
-// `workspace` is the one the backend serves with, so that split-K runs as it will.
-KernelCheck check_gqa_attention(const GqaShape& shape, const FastAttention& fast,
-                                const FlashWorkspace& workspace, cudaStream_t stream);
+// The relative difference of the fp32 kernel (paged_attention, or latent_attention_core) and `fast` over a
+// bf16 cache of this shape: a prefill after a cached context, a chunk and decodes, contexts of several key
+// tiles, a fixed seed. Synchronises the stream. `workspace` is the one the backend serves with, so that
+// split-K runs as it will.
+KernelCheck check_fast_attention(const FastAttentionShape& shape, const FastAttention& fast,
+                                 const FlashWorkspace& workspace, cudaStream_t stream);
 
 }  // namespace capserve::kernels::cuda

@@ -282,10 +282,8 @@ void CudaBackend::paged_attention(std::span<const SequenceSlice> seqs, const Ten
   const DeviceKvLayer layer = device_layer(cache);
   if (layer.dtype == DType::bf16) {
     const SharedKvAttention fast = gqa_attention(f32(q), layer, params, f32(out));
-    const GqaShape shape{params.num_heads, layer.num_kv_heads, layer.head_dim, layer.block_size,
-                         params.sliding_window};
-    const auto refused = [&shape](const auto& c) { return c.first == shape && !c.second.in_use; };
-    if (flash_attention_supports(fast) && std::ranges::none_of(attention_checks_, refused)) {
+    if (fast_attention_serves(fast, {params.num_heads, layer.num_kv_heads, layer.head_dim, layer.head_dim,
+                                     layer.block_size, params.sliding_window, false})) {
       fast_attention_(batch, fast, flash_workspace_, stream_);
       return;
     }
@@ -293,19 +291,45 @@ void CudaBackend::paged_attention(std::span<const SequenceSlice> seqs, const Ten
   cuda::paged_attention(batch, f32(q), layer, params, f32(out), stream_);
 }
 
+bool CudaBackend::fast_attention_serves(const SharedKvAttention& problem,
+                                        const FastAttentionShape& shape) const {
+  const auto refused = [&shape](const auto& c) { return c.first == shape && !c.second.in_use; };
+  return flash_attention_supports(problem) && std::ranges::none_of(attention_checks_, refused);
+}
+
 std::vector<FastKernelCheck> CudaBackend::check_fast_kernels(const AttentionShapes& shapes) {
-  // Latent attention has no fast kernel yet; an f32 cache keeps the fp32 kernels by choice.
-  if (shapes.latent || shapes.cache_dtype != DType::bf16 || shapes.num_kv_heads <= 0) return {};
-  const GqaShape shape{shapes.num_heads, shapes.num_kv_heads, shapes.head_dim, shapes.block_size,
-                       shapes.sliding_window};
-  const DeviceKvLayer layer{nullptr,       nullptr, DType::bf16, shape.block_size, shape.num_kv_heads,
-                            shape.head_dim};
-  const AttentionParams params{shape.num_heads, 1.0F, shape.sliding_window};
-  if (!flash_attention_supports(gqa_attention(nullptr, layer, params, nullptr))) return {};
+  // An f32 cache keeps the fp32 kernels by choice: nothing to check.
+  if (shapes.cache_dtype != DType::bf16) return {};
+  FastAttentionShape shape;
+  SharedKvAttention problem;
+  if (shapes.kv_lora_rank > 0) {
+    shape = {shapes.num_heads,
+             1,
+             shapes.kv_lora_rank + shapes.rope_dim,
+             shapes.kv_lora_rank,
+             shapes.block_size,
+             0,
+             true};
+    const DeviceLatentLayer layer{nullptr, DType::bf16, shape.block_size, shapes.kv_lora_rank,
+                                  shapes.rope_dim};
+    problem = latent_attention_problem(nullptr, layer, shape.num_heads, 1.0F, nullptr);
+  } else {
+    if (shapes.num_kv_heads <= 0) return {};
+    shape = {shapes.num_heads,
+             shapes.num_kv_heads,
+             shapes.head_dim,
+             shapes.head_dim,
+             shapes.block_size,
+             shapes.sliding_window,
+             false};
+    const DeviceKvLayer layer{nullptr, nullptr, DType::bf16, shape.block_size, shape.num_kv_heads, shape.dk};
+    problem = gqa_attention(nullptr, layer, {shape.num_heads, 1.0F, shape.sliding_window}, nullptr);
+  }
+  if (!flash_attention_supports(problem)) return {};
   for (const auto& [checked, found] : attention_checks_)
     if (checked == shape) return {found};
   enter({});
-  const KernelCheck check = check_gqa_attention(shape, fast_attention_, flash_workspace_, stream_);
+  const KernelCheck check = check_fast_attention(shape, fast_attention_, flash_workspace_, stream_);
   attention_checks_.emplace_back(shape, FastKernelCheck{check.summary(), check.passed()});
   return {attention_checks_.back().second};
 }
@@ -321,8 +345,33 @@ void CudaBackend::latent_attention(std::span<const SequenceSlice> seqs, const Te
                                    const LatentAttentionParams& params, const Tensor& out) {
   enter({&q, &cache.rows, &kv_b, &out});
   check_float_weight(kv_b, "kv_b_proj");
-  cuda::latent_attention(attention_batch(seqs), f32(q), device_layer(cache), kv_b.data(), kv_b.dtype(),
-                         params, f32(out), stream_);
+  const std::int64_t rows = q.dims() == 0 ? 0 : q.dim(0);
+  const std::int64_t r = cache.kv_lora_rank;
+  const std::int64_t heads = params.num_heads;
+  const std::int64_t dn = params.qk_nope_head_dim;
+  if (params.qk_rope_head_dim != cache.rope_dim || q.numel() != rows * heads * (dn + cache.rope_dim) ||
+      out.numel() != rows * heads * params.v_head_dim || kv_b.dim(0) != heads * (dn + params.v_head_dim) ||
+      kv_b.row_numel() != r) {
+    throw std::invalid_argument(
+        "CudaBackend::latent_attention: q " + q.shape_text() + ", out " + out.shape_text() + ", kv_b " +
+        kv_b.shape_text() + " for " + std::to_string(heads) + " heads, kv_lora_rank " + std::to_string(r) +
+        " and rope dims " + std::to_string(params.qk_rope_head_dim) + "/" + std::to_string(cache.rope_dim));
+  }
+  const DeviceAttentionBatch batch = attention_batch(seqs);
+  const DeviceLatentLayer layer = device_layer(cache);
+  const Tensor ws = scratch(latent_workspace_, DType::u8,
+                            {std::max<std::int64_t>(1, LatentAttention::workspace_bytes(rows, params, r))});
+  const LatentCore core = [&](const float* q_abs, float* o_lat) {
+    if (layer.dtype == DType::bf16) {
+      const SharedKvAttention fast = latent_attention_problem(q_abs, layer, heads, params.scale, o_lat);
+      if (fast_attention_serves(fast, {heads, 1, r + layer.rope_dim, r, layer.block_size, 0, true})) {
+        fast_attention_(batch, fast, flash_workspace_, stream_);
+        return;
+      }
+    }
+    latent_attention_core(batch, q_abs, layer, heads, params.scale, o_lat, stream_);
+  };
+  latent_.run(rows, f32(q), r, kv_b.data(), kv_b.dtype(), params, core, f32(out), ws.data(), stream_);
 }
 
 void CudaBackend::grouped_expert_ffn(const Tensor& x, std::span<const std::int64_t> offsets,

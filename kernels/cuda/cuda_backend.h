@@ -16,6 +16,7 @@
 #include "kernels/backend.h"
 #include "kernels/cuda/attention_self_check.h"
 #include "kernels/cuda/host_staging.h"
+#include "kernels/cuda/latent_attention.h"
 #include "kernels/cuda/layer_kernels.h"
 #include "kernels/cuda/linear.h"
 
@@ -34,7 +35,8 @@ class CudaBackend final : public Backend {
   // staging ring's waits for the device to read a chunk poll with it too.
   void set_wait_check(std::function<void()> check);
   void check_kv_dtype(DType dtype) const override;
-  // The tensor-core attention against the fp32 kernel for a bf16 cache (attention_self_check.h).
+  // The tensor-core attention (GQA, or the latent core) against the fp32 kernel for a bf16 cache
+  // (attention_self_check.h).
   std::vector<FastKernelCheck> check_fast_kernels(const AttentionShapes& shapes) override;
   // The fast attention kernel that check_fast_kernels compares and paged_attention then uses:
   // flash_attention, unless a test puts a broken one in its place.
@@ -101,7 +103,12 @@ class CudaBackend final : public Backend {
   Buffer flash_partial_;  // split-K partial results, allocated once
   FlashWorkspace flash_workspace_;
   // What check_fast_kernels found per attention shape (checked once per backend).
-  std::vector<std::pair<GqaShape, FastKernelCheck>> attention_checks_;
+  std::vector<std::pair<FastAttentionShape, FastKernelCheck>> attention_checks_;
+  // Whether the fast kernel serves this shape: it takes it, and no check refused it.
+  [[nodiscard]] bool fast_attention_serves(const SharedKvAttention& problem,
+                                           const FastAttentionShape& shape) const;
+  LatentAttention latent_;
+  Buffer latent_workspace_;
   Buffer linear_workspace_, gate_, up_;
   // MoE index work (moe_stages.cpp): the capacity scheduler's workspace; the dispatch plan's destinations and
   // entry places; each permute's per-chunk bases.

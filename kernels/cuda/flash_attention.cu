@@ -71,7 +71,7 @@ Layout layout(const SharedKvAttention& a, int rows) {
     at += align128(bytes);
     return here;
   };
-  l.q = take(r * static_cast<std::size_t>(l.ld_q) * 2);
+  l.q = take(2 * r * static_cast<std::size_t>(l.ld_q) * 2);  // the queries' two bf16 halves
   l.k = take(static_cast<std::size_t>(kKeys) * static_cast<std::size_t>(l.ld_k) * 2);
   l.v = l.v_in_k ? l.k : take(static_cast<std::size_t>(kKeys) * static_cast<std::size_t>(l.ld_v) * 2);
   l.s = take(r * static_cast<std::size_t>(l.ld_s) * 4);
@@ -168,7 +168,9 @@ __global__ void __launch_bounds__(kThreads)
       const std::int64_t head = static_cast<std::int64_t>(kv_head) * group + f % group;
       v = a.q[(row * a.heads + head) * a.dk + e];
     }
-    q_s[r * L.ld_q + e] = __float2bfloat16(v);
+    const __nv_bfloat16 hi = __float2bfloat16(v);
+    q_s[r * L.ld_q + e] = hi;
+    q_s[(L.rows + r) * L.ld_q + e] = __float2bfloat16(v - __bfloat162float(hi));
   }
   for (int r = static_cast<int>(threadIdx.x); r < L.rows; r += kThreads) {
     std::int64_t pos = -1;  // a padding row sees no key
@@ -239,8 +241,10 @@ __global__ void __launch_bounds__(kThreads)
       for (int e = 0; e < dk; e += kTile) {
         Frag16A qf;
         Frag16BCol kf;
-        wmma::load_matrix_sync(qf, q_s + rb * kTile * L.ld_q + e, static_cast<unsigned>(L.ld_q));
         wmma::load_matrix_sync(kf, k_s + kb * kTile * L.ld_k + e, static_cast<unsigned>(L.ld_k));
+        wmma::load_matrix_sync(qf, q_s + rb * kTile * L.ld_q + e, static_cast<unsigned>(L.ld_q));
+        wmma::mma_sync(acc, qf, kf, acc);
+        wmma::load_matrix_sync(qf, q_s + (L.rows + rb * kTile) * L.ld_q + e, static_cast<unsigned>(L.ld_q));
         wmma::mma_sync(acc, qf, kf, acc);
       }
       wmma::store_matrix_sync(s_s + rb * kTile * L.ld_s + kb * kTile, acc, static_cast<unsigned>(L.ld_s),

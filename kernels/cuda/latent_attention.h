@@ -5,11 +5,14 @@
 // and the context is never expanded. The CPU backend's expanded form gives the same result; the device always
 // absorbs. fp32 activations, the cache in f32 or bf16 (each value rounded once when stored), kv_b in its
 // stored dtype; work is queued on `stream`.
+#include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <functional>
 
 #include "kernels/backend.h"
+#include "kernels/cuda/flash_attention.h"
 #include "kernels/cuda/layer_kernels.h"
 
 namespace capserve::kernels::cuda {
@@ -27,11 +30,44 @@ struct DeviceLatentLayer {
 void latent_store(const DeviceAttentionBatch& batch, const float* latent, const float* rope_key,
                   const DeviceLatentLayer& cache, cudaStream_t stream);
 
-// Causal attention of q [rows, heads, qk_nope_head_dim + qk_rope_head_dim] (rope part rotated) over the
-// cached latents; kv_b [heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank] in `kv_b_dtype`; out [rows,
-// heads * v_head_dim]. One block per (row, head). kv_lora_rank <= 512, qk_rope_head_dim <= 128.
-void latent_attention(const DeviceAttentionBatch& batch, const float* q, const DeviceLatentLayer& cache,
-                      const void* kv_b, DType kv_b_dtype, const LatentAttentionParams& params, float* out,
-                      cudaStream_t stream);
+// The attention core on absorbed queries: o_lat [rows, heads, kv_lora_rank] from q_abs [rows, heads,
+// kv_lora_rank + rope_dim] over the cached latent rows (keys: the whole row; values: its latent part).
+using LatentCore = std::function<void(const float* q_abs, float* o_lat)>;
+
+// The core in fp32, one block per (row, head), online softmax over the row's context: every cache dtype, and
+// the reference for the tensor-core kernel. kv_lora_rank <= 512, rope_dim <= 128.
+void latent_attention_core(const DeviceAttentionBatch& batch, const float* q_abs,
+                           const DeviceLatentLayer& cache, std::int64_t heads, float scale, float* o_lat,
+                           cudaStream_t stream);
+
+// The core as a problem of the tensor-core kernel (flash_attention.h; a bf16 cache): every head one group
+// over the latent rows, whose first kv_lora_rank dims are the values.
+[[nodiscard]] SharedKvAttention latent_attention_problem(const float* q_abs, const DeviceLatentLayer& cache,
+                                                         std::int64_t heads, float scale, float* o_lat);
+
+// Multi-head latent attention in the absorbed form, in three stages: the queries into latent space
+// (q_abs = q_nope W_uk per head, a strided batched GEMM over the heads, and the rope part copied beside it),
+// the core, and back (out = o_lat W_uv^T per head, likewise). kv_b [heads * (dn + dv), kv_lora_rank] in its
+// stored dtype: bf16 and f16 weights meet the activations as two 16-bit halves (split_to), two GEMMs summed
+// in fp32, for near-fp32 precision; f32 weights take fp32 GEMMs.
+class LatentAttention {
+ public:
+  LatentAttention();
+  ~LatentAttention();
+  LatentAttention(const LatentAttention&) = delete;
+  LatentAttention& operator=(const LatentAttention&) = delete;
+
+  // Workspace bytes for `rows` rows.
+  [[nodiscard]] static std::int64_t workspace_bytes(std::int64_t rows, const LatentAttentionParams& p,
+                                                    std::int64_t kv_lora_rank);
+
+  // q [rows, heads, dn + dr] (rope part rotated) -> out [rows, heads * dv].
+  void run(std::int64_t rows, const float* q, std::int64_t kv_lora_rank, const void* kv_b, DType kv_b_dtype,
+           const LatentAttentionParams& p, const LatentCore& core, float* out, void* workspace,
+           cudaStream_t stream);
+
+ private:
+  cublasHandle_t handle_ = nullptr;
+};
 
 }  // namespace capserve::kernels::cuda

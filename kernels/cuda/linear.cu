@@ -19,6 +19,16 @@ __global__ void narrow_kernel(const float* x, std::int64_t n, T* out) {
     narrow(x[i], out + i);
 }
 
+template <typename T>
+__global__ void split_kernel(const float* x, std::int64_t n, T* hi, T* lo) {
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += stride) {
+    narrow(x[i], hi + i);
+    narrow(x[i] - widen(hi, i), lo + i);
+  }
+}
+
 template <typename B>
 __global__ void add_bias_kernel(float* y, std::int64_t rows, std::int64_t n, const B* bias) {
   const std::int64_t total = rows * n;
@@ -76,15 +86,11 @@ void Linear::run(const float* x, std::int64_t m, std::int64_t k, const void* w, 
       gemm_xwt(handle_, x, w, CUDA_R_32F, m, n, k, y, CUDA_R_32F);
       break;
     case DType::bf16:
-      launch(narrow_kernel<__nv_bfloat16>, grid_stride_blocks(m * k), kGridStrideThreads, 0, stream, x, m * k,
-             static_cast<__nv_bfloat16*>(workspace));
-      CAPSERVE_CUDA_CHECK_LAUNCH();
+      narrow_to(x, m * k, DType::bf16, workspace, stream);
       gemm_xwt(handle_, workspace, w, CUDA_R_16BF, m, n, k, y, CUDA_R_32F);
       break;
     case DType::f16:
-      launch(narrow_kernel<__half>, grid_stride_blocks(m * k), kGridStrideThreads, 0, stream, x, m * k,
-             static_cast<__half*>(workspace));
-      CAPSERVE_CUDA_CHECK_LAUNCH();
+      narrow_to(x, m * k, DType::f16, workspace, stream);
       gemm_xwt(handle_, workspace, w, CUDA_R_16F, m, n, k, y, CUDA_R_32F);
       break;
     case DType::i32:
@@ -94,6 +100,34 @@ void Linear::run(const float* x, std::int64_t m, std::int64_t k, const void* w, 
       throw std::invalid_argument("cuda::Linear: a weight of type " + std::string(dtype_name(weight_dtype)));
   }
   if (bias != nullptr) add_bias(y, m, n, bias, bias_dtype, stream);
+}
+
+void narrow_to(const float* x, std::int64_t n, DType dtype, void* out, cudaStream_t stream) {
+  if (n <= 0) return;
+  if (dtype == DType::bf16) {
+    launch(narrow_kernel<__nv_bfloat16>, grid_stride_blocks(n), kGridStrideThreads, 0, stream, x, n,
+           static_cast<__nv_bfloat16*>(out));
+  } else if (dtype == DType::f16) {
+    launch(narrow_kernel<__half>, grid_stride_blocks(n), kGridStrideThreads, 0, stream, x, n,
+           static_cast<__half*>(out));
+  } else {
+    throw std::invalid_argument("cuda::narrow_to: to " + std::string(dtype_name(dtype)));
+  }
+  CAPSERVE_CUDA_CHECK_LAUNCH();
+}
+
+void split_to(const float* x, std::int64_t n, DType dtype, void* hi, void* lo, cudaStream_t stream) {
+  if (n <= 0) return;
+  if (dtype == DType::bf16) {
+    launch(split_kernel<__nv_bfloat16>, grid_stride_blocks(n), kGridStrideThreads, 0, stream, x, n,
+           static_cast<__nv_bfloat16*>(hi), static_cast<__nv_bfloat16*>(lo));
+  } else if (dtype == DType::f16) {
+    launch(split_kernel<__half>, grid_stride_blocks(n), kGridStrideThreads, 0, stream, x, n,
+           static_cast<__half*>(hi), static_cast<__half*>(lo));
+  } else {
+    throw std::invalid_argument("cuda::split_to: to " + std::string(dtype_name(dtype)));
+  }
+  CAPSERVE_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace capserve::kernels::cuda

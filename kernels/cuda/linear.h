@@ -30,4 +30,12 @@ class Linear {
   cublasHandle_t handle_ = nullptr;
 };
 
+// out[i] = x[i] rounded to `dtype` (bf16 or f16) for i < n: activations meeting weights of that type.
+void narrow_to(const float* x, std::int64_t n, DType dtype, void* out, cudaStream_t stream);
+
+// x[i] as the sum of two values of `dtype` (bf16 or f16): hi[i] = x[i] rounded, lo[i] = the rest rounded. Two
+// products with the halves, summed in fp32, carry about twice the type's mantissa: near-fp32 activations
+// against 16-bit weights at twice a small GEMM's cost.
+void split_to(const float* x, std::int64_t n, DType dtype, void* hi, void* lo, cudaStream_t stream);
+
 }  // namespace capserve::kernels::cuda

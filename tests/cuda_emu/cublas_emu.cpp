@@ -188,76 +188,119 @@ cublasStatus_t cublasSetStream_v2(cublasHandle_t handle, cudaStream_t stream) {
   return CUBLAS_STATUS_SUCCESS;
 }
 
-cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb, int m,
-                            int n, int k, const void* alpha, const void* A, cudaDataType Atype, int lda,
-                            const void* B, cudaDataType Btype, int ldb, const void* beta, void* C,
-                            cudaDataType Ctype, int ldc, cublasComputeType_t computeType, cublasGemmAlgo_t) {
-  const d::EmuBlas* h = d::find_handle(handle);
-  if (h == nullptr) return d::blas_fail(CUBLAS_STATUS_NOT_INITIALIZED, "cublasGemmEx: not a live handle");
-  const auto arg = [](const char* name, int v) { return std::string(name) + " = " + std::to_string(v); };
-  if (!d::valid_op(transa) || !d::valid_op(transb))
-    return d::blas_fail(CUBLAS_STATUS_INVALID_VALUE, "cublasGemmEx: transa/transb must be N, T or C");
-  if (m < 0 || n < 0 || k < 0)
-    return d::blas_fail(CUBLAS_STATUS_INVALID_VALUE, "cublasGemmEx: negative size (" + arg("m", m) + ", " +
-                                                         arg("n", n) + ", " + arg("k", k) + ")");
+namespace capserve::cuda_emu::detail {
+namespace {
+
+// cublasGemmEx and cublasGemmStridedBatchedEx: the same checks (named after `api`), then each of `batch`
+// products at its strides.
+cublasStatus_t gemm(const char* api, cublasHandle_t handle, cublasOperation_t transa,
+                    cublasOperation_t transb, int m, int n, int k, const void* alpha, const void* A,
+                    cudaDataType Atype, int lda, long long stride_a, const void* B, cudaDataType Btype,
+                    int ldb, long long stride_b, const void* beta, void* C, cudaDataType Ctype, int ldc,
+                    long long stride_c, int batch, cublasComputeType_t computeType) {
+  const std::string name(api);
+  const EmuBlas* h = find_handle(handle);
+  if (h == nullptr) return blas_fail(CUBLAS_STATUS_NOT_INITIALIZED, name + ": not a live handle");
+  const auto arg = [](const char* what, long long v) {
+    return std::string(what) + " = " + std::to_string(v);
+  };
+  if (!valid_op(transa) || !valid_op(transb))
+    return blas_fail(CUBLAS_STATUS_INVALID_VALUE, name + ": transa/transb must be N, T or C");
+  if (m < 0 || n < 0 || k < 0 || batch < 0)
+    return blas_fail(CUBLAS_STATUS_INVALID_VALUE, name + ": negative size (" + arg("m", m) + ", " +
+                                                      arg("n", n) + ", " + arg("k", k) + ", " +
+                                                      arg("batchCount", batch) + ")");
   // Stored shapes: A is m x k (N) or k x m (T/C), B k x n or n x k, C m x n.
   const int a_rows = transa == CUBLAS_OP_N ? m : k;
   const int a_cols = transa == CUBLAS_OP_N ? k : m;
   const int b_rows = transb == CUBLAS_OP_N ? k : n;
   const int b_cols = transb == CUBLAS_OP_N ? n : k;
   if (lda < std::max(1, a_rows))
-    return d::blas_fail(CUBLAS_STATUS_INVALID_VALUE, "cublasGemmEx: " + arg("lda", lda) + " below the " +
-                                                         std::to_string(a_rows) + " rows of the stored A");
+    return blas_fail(CUBLAS_STATUS_INVALID_VALUE, name + ": " + arg("lda", lda) + " below the " +
+                                                      std::to_string(a_rows) + " rows of the stored A");
   if (ldb < std::max(1, b_rows))
-    return d::blas_fail(CUBLAS_STATUS_INVALID_VALUE, "cublasGemmEx: " + arg("ldb", ldb) + " below the " +
-                                                         std::to_string(b_rows) + " rows of the stored B");
+    return blas_fail(CUBLAS_STATUS_INVALID_VALUE, name + ": " + arg("ldb", ldb) + " below the " +
+                                                      std::to_string(b_rows) + " rows of the stored B");
   if (ldc < std::max(1, m))
-    return d::blas_fail(CUBLAS_STATUS_INVALID_VALUE, "cublasGemmEx: " + arg("ldc", ldc) + " below the " +
-                                                         std::to_string(m) + " rows of C");
-  if (!d::supported(Atype, Btype, Ctype, computeType))
-    return d::blas_fail(CUBLAS_STATUS_NOT_SUPPORTED,
-                        "cublasGemmEx: types A " + std::to_string(Atype) + ", B " + std::to_string(Btype) +
-                            ", C " + std::to_string(Ctype) + " with compute type " +
-                            std::to_string(computeType) +
-                            " (the emulation has the fp32 compute types over bf16, fp16 and fp32)");
+    return blas_fail(CUBLAS_STATUS_INVALID_VALUE,
+                     name + ": " + arg("ldc", ldc) + " below the " + std::to_string(m) + " rows of C");
+  if (!supported(Atype, Btype, Ctype, computeType))
+    return blas_fail(CUBLAS_STATUS_NOT_SUPPORTED,
+                     name + ": types A " + std::to_string(Atype) + ", B " + std::to_string(Btype) + ", C " +
+                         std::to_string(Ctype) + " with compute type " + std::to_string(computeType) +
+                         " (the emulation has the fp32 compute types over bf16, fp16 and fp32)");
   if (alpha == nullptr || beta == nullptr)
-    return d::blas_fail(CUBLAS_STATUS_INVALID_VALUE, "cublasGemmEx: null alpha or beta");
+    return blas_fail(CUBLAS_STATUS_INVALID_VALUE, name + ": null alpha or beta");
   // A handle is bound to the device current at cublasCreate; its kernels cannot be queued on another
   // device's stream (on a GPU the launch fails and cuBLAS reports the execution failure).
-  if (const int stream_device = d::stream_device(h->stream); stream_device != h->device)
-    return d::blas_fail(CUBLAS_STATUS_EXECUTION_FAILED,
-                        "cublasGemmEx: the handle was created with device " + std::to_string(h->device) +
-                            " current, but its stream belongs to device " + std::to_string(stream_device) +
-                            " (a cuBLAS handle works only on the device current at cublasCreate: "
-                            "cudaSetDevice before cublasCreate)");
+  if (const int on = stream_device(h->stream); on != h->device)
+    return blas_fail(CUBLAS_STATUS_EXECUTION_FAILED,
+                     name + ": the handle was created with device " + std::to_string(h->device) +
+                         " current, but its stream belongs to device " + std::to_string(on) +
+                         " (a cuBLAS handle works only on the device current at cublasCreate: "
+                         "cudaSetDevice before cublasCreate)");
   if (m == 0 || n == 0) return CUBLAS_STATUS_SUCCESS;
-  for (const std::string& why :
-       {d::check_matrix("A", A, Atype, a_rows, a_cols, lda),
-        d::check_matrix("B", B, Btype, b_rows, b_cols, ldb), d::check_matrix("C", C, Ctype, m, n, ldc)}) {
-    // A device would fault on the access and fail the kernel.
-    if (!why.empty()) return d::blas_fail(CUBLAS_STATUS_EXECUTION_FAILED, "cublasGemmEx: " + why);
-  }
   const float a_scale = *static_cast<const float*>(alpha);
   const float b_scale = *static_cast<const float*>(beta);
-  const std::vector<float> a = d::widen(A, Atype, a_rows, a_cols, lda);
-  const std::vector<float> b = d::widen(B, Btype, b_rows, b_cols, ldb);
-  // beta == 0: C is not read (it may hold anything, NaN included), as cuBLAS documents.
-  std::vector<float> c =
-      b_scale == 0.0F ? std::vector<float>(static_cast<std::size_t>(ldc) * static_cast<std::size_t>(n), 0.0F)
-                      : d::widen(C, Ctype, m, n, ldc);
-  if (k > 0) {
-    cblas_sgemm(CblasColMajor, transa == CUBLAS_OP_N ? CblasNoTrans : CblasTrans,
-                transb == CUBLAS_OP_N ? CblasNoTrans : CblasTrans, m, n, k, a_scale, a.data(), lda, b.data(),
-                ldb, b_scale, c.data(), ldc);
-  } else {
-    for (float& v : c) v *= b_scale;
-  }
-  for (int j = 0; j < n; ++j) {
-    for (int i = 0; i < m; ++i) {
-      const std::size_t at =
-          static_cast<std::size_t>(j) * static_cast<std::size_t>(ldc) + static_cast<std::size_t>(i);
-      d::store(C, Ctype, at, c[at]);
+  for (int item = 0; item < batch; ++item) {
+    const auto at = [item](const void* base, cudaDataType t, long long stride) {
+      return static_cast<const char*>(base) +
+             static_cast<long long>(item) * stride * static_cast<long long>(element_bytes(t));
+    };
+    const void* a_item = at(A, Atype, stride_a);
+    const void* b_item = at(B, Btype, stride_b);
+    void* c_item = const_cast<char*>(at(C, Ctype, stride_c));
+    for (const std::string& why : {check_matrix("A", a_item, Atype, a_rows, a_cols, lda),
+                                   check_matrix("B", b_item, Btype, b_rows, b_cols, ldb),
+                                   check_matrix("C", c_item, Ctype, m, n, ldc)}) {
+      // A device would fault on the access and fail the kernel.
+      if (!why.empty())
+        return blas_fail(CUBLAS_STATUS_EXECUTION_FAILED,
+                         name + ": " + (batch > 1 ? "batch item " + std::to_string(item) + ": " : "") + why);
+    }
+    const std::vector<float> a = widen(a_item, Atype, a_rows, a_cols, lda);
+    const std::vector<float> b = widen(b_item, Btype, b_rows, b_cols, ldb);
+    // beta == 0: C is not read (it may hold anything, NaN included), as cuBLAS documents.
+    std::vector<float> c =
+        b_scale == 0.0F
+            ? std::vector<float>(static_cast<std::size_t>(ldc) * static_cast<std::size_t>(n), 0.0F)
+            : widen(c_item, Ctype, m, n, ldc);
+    if (k > 0) {
+      cblas_sgemm(CblasColMajor, transa == CUBLAS_OP_N ? CblasNoTrans : CblasTrans,
+                  transb == CUBLAS_OP_N ? CblasNoTrans : CblasTrans, m, n, k, a_scale, a.data(), lda,
+                  b.data(), ldb, b_scale, c.data(), ldc);
+    } else {
+      for (float& v : c) v *= b_scale;
+    }
+    for (int j = 0; j < n; ++j) {
+      for (int i = 0; i < m; ++i) {
+        const std::size_t idx =
+            static_cast<std::size_t>(j) * static_cast<std::size_t>(ldc) + static_cast<std::size_t>(i);
+        store(c_item, Ctype, idx, c[idx]);
+      }
     }
   }
   return CUBLAS_STATUS_SUCCESS;
+}
+
+}  // namespace
+}  // namespace capserve::cuda_emu::detail
+
+cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb, int m,
+                            int n, int k, const void* alpha, const void* A, cudaDataType Atype, int lda,
+                            const void* B, cudaDataType Btype, int ldb, const void* beta, void* C,
+                            cudaDataType Ctype, int ldc, cublasComputeType_t computeType, cublasGemmAlgo_t) {
+  return d::gemm("cublasGemmEx", handle, transa, transb, m, n, k, alpha, A, Atype, lda, 0, B, Btype, ldb, 0,
+                 beta, C, Ctype, ldc, 0, 1, computeType);
+}
+
+cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t handle, cublasOperation_t transa,
+                                          cublasOperation_t transb, int m, int n, int k, const void* alpha,
+                                          const void* A, cudaDataType Atype, int lda, long long int strideA,
+                                          const void* B, cudaDataType Btype, int ldb, long long int strideB,
+                                          const void* beta, void* C, cudaDataType Ctype, int ldc,
+                                          long long int strideC, int batchCount,
+                                          cublasComputeType_t computeType, cublasGemmAlgo_t) {
+  return d::gemm("cublasGemmStridedBatchedEx", handle, transa, transb, m, n, k, alpha, A, Atype, lda, strideA,
+                 B, Btype, ldb, strideB, beta, C, Ctype, ldc, strideC, batchCount, computeType);
 }

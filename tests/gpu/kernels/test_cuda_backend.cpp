@@ -353,6 +353,11 @@ TEST_F(BackendPair, FastAttentionIsCheckedAtStartAndABrokenOneIsNotUsed) {
     AttentionShapes f32_cache = shapes;
     f32_cache.cache_dtype = DType::f32;
     EXPECT_TRUE(good.check_fast_kernels(f32_cache).empty()) << "an f32 cache has no fast kernel to check";
+    const AttentionShapes latent{8, 0, 0, 16, 0, DType::bf16, 32, 16};
+    const std::vector<FastKernelCheck> latent_checks = good.check_fast_kernels(latent);
+    ASSERT_EQ(latent_checks.size(), 1U);
+    EXPECT_TRUE(latent_checks[0].in_use) << latent_checks[0].summary;
+    EXPECT_NE(latent_checks[0].summary.find("latent"), std::string::npos) << latent_checks[0].summary;
   }
   gpu().use_fast_attention([](const cuda::DeviceAttentionBatch& batch, const cuda::SharedKvAttention& a,
                               const cuda::FlashWorkspace& workspace, cudaStream_t stream) {
