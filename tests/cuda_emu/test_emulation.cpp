@@ -448,6 +448,30 @@ TEST_F(CublasEmulation, WrongLeadingDimensionTransposeOrComputeTypeIsRejected) {
   EXPECT_EQ(gemm(CUBLAS_OP_N, 4, CUBLAS_COMPUTE_32F), CUBLAS_STATUS_SUCCESS);
 }
 
+// Strided batched: each item is the product at its strides (here item b scales by b + 1), and an item past
+// its allocation fails naming the item, as its kernel would fault on a GPU.
+TEST_F(CublasEmulation, StridedBatchedGemmComputesEachItemAndChecksEveryItemsMatrices) {
+  const std::vector<float> a = {1, 2, 3, 4, 2, 4, 6, 8, 3, 6, 9, 12};  // three 2x2 items, item b = (b + 1) a0
+  const std::vector<float> b = {1, 0, 0, 1};                           // the identity, shared (stride 0)
+  const auto d_a = upload(a);
+  const auto d_b = upload(b);
+  DeviceBuffer<float> d_c(12);
+  const float one = 1.0F;
+  const float zero = 0.0F;
+  const auto gemm = [&](int batch) {
+    return cublasGemmStridedBatchedEx(handle_, CUBLAS_OP_N, CUBLAS_OP_N, 2, 2, 2, &one, d_a.data(),
+                                      CUDA_R_32F, 2, 4, d_b.data(), CUDA_R_32F, 2, 0, &zero, d_c.data(),
+                                      CUDA_R_32F, 2, 4, batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  };
+  ASSERT_EQ(gemm(3), CUBLAS_STATUS_SUCCESS);
+  EXPECT_EQ(download(d_c), a);
+  const cublasStatus_t status = gemm(4);
+  ASSERT_EQ(status, CUBLAS_STATUS_EXECUTION_FAILED);
+  EXPECT_NE(std::string(cublasGetStatusString(status)).find("batch item 3"), std::string::npos)
+      << cublasGetStatusString(status);
+  EXPECT_EQ(gemm(-1), CUBLAS_STATUS_INVALID_VALUE);
+}
+
 // A handle works on the device current at cublasCreate (the fixture's: device 0); a GEMM on a stream of
 // device 1 is refused even with device 1 current, as its kernel could not be launched there on a GPU.
 TEST_F(CublasEmulation, AHandleRefusesAStreamOfAnotherDevice) {
