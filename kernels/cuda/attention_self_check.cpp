@@ -90,26 +90,13 @@ KernelCheck check_fast_attention(const FastAttentionShape& shape, const FastAtte
   std::vector<float> q(static_cast<std::size_t>(rows * shape.num_heads * shape.dk));
   for (float& x : q) x = 3.0F * normal(rng);  // peaked scores: later tiles rescale earlier ones
 
-  const AttentionBatchArrays arrays = attention_batch_arrays(seqs);
-  const auto d_pos = to_device(arrays.row_pos);
-  const auto d_seq = to_device(arrays.row_seq);
-  const auto d_tables = to_device(arrays.block_tables);
-  const auto d_first = to_device(arrays.seq_first_row);
-  const auto d_tokens = to_device(arrays.seq_tokens);
+  const DeviceAttentionArrays arrays(seqs);
+  const DeviceAttentionBatch& batch = arrays.batch();
   const auto d_k = to_device(k);
   const auto d_v = to_device(v);
   const auto d_q = to_device(q);
   DeviceBuffer<float> d_fast(static_cast<std::size_t>(rows * shape.num_heads * shape.dv));
   DeviceBuffer<float> d_ref(d_fast.size());
-  const DeviceAttentionBatch batch{rows,
-                                   d_pos.data(),
-                                   d_seq.data(),
-                                   d_tables.data(),
-                                   arrays.max_blocks,
-                                   d_first.data(),
-                                   d_tokens.data(),
-                                   static_cast<std::int64_t>(seqs.size()),
-                                   arrays.max_seq_tokens};
   const float scale = 1.0F / std::sqrt(static_cast<float>(shape.dk));
   KernelCheck check;
   if (shape.latent) {

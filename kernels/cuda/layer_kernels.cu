@@ -385,6 +385,36 @@ AttentionBatchArrays attention_batch_arrays(std::span<const SequenceSlice> seqs)
   return a;
 }
 
+namespace {
+
+DeviceBuffer<std::int32_t> on_device(const std::vector<std::int32_t>& host) {
+  DeviceBuffer<std::int32_t> d(host.size());
+  if (!host.empty()) {
+    CAPSERVE_CUDA_CHECK(cudaMemcpy(d.data(), host.data(), d.bytes(), cudaMemcpyHostToDevice));
+  }
+  return d;
+}
+
+}  // namespace
+
+DeviceAttentionArrays::DeviceAttentionArrays(std::span<const SequenceSlice> seqs) {
+  const AttentionBatchArrays a = attention_batch_arrays(seqs);
+  row_pos_ = on_device(a.row_pos);
+  row_seq_ = on_device(a.row_seq);
+  block_tables_ = on_device(a.block_tables);
+  seq_first_row_ = on_device(a.seq_first_row);
+  seq_tokens_ = on_device(a.seq_tokens);
+  batch_ = {static_cast<std::int64_t>(a.row_pos.size()),
+            row_pos_.data(),
+            row_seq_.data(),
+            block_tables_.data(),
+            a.max_blocks,
+            seq_first_row_.data(),
+            seq_tokens_.data(),
+            static_cast<std::int64_t>(a.seq_tokens.size()),
+            a.max_seq_tokens};
+}
+
 void kv_store(const DeviceAttentionBatch& batch, const float* k, const float* v, const DeviceKvLayer& cache,
               cudaStream_t stream) {
   check_cache_dtype(cache.dtype, "kv_store");

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "kernels/backend.h"
+#include "kernels/cuda/cuda_check.h"
 #include "kernels/dtype.h"
 #include "kernels/sampling.h"
 
@@ -49,6 +50,18 @@ struct AttentionBatchArrays {
   std::int64_t max_seq_tokens = 0;
 };
 AttentionBatchArrays attention_batch_arrays(std::span<const SequenceSlice> seqs);
+
+// Those arrays in device memory of their own, copied synchronously: for the start-up self-check and tests
+// (a serving step stages them through the backend's page-locked ring instead).
+class DeviceAttentionArrays {
+ public:
+  explicit DeviceAttentionArrays(std::span<const SequenceSlice> seqs);
+  [[nodiscard]] const DeviceAttentionBatch& batch() const { return batch_; }
+
+ private:
+  DeviceBuffer<std::int32_t> row_pos_, row_seq_, block_tables_, seq_first_row_, seq_tokens_;
+  DeviceAttentionBatch batch_;
+};
 
 // Cache layout as PagedKvLayer: [num_blocks, block_size, num_kv_heads, head_dim] of `dtype` (f32, or bf16:
 // half the memory, each value rounded once when stored; attention reads it back as fp32).

@@ -745,25 +745,12 @@ TEST(CudaKernels, FlashAttentionOverABf16CacheEqualsAttentionInDouble) {
       }
     }
 
-    const kernels::cuda::AttentionBatchArrays arrays = kernels::cuda::attention_batch_arrays(seqs);
-    const auto d_pos = upload(arrays.row_pos);
-    const auto d_seq = upload(arrays.row_seq);
-    const auto d_tables = upload(arrays.block_tables);
-    const auto d_first = upload(arrays.seq_first_row);
-    const auto d_tokens = upload(arrays.seq_tokens);
+    const kernels::cuda::DeviceAttentionArrays arrays(seqs);
+    const kernels::cuda::DeviceAttentionBatch& batch = arrays.batch();
     const auto d_keys = upload(keys);
     const auto d_values = upload(values);
     const auto d_q = upload(q);
     auto d_out = poisoned<float>(ref.size());
-    const kernels::cuda::DeviceAttentionBatch batch{rows,
-                                                    d_pos.data(),
-                                                    d_seq.data(),
-                                                    d_tables.data(),
-                                                    arrays.max_blocks,
-                                                    d_first.data(),
-                                                    d_tokens.data(),
-                                                    static_cast<std::int64_t>(seqs.size()),
-                                                    arrays.max_seq_tokens};
     const __nv_bfloat16* k_ptr = bf16_ptr(d_keys);
     const kernels::cuda::SharedKvAttention a{d_q.data(),
                                              c.heads,
