@@ -585,6 +585,11 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Engine& engine, server
                       api_http ? host_port(o.host, api_http->port()) : "off", metrics_http->port());
 
   bool draining = false;
+  server::Clock::time_point drain_started{};
+  // After the drain, requests already on the wire still reach a handler and get UNAVAILABLE from intake;
+  // gRPC's shutdown would cancel them instead (CANCELLED), which a client cannot tell from its own
+  // cancellation.
+  constexpr auto kDrainLinger = std::chrono::milliseconds(300);
   try {
     for (;;) {
       if (const int n = g_sigusr2_received.exchange(0); n > 0)
@@ -596,10 +601,11 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Engine& engine, server
         if (api_http) api_http->cancel_pending();  // a render in progress would only be refused
         health.SetServingStatus(false);
         draining = true;
+        drain_started = server::Clock::now();
       }
       if (scheduler->idle()) {
-        if (draining) break;
-        scheduler->wait_for_work(std::chrono::milliseconds(50));
+        if (draining && server::Clock::now() - drain_started >= kDrainLinger) break;
+        scheduler->wait_for_work(std::chrono::milliseconds(draining ? 10 : 50));
         continue;
       }
       const auto now = server::Clock::now();
