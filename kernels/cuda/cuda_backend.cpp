@@ -153,7 +153,7 @@ const T* CudaBackend::stage(std::span<const T> host) {
 }
 
 DeviceAttentionBatch CudaBackend::attention_batch(std::span<const SequenceSlice> seqs) {
-  arrays_ = attention_batch_arrays(seqs);
+  attention_batch_arrays(seqs, arrays_);
   const auto rows = static_cast<std::int64_t>(arrays_.row_pos.size());
   return {rows,
           stage(std::span<const std::int32_t>(arrays_.row_pos)),

@@ -362,6 +362,17 @@ void rope(float* x, std::int64_t tokens, const RotaryLayout& layout, const float
 
 AttentionBatchArrays attention_batch_arrays(std::span<const SequenceSlice> seqs) {
   AttentionBatchArrays a;
+  attention_batch_arrays(seqs, a);
+  return a;
+}
+
+void attention_batch_arrays(std::span<const SequenceSlice> seqs, AttentionBatchArrays& a) {
+  a.row_pos.clear();
+  a.row_seq.clear();
+  a.seq_first_row.clear();
+  a.seq_tokens.clear();
+  a.max_blocks = 0;
+  a.max_seq_tokens = 0;
   for (const SequenceSlice& s : seqs)
     a.max_blocks = std::max(a.max_blocks, static_cast<std::int64_t>(s.block_table.size()));
   a.block_tables.assign(seqs.size() * static_cast<std::size_t>(a.max_blocks), 0);
@@ -382,7 +393,6 @@ AttentionBatchArrays attention_batch_arrays(std::span<const SequenceSlice> seqs)
       a.row_seq[static_cast<std::size_t>(s.first_row + i)] = static_cast<std::int32_t>(si);
     }
   }
-  return a;
 }
 
 namespace {

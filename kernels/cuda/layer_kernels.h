@@ -50,6 +50,8 @@ struct AttentionBatchArrays {
   std::int64_t max_seq_tokens = 0;
 };
 AttentionBatchArrays attention_batch_arrays(std::span<const SequenceSlice> seqs);
+// The same into `into`, whose vectors keep their capacity: a serving step allocates nothing for them.
+void attention_batch_arrays(std::span<const SequenceSlice> seqs, AttentionBatchArrays& into);
 
 // Those arrays in device memory of their own, copied synchronously: for the start-up self-check and tests
 // (a serving step stages them through the backend's page-locked ring instead).
