@@ -361,7 +361,7 @@ void CudaBackend::latent_attention(std::span<const SequenceSlice> seqs, const Te
   const DeviceLatentLayer layer = device_layer(cache);
   const Tensor ws = scratch(latent_workspace_, DType::u8,
                             {std::max<std::int64_t>(1, LatentAttention::workspace_bytes(rows, params, r))});
-  const LatentCore core = [&](const float* q_abs, float* o_lat) {
+  const auto core = [&](const float* q_abs, float* o_lat) {
     if (layer.dtype == DType::bf16) {
       const SharedKvAttention fast = latent_attention_problem(q_abs, layer, heads, params.scale, o_lat);
       if (fast_attention_serves(fast, {heads, 1, r + layer.rope_dim, r, layer.block_size, 0, true})) {
@@ -371,7 +371,8 @@ void CudaBackend::latent_attention(std::span<const SequenceSlice> seqs, const Te
     }
     latent_attention_core(batch, q_abs, layer, heads, params.scale, o_lat, stream_);
   };
-  latent_.run(rows, f32(q), r, kv_b.data(), kv_b.dtype(), params, core, f32(out), ws.data(), stream_);
+  latent_.run(rows, f32(q), r, kv_b.data(), kv_b.dtype(), params, LatentCore(core), f32(out), ws.data(),
+              stream_);
 }
 
 void CudaBackend::grouped_expert_ffn(const Tensor& x, std::span<const std::int64_t> offsets,

@@ -9,7 +9,6 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
-#include <functional>
 
 #include "kernels/backend.h"
 #include "kernels/cuda/flash_attention.h"
@@ -32,7 +31,21 @@ void latent_store(const DeviceAttentionBatch& batch, const float* latent, const 
 
 // The attention core on absorbed queries: o_lat [rows, heads, kv_lora_rank] from q_abs [rows, heads,
 // kv_lora_rank + rope_dim] over the cached latent rows (keys: the whole row; values: its latent part).
-using LatentCore = std::function<void(const float* q_abs, float* o_lat)>;
+// A non-owning reference to the caller's callable (a std::function would allocate for a capturing lambda on
+// every call, once per layer and step); the callable must outlive the call it is passed to.
+class LatentCore {
+ public:
+  template <class F>
+  explicit LatentCore(const F& f)
+      : target_(&f), call_([](const void* t, const float* q_abs, float* o_lat) {
+          (*static_cast<const F*>(t))(q_abs, o_lat);
+        }) {}
+  void operator()(const float* q_abs, float* o_lat) const { call_(target_, q_abs, o_lat); }
+
+ private:
+  const void* target_;
+  void (*call_)(const void*, const float*, float*);
+};
 
 // The core in fp32, one block per (row, head), online softmax over the row's context: every cache dtype, and
 // the reference for the tensor-core kernel. kv_lora_rank <= 512, rope_dim <= 128.

@@ -1182,11 +1182,11 @@ TEST(CudaKernels, LatentAttentionEqualsTheCpuBackend) {
       kernels::cuda::LatentAttention latent;
       DeviceBuffer<std::byte> workspace(
           static_cast<std::size_t>(kernels::cuda::LatentAttention::workspace_bytes(rows, params, r)));
-      const kernels::cuda::LatentCore core = [&](const float* q_abs, float* o_lat) {
+      const auto core = [&](const float* q_abs, float* o_lat) {
         kernels::cuda::latent_attention_core(batch, q_abs, d_cache, heads, params.scale, o_lat, nullptr);
       };
-      latent.run(rows, d_q.data(), r, d_w.data(), dtype, params, core, d_out.data(), workspace.data(),
-                 nullptr);
+      latent.run(rows, d_q.data(), r, d_w.data(), dtype, params, kernels::cuda::LatentCore(core),
+                 d_out.data(), workspace.data(), nullptr);
       std::vector<float> q_copy = q;
       std::vector<float> ref(static_cast<std::size_t>(rows * heads * dv));
       cpu.latent_attention(seqs, Tensor::host(std::span(q_copy), {rows, heads * qk}), cpu_cache,
