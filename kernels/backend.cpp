@@ -13,6 +13,8 @@ std::string_view host_sync_name(HostSync why) {
       return "moe_dispatch";
     case HostSync::moe_groups:
       return "moe_groups";
+    case HostSync::moe_stats:
+      return "moe_stats";
     case HostSync::logits:
       return "logits";
     case HostSync::dry_run:
@@ -57,6 +59,19 @@ void check_copy(const char* what, const Tensor& tensor, std::size_t host_bytes, 
 void Backend::to_host(const Tensor& src, std::span<std::byte> dst, HostSync why) {
   check_copy("to_host", src, dst.size(), device());
   copy_to_host(src, dst);
+  copies_outstanding_ = false;
+  ++host_syncs_[static_cast<std::size_t>(why)];
+}
+
+void Backend::to_host_later(const Tensor& src, std::span<std::byte> dst) {
+  check_copy("to_host_later", src, dst.size(), device());
+  copies_outstanding_ = copy_to_host_later(src, dst) || copies_outstanding_;
+}
+
+void Backend::finish_host_copies(HostSync why) {
+  if (!copies_outstanding_) return;
+  finish_copies_to_host();
+  copies_outstanding_ = false;
   ++host_syncs_[static_cast<std::size_t>(why)];
 }
 

@@ -139,16 +139,21 @@ struct LogprobShape {
 LogprobShape logprob_shape(const Tensor& logits, const Tensor& tokens, const Tensor& values,
                            const Tensor& top_ids);
 
-// The receiver's side: the entries from every source grouped by local expert.
+// The receiver's side: the entries from every source grouped by local expert. The sources' entries and rows
+// come back to back (entry_start / row_start), or in the block layout of a capacity-bounded exchange
+// (entry_counts: source s's entries are [s * entry_block, + entry_counts[s]), its rows from s * row_block).
 struct ReceivedGroups {
-  Tensor entries;      // u8 [n, sizeof(moe::DispatchEntry)]: the sources' blocks in rank order
-  Tensor entry_start;  // int64 [ranks + 1]: first entry of each source
-  Tensor row_start;    // int64 [ranks + 1]: first received row of each source
-  Tensor experts;      // int32 [rows, k]: out, local expert of each row's slots (-1 past its entries)
-  Tensor weights;      // f32 [rows, k]: out, their gate weights
-  Tensor offsets;      // int64 [local experts + 1]: out, grouped rows of each local expert
-  Tensor position;     // int64 [rows, k]: out, grouped row of each slot, -1 for none
-  Tensor row_source;   // int32 [rows * k]: out, received row of each grouped row
+  Tensor entries;       // u8 [n, sizeof(moe::DispatchEntry)]: the sources' blocks in rank order
+  Tensor entry_start;   // int64 [ranks + 1]: first entry of each source; empty in the block layout
+  Tensor row_start;     // int64 [ranks + 1]: first received row of each source; empty in the block layout
+  Tensor entry_counts;  // int64 [ranks]: block layout only, the entries each source sent
+  std::int64_t entry_block = 0;
+  std::int64_t row_block = 0;
+  Tensor experts;     // int32 [rows, k]: out, local expert of each row's slots (-1 past its entries)
+  Tensor weights;     // f32 [rows, k]: out, their gate weights
+  Tensor offsets;     // int64 [local experts + 1]: out, grouped rows of each local expert
+  Tensor position;    // int64 [rows, k]: out, grouped row of each slot, -1 for none
+  Tensor row_source;  // int32 [rows * k]: out, received row of each grouped row
 };
 
 // The loaded model's attention, for the start-up check of a backend's fast kernels.
@@ -178,6 +183,8 @@ enum class HostSync : std::uint8_t {
   moe_dispatch,    // per MoE layer: the row and entry counts of each peer (exchange sizes) and the layer's
                    // statistics, in one copy
   moe_groups,      // per MoE layer: the rows of each local expert (the grouped expert FFN's host offsets)
+  moe_stats,       // the step's MoE statistics read before any other synchronisation of the step completed
+                   // their copy (tests and tools that read statistics without sampling)
   logits,          // the logits themselves: only for scoring and dumps, never on the serving path
   dry_run,         // the router dry run's expert counts (batch selection on rank 0), outside the step
   logprobs,        // the log-probabilities of sampled or scored tokens, for requests that ask
@@ -230,6 +237,13 @@ class Backend {
   // Copies a tensor of this backend into host memory of its size; the host waits for it (a synchronisation
   // point, counted under `why`).
   void to_host(const Tensor& src, std::span<std::byte> dst, HostSync why);
+  // Queues the copy of a tensor of this backend into host memory of its size without waiting: `dst` holds
+  // the bytes once the next to_host or finish_host_copies returns, so what a step reports beside its one
+  // synchronisation (the MoE statistics) rides on it. `dst` must stay valid until then.
+  void to_host_later(const Tensor& src, std::span<std::byte> dst);
+  // The copies queued by to_host_later, waited for if any is still outstanding (one synchronisation, counted
+  // under `why`); nothing when none is.
+  void finish_host_copies(HostSync why);
   // Copies host memory into a tensor of this backend, of its size. The host does not wait; `src` must stay
   // valid until the backend's next to_host.
   void from_host(std::span<const std::byte> src, const Tensor& dst);
@@ -315,7 +329,7 @@ class Backend {
   virtual void schedule_capacity(const CapacityCall& call) = 0;
   // counts int64 [E] += the slots of experts int32 [T, k] per expert (dropped slots, -1, skipped).
   virtual void count_experts(const Tensor& experts, const Tensor& counts) = 0;
-  // Per token, its dropped and rerouted slots (int64 [T] each, overwritten) from status u8 [T, k].
+  // Per token, its dropped and rerouted slots (int64 [T] each, added to) from status u8 [T, k].
   virtual void count_slot_states(const Tensor& status, const Tensor& dropped, const Tensor& rerouted) = 0;
   // The dispatch plan of experts int32 [T, k] (-1 dropped) with gate weights [T, k]; owners and local_index
   // are int32 [E]: each expert's rank and its index there.
@@ -323,8 +337,18 @@ class Backend {
                              const Tensor& local_index, const DispatchPlan& plan) = 0;
   // Groups received entries by local expert (groups.offsets has one more element than there are experts).
   virtual void group_received(const ReceivedGroups& groups) = 0;
-  // dst[i, :] = src[index[i], :]; index is int32 [dst rows], a tensor of the backend.
+  // dst[i, :] = src[index[i], :], zeros where index[i] < 0; index is int32 [dst rows], a tensor of the
+  // backend.
   virtual void take_rows(const Tensor& src, const Tensor& index, const Tensor& dst) = 0;
+  // The block layout of a capacity-bounded exchange (moe::BlockIndex): index int32 [groups * block] from
+  // offsets int64 [groups + 1] and an optional source int32; the excess of groups larger than `block` is
+  // added to overflow int64 [1].
+  virtual void block_index(const Tensor& offsets, const Tensor& source, std::int64_t block,
+                           const Tensor& index, const Tensor& overflow) = 0;
+  // position int64 [T, k] of the grouped layout of `offsets` into out int64 [T, k] of the block layout
+  // (moe::BlockPositions).
+  virtual void block_positions(const Tensor& position, const Tensor& offsets, std::int64_t block,
+                               const Tensor& out) = 0;
   // out[t, :] = sum over t's slots s with position[t, s] >= 0, in slot order, of weights[t, s] *
   // y[position[t, s], :] (weight 1 when weights is empty); position is int64 [T, k]. A token without such
   // slots gets zeros.
@@ -336,14 +360,22 @@ class Backend {
  protected:
   // The memory of allocate().
   [[nodiscard]] virtual Buffer allocate_memory(std::size_t bytes) = 0;
-  // The copies of to_host and from_host, after their checks.
+  // The copies of to_host and from_host, after their checks. copy_to_host waits for the device, and then
+  // every copy queued by copy_to_host_later has reached its destination too.
   virtual void copy_to_host(const Tensor& src, std::span<std::byte> dst) = 0;
   virtual void copy_from_host(std::span<const std::byte> src, const Tensor& dst) = 0;
+  // to_host_later's copy: queued (true), or done at once (false: memory the host reads itself); and the wait
+  // that completes every queued one.
+  virtual bool copy_to_host_later(const Tensor& src, std::span<std::byte> dst) = 0;
+  virtual void finish_copies_to_host() = 0;
+  // Whether scratch slots are sealed (a backend's own grow-only host buffers follow the same rule).
+  [[nodiscard]] bool scratch_sealed() const { return scratch_sealed_; }
 
  private:
   std::array<std::int64_t, static_cast<std::size_t>(HostSync::count_)> host_syncs_{};
   std::size_t allocated_bytes_ = 0;
   bool scratch_sealed_ = false;
+  bool copies_outstanding_ = false;  // to_host_later since the last wait
 };
 
 }  // namespace capserve::kernels

@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+
 #include <stdexcept>
+#include "kernels/moe/index_logic.h"
 
 namespace capserve::parallel {
 namespace {
@@ -52,15 +54,67 @@ CapacityStage::CapacityStage(CapacityConfig config, Communicator& data, Communic
   }
 }
 
-void CapacityStage::begin_step(std::int64_t local_tokens) {
+void CapacityStage::begin_step(std::int64_t local_tokens, std::int64_t exempt_tokens) {
   local_tokens_ = local_tokens;
   token_offset_ = 0;
   total_tokens_ = local_tokens;
+  max_rank_tokens_ = local_tokens;
+  any_exempt_ = exempt_tokens > 0;
   if (!any_active_ || !global()) return;
-  gathered_.resize(static_cast<std::size_t>(comm_.size()));
-  control_.allgather(std::span<const std::int64_t>(&local_tokens, 1), gathered_);
-  token_offset_ = std::accumulate(gathered_.begin(), gathered_.begin() + comm_.rank(), std::int64_t{0});
-  total_tokens_ = std::accumulate(gathered_.begin(), gathered_.end(), std::int64_t{0});
+  const auto ranks = static_cast<std::size_t>(comm_.size());
+  const std::int64_t mine[2] = {local_tokens, exempt_tokens};
+  gathered_.resize(2 * ranks);
+  control_.allgather(mine, gathered_);
+  token_offset_ = 0;
+  total_tokens_ = 0;
+  max_rank_tokens_ = 0;
+  any_exempt_ = false;
+  for (std::size_t r = 0; r < ranks; ++r) {
+    if (r < static_cast<std::size_t>(comm_.rank())) token_offset_ += gathered_[2 * r];
+    total_tokens_ += gathered_[2 * r];
+    max_rank_tokens_ = std::max(max_rank_tokens_, gathered_[2 * r]);
+    any_exempt_ = any_exempt_ || gathered_[2 * r + 1] > 0;
+  }
+}
+
+namespace {
+
+CapacityStage::FixedBounds bounds_for(double gamma, std::int64_t total_tokens, std::int64_t rank_tokens,
+                                      std::int64_t top_k, std::int64_t num_experts,
+                                      std::int64_t peer_experts) {
+  const std::int64_t per_expert = kernels::moe::bin_capacity(gamma, total_tokens, top_k, 1, num_experts);
+  const std::int64_t per_peer = peer_experts * per_expert;
+  return {std::min(rank_tokens, per_peer), std::min(rank_tokens * std::min(top_k, peer_experts), per_peer),
+          per_expert};
+}
+
+}  // namespace
+
+std::optional<CapacityStage::FixedBounds> CapacityStage::fixed_bounds(std::int64_t layer, std::int64_t top_k,
+                                                                      std::int64_t num_experts,
+                                                                      std::int64_t peer_experts) const {
+  if (!config_.active(layer) || config_.granularity != CapacityGranularity::expert || any_exempt_ ||
+      (config_.scope == CapacityScope::local && comm_.size() > 1))
+    return std::nullopt;
+  return bounds_for(config_.gamma_for(layer), total_tokens_, max_rank_tokens_, top_k, num_experts,
+                    peer_experts);
+}
+
+std::optional<CapacityStage::FixedBounds> CapacityStage::largest_fixed_bounds(
+    std::int64_t tokens, std::int64_t top_k, std::int64_t num_experts, std::int64_t peer_experts) const {
+  if (!any_active_ || config_.granularity != CapacityGranularity::expert ||
+      (config_.scope == CapacityScope::local && comm_.size() > 1))
+    return std::nullopt;
+  std::optional<FixedBounds> largest;
+  for (const double gamma : config_.gamma) {
+    if (!std::isfinite(gamma)) continue;
+    const FixedBounds b = bounds_for(gamma, tokens, tokens, top_k, num_experts, peer_experts);
+    if (!largest) largest = b;
+    largest->rows = std::max(largest->rows, b.rows);
+    largest->entries = std::max(largest->entries, b.entries);
+    largest->expert_rows = std::max(largest->expert_rows, b.expert_rows);
+  }
+  return largest;
 }
 
 void CapacityStage::apply(kernels::Backend& backend, std::int64_t layer, const LayerTables& tables,

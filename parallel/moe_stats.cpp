@@ -45,14 +45,11 @@ void StepStatsRecorder::begin_step() {
   }
 }
 
-void StepStatsRecorder::reduce(Communicator& comm, const ExpertPlacement& placement) {
+void StepStatsRecorder::reduce(Communicator& comm) {
   packed_counts_.clear();
   packed_times_.clear();
   for (const MoeLayerStats& s : local_.layers) {
-    packed_counts_.insert(packed_counts_.end(),
-                          {s.tokens, s.assignments, s.dropped, s.rerouted, s.rows_dispatched, s.wire_bytes});
-    packed_counts_.insert(packed_counts_.end(), s.routed_load.begin(), s.routed_load.end());
-    packed_counts_.insert(packed_counts_.end(), s.expert_load.begin(), s.expert_load.end());
+    packed_counts_.insert(packed_counts_.end(), {s.tokens, s.assignments, s.wire_bytes});
     packed_times_.insert(packed_times_.end(),
                          {s.scheduler_seconds, s.dispatch_seconds, s.expert_seconds, s.combine_seconds});
   }
@@ -63,19 +60,30 @@ void StepStatsRecorder::reduce(Communicator& comm, const ExpertPlacement& placem
   std::size_t c = 0;
   std::size_t t = 0;
   for (MoeLayerStats& s : local_.layers) {
-    for (std::int64_t* v :
-         {&s.tokens, &s.assignments, &s.dropped, &s.rerouted, &s.rows_dispatched, &s.wire_bytes})
-      *v = packed_counts_[c++];
-    for (std::int64_t& v : s.routed_load) v = packed_counts_[c++];
-    for (std::int64_t& v : s.expert_load) v = packed_counts_[c++];
+    for (std::int64_t* v : {&s.tokens, &s.assignments, &s.wire_bytes}) *v = packed_counts_[c++];
     for (double* v : {&s.scheduler_seconds, &s.dispatch_seconds, &s.expert_seconds, &s.combine_seconds})
       *v = packed_times_[t++];
+  }
+}
+
+void StepStatsRecorder::add_reports(std::span<const std::int64_t> reports, const ExpertPlacement& placement) {
+  std::size_t at = 0;
+  for (MoeLayerStats& s : local_.layers) {
+    const LayerReport layout{static_cast<std::int64_t>(s.routed_load.size())};
+    const std::span<const std::int64_t> r = reports.subspan(at, static_cast<std::size_t>(layout.size()));
+    at += r.size();
+    s.dropped = r[LayerReport::kDropped];
+    s.rerouted = r[LayerReport::kRerouted];
+    s.rows_dispatched = r[LayerReport::kRowsSent];
+    const auto e = s.routed_load.size();
+    std::copy_n(r.begin() + LayerReport::kRoutedLoad, e, s.routed_load.begin());
+    std::copy_n(r.begin() + layout.kept_load(), e, s.expert_load.begin());
     std::fill(s.rank_routed_load.begin(), s.rank_routed_load.end(), 0);
     std::fill(s.rank_load.begin(), s.rank_load.end(), 0);
     const std::span<const std::int32_t> owners = placement.owners(s.layer);
-    for (std::size_t e = 0; e < s.routed_load.size(); ++e) {
-      s.rank_routed_load[static_cast<std::size_t>(owners[e])] += s.routed_load[e];
-      s.rank_load[static_cast<std::size_t>(owners[e])] += s.expert_load[e];
+    for (std::size_t x = 0; x < e; ++x) {
+      s.rank_routed_load[static_cast<std::size_t>(owners[x])] += s.routed_load[x];
+      s.rank_load[static_cast<std::size_t>(owners[x])] += s.expert_load[x];
     }
   }
 }

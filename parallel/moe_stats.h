@@ -43,7 +43,22 @@ struct MoeStepStats {
   std::vector<MoeLayerStats> layers;
 };
 
-// Filled by the MoE blocks of one rank during a forward pass, reduced over ranks at its end.
+// One MoE layer's counts as the backend writes them during a step (int64, this rank's tokens), summed over
+// the ranks on the device at the step's end and read by the host with the step's one synchronisation:
+// dropped and rerouted slots, hidden rows dispatched, then the routed and the kept load per expert.
+struct LayerReport {
+  static constexpr std::int64_t kDropped = 0;
+  static constexpr std::int64_t kRerouted = 1;
+  static constexpr std::int64_t kRowsSent = 2;
+  static constexpr std::int64_t kRoutedLoad = 3;
+  std::int64_t num_experts = 0;
+  [[nodiscard]] std::int64_t kept_load() const { return kRoutedLoad + num_experts; }
+  [[nodiscard]] std::int64_t size() const { return kRoutedLoad + 2 * num_experts; }
+};
+
+// Filled by the MoE blocks of one rank during a forward pass: on the host what the host knows (tokens, wire
+// bytes, phase times), reduced over ranks at the step's end; the device's counts (LayerReport) once they
+// arrive.
 class StepStatsRecorder {
  public:
   // moe_layers: the model's MoE layer indices, in order.
@@ -54,9 +69,12 @@ class StepStatsRecorder {
   [[nodiscard]] MoeLayerStats& layer(std::int64_t moe_index) {
     return local_.layers[static_cast<std::size_t>(moe_index)];
   }
-  // Sums counts and takes the slowest rank's times over all ranks (two allreduces, every rank must call),
-  // then derives the per-rank loads from the placement.
-  void reduce(Communicator& comm, const ExpertPlacement& placement);
+  // Sums the host's counts and takes the slowest rank's times over all ranks (two allreduces, every rank must
+  // call).
+  void reduce(Communicator& comm);
+  // The device's counts, already summed over the ranks: one LayerReport per MoE layer, back to back; then
+  // the per-rank loads from the placement.
+  void add_reports(std::span<const std::int64_t> reports, const ExpertPlacement& placement);
   [[nodiscard]] const MoeStepStats& step() const { return local_; }
 
  private:

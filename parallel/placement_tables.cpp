@@ -1,5 +1,6 @@
 #include "parallel/placement_tables.h"
 
+#include <algorithm>
 #include <span>
 
 namespace capserve::parallel {
@@ -8,6 +9,7 @@ PlacementTables::PlacementTables(kernels::Backend& backend, const ExpertPlacemen
   const std::int64_t layers = placement.num_layers();
   struct Range {
     std::size_t owners, local_index, local_list, bin_experts, end;
+    std::int64_t peer_experts;
   };
   std::vector<Range> ranges;
   for (std::int64_t l = 0; l < layers; ++l) {
@@ -20,8 +22,12 @@ PlacementTables::PlacementTables(kernels::Backend& backend, const ExpertPlacemen
     host_.insert(host_.end(), placement.local_experts(l, rank).begin(),
                  placement.local_experts(l, rank).end());
     r.bin_experts = host_.size();
-    for (int q = 0; q < placement.num_ranks(); ++q)
-      host_.push_back(static_cast<std::int32_t>(placement.local_experts(l, q).size()));
+    r.peer_experts = 0;
+    for (int q = 0; q < placement.num_ranks(); ++q) {
+      const auto n = static_cast<std::int64_t>(placement.local_experts(l, q).size());
+      host_.push_back(static_cast<std::int32_t>(n));
+      r.peer_experts = std::max(r.peer_experts, n);
+    }
     r.end = host_.size();
     ranges.push_back(r);
   }
@@ -33,7 +39,7 @@ PlacementTables::PlacementTables(kernels::Backend& backend, const ExpertPlacemen
   };
   for (const Range& r : ranges) {
     layers_.push_back({part(r.owners, r.local_index), part(r.local_index, r.local_list),
-                       part(r.local_list, r.bin_experts), part(r.bin_experts, r.end)});
+                       part(r.local_list, r.bin_experts), part(r.bin_experts, r.end), r.peer_experts});
   }
 }
 

@@ -11,10 +11,11 @@ namespace capserve::parallel {
 
 // One layer's placement, int32 tensors of the backend.
 struct LayerTables {
-  kernels::Tensor owners;       // [E]: the rank hosting each expert
-  kernels::Tensor local_index;  // [E]: its index among that rank's experts
-  kernels::Tensor local_list;   // [this rank's experts]: ascending
-  kernels::Tensor bin_experts;  // [ranks]: experts per rank
+  kernels::Tensor owners;         // [E]: the rank hosting each expert
+  kernels::Tensor local_index;    // [E]: its index among that rank's experts
+  kernels::Tensor local_list;     // [this rank's experts]: ascending
+  kernels::Tensor bin_experts;    // [ranks]: experts per rank
+  std::int64_t peer_experts = 0;  // the most experts one rank hosts (host value)
 };
 
 class PlacementTables {

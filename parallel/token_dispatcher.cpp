@@ -15,6 +15,11 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
+// A tensor's memory as the raw span the communicator's fixed exchange takes.
+std::span<std::byte> bytes(const Tensor& t) {
+  return {static_cast<std::byte*>(t.data()), t.bytes()};
+}
+
 std::int64_t sum(std::span<const std::int64_t> v) {
   return std::accumulate(v.begin(), v.end(), std::int64_t{0});
 }
@@ -22,7 +27,7 @@ std::int64_t sum(std::span<const std::int64_t> v) {
 }  // namespace
 
 void TokenDispatcher::plan(kernels::Backend& backend, const Tensor& experts, const Tensor& weights,
-                           const LayerTables& tables, const Tensor& counts) {
+                           const LayerTables& tables, const Tensor& counts, const Tensor& rows_sent) {
   const auto start = Clock::now();
   const std::int64_t ranks = comm_.size();
   const std::int64_t tokens = experts.dims() == 0 ? 0 : experts.dim(0);
@@ -37,18 +42,28 @@ void TokenDispatcher::plan(kernels::Backend& backend, const Tensor& experts, con
       backend.scratch(entries_, DType::u8, {tokens * top_k, static_cast<std::int64_t>(sizeof(Entry))});
   plan_.counts = counts.rows(0, 2 * ranks);
   backend.plan_dispatch(experts, weights, tables.owners, tables.local_index, plan_);
+  backend.copy(plan_.row_offsets.rows(ranks, 1), rows_sent);  // the offsets start at 0
   comm_.alltoall(counts.rows(0, ranks), counts.rows(2 * ranks, ranks), backend.stream());
   comm_.alltoall(counts.rows(ranks, ranks), counts.rows(3 * ranks, ranks), backend.stream());
   counters_.dispatch_seconds = seconds_since(start);
 }
 
 void TokenDispatcher::reserve(kernels::Backend& backend, std::int64_t tokens, std::int64_t top_k,
-                              std::int64_t hidden) {
-  const std::int64_t sent = tokens * std::min<std::int64_t>(top_k, comm_.size());
+                              std::int64_t hidden, Blocks blocks) {
+  const std::int64_t ranks = comm_.size();
+  const std::int64_t sent = std::max(tokens * std::min<std::int64_t>(top_k, ranks), ranks * blocks.rows);
+  const std::int64_t received = std::max(tokens, ranks * blocks.rows);
+  const std::int64_t entries = std::max(tokens * top_k, ranks * blocks.entries);
   (void)backend.scratch(send_rows_, DType::f32, {sent, hidden});
   (void)backend.scratch(returned_, DType::f32, {sent, hidden});
-  (void)backend.scratch(recv_rows_, DType::f32, {tokens, hidden});
-  (void)backend.scratch(recv_entries_, DType::u8, {tokens * top_k, static_cast<std::int64_t>(sizeof(Entry))});
+  (void)backend.scratch(recv_rows_, DType::f32, {received, hidden});
+  (void)backend.scratch(recv_entries_, DType::u8, {entries, static_cast<std::int64_t>(sizeof(Entry))});
+  if (blocks.rows == 0 && blocks.entries == 0) return;
+  (void)backend.scratch(block_rows_, DType::i32, {ranks * blocks.rows});
+  (void)backend.scratch(block_entries_, DType::i32, {ranks * blocks.entries});
+  (void)backend.scratch(send_entries_, DType::f32,
+                        {ranks * blocks.entries, static_cast<std::int64_t>(sizeof(Entry) / sizeof(float))});
+  (void)backend.scratch(block_position_, DType::i64, {tokens, top_k});
 }
 
 TokenDispatcher::Received TokenDispatcher::send(kernels::Backend& backend, const Tensor& h,
@@ -104,6 +119,56 @@ TokenDispatcher::Received TokenDispatcher::send(kernels::Backend& backend, const
   counters_.rows_received = in_rows;
   counters_.dispatch_seconds += seconds_since(start);
   return in;
+}
+
+TokenDispatcher::ReceivedBlocks TokenDispatcher::send_blocks(kernels::Backend& backend, const Tensor& h,
+                                                             const Tensor& counts, Blocks blocks,
+                                                             const Tensor& overflow) {
+  const auto start = Clock::now();
+  const std::int64_t ranks = comm_.size();
+  const std::int64_t hidden = h.row_numel();
+  const auto entry_bytes = static_cast<std::int64_t>(sizeof(Entry));
+  constexpr std::int64_t kEntryWords = sizeof(Entry) / sizeof(float);
+  static_assert(sizeof(Entry) % sizeof(float) == 0, "entries move as rows of 4-byte words");
+
+  const Tensor row_index = backend.scratch(block_rows_, DType::i32, {ranks * blocks.rows});
+  backend.block_index(plan_.row_offsets, plan_.row_token, blocks.rows, row_index, overflow);
+  const Tensor rows_out = backend.scratch(send_rows_, DType::f32, {ranks * blocks.rows, hidden});
+  backend.take_rows(h, row_index, rows_out);
+  // Entries move as rows of words (take_rows copies bits), zeros past a destination's count.
+  const Tensor entry_index = backend.scratch(block_entries_, DType::i32, {ranks * blocks.entries});
+  backend.block_index(plan_.entry_offsets, {}, blocks.entries, entry_index, overflow);
+  const Tensor planned(plan_.entries.data(), DType::f32, backend.device(),
+                       {plan_.entries.dim(0), kEntryWords});
+  const Tensor entries_out =
+      backend.scratch(send_entries_, DType::f32, {ranks * blocks.entries, kEntryWords});
+  backend.take_rows(planned, entry_index, entries_out);
+
+  ReceivedBlocks in;
+  in.rows = backend.scratch(recv_rows_, DType::f32, {ranks * blocks.rows, hidden});
+  in.entries = backend.scratch(recv_entries_, DType::u8, {ranks * blocks.entries, entry_bytes});
+  in.entry_counts = counts.rows(3 * ranks, ranks);
+  comm_.alltoall_fixed(bytes(entries_out), bytes(in.entries), blocks.entries * entry_bytes, backend.stream());
+  comm_.alltoall_fixed(bytes(rows_out), bytes(in.rows),
+                       blocks.rows * hidden * static_cast<std::int64_t>(sizeof(float)), backend.stream());
+  counters_.dispatch_seconds += seconds_since(start);
+  return in;
+}
+
+void TokenDispatcher::combine_blocks(kernels::Backend& backend, const Tensor& results, Blocks blocks,
+                                     const Tensor& out) {
+  const auto start = Clock::now();
+  const std::int64_t ranks = comm_.size();
+  const std::int64_t hidden = out.row_numel();
+  const Tensor returned = backend.scratch(returned_, DType::f32, {ranks * blocks.rows, hidden});
+  comm_.alltoall_fixed(bytes(results), bytes(returned),
+                       blocks.rows * hidden * static_cast<std::int64_t>(sizeof(float)), backend.stream());
+  const Tensor position = backend.scratch(block_position_, DType::i64,
+                                          {plan_.row_position.dim(0), plan_.row_position.row_numel()});
+  backend.block_positions(plan_.row_position, plan_.row_offsets, blocks.rows, position);
+  backend.combine(returned, position, {}, out);
+  counters_.combine_seconds = seconds_since(start);
+  counters_.wire_bytes = comm_.bytes_sent() - sent_before_;
 }
 
 void TokenDispatcher::combine(kernels::Backend& backend, const Tensor& results, const Tensor& out) {

@@ -15,7 +15,9 @@
 
 namespace capserve::parallel {
 
-// What the last layer moved (this rank's view).
+// What the last layer moved (this rank's view). The row and entry counts are the counted exchange's (the host
+// reads them there); the fixed-size exchange reports its rows through plan's `rows_sent` on the device and
+// leaves them 0 here.
 struct DispatchCounters {
   std::int64_t rows_sent = 0;         // hidden rows dispatched, to any rank
   std::int64_t rows_sent_remote = 0;  // ... to other ranks
@@ -24,6 +26,12 @@ struct DispatchCounters {
   std::int64_t wire_bytes = 0;        // bytes sent to other ranks by dispatch and combine
   double dispatch_seconds = 0;        // plan + count exchange + both exchanges
   double combine_seconds = 0;         // exchange back + sum
+};
+
+// The block sizes of a fixed-size exchange (TokenDispatcher::send_blocks).
+struct DispatchBlocks {
+  std::int64_t rows = 0;
+  std::int64_t entries = 0;
 };
 
 class TokenDispatcher {
@@ -37,10 +45,10 @@ class TokenDispatcher {
   [[nodiscard]] std::int64_t count_values() const { return 4 * static_cast<std::int64_t>(comm_.size()); }
 
   // Dispatch, part 1: the plan of experts / weights [T, k] (-1 for a dropped slot) on the backend, and the
-  // count exchange into `counts` (a tensor of the backend, count_values() long), which the caller copies to
-  // the host with whatever else the layer reports.
+  // count exchange into `counts` (a tensor of the backend, count_values() long) on the device; `rows_sent`
+  // (int64 [1] of the backend) gets the hidden rows this rank dispatches.
   void plan(kernels::Backend& backend, const kernels::Tensor& experts, const kernels::Tensor& weights,
-            const LayerTables& tables, const kernels::Tensor& counts);
+            const LayerTables& tables, const kernels::Tensor& counts, const kernels::Tensor& rows_sent);
 
   // What this rank received, tensors of the backend valid until the next plan.
   struct Received {
@@ -49,19 +57,40 @@ class TokenDispatcher {
     kernels::Tensor entry_start;  // int64 [ranks + 1]: first entry of each source
     kernels::Tensor row_start;    // int64 [ranks + 1]: first row of each source
   };
-  // Dispatch, part 2, with the counts on the host: sends the planned rows of h [T, hidden] and the entries.
+  // Dispatch, part 2, with the counts on the host (the copy of plan's `counts`): sends the planned rows of
+  // h [T, hidden] and the entries.
   Received send(kernels::Backend& backend, const kernels::Tensor& h, std::span<const std::int64_t> counts);
 
   // Combine: results [received rows, hidden] go back where their rows came from; out [T, hidden] is
   // overwritten with the sum of each token's returned rows (zero for a token with no kept slot).
   void combine(kernels::Backend& backend, const kernels::Tensor& results, const kernels::Tensor& out);
 
+  // The capacity-bounded exchange instead (communicator.h, alltoall_fixed): every peer gets one block of
+  // `rows` hidden rows and one of `entries` entries, whatever the routing, so nothing waits for the host.
+  using Blocks = DispatchBlocks;
+  // What this rank received in the block layout: source s's rows from s * blocks.rows, its entries from
+  // s * blocks.entries, entry_counts[s] of them valid.
+  struct ReceivedBlocks {
+    kernels::Tensor rows;          // f32 [ranks * blocks.rows, hidden]
+    kernels::Tensor entries;       // u8 [ranks * blocks.entries, sizeof(Entry)]
+    kernels::Tensor entry_counts;  // int64 [ranks], on the device
+  };
+  // Dispatch, part 2 without the host, after plan (whose `counts` it reads on the device). A source's rows
+  // or entries beyond their block (the bound broken) are left out and added to overflow (int64 [1]).
+  ReceivedBlocks send_blocks(kernels::Backend& backend, const kernels::Tensor& h,
+                             const kernels::Tensor& counts, Blocks blocks, const kernels::Tensor& overflow);
+  // Combine of send_blocks' rows: results [ranks * blocks.rows, hidden] back in blocks, summed into out.
+  void combine_blocks(kernels::Backend& backend, const kernels::Tensor& results, Blocks blocks,
+                      const kernels::Tensor& out);
+
   [[nodiscard]] const DispatchCounters& counters() const { return counters_; }
 
   // Sizes the buffers whose size depends on the routing for any step of at most `tokens` tokens over all
   // ranks together (a rank sends each token's row at most min(top_k, ranks) times and receives at most one
-  // row per token), so that such a step never grows them (runtime/README.md, "Step memory").
-  void reserve(kernels::Backend& backend, std::int64_t tokens, std::int64_t top_k, std::int64_t hidden);
+  // row per token), and for the block exchange at `blocks` (all zero: none), so that such a step never grows
+  // them (runtime/README.md, "Step memory").
+  void reserve(kernels::Backend& backend, std::int64_t tokens, std::int64_t top_k, std::int64_t hidden,
+               Blocks blocks = {});
 
  private:
   Communicator& comm_;
@@ -73,6 +102,8 @@ class TokenDispatcher {
   // Grow-only, reused by every layer and step.
   kernels::Buffer row_offsets_, row_position_, row_token_, entry_offsets_, entries_, send_rows_, recv_rows_,
       recv_entries_, starts_, returned_;
+  // The block layout's own: send indices and entries, the returned rows' positions.
+  kernels::Buffer block_rows_, block_entries_, send_entries_, block_position_;
   std::vector<std::int64_t> starts_host_, byte_counts_, recv_byte_counts_;
 };
 

@@ -40,6 +40,8 @@ Engine::Engine(const Model& model, const EngineOptions& options)
       pass_(model),
       mtp_pass_(model.mtp_layers() > 0 ? std::make_unique<ForwardPass>(model, LayerStack::mtp) : nullptr),
       cache_(engine_cache_shape(model, options), model.backend()) {
+  pass_.set_fixed_exchange_tokens(options.fixed_exchange_tokens);
+  if (mtp_pass_) mtp_pass_->set_fixed_exchange_tokens(options.fixed_exchange_tokens);
   for (const kernels::FastKernelCheck& check :
        model_.backend().check_fast_kernels(attention_shapes(model.config(), options))) {
     if (check.in_use) {
@@ -207,17 +209,25 @@ Status Engine::step(std::span<const Work> work) {
                               {static_cast<std::int64_t>(tokens_.size()), model_.config().hidden_size});
   }
   pass_.forward({tokens_, positions_, slices_, logit_rows_, decode_rows_}, cache_, logits_, hidden_);
-  const std::span<const std::int32_t> dropped = pass_.last_row_dropped();
-  const std::span<const std::int32_t> rerouted = pass_.last_row_rerouted();
-  moe_counts_.assign(work.size(), {});
-  for (std::size_t i = 0; i < work.size(); ++i) {
-    const kernels::SequenceSlice& slice = slices_[i];
+  counted_rows_.assign(slices_.begin(), slices_.end());
+  moe_counts_current_ = false;
+  return {};
+}
+
+std::span<const Engine::MoeCounts> Engine::moe_counts() {
+  if (moe_counts_current_) return moe_counts_;
+  const std::span<const std::int64_t> dropped = pass_.last_row_dropped();
+  const std::span<const std::int64_t> rerouted = pass_.last_row_rerouted();
+  moe_counts_.assign(counted_rows_.size(), {});
+  for (std::size_t i = 0; i < counted_rows_.size(); ++i) {
+    const kernels::SequenceSlice& slice = counted_rows_[i];
     for (std::int64_t r = slice.first_row; r < slice.first_row + slice.num_tokens; ++r) {
       moe_counts_[i].dropped += dropped[static_cast<std::size_t>(r)];
       moe_counts_[i].rerouted += rerouted[static_cast<std::size_t>(r)];
     }
   }
-  return {};
+  moe_counts_current_ = true;
+  return moe_counts_;
 }
 
 Status Engine::validate_drafts(std::int64_t depth, DraftInput input, std::span<const DraftWork> work) {

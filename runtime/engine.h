@@ -26,6 +26,11 @@ struct EngineOptions {
   // (Backend::seal_scratch): no later step allocates or frees device memory, and a step of more tokens is
   // refused (runtime/README.md, "Step memory"). 0: buffers grow on first use (the CPU backend, tests).
   std::int64_t max_step_tokens = 0;
+  // Steps of at most this many tokens over all ranks exchange MoE rows in fixed-size blocks wherever the
+  // capacity factor bounds every expert's load (runtime/README.md, "Decode without host waits"): no host
+  // synchronisation per layer, at the price of full blocks on the wire. Larger steps, and 0, use the counted
+  // exchange.
+  std::int64_t fixed_exchange_tokens = 1024;
 };
 
 class Engine {
@@ -72,11 +77,13 @@ class Engine {
     std::int64_t dropped = 0;
     std::int64_t rerouted = 0;
   };
-  [[nodiscard]] std::span<const MoeCounts> moe_counts() const { return moe_counts_; }
+  // Read after the step's sample() they cost nothing more; before it, one synchronisation
+  // (ForwardPass::last_moe_stats).
+  [[nodiscard]] std::span<const MoeCounts> moe_counts();
 
   // The forward pass's statistics and controls (ForwardPass has their contracts).
-  [[nodiscard]] const parallel::MoeStepStats& last_moe_stats() const { return pass_.last_moe_stats(); }
-  [[nodiscard]] const parallel::RunStats& run_stats() const { return pass_.run_stats(); }
+  [[nodiscard]] const parallel::MoeStepStats& last_moe_stats() { return pass_.last_moe_stats(); }
+  [[nodiscard]] const parallel::RunStats& run_stats() { return pass_.run_stats(); }
   void router_dry_run(std::span<const std::int32_t> tokens, std::int64_t layers,
                       std::span<std::int64_t> counts) {
     pass_.router_dry_run(tokens, layers, counts);
@@ -158,6 +165,8 @@ class Engine {
   mutable std::vector<float> host_logits_;
   mutable bool host_logits_current_ = false;
   std::vector<MoeCounts> moe_counts_;
+  std::vector<kernels::SequenceSlice> counted_rows_;  // the last step's work items' rows, for moe_counts
+  bool moe_counts_current_ = false;
 };
 
 }  // namespace capserve::runtime

@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
+#include <stdexcept>
+#include <string>
 
 namespace capserve::runtime {
 namespace {
@@ -21,6 +24,24 @@ namespace {
 
 std::span<const std::int64_t> stack_moe_layers(const Model& model, LayerStack stack) {
   return stack == LayerStack::decoder ? model.moe_layers() : model.mtp_moe_layers();
+}
+
+// The step's report, int64 on the backend: what the MoE layers count on the device, read by the host once
+// per step. The rows past their fixed-size blocks (a broken capacity bound), one parallel::LayerReport per
+// MoE layer (these first two summed over the ranks), then this rank's slots dropped and rerouted per row.
+struct StepReport {
+  std::int64_t layers = 0;
+  parallel::LayerReport layer;
+  std::int64_t rows = 0;
+  static constexpr std::int64_t kOverflow = 0;
+  [[nodiscard]] std::int64_t layer_at(std::int64_t moe_index) const { return 1 + moe_index * layer.size(); }
+  [[nodiscard]] std::int64_t summed() const { return layer_at(layers); }  // the part summed over ranks
+  [[nodiscard]] std::int64_t size() const { return summed() + 2 * rows; }
+};
+
+StepReport step_report(const Model& model, LayerStack stack, std::int64_t rows) {
+  return {static_cast<std::int64_t>(stack_moe_layers(model, stack).size()),
+          parallel::LayerReport{model.config().num_experts}, rows};
 }
 
 }  // namespace
@@ -71,9 +92,22 @@ void ForwardPass::router_dry_run(std::span<const std::int32_t> tokens, std::int6
 
 void ForwardPass::reserve_routed(std::int64_t tokens) {
   kernels::Backend& backend = model_.backend();
-  for (const std::int64_t layer : stack_moe_layers(model_, stack_))
-    reserve_moe_scratch(backend, config_, model_.layer(layer).moe.experts, tokens, scratch_.moe);
-  dispatcher_.reserve(backend, tokens, config_.top_k, config_.hidden_size);
+  const std::int64_t ranks = model_.communicator().size();
+  parallel::TokenDispatcher::Blocks largest;
+  for (const std::int64_t layer : stack_moe_layers(model_, stack_)) {
+    const std::optional<parallel::CapacityStage::FixedBounds> fixed =
+        fixed_exchange_tokens_ > 0
+            ? scheduler_.largest_fixed_bounds(std::min(tokens, fixed_exchange_tokens_), config_.top_k,
+                                              config_.num_experts, model_.tables().layer(layer).peer_experts)
+            : std::nullopt;
+    if (fixed) {
+      largest.rows = std::max(largest.rows, fixed->rows);
+      largest.entries = std::max(largest.entries, fixed->entries);
+    }
+    reserve_moe_scratch(backend, config_, model_.layer(layer).moe.experts, tokens, fixed, ranks,
+                        scratch_.moe);
+  }
+  dispatcher_.reserve(backend, tokens, config_.top_k, config_.hidden_size, largest);
 }
 
 void ForwardPass::begin_step(const ForwardBatch& batch) {
@@ -105,18 +139,45 @@ void ForwardPass::begin_step(const ForwardBatch& batch) {
     }
   }
   a.exempt = {};
+  exempt_rows_ = 0;
   if (phase != parallel::CapacityPhase::both) {
     a.exempt = backend.scratch(s.exempt, DType::u8, {rows});
     backend.from_host(std::as_bytes(std::span<const std::uint8_t>(exempt_)), a.exempt);
+    for (const std::uint8_t e : exempt_) exempt_rows_ += e;
   }
-  row_dropped_.assign(static_cast<std::size_t>(rows), 0);
-  row_rerouted_.assign(static_cast<std::size_t>(rows), 0);
+  settle_stats();  // the previous step's, before its figures are overwritten
+  a.report = backend.scratch(s.report, DType::i64, {step_report(model_, stack_, rows).size()});
+  backend.zero(a.report);
   stats_.begin_step();
-  scheduler_.begin_step(rows);
+  scheduler_.begin_step(rows, exempt_rows_);
 }
 
 void ForwardPass::end_step() {
-  stats_.reduce(model_.control(), model_.placement());
+  kernels::Backend& backend = model_.backend();
+  parallel::Communicator& comm = model_.communicator();
+  const StepReport layout = step_report(model_, stack_, act_.residual.dim(0));
+  if (comm.size() > 1) comm.allreduce_sum(act_.report.rows(0, layout.summed()), backend.stream());
+  report_rows_ = layout.rows;
+  report_host_.resize(static_cast<std::size_t>(layout.size()));
+  backend.to_host_later(act_.report, std::as_writable_bytes(std::span<std::int64_t>(report_host_)));
+  report_pending_ = true;
+  stats_.reduce(model_.control());
+}
+
+void ForwardPass::settle_stats() {
+  if (!report_pending_) return;
+  model_.backend().finish_host_copies(HostSync::moe_stats);
+  report_pending_ = false;
+  const std::span<const std::int64_t> report(report_host_);
+  const StepReport layout = step_report(model_, stack_, report_rows_);
+  if (const std::int64_t past = report[StepReport::kOverflow]; past > 0) {
+    throw std::logic_error(
+        "MoE exchange: " + std::to_string(past) +
+        " rows or entries past their fixed-size blocks (the capacity bound they were sized "
+        "by did not hold)");
+  }
+  stats_.add_reports(report.subspan(1, static_cast<std::size_t>(layout.summed() - 1)), model_.placement());
+  row_counts_ = report.subspan(static_cast<std::size_t>(layout.summed()));
   run_stats_.add(stats_.step());
 }
 
@@ -291,8 +352,19 @@ void ForwardPass::feed_forward(std::int64_t layer, std::int64_t rows) {
   const Activations& a = act_;
   backend.rms_norm(a.residual, lw.post_attention_norm, static_cast<float>(config_.rms_norm_eps), a.normed);
   if (lw.is_moe) {
-    MoeLayerContext context{layer,    model_.tables().layer(layer),          scheduler_,   dispatcher_,
-                            a.exempt, stats_.layer(model_.moe_index(layer)), row_dropped_, row_rerouted_};
+    const std::int64_t moe_index = model_.moe_index(layer);
+    const StepReport report = step_report(model_, stack_, rows);
+    MoeLayerContext context{layer,
+                            model_.tables().layer(layer),
+                            scheduler_,
+                            dispatcher_,
+                            a.exempt,
+                            stats_.layer(moe_index),
+                            a.report.rows(report.layer_at(moe_index), report.layer.size()),
+                            a.report.rows(report.summed(), rows),
+                            a.report.rows(report.summed() + rows, rows),
+                            a.report.rows(StepReport::kOverflow, 1),
+                            fixed_exchange_tokens_};
     moe_block(backend, config_, lw.moe, a.normed, a.proj, scratch_.moe, context);
   } else {
     const std::int64_t whole[2] = {0, rows};

@@ -52,8 +52,14 @@ class ForwardPass {
   void mtp_forward(std::int64_t depth, const ForwardBatch& batch, const kernels::Tensor& hidden,
                    KvCache& cache, const kernels::Tensor& logits, const kernels::Tensor& out_hidden);
 
-  // The last forward's MoE statistics over all ranks, one entry per MoE layer of the pass's stack.
-  [[nodiscard]] const parallel::MoeStepStats& last_moe_stats() const { return stats_.step(); }
+  // The last forward's MoE statistics over all ranks, one entry per MoE layer of the pass's stack. Their
+  // counts come from the device with the step's next synchronisation (the sampled tokens); read before one,
+  // they cost one (HostSync::moe_stats). Throws std::logic_error when the step broke the capacity bound its
+  // fixed-size exchange relied on (a defect, never a request's fault).
+  [[nodiscard]] const parallel::MoeStepStats& last_moe_stats() {
+    settle_stats();
+    return stats_.step();
+  }
   // Router dry run for batch selection: each token's embedding through the first `layers` MoE layers'
   // post-attention RMSNorm and router to its top-k, no attention, no experts, no collective; adds the chosen
   // experts' counts into counts [layers, num_experts]. Not thread-safe with forward (one engine thread).
@@ -64,13 +70,30 @@ class ForwardPass {
   // at most `tokens` tokens over all ranks together; Engine's start-up reservation. No collective.
   void reserve_routed(std::int64_t tokens);
   // Forgets the statistics of the forwards so far (the start-up reservation's).
-  void reset_run_stats() { run_stats_ = {}; }
+  void reset_run_stats() {
+    settle_stats();
+    run_stats_ = {};
+  }
 
-  // Every forward's statistics so far, summed (for --moe-stats and reports).
-  [[nodiscard]] const parallel::RunStats& run_stats() const { return run_stats_; }
-  // Per row of the last forward's batch: assignment slots dropped / rerouted, summed over layers.
-  [[nodiscard]] std::span<const std::int32_t> last_row_dropped() const { return row_dropped_; }
-  [[nodiscard]] std::span<const std::int32_t> last_row_rerouted() const { return row_rerouted_; }
+  // Every forward's statistics so far, summed (for --moe-stats and reports); as last_moe_stats.
+  [[nodiscard]] const parallel::RunStats& run_stats() {
+    settle_stats();
+    return run_stats_;
+  }
+  // Per row of the last forward's batch: assignment slots dropped / rerouted, summed over layers; as
+  // last_moe_stats.
+  [[nodiscard]] std::span<const std::int64_t> last_row_dropped() {
+    settle_stats();
+    return row_counts_.first(row_counts_.size() / 2);
+  }
+  [[nodiscard]] std::span<const std::int64_t> last_row_rerouted() {
+    settle_stats();
+    return row_counts_.subspan(row_counts_.size() / 2);
+  }
+
+  // Steps of at most this many tokens over all ranks exchange in fixed-size blocks where a capacity bound
+  // allows (CapacityStage::fixed_bounds), larger ones with counts the host reads; 0: never in blocks.
+  void set_fixed_exchange_tokens(std::int64_t tokens) { fixed_exchange_tokens_ = tokens; }
 
   // Which form multi-head latent attention takes (default: per sequence, the cheaper one); for tests and
   // benchmarks that compare the forms.
@@ -79,8 +102,12 @@ class ForwardPass {
  private:
   // The step's activations, rotary tables and capacity state for `batch`; the residual is left to fill.
   void begin_step(const ForwardBatch& batch);
-  // The statistics' reduction over ranks (a collective) and the run's sums.
+  // The statistics' reduction over ranks (collectives: the device's counts on the stream, the host's
+  // figures) and the report's copy to the host, which settle_stats later reads.
   void end_step();
+  // Once the report has reached the host (waiting for it if no synchronisation did since): the step's counts
+  // into the statistics and the run's sums.
+  void settle_stats();
   // Input norm, the layer's attention (grouped-query or multi-head latent) into scratch_.attn, o_proj,
   // residual.
   void attention(std::int64_t layer, const ForwardBatch& batch, KvCache& cache);
@@ -99,15 +126,23 @@ class ForwardPass {
   parallel::StepStatsRecorder stats_;
   parallel::RunStats run_stats_;
   std::vector<std::uint8_t> exempt_;  // [rows]: rows the capacity scheduler may not drop this step
+  std::int64_t exempt_rows_ = 0;
   std::vector<std::int64_t> dry_run_counts_;
-  std::vector<std::int32_t> row_dropped_, row_rerouted_;
+  std::int64_t fixed_exchange_tokens_ = 0;
+  // The step's report (StepReport layout in forward_pass.cpp) on the host, once it arrives; pending until
+  // settle_stats has read it.
+  std::vector<std::int64_t> report_host_;
+  std::int64_t report_rows_ = 0;
+  std::span<const std::int64_t> row_counts_;  // [2, rows] within report_host_: dropped, rerouted
+  bool report_pending_ = false;
   std::vector<std::int64_t> mtp_join_;  // [2 * rows]: the MTP input's interleaving of embeddings and states
   kernels::LatentForm latent_form_ = kernels::LatentForm::cheaper;
 
   // Grow-only activation buffers of the backend, reused by every step.
   struct Scratch {
     // MLA: k holds the latents, v the rope keys, q_lora the low-rank queries.
-    kernels::Buffer tokens, residual, normed, q, q_lora, k, v, attn, proj, cos, sin, final_rows, exempt;
+    kernels::Buffer tokens, residual, normed, q, q_lora, k, v, attn, proj, cos, sin, final_rows, exempt,
+        report;
     kernels::Buffer mtp_parts, mtp_joined;  // MTP: [embeddings; states], then each row's pair side by side
     std::vector<float> cos_host, sin_host;  // the step's rotary tables, made on the host
     std::vector<float> dynamic_inv_freq;    // a sequence's frequencies under dynamic rope scaling
@@ -117,6 +152,7 @@ class ForwardPass {
   struct Activations {
     kernels::Tensor residual, normed, proj, cos, sin;  // [rows, hidden] x3, [rows, rotary_dim / 2] x2
     kernels::Tensor exempt;                            // u8 [rows] or empty: see exempt_
+    kernels::Tensor report;                            // int64: the step's report (forward_pass.cpp)
   } act_;
   struct DryRunScratch {
     kernels::Buffer tokens, embedded, normed, logits, probs, experts, weights, counts;

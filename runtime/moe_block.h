@@ -4,10 +4,14 @@
 // (each token's row once to every rank hosting its kept experts) -> Experts (grouped SwiGLU of the received
 // rows, gate-weighted per row) -> Combine (the rows back, summed per token); plus the optional shared expert
 // (sigmoid-gated, or ungated as DeepSeek's), local dense compute that never enters the all-to-all and is
-// never dropped. Every stage is backend operations on the backend's tensors; the host sees one copy per layer
-// (HostSync::moe_dispatch: the exchange sizes and the layer's statistics) and the expert group sizes
-// (HostSync::moe_groups).
+// never dropped. Every stage is backend operations on the backend's tensors. The layer's counts go into the
+// step's report on the device (parallel::LayerReport), which the host reads with the step's one
+// synchronisation. The exchange takes one of two forms (runtime/README.md, "Decode without host waits"):
+// counted, where the host reads the exchange sizes (HostSync::moe_dispatch) and the expert group sizes
+// (HostSync::moe_groups); or, under a capacity bound every rank knows, fixed-size blocks, where it reads
+// nothing.
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -27,11 +31,20 @@ kernels::moe::RouterParams router_params(const ModelConfig& config, std::int64_t
 
 // Grow-only buffers of the backend reused across layers and steps.
 struct MoeScratch {
-  kernels::Buffer router_logits, probs, experts, weights, status, report;
+  kernels::Buffer router_logits, probs, experts, weights, status, counts, own_report;
   kernels::Buffer local_experts, local_weights, group_offsets, group_position, group_rows, grouped_in,
       grouped_out, results;
+  kernels::Buffer expert_index, expert_position;  // the fixed form's rows in per-expert blocks
   kernels::Buffer shared_out, shared_gate;
-  std::vector<std::int64_t> report_host, group_offsets_host;
+  std::vector<std::int64_t> counts_host, group_offsets_host, expert_offsets_host;
+};
+
+// Which form a layer's exchange takes, and where it reports.
+struct ExchangeForm {
+  // Fixed-size blocks of these sizes (CapacityStage::fixed_bounds); none: the counted exchange.
+  std::optional<parallel::CapacityStage::FixedBounds> fixed;
+  kernels::Tensor rows_sent;  // int64 [1]: hidden rows this rank dispatches; empty: not reported
+  kernels::Tensor overflow;   // int64 [1]: rows and entries past their blocks, added to; empty: not reported
 };
 
 // The expert-parallel machinery one MoE layer runs through, and where its statistics go.
@@ -40,28 +53,31 @@ struct MoeLayerContext {
   const parallel::LayerTables& tables;  // the layer's placement on the backend
   parallel::CapacityStage& capacity;
   parallel::TokenDispatcher& dispatcher;
-  kernels::Tensor exempt;                // u8 [rows] or empty: rows the capacity scheduler never drops
-  parallel::MoeLayerStats& stats;        // this rank's share, added to
-  std::span<std::int32_t> row_dropped;   // [rows]: slots dropped per row, added to
-  std::span<std::int32_t> row_rerouted;  // [rows]: slots rerouted per row, added to
+  kernels::Tensor exempt;             // u8 [rows] or empty: rows the capacity scheduler never drops
+  parallel::MoeLayerStats& stats;     // this rank's host-side share (tokens, times), added to
+  kernels::Tensor report;             // int64 [LayerReport::size()]: the layer's counts, zeroed by the caller
+  kernels::Tensor row_dropped;        // int64 [rows]: slots dropped per row, added to
+  kernels::Tensor row_rerouted;       // int64 [rows]: slots rerouted per row, added to
+  kernels::Tensor overflow;           // int64 [1]: see ExchangeForm
+  std::int64_t fixed_max_tokens = 0;  // the fixed form only for steps of at most this many tokens (all ranks)
 };
 
-// The stages after Capacity, for kept experts / gate weights [T, k] of h [T, hidden]: Dispatch (the plan;
-// `report`, whose first dispatcher.count_values() elements the dispatcher fills with its counts, copied to
-// scratch.report_host in the layer's one HostSync::moe_dispatch), Experts over this rank's `local` experts,
-// Combine into out [T, hidden]. Returns the Experts stage's seconds.
+// The stages after Capacity, for kept experts / gate weights [T, k] of h [T, hidden]: Dispatch, Experts over
+// this rank's `local` experts, Combine into out [T, hidden], in `form`. Returns the Experts stage's seconds.
 double expert_parallel_stages(kernels::Backend& backend, parallel::TokenDispatcher& dispatcher,
                               const parallel::LayerTables& tables,
                               std::span<const kernels::ExpertWeights> local, const kernels::Tensor& h,
                               const kernels::Tensor& experts, const kernels::Tensor& gate,
-                              const kernels::Tensor& report, MoeScratch& scratch, const kernels::Tensor& out);
+                              MoeScratch& scratch, const kernels::Tensor& out, const ExchangeForm& form = {});
 
 // Sizes `scratch` and the backend's own expert buffers for any step of at most `tokens` tokens over all ranks
 // together on the `local` experts of a layer (received rows at most `tokens`, grouped rows at most tokens x
-// top_k, any one expert's rows at most `tokens`): the buffers whose size depends on the routing, which one
-// step at the largest shape need not reach (runtime/README.md, "Step memory").
+// top_k, any one expert's rows at most `tokens`; in the fixed form `fixed`'s blocks over `ranks`): the
+// buffers whose size depends on the routing, which one step at the largest shape need not reach
+// (runtime/README.md, "Step memory").
 void reserve_moe_scratch(kernels::Backend& backend, const ModelConfig& config,
                          std::span<const kernels::ExpertWeights> local, std::int64_t tokens,
+                         const std::optional<parallel::CapacityStage::FixedBounds>& fixed, std::int64_t ranks,
                          MoeScratch& scratch);
 
 // out[rows, hidden] = MoE(h); out is overwritten. Every rank calls it for every MoE layer, rows may be 0.

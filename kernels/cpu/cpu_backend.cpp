@@ -700,6 +700,11 @@ void CpuBackend::copy_to_host(const Tensor& src, std::span<std::byte> dst) {
   std::memcpy(dst.data(), src.data(), dst.size());
 }
 
+bool CpuBackend::copy_to_host_later(const Tensor& src, std::span<std::byte> dst) {
+  copy_to_host(src, dst);
+  return false;
+}
+
 void CpuBackend::copy_from_host(std::span<const std::byte> src, const Tensor& dst) {
   std::memcpy(dst.data(), src.data(), src.size());
 }

@@ -48,6 +48,10 @@ class CpuBackend : public Backend {
                      const Tensor& local_index, const DispatchPlan& plan) override;
   void group_received(const ReceivedGroups& groups) override;
   void take_rows(const Tensor& src, const Tensor& index, const Tensor& dst) override;
+  void block_index(const Tensor& offsets, const Tensor& source, std::int64_t block, const Tensor& index,
+                   const Tensor& overflow) override;
+  void block_positions(const Tensor& position, const Tensor& offsets, std::int64_t block,
+                       const Tensor& out) override;
   void combine(const Tensor& y, const Tensor& position, const Tensor& weights, const Tensor& out) override;
   void set_num_threads(int n) override;
 
@@ -55,8 +59,12 @@ class CpuBackend : public Backend {
   [[nodiscard]] Buffer allocate_memory(std::size_t bytes) override;
   void copy_to_host(const Tensor& src, std::span<std::byte> dst) override;
   void copy_from_host(std::span<const std::byte> src, const Tensor& dst) override;
+  bool copy_to_host_later(const Tensor& src, std::span<std::byte> dst) override;
+  void finish_copies_to_host() override {}
 
  private:
+  // group_received in the block layout (ReceivedGroups::entry_counts).
+  void group_received_blocks(const ReceivedGroups& g);
   int num_threads_;
   // Grow-only scratch, reused across calls so a step allocates nothing once warm.
   std::vector<float> widened_weight_;

@@ -122,6 +122,10 @@ void CpuBackend::plan_dispatch(const Tensor& experts, const Tensor& weights, con
 }
 
 void CpuBackend::group_received(const ReceivedGroups& g) {
+  if (!g.entry_counts.empty()) {
+    group_received_blocks(g);
+    return;
+  }
   const std::int64_t rows = g.experts.dims() == 0 ? 0 : g.experts.dim(0);
   const std::int64_t top_k = g.experts.row_numel();
   const std::int64_t ranks = g.entry_start.numel() - 1;
@@ -168,6 +172,70 @@ void CpuBackend::group_received(const ReceivedGroups& g) {
   moe::group_received_on_host(v);
 }
 
+void CpuBackend::group_received_blocks(const ReceivedGroups& g) {
+  const std::int64_t rows = g.experts.dims() == 0 ? 0 : g.experts.dim(0);
+  const std::int64_t top_k = g.experts.row_numel();
+  const std::int64_t ranks = g.entry_counts.numel();
+  const std::int64_t groups = g.offsets.numel() - 1;
+  const auto places = static_cast<std::int64_t>(g.entries.bytes() / sizeof(moe::DispatchEntry));
+  require(ranks >= 1 && g.entry_block >= 0 && g.row_block >= 0 && places == ranks * g.entry_block &&
+              rows == ranks * g.row_block && groups >= 0,
+          "group_received", "the block layout's entries and rows are not ranks x their blocks");
+  require(g.weights.numel() == rows * top_k && g.position.numel() == rows * top_k &&
+              g.row_source.numel() >= rows * top_k,
+          "group_received", [&] { return "output tensors smaller than experts " + g.experts.shape_text(); });
+  const std::span<const std::int64_t> counts = g.entry_counts.host_span<const std::int64_t>();
+  const auto* in = static_cast<const moe::DispatchEntry*>(g.entries.host_data());
+  for (std::int64_t s = 0; s < ranks; ++s) {
+    const std::int64_t n = counts[static_cast<std::size_t>(s)];
+    require(n >= 0 && n <= g.entry_block, "group_received", "a source's entry count outside its block");
+    // An entry for a row past the block is one its source could not fit (counted there as overflow): skipped.
+    for (std::int64_t i = s * g.entry_block; i < s * g.entry_block + n; ++i) {
+      require(in[i].local_expert >= 0 && in[i].local_expert < groups && in[i].row >= 0, "group_received",
+              "an entry outside the local experts");
+    }
+  }
+  moe::ReceivedBlocksView v;
+  v.places = places;
+  v.unpack = {top_k,
+              g.entry_block,
+              g.row_block,
+              in,
+              counts.data(),
+              g.experts.host_span<std::int32_t>().data(),
+              g.weights.host_span<float>().data()};
+  v.group = permute_view(rows, top_k, groups, v.unpack.experts, group_chunks_);
+  v.group.offsets = g.offsets.host_span<std::int64_t>().data();
+  v.group.position = g.position.host_span<std::int64_t>().data();
+  v.group.row_token = g.row_source.host_span<std::int32_t>().data();
+  moe::group_received_blocks_on_host(v);
+}
+
+void CpuBackend::block_index(const Tensor& offsets, const Tensor& source, std::int64_t block,
+                             const Tensor& index, const Tensor& overflow) {
+  const std::int64_t groups = offsets.numel() - 1;
+  require(groups >= 0 && block >= 0 && index.numel() == groups * block && overflow.numel() == 1,
+          "block_index", [&] {
+            return "index " + index.shape_text() + " for " + std::to_string(groups) + " blocks of " +
+                   std::to_string(block);
+          });
+  moe::for_each_on_host(groups * block, moe::BlockIndex{block, offsets.host_span<const std::int64_t>().data(),
+                                                        optional_span<const std::int32_t>(source).data(),
+                                                        index.host_span<std::int32_t>().data(),
+                                                        overflow.host_span<std::int64_t>().data()});
+}
+
+void CpuBackend::block_positions(const Tensor& position, const Tensor& offsets, std::int64_t block,
+                                 const Tensor& out) {
+  const std::int64_t groups = offsets.numel() - 1;
+  require(groups >= 1 && out.numel() == position.numel(), "block_positions",
+          [&] { return "position " + position.shape_text() + " into " + out.shape_text(); });
+  moe::for_each_on_host(position.numel(),
+                        moe::BlockPositions{groups, block, offsets.host_span<const std::int64_t>().data(),
+                                            position.host_span<const std::int64_t>().data(),
+                                            out.host_span<std::int64_t>().data()});
+}
+
 void CpuBackend::take_rows(const Tensor& src, const Tensor& index, const Tensor& dst) {
   const std::int64_t n = dst.dims() == 0 ? 0 : dst.dim(0);
   const std::int64_t width = src.row_numel();
@@ -179,7 +247,11 @@ void CpuBackend::take_rows(const Tensor& src, const Tensor& index, const Tensor&
   const std::span<float> d = dst.host_span<float>();
   for (std::int64_t i = 0; i < n; ++i) {
     const std::int32_t r = rows[static_cast<std::size_t>(i)];
-    if (r < 0 || r >= src.dim(0))
+    if (r < 0) {
+      std::fill(d.data() + i * width, d.data() + (i + 1) * width, 0.0F);
+      continue;
+    }
+    if (r >= src.dim(0))
       throw std::out_of_range("CpuBackend::take_rows: row " + std::to_string(r) + " of " + src.shape_text());
     std::memcpy(d.data() + i * width, s.data() + static_cast<std::int64_t>(r) * width,
                 static_cast<std::size_t>(width) * sizeof(float));

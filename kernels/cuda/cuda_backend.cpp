@@ -138,6 +138,30 @@ void CudaBackend::copy_to_host(const Tensor& src, std::span<std::byte> dst) {
   if (dst.empty()) return;
   CAPSERVE_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), dst.size(), cudaMemcpyDeviceToHost, stream_));
   wait_for_stream(stream_, wait_check_);
+  readback_.deliver();
+}
+
+bool CudaBackend::copy_to_host_later(const Tensor& src, std::span<std::byte> dst) {
+  enter({&src});
+  if (dst.empty()) return false;
+  if (!readback_.fits(dst.size())) {
+    if (scratch_sealed()) {
+      throw std::length_error("host readback: " + std::to_string(dst.size()) + " bytes beside " +
+                              std::to_string(readback_.used()) +
+                              " queued do not fit (sized at start-up for the engine's largest step)");
+    }
+    // Growing frees the page-locked memory the queued copies land in: they are delivered first.
+    if (readback_.outstanding()) finish_copies_to_host();
+    readback_.grow(2 * HostReadback::room(dst.size()));
+  }
+  readback_.queue(src.data(), dst, stream_);
+  return true;
+}
+
+void CudaBackend::finish_copies_to_host() {
+  CAPSERVE_CUDA_CHECK(cudaSetDevice(device_));
+  wait_for_stream(stream_, wait_check_);
+  readback_.deliver();
 }
 
 void CudaBackend::copy_from_host(std::span<const std::byte> src, const Tensor& dst) {

@@ -15,6 +15,7 @@
 
 #include "kernels/backend.h"
 #include "kernels/cuda/attention_self_check.h"
+#include "kernels/cuda/host_readback.h"
 #include "kernels/cuda/host_staging.h"
 #include "kernels/cuda/latent_attention.h"
 #include "kernels/cuda/layer_kernels.h"
@@ -75,6 +76,10 @@ class CudaBackend final : public Backend {
                      const Tensor& local_index, const DispatchPlan& plan) override;
   void group_received(const ReceivedGroups& groups) override;
   void take_rows(const Tensor& src, const Tensor& index, const Tensor& dst) override;
+  void block_index(const Tensor& offsets, const Tensor& source, std::int64_t block, const Tensor& index,
+                   const Tensor& overflow) override;
+  void block_positions(const Tensor& position, const Tensor& offsets, std::int64_t block,
+                       const Tensor& out) override;
   void combine(const Tensor& y, const Tensor& position, const Tensor& weights, const Tensor& out) override;
   void set_num_threads(int /*n*/) override {}
 
@@ -82,6 +87,8 @@ class CudaBackend final : public Backend {
   [[nodiscard]] Buffer allocate_memory(std::size_t bytes) override;
   void copy_to_host(const Tensor& src, std::span<std::byte> dst) override;
   void copy_from_host(std::span<const std::byte> src, const Tensor& dst) override;
+  bool copy_to_host_later(const Tensor& src, std::span<std::byte> dst) override;
+  void finish_copies_to_host() override;
 
  private:
   // Makes this backend's device current and checks that every tensor lives on it.
@@ -115,6 +122,7 @@ class CudaBackend final : public Backend {
   Buffer capacity_workspace_, dest_, first_dest_, entry_position_, entry_token_, row_chunks_, entry_chunks_,
       group_chunks_;
   std::unique_ptr<HostStaging> staging_;
+  HostReadback readback_;
 };
 
 }  // namespace capserve::kernels::cuda

@@ -129,10 +129,38 @@ void CudaBackend::plan_dispatch(const Tensor& experts, const Tensor& weights, co
 }
 
 void CudaBackend::group_received(const ReceivedGroups& g) {
-  enter({&g.entries, &g.entry_start, &g.row_start, &g.experts, &g.weights, &g.offsets, &g.position,
-         &g.row_source});
+  enter({&g.entries, &g.entry_start, &g.row_start, &g.entry_counts, &g.experts, &g.weights, &g.offsets,
+         &g.position, &g.row_source});
   const std::int64_t rows = rows_of(g.experts);
   const std::int64_t top_k = g.experts.row_numel();
+  if (!g.entry_counts.empty()) {
+    const std::int64_t ranks = g.entry_counts.numel();
+    const std::int64_t places = static_cast<std::int64_t>(g.entries.bytes() / sizeof(moe::DispatchEntry));
+    require(g.entry_block >= 0 && g.row_block >= 0 && places == ranks * g.entry_block &&
+                rows == ranks * g.row_block && g.offsets.numel() >= 1 && g.weights.numel() == rows * top_k &&
+                g.position.numel() == rows * top_k && g.row_source.numel() >= rows * top_k,
+            "group_received", "the block layout's entries and rows are not ranks x their blocks");
+    moe::ReceivedBlocksView v;
+    v.places = places;
+    v.unpack = {top_k,
+                g.entry_block,
+                g.row_block,
+                static_cast<const moe::DispatchEntry*>(g.entries.data()),
+                g.entry_counts.ptr<const std::int64_t>(),
+                g.experts.ptr<std::int32_t>(),
+                g.weights.ptr<float>()};
+    v.group.p.tokens = rows;
+    v.group.p.top_k = top_k;
+    v.group.p.num_groups = g.offsets.numel() - 1;
+    v.group.experts = v.unpack.experts;
+    v.group.chunk_base =
+        scratch(group_chunks_, DType::i64, {permute_workspace_elements(v.group.p)}).ptr<std::int64_t>();
+    v.group.offsets = g.offsets.ptr<std::int64_t>();
+    v.group.position = g.position.ptr<std::int64_t>();
+    v.group.row_token = g.row_source.ptr<std::int32_t>();
+    cuda::group_received_blocks(v, stream_);
+    return;
+  }
   const std::int64_t ranks = g.entry_start.numel() - 1;
   const std::int64_t groups = g.offsets.numel() - 1;
   require(ranks >= 1 && g.row_start.numel() == ranks + 1 && groups >= 0, "group_received",
@@ -170,6 +198,32 @@ void CudaBackend::take_rows(const Tensor& src, const Tensor& index, const Tensor
   if (n == 0) return;
   cuda::take_rows(src.ptr<const float>(), src.row_numel(), index.ptr<const std::int32_t>(), n,
                   dst.ptr<float>(), stream_);
+}
+
+void CudaBackend::block_index(const Tensor& offsets, const Tensor& source, std::int64_t block,
+                              const Tensor& index, const Tensor& overflow) {
+  enter({&offsets, &source, &index, &overflow});
+  const std::int64_t groups = offsets.numel() - 1;
+  require(groups >= 0 && block >= 0 && index.numel() == groups * block && overflow.numel() == 1,
+          "block_index",
+          [&] { return "index " + index.shape_text() + " for " + std::to_string(groups) + " blocks"; });
+  if (groups * block == 0) return;
+  cuda::block_index(
+      moe::BlockIndex{block, offsets.ptr<const std::int64_t>(), optional_ptr<const std::int32_t>(source),
+                      index.ptr<std::int32_t>(), overflow.ptr<std::int64_t>()},
+      groups * block, stream_);
+}
+
+void CudaBackend::block_positions(const Tensor& position, const Tensor& offsets, std::int64_t block,
+                                  const Tensor& out) {
+  enter({&position, &offsets, &out});
+  const std::int64_t groups = offsets.numel() - 1;
+  require(groups >= 1 && out.numel() == position.numel(), "block_positions",
+          [&] { return "position " + position.shape_text() + " into " + out.shape_text(); });
+  if (position.numel() == 0) return;
+  cuda::block_positions(moe::BlockPositions{groups, block, offsets.ptr<const std::int64_t>(),
+                                            position.ptr<const std::int64_t>(), out.ptr<std::int64_t>()},
+                        position.numel(), stream_);
 }
 
 void CudaBackend::combine(const Tensor& y, const Tensor& position, const Tensor& weights, const Tensor& out) {

@@ -94,8 +94,13 @@ __global__ void combine_kernel(const float* y, std::int64_t hidden, const std::i
 __global__ void take_rows_kernel(const float* src, std::int64_t width, const std::int32_t* index,
                                  float* dst) {
   const std::int64_t row = blockIdx.x;
-  const float* in = src + static_cast<std::int64_t>(index[row]) * width;
+  const std::int32_t from = index[row];
   float* out = dst + row * width;
+  if (from < 0) {
+    for (std::int64_t c = threadIdx.x; c < width; c += blockDim.x) out[c] = 0.0F;
+    return;
+  }
+  const float* in = src + static_cast<std::int64_t>(from) * width;
   for (std::int64_t c = threadIdx.x; c < width; c += blockDim.x) out[c] = in[c];
 }
 
@@ -309,6 +314,21 @@ void plan_dispatch(const moe::DispatchPlanView& v, cudaStream_t stream) {
 void group_received(const moe::ReceivedView& v, cudaStream_t stream) {
   CudaExec x{stream};
   moe::run_group_received(x, v);
+}
+
+void group_received_blocks(const moe::ReceivedBlocksView& v, cudaStream_t stream) {
+  CudaExec x{stream};
+  moe::run_group_received_blocks(x, v);
+}
+
+void block_index(const moe::BlockIndex& body, std::int64_t places, cudaStream_t stream) {
+  CudaExec x{stream};
+  x.for_each(places, body);
+}
+
+void block_positions(const moe::BlockPositions& body, std::int64_t slots, cudaStream_t stream) {
+  CudaExec x{stream};
+  x.for_each(slots, body);
 }
 
 void count_experts(const std::int32_t* experts, std::int64_t slots, std::int64_t* counts,

@@ -55,14 +55,18 @@ void combine(const float* y, std::int64_t hidden, const std::int64_t* position, 
 // The dispatch plan and the receiver's grouping (pipeline.h), every pointer of the views set (device memory).
 void plan_dispatch(const moe::DispatchPlanView& v, cudaStream_t stream);
 void group_received(const moe::ReceivedView& v, cudaStream_t stream);
+void group_received_blocks(const moe::ReceivedBlocksView& v, cudaStream_t stream);
+// The block layout's index and positions (dispatch_logic.h), one thread per place and per slot.
+void block_index(const moe::BlockIndex& body, std::int64_t places, cudaStream_t stream);
+void block_positions(const moe::BlockPositions& body, std::int64_t slots, cudaStream_t stream);
 
 // counts[e] += slots of experts [slots] per expert.
 void count_experts(const std::int32_t* experts, std::int64_t slots, std::int64_t* counts,
                    cudaStream_t stream);
-// Per token, its dropped and rerouted slots.
+// Per token, its dropped and rerouted slots, added to its counts.
 void count_slot_states(const moe::CountSlotStates& body, std::int64_t tokens, cudaStream_t stream);
 
-// dst[i, :] = src[index[i], :] for i < n, rows of `width` floats.
+// dst[i, :] = src[index[i], :] for i < n, rows of `width` floats; zeros where index[i] < 0.
 void take_rows(const float* src, std::int64_t width, const std::int32_t* index, std::int64_t n, float* dst,
                cudaStream_t stream);
 

@@ -104,7 +104,84 @@ struct UnpackEntries {
   }
 };
 
-// Thread per token: how many of its slots the capacity scheduler dropped and rerouted.
+// The fixed-size block layout of a capacity-bounded exchange (runtime/README.md, "Decode without host
+// waits"): group g (a destination rank, a source rank, a local expert) owns places [g * block, (g + 1) *
+// block), its rows first, the rest empty, so no size depends on the routing and the host never reads one.
+
+// Thread per place of the block layout: index[g * block + j] = source[offsets[g] + j] (offsets[g] + j
+// without a source) for j below the group's count, -1 past it. A group larger than its block (the capacity
+// bound broken) adds its excess to *overflow, which the step's report carries to the host.
+struct BlockIndex {
+  std::int64_t block;
+  const std::int64_t* offsets;  // [groups + 1]
+  const std::int32_t* source;   // [offsets[groups]] or null
+  std::int32_t* index;          // [groups * block]
+  std::int64_t* overflow;       // [1]
+  CAPSERVE_HD void operator()(std::int64_t i) const {
+    const std::int64_t g = i / block;
+    const std::int64_t j = i % block;
+    const std::int64_t count = offsets[g + 1] - offsets[g];
+    if (j == 0 && count > block) add_count(overflow, count - block);
+    const std::int64_t from = offsets[g] + j;
+    index[i] = j >= count ? -1 : source != nullptr ? source[from] : static_cast<std::int32_t>(from);
+  }
+};
+
+// Thread per slot: a row of the grouped layout (offsets') at its place in the block layout; -1 stays -1,
+// and so does a row past its group's block (counted by BlockIndex).
+struct BlockPositions {
+  std::int64_t groups;
+  std::int64_t block;
+  const std::int64_t* offsets;   // [groups + 1]
+  const std::int64_t* position;  // [T, k]
+  std::int64_t* out;             // [T, k]
+  CAPSERVE_HD void operator()(std::int64_t slot) const {
+    const std::int64_t p = position[slot];
+    if (p < 0) {
+      out[slot] = -1;
+      return;
+    }
+    std::int64_t lo = 0;  // the last group starting at or before p
+    std::int64_t hi = groups - 1;
+    while (lo < hi) {
+      const std::int64_t mid = (lo + hi + 1) / 2;
+      if (offsets[mid] <= p) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    const std::int64_t j = p - offsets[lo];
+    out[slot] = j < block ? lo * block + j : -1;
+  }
+};
+
+// Thread per received entry place of the block layout (source s's entries in [s * entry_block, + counts[s]),
+// its rows from s * row_block): as UnpackEntries, places past a source's count skipped.
+struct UnpackBlockEntries {
+  std::int64_t top_k;
+  std::int64_t entry_block;
+  std::int64_t row_block;
+  const DispatchEntry* entries;  // [ranks * entry_block]
+  const std::int64_t* counts;    // [ranks]: entries each source sent
+  std::int32_t* experts;         // [ranks * row_block, k]
+  float* weights;                // [ranks * row_block, k]
+  CAPSERVE_HD void operator()(std::int64_t i) const {
+    const std::int64_t source = i / entry_block;
+    const std::int64_t first = source * entry_block;
+    if (i - first >= counts[source]) return;
+    const DispatchEntry en = entries[i];
+    if (en.row < 0 || en.row >= row_block) return;
+    std::int64_t slot = 0;
+    for (std::int64_t j = i; j > first && entries[j - 1].row == en.row; --j) ++slot;
+    const std::int64_t at = (source * row_block + en.row) * top_k + slot;
+    experts[at] = en.local_expert;
+    weights[at] = en.weight;
+  }
+};
+
+// Thread per token: how many of its slots the capacity scheduler dropped and rerouted, added to its counts
+// (a step sums them over its layers).
 struct CountSlotStates {
   std::int64_t top_k;
   const std::uint8_t* status;  // [T, k]: SlotState
@@ -118,8 +195,8 @@ struct CountSlotStates {
       d += st == SlotState::dropped ? 1 : 0;
       r += st == SlotState::rerouted ? 1 : 0;
     }
-    dropped[t] = d;
-    rerouted[t] = r;
+    dropped[t] += d;
+    rerouted[t] += r;
   }
 };
 

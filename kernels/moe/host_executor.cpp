@@ -135,4 +135,9 @@ void group_received_on_host(const ReceivedView& v) {
   run_group_received(x, v);
 }
 
+void group_received_blocks_on_host(const ReceivedBlocksView& v) {
+  HostExec x;
+  run_group_received_blocks(x, v);
+}
+
 }  // namespace capserve::kernels::moe

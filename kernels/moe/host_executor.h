@@ -61,5 +61,6 @@ PermuteResult permute_on_host(const PermuteParams& p, std::span<const std::int32
 // permute's chunk_base holding num_groups * permute_chunks + 1 elements.
 void plan_dispatch_on_host(const DispatchPlanView& v);
 void group_received_on_host(const ReceivedView& v);
+void group_received_blocks_on_host(const ReceivedBlocksView& v);
 
 }  // namespace capserve::kernels::moe

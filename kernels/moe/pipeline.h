@@ -140,4 +140,19 @@ void run_group_received(Exec& x, const ReceivedView& v) {
   run_permute(x, v.group);
 }
 
+// The receiver's grouping of a block-layout exchange: as ReceivedView, the entries of each source in its
+// block, valid up to its count.
+struct ReceivedBlocksView {
+  std::int64_t places = 0;  // ranks * entry_block
+  UnpackBlockEntries unpack;
+  PermuteView group;  // tokens = ranks * row_block
+};
+
+template <class Exec>
+void run_group_received_blocks(Exec& x, const ReceivedBlocksView& v) {
+  x.for_each(v.group.p.tokens * v.group.p.top_k, ClearSlots{v.unpack.experts, v.unpack.weights});
+  x.for_each(v.places, v.unpack);
+  run_permute(x, v.group);
+}
+
 }  // namespace capserve::kernels::moe

@@ -2,6 +2,7 @@
 // cuda_runtime_api.h. Work runs when it is enqueued, so every stream is always idle; what the emulation adds
 // is the checks a device makes (pointers, handles, the current device) and counters of host synchronisations
 // and allocations.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -40,8 +41,45 @@ struct EmuEvent {
   bool recorded = false;
   std::chrono::steady_clock::time_point at;
   std::shared_ptr<StreamHang>
-      behind;  // recorded behind work that never completes: not reached until released
+      behind;               // recorded behind work that never completes: not reached until released
+  bool in_capture = false;  // last recorded on a stream capturing a graph
 };
+
+// Graph capture (cudaStreamBeginCapture in cudaStreamCaptureModeGlobal): while a stream captures, calls that
+// would make the host wait for the device or change memory outside the stream's order (cudaMalloc,
+// cudaFree, cudaMallocHost, cudaFreeHost, cudaMemcpy, the synchronize calls, a query of the capturing stream
+// or of an event recorded in the capture, a copy from pageable memory) are refused with
+// cudaErrorStreamCaptureUnsupported, and the capture is invalidated, as on a device. The captured work
+// itself runs at once, as all work here does: what the emulation checks is that a captured sequence makes
+// none of those calls, not a graph's replay.
+struct EmuGraph {};
+struct Captures {
+  std::mutex mutex;
+  std::vector<cudaStream_t> streams;  // capturing now
+  std::string violation;              // the first refused call since the oldest capture began
+};
+Captures& captures() {
+  static Captures c;
+  return c;
+}
+bool capturing(cudaStream_t stream) {
+  Captures& c = captures();
+  const std::lock_guard lock(c.mutex);
+  return std::find(c.streams.begin(), c.streams.end(), stream) != c.streams.end();
+}
+
+// cudaSuccess when `what` may be called now; else the refusal, recorded against the captures.
+cudaError_t refuse_during_capture(const char* what) {
+  Captures& c = captures();
+  std::string message;
+  {
+    const std::lock_guard lock(c.mutex);
+    if (c.streams.empty()) return cudaSuccess;
+    message = std::string(what) + " while a stream captures a graph (cudaStreamCaptureModeGlobal)";
+    if (c.violation.empty()) c.violation = message;
+  }
+  return fail(cudaErrorStreamCaptureUnsupported, message);
+}
 
 // cudaFuncAttributeMaxDynamicSharedMemorySize per kernel.
 struct SharedLimits {
@@ -164,6 +202,12 @@ const char* error_name(cudaError_t e) {
       return "cudaErrorNotReady";
     case cudaErrorLaunchTimeout:
       return "cudaErrorLaunchTimeout";
+    case cudaErrorIllegalState:
+      return "cudaErrorIllegalState";
+    case cudaErrorStreamCaptureUnsupported:
+      return "cudaErrorStreamCaptureUnsupported";
+    case cudaErrorStreamCaptureInvalidated:
+      return "cudaErrorStreamCaptureInvalidated";
     default:
       return "cudaErrorUnknown";
   }
@@ -197,6 +241,12 @@ const char* error_text(cudaError_t e) {
       return "device not ready";
     case cudaErrorLaunchTimeout:
       return "the launch timed out and was terminated";
+    case cudaErrorIllegalState:
+      return "the operation cannot be performed in the present state";
+    case cudaErrorStreamCaptureUnsupported:
+      return "operation not permitted when stream is capturing";
+    case cudaErrorStreamCaptureInvalidated:
+      return "operation failed due to a previous error during capture";
     default:
       return "unknown error";
   }
@@ -217,8 +267,11 @@ cudaError_t copy(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind k
     kind = d ? (s ? cudaMemcpyDeviceToDevice : cudaMemcpyHostToDevice)
              : (s ? cudaMemcpyDeviceToHost : cudaMemcpyHostToHost);
   }
-  if (async && kind == cudaMemcpyHostToDevice && find_memory(src).kind != MemoryKind::pinned_host)
+  if (async && kind == cudaMemcpyHostToDevice && find_memory(src).kind != MemoryKind::pinned_host) {
+    if (const cudaError_t e = refuse_during_capture("cudaMemcpyAsync from pageable memory"); e != cudaSuccess)
+      return e;
     count(&Counters::pageable_async_copies);
+  }
   const bool dst_device = kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice;
   const bool src_device = kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice;
   std::string why = dst_device ? check_range(dst, bytes, MemoryKind::device, "destination")
@@ -425,6 +478,7 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
 }
 
 cudaError_t cudaDeviceSynchronize() {
+  if (const cudaError_t e = d::refuse_during_capture("cudaDeviceSynchronize"); e != cudaSuccess) return e;
   d::count(&Counters::host_syncs);
   return d::wait_for_hangs("cudaDeviceSynchronize", d::all_streams, d::device);
 }
@@ -443,6 +497,7 @@ cudaError_t cudaFuncSetAttribute(const void* func, cudaFuncAttribute attr, int v
 
 cudaError_t cudaMalloc(void** ptr, std::size_t size) {
   if (ptr == nullptr) return d::fail(cudaErrorInvalidValue, "cudaMalloc: null pointer to the result");
+  if (const cudaError_t e = d::refuse_during_capture("cudaMalloc"); e != cudaSuccess) return e;
   d::count(&Counters::device_allocations);
   *ptr = d::allocate_device(size, d::device);
   if (*ptr == nullptr)
@@ -463,6 +518,7 @@ cudaError_t cudaMemGetInfo(std::size_t* free, std::size_t* total) {
 
 cudaError_t cudaFree(void* ptr) {
   if (ptr == nullptr) return cudaSuccess;
+  if (const cudaError_t e = d::refuse_during_capture("cudaFree"); e != cudaSuccess) return e;
   d::count(&Counters::device_frees);
   if (d::release(ptr, d::MemoryKind::device)) return cudaSuccess;
   const d::MemoryRange m = d::find_memory(ptr);
@@ -474,6 +530,7 @@ cudaError_t cudaFree(void* ptr) {
 
 cudaError_t cudaMallocHost(void** ptr, std::size_t size) {
   if (ptr == nullptr) return d::fail(cudaErrorInvalidValue, "cudaMallocHost: null pointer to the result");
+  if (const cudaError_t e = d::refuse_during_capture("cudaMallocHost"); e != cudaSuccess) return e;
   d::count(&Counters::host_allocations);
   *ptr = d::allocate_pinned(size);
   if (*ptr == nullptr) return d::fail(cudaErrorMemoryAllocation, "cudaMallocHost: no host memory left");
@@ -481,11 +538,15 @@ cudaError_t cudaMallocHost(void** ptr, std::size_t size) {
 }
 
 cudaError_t cudaFreeHost(void* ptr) {
+  if (ptr != nullptr) {
+    if (const cudaError_t e = d::refuse_during_capture("cudaFreeHost"); e != cudaSuccess) return e;
+  }
   if (ptr == nullptr || d::release(ptr, d::MemoryKind::pinned_host)) return cudaSuccess;
   return d::fail(cudaErrorInvalidValue, "cudaFreeHost: not the start of a cudaMallocHost allocation");
 }
 
 cudaError_t cudaMemcpy(void* dst, const void* src, std::size_t count, cudaMemcpyKind kind) {
+  if (const cudaError_t e = d::refuse_during_capture("cudaMemcpy"); e != cudaSuccess) return e;
   d::count(&Counters::host_syncs);
   if (const cudaError_t e = d::wait_for_hangs("cudaMemcpy", d::all_streams, d::device); e != cudaSuccess)
     return e;
@@ -526,6 +587,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
 }
 
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+  if (const cudaError_t e = d::refuse_during_capture("cudaStreamSynchronize"); e != cudaSuccess) return e;
   d::count(&Counters::host_syncs);
   if (d::special_stream(stream)) return d::wait_for_hangs("cudaStreamSynchronize", nullptr, d::device);
   if (d::find_stream(stream) != nullptr)
@@ -538,6 +600,7 @@ cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
 cudaError_t cudaStreamQuery(cudaStream_t stream) {
   if (!d::special_stream(stream) && d::find_stream(stream) == nullptr)
     return d::fail(cudaErrorInvalidResourceHandle, "cudaStreamQuery: not a live stream");
+  if (d::capturing(stream)) return d::refuse_during_capture("cudaStreamQuery of the capturing stream");
   if (!d::hung(d::special_stream(stream) ? nullptr : stream, d::stream_device(stream)).empty())
     return cudaErrorNotReady;  // not an error: nothing for cudaGetLastError
   d::count(&Counters::host_syncs);
@@ -577,12 +640,14 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
                                                        std::to_string(e->device) + ", the stream to device " +
                                                        std::to_string(d::device));
   e->recorded = true;
+  e->in_capture = d::capturing(stream);
   e->at = std::chrono::steady_clock::now();
   e->behind = d::hang_of(d::special_stream(stream) ? nullptr : stream, d::stream_device(stream));
   return cudaSuccess;
 }
 
 cudaError_t cudaEventSynchronize(cudaEvent_t event) {
+  if (const cudaError_t e = d::refuse_during_capture("cudaEventSynchronize"); e != cudaSuccess) return e;
   d::count(&Counters::host_syncs);
   const d::EmuEvent* e = d::find_event(event);
   if (e == nullptr) return d::fail(cudaErrorInvalidResourceHandle, "cudaEventSynchronize: not a live event");
@@ -593,7 +658,56 @@ cudaError_t cudaEventSynchronize(cudaEvent_t event) {
 cudaError_t cudaEventQuery(cudaEvent_t event) {
   const d::EmuEvent* e = d::find_event(event);
   if (e == nullptr) return d::fail(cudaErrorInvalidResourceHandle, "cudaEventQuery: not a live event");
+  if (e->in_capture) return d::refuse_during_capture("cudaEventQuery of an event recorded in the capture");
   if (!d::not_reached(*e).empty()) return cudaErrorNotReady;  // not an error: nothing for cudaGetLastError
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamBeginCapture(cudaStream_t stream, cudaStreamCaptureMode mode) {
+  if (d::special_stream(stream) || d::find_stream(stream) == nullptr)
+    return d::fail(cudaErrorStreamCaptureUnsupported, "cudaStreamBeginCapture: not a created stream");
+  if (mode != cudaStreamCaptureModeGlobal)
+    return d::fail(cudaErrorInvalidValue,
+                   "cudaStreamBeginCapture: the emulation captures in global mode only");
+  d::Captures& c = d::captures();
+  const std::lock_guard lock(c.mutex);
+  if (std::find(c.streams.begin(), c.streams.end(), stream) != c.streams.end())
+    return d::fail(cudaErrorIllegalState, "cudaStreamBeginCapture: the stream is already capturing");
+  if (c.streams.empty()) c.violation.clear();
+  c.streams.push_back(stream);
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t* graph) {
+  if (graph == nullptr)
+    return d::fail(cudaErrorInvalidValue, "cudaStreamEndCapture: null pointer to the result");
+  d::Captures& c = d::captures();
+  std::string violation;
+  {
+    const std::lock_guard lock(c.mutex);
+    const auto it = std::find(c.streams.begin(), c.streams.end(), stream);
+    if (it == c.streams.end())
+      return d::fail(cudaErrorIllegalState, "cudaStreamEndCapture: the stream is not capturing");
+    c.streams.erase(it);
+    violation = c.violation;
+  }
+  *graph = nullptr;
+  if (!violation.empty())
+    return d::fail(cudaErrorStreamCaptureInvalidated,
+                   "cudaStreamEndCapture: the capture was invalidated by " + violation);
+  *graph = reinterpret_cast<cudaGraph_t>(d::handles<d::EmuGraph>().add(std::make_unique<d::EmuGraph>()));
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamIsCapturing(cudaStream_t stream, cudaStreamCaptureStatus* status) {
+  if (status == nullptr) return d::fail(cudaErrorInvalidValue, "cudaStreamIsCapturing: null pointer");
+  *status = d::capturing(stream) ? cudaStreamCaptureStatusActive : cudaStreamCaptureStatusNone;
+  return cudaSuccess;
+}
+
+cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
+  if (!d::handles<d::EmuGraph>().remove(graph))
+    return d::fail(cudaErrorInvalidResourceHandle, "cudaGraphDestroy: not a live graph");
   return cudaSuccess;
 }
 

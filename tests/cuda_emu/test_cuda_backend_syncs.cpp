@@ -1,17 +1,21 @@
 // CudaBackend's promises about the host, counted by the emulation: within a step the host waits only in
 // to_host (each call one synchronisation), copies nothing to the device from pageable memory (the host would
 // wait for such a copy), and a warm step allocates no device memory (grow-only scratch). For a whole model's
-// decode step that is runtime/README.md's list: two per MoE layer, one for the sampled tokens. After an
+// decode step that is runtime/README.md's list: without a capacity factor two per MoE layer and one for the
+// sampled tokens; with one, only the sampled tokens, the step running inside a graph capture. After an
 // engine's start-up reservation (EngineOptions::max_step_tokens) no step up to that size allocates.
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <span>
 #include <stdexcept>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda_emu.h"
 #include "kernels/cuda/cuda_backend.h"
+#include "parallel/moe_stats.h"
 #include "runtime/engine.h"
 #include "runtime/model.h"
 #include "runtime/sampler.h"
@@ -104,6 +108,69 @@ TEST(CudaBackendSyncs, AWholeModelDecodeStepWaitsTwicePerMoeLayerAndOnceToSample
   }
 }
 
+// With a capacity factor every expert's load has a bound all ranks know, so a decode step exchanges its rows
+// in fixed-size blocks and the host reads nothing until the sampled tokens, whose wait also brings the step's
+// MoE statistics. The step runs inside a graph capture, which refuses every call that would make the host
+// wait, allocate or copy from pageable memory (the emulation's cudaStreamBeginCapture).
+TEST(CudaBackendSyncs, ADecodeStepWithACapacityFactorWaitsOnceAllocatesNothingAndRunsUnderGraphCapture) {
+  for (const char* name : {"qwen2_moe", "deepseek_v3"}) {
+    SCOPED_TRACE(name);
+    cuda::CudaBackend backend(0);
+    runtime::ParallelOptions parallel;
+    parallel.capacity.gamma = {1.0};
+    const auto model = runtime::Model::load(testing::fixture_models_dir() / name, backend, parallel);
+    runtime::EngineOptions options;
+    options.max_step_tokens = 8;
+    runtime::Engine engine(*model, options);
+    const std::vector<std::int32_t> prompt = {3, 14, 15, 92, 65};
+    std::vector<std::int32_t> next(2);
+    const std::vector<SampleControls> greedy(2);
+    std::vector<runtime::Engine::Work> work = {{1, std::span(prompt).first(3), false},
+                                               {2, std::span(prompt).last(2), false}};
+    ASSERT_TRUE(engine.step(work).ok());
+    engine.sample(greedy, next);
+    work = {{1, std::span(next).first(1), false, true}, {2, std::span(next).last(1), false, true}};
+    ASSERT_TRUE(engine.step(work).ok());  // a decode step, to warm what decodes use
+    engine.sample(greedy, next);
+
+    cuda_emu::reset_counters();
+    const std::int64_t counted_before = backend.host_syncs(HostSync::moe_dispatch);
+    ASSERT_EQ(cudaStreamBeginCapture(backend.stream(), cudaStreamCaptureModeGlobal), cudaSuccess);
+    const runtime::Status stepped = engine.step(work);
+    cudaGraph_t graph = nullptr;
+    const cudaError_t captured = cudaStreamEndCapture(backend.stream(), &graph);
+    ASSERT_TRUE(stepped.ok()) << stepped.message();
+    ASSERT_EQ(captured, cudaSuccess) << cudaGetErrorString(captured);
+    EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+    engine.sample(greedy, next);
+    const parallel::MoeStepStats& stats = engine.last_moe_stats();
+    const cuda_emu::Counters c = cuda_emu::counters();
+    EXPECT_EQ(c.host_syncs, 1) << "the sampled tokens only";
+    EXPECT_EQ(c.device_allocations, 0);
+    EXPECT_EQ(c.host_allocations, 0);
+    EXPECT_EQ(c.pageable_async_copies, 0);
+    EXPECT_EQ(backend.host_syncs(HostSync::moe_dispatch), counted_before) << "the counted exchange ran";
+    EXPECT_EQ(backend.host_syncs(HostSync::moe_stats), 0);
+    // The statistics arrived with the tokens: two tokens through every MoE layer, at most C = ceil(1.0 * 2 *
+    // k / E) kept per expert.
+    ASSERT_EQ(stats.layers.size(), model->moe_layers().size());
+    const runtime::ModelConfig& config = model->config();
+    const std::int64_t capacity = (2 * config.top_k + config.num_experts - 1) / config.num_experts;
+    for (const parallel::MoeLayerStats& layer : stats.layers) {
+      EXPECT_EQ(layer.tokens, 2);
+      std::int64_t routed = 0;
+      std::int64_t kept = 0;
+      for (std::size_t e = 0; e < layer.routed_load.size(); ++e) {
+        routed += layer.routed_load[e];
+        kept += layer.expert_load[e];
+        EXPECT_LE(layer.expert_load[e], capacity) << "expert " << e << " of layer " << layer.layer;
+      }
+      EXPECT_EQ(routed, 2 * config.top_k);
+      EXPECT_EQ(kept + layer.dropped, 2 * config.top_k);
+    }
+  }
+}
+
 // A stream stalled behind work that never completes (an NCCL kernel whose peer died): a copy that laps the
 // pinned staging ring waits for the device to have read a chunk. With a wait check (what --device cuda gives
 // the backend for NCCL) that wait polls and ends with the check's exception, as to_host's does; it used to
@@ -143,12 +210,16 @@ TEST(CudaBackendSyncs, AModelUploadCopiesNothingFromPageableMemory) {
 
 // After the engine's start-up reservation, steps of every size up to its maximum (prefills, decodes of as
 // many sequences, both mixed; sampling, scoring with the most top log-probabilities, the router dry run)
-// neither allocate nor free device memory; a larger step is refused.
+// neither allocate nor free device memory, with the counted exchange or the fixed-size one; a larger step is
+// refused.
 TEST(CudaBackendSyncs, AfterStartUpNoStepUpToTheReservedSizeAllocates) {
-  for (const char* name : {"qwen2_moe", "deepseek_v3"}) {
-    SCOPED_TRACE(name);
+  for (const auto& [name, gamma] : {std::pair{"qwen2_moe", 0.0}, std::pair{"deepseek_v3", 0.0},
+                                    std::pair{"qwen2_moe", 1.0}, std::pair{"deepseek_v3", 1.5}}) {
+    SCOPED_TRACE(std::string(name) + (gamma > 0 ? ", capacity factor " + std::to_string(gamma) : ""));
     cuda::CudaBackend backend(0);
-    const auto model = runtime::Model::load(testing::fixture_models_dir() / name, backend);
+    runtime::ParallelOptions parallel;
+    if (gamma > 0) parallel.capacity.gamma = {gamma};  // the fixed-size exchange's buffers too
+    const auto model = runtime::Model::load(testing::fixture_models_dir() / name, backend, parallel);
     constexpr std::int64_t kMax = 8;
     runtime::EngineOptions options;
     options.max_step_tokens = kMax;

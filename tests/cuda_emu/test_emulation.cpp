@@ -9,6 +9,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <stdexcept>
@@ -330,6 +331,61 @@ TEST(CudaEmulation, CountsSynchronisationsAndAllocations) {
   EXPECT_EQ(c.kernel_launches, 1);
   EXPECT_EQ(c.host_syncs, 2);  // cudaDeviceSynchronize and the blocking cudaMemcpy
   EXPECT_EQ(c.copies, 1);
+}
+
+// A graph capture takes kernels, asynchronous copies from page-locked memory and events; every call that
+// would wait for the device, allocate or copy from pageable memory is refused, as on a device, and the
+// capture then ends invalidated.
+TEST(CudaEmulation, AGraphCaptureRefusesWhatWouldWaitOrAllocate) {
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  DeviceBuffer<int> d(64);
+  void* pinned = nullptr;
+  ASSERT_EQ(cudaMallocHost(&pinned, 64 * sizeof(int)), cudaSuccess);
+  cudaEvent_t event = nullptr;
+  ASSERT_EQ(cudaEventCreate(&event), cudaSuccess);
+
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  ASSERT_EQ(cudaStreamIsCapturing(stream, &status), cudaSuccess);
+  EXPECT_EQ(status, cudaStreamCaptureStatusActive);
+  EXPECT_EQ(cudaMemcpyAsync(d.data(), pinned, 64 * sizeof(int), cudaMemcpyHostToDevice, stream), cudaSuccess);
+  launch(fill_kernel, 2, 32, 0, stream, d.data(), 7);
+  CAPSERVE_CUDA_CHECK_LAUNCH();
+  EXPECT_EQ(cudaEventRecord(event, stream), cudaSuccess);
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+
+  std::vector<int> pageable(64, 1);
+  void* more = nullptr;
+  const auto refused = [&](const char* what, const std::function<cudaError_t()>& call) {
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess) << what;
+    EXPECT_EQ(cudaEventRecord(event, stream), cudaSuccess) << what;
+    EXPECT_EQ(call(), cudaErrorStreamCaptureUnsupported) << what;
+    (void)cudaGetLastError();
+    cudaGraph_t invalid = nullptr;
+    EXPECT_EQ(cudaStreamEndCapture(stream, &invalid), cudaErrorStreamCaptureInvalidated) << what;
+    (void)cudaGetLastError();
+    EXPECT_EQ(invalid, nullptr) << what;
+  };
+  refused("cudaMalloc", [&] { return cudaMalloc(&more, 16); });
+  refused("cudaMallocHost", [&] { return cudaMallocHost(&more, 16); });
+  refused("cudaStreamSynchronize", [&] { return cudaStreamSynchronize(stream); });
+  refused("cudaStreamQuery", [&] { return cudaStreamQuery(stream); });
+  refused("cudaEventQuery", [&] { return cudaEventQuery(event); });
+  refused("cudaDeviceSynchronize", [] { return cudaDeviceSynchronize(); });
+  refused("cudaMemcpy", [&] { return cudaMemcpy(pinned, d.data(), 16, cudaMemcpyDeviceToHost); });
+  refused("a copy from pageable memory",
+          [&] { return cudaMemcpyAsync(d.data(), pageable.data(), 16, cudaMemcpyHostToDevice, stream); });
+  // After the capture, the same calls are fine again.
+  EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  EXPECT_EQ(cudaEventRecord(event, stream), cudaSuccess);
+  EXPECT_EQ(cudaEventQuery(event), cudaSuccess);
+  EXPECT_EQ(download(d), std::vector<int>(64, 7));
+  EXPECT_EQ(cudaFreeHost(pinned), cudaSuccess);
+  EXPECT_EQ(cudaEventDestroy(event), cudaSuccess);
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 
 TEST(CudaEmulation, AStreamIsUsableOnlyWhileItsDeviceIsCurrent) {

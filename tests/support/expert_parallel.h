@@ -17,6 +17,7 @@ struct ExpertParallelLayer {
   const parallel::LayerTables& tables;
   std::span<const kernels::ExpertWeights> local;
   runtime::MoeScratch scratch{};
+  runtime::ExchangeForm form{};  // the counted exchange unless a test sets blocks
 
   // out [tokens, hidden] = the gate-weighted sum of each token's experts ([tokens, top_k], -1 dropped).
   void run(std::span<const float> h, std::int64_t tokens, std::int64_t hidden, std::int64_t top_k,
@@ -24,13 +25,11 @@ struct ExpertParallelLayer {
     const auto n = static_cast<std::size_t>(tokens);
     const auto k = static_cast<std::size_t>(top_k);
     const auto w = static_cast<std::size_t>(hidden);
-    const kernels::Tensor report =
-        backend.scratch(scratch.report, kernels::DType::i64, {dispatcher.count_values()});
     runtime::expert_parallel_stages(backend, dispatcher, tables, local,
                                     kernels::Tensor::host(h.first(n * w), {tokens, hidden}),
                                     kernels::Tensor::host(experts.first(n * k), {tokens, top_k}),
-                                    kernels::Tensor::host(weights.first(n * k), {tokens, top_k}), report,
-                                    scratch, kernels::Tensor::host(out.first(n * w), {tokens, hidden}));
+                                    kernels::Tensor::host(weights.first(n * k), {tokens, top_k}), scratch,
+                                    kernels::Tensor::host(out.first(n * w), {tokens, hidden}), form);
   }
 };
 

@@ -501,10 +501,9 @@ int run_synthetic(parallel::MpiWorld& world, parallel::MpiCommunicator& comm, co
       const auto ts = Clock::now();
       sched.apply(backend, l, tables.layer(l), routing);
       t_sched += seconds_since(ts);
-      const Tensor report = backend.scratch(scratch.report, kernels::DType::i64, {dispatcher.count_values()});
       t_exp += runtime::expert_parallel_stages(backend, dispatcher, tables.layer(l), local_weights,
                                                Tensor::host(std::span<const float>(h), {tokens, hidden}),
-                                               expert_ids, gate, report, scratch,
+                                               expert_ids, gate, scratch,
                                                Tensor::host(std::span(out), {tokens, hidden}));
       const parallel::DispatchCounters& m = dispatcher.counters();
       t_disp += m.dispatch_seconds;

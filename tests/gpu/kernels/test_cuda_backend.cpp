@@ -247,15 +247,47 @@ TEST_F(BackendPair, MoeStagesAgree) {
     const std::int64_t entries = entry_offsets.back();
 
     // Both destinations' blocks as one receiver's: the sources are the two blocks.
-    const ReceivedGroups groups{plan.entries.rows(0, entries),
-                                plan.entry_offsets,
-                                plan.row_offsets,
-                                zeros_of(be, DType::i32, {rows, k}),
-                                zeros_of(be, DType::f32, {rows, k}),
-                                zeros_of(be, DType::i64, {5}),
-                                zeros_of(be, DType::i64, {rows, k}),
-                                zeros_of(be, DType::i32, {rows * k})};
+    ReceivedGroups groups;
+    groups.entries = plan.entries.rows(0, entries);
+    groups.entry_start = plan.entry_offsets;
+    groups.row_start = plan.row_offsets;
+    groups.experts = zeros_of(be, DType::i32, {rows, k});
+    groups.weights = zeros_of(be, DType::f32, {rows, k});
+    groups.offsets = zeros_of(be, DType::i64, {5});
+    groups.position = zeros_of(be, DType::i64, {rows, k});
+    groups.row_source = zeros_of(be, DType::i32, {rows * k});
     be.group_received(groups);
+
+    // The same exchange in fixed-size blocks: each destination's rows and entries in a block one larger than
+    // the most any needs (so every block has padding), received and grouped in that layout.
+    const std::int64_t row_block =
+        1 + std::max(row_offsets[1] - row_offsets[0], row_offsets[2] - row_offsets[1]);
+    const std::int64_t entry_block =
+        1 + std::max(entry_offsets[1] - entry_offsets[0], entry_offsets[2] - entry_offsets[1]);
+    const Tensor overflow = zeros_of(be, DType::i64, {1});
+    const Tensor row_index = zeros_of(be, DType::i32, {ranks * row_block});
+    be.block_index(plan.row_offsets, plan.row_token, row_block, row_index, overflow);
+    const Tensor entry_index = zeros_of(be, DType::i32, {ranks * entry_block});
+    be.block_index(plan.entry_offsets, {}, entry_block, entry_index, overflow);
+    const Tensor entry_words(plan.entries.data(), DType::f32, be.device(), {T * k, 3});
+    const Tensor block_entries = zeros_of(be, DType::u8, {ranks * entry_block, 12});
+    be.take_rows(entry_words, entry_index,
+                 Tensor(block_entries.data(), DType::f32, be.device(), {ranks * entry_block, 3}));
+    const Tensor block_sent = zeros_of(be, DType::f32, {ranks * row_block, hidden});
+    be.take_rows(put(be, h, {T, hidden}), row_index, block_sent);
+    const Tensor block_position = zeros_of(be, DType::i64, {T, k});
+    be.block_positions(plan.row_position, plan.row_offsets, row_block, block_position);
+    ReceivedGroups blocks;
+    blocks.entries = block_entries;
+    blocks.entry_counts = plan.counts.rows(ranks, ranks);
+    blocks.entry_block = entry_block;
+    blocks.row_block = row_block;
+    blocks.experts = zeros_of(be, DType::i32, {ranks * row_block, k});
+    blocks.weights = zeros_of(be, DType::f32, {ranks * row_block, k});
+    blocks.offsets = zeros_of(be, DType::i64, {5});
+    blocks.position = zeros_of(be, DType::i64, {ranks * row_block, k});
+    blocks.row_source = zeros_of(be, DType::i32, {ranks * row_block * k});
+    be.group_received(blocks);
     const std::int64_t grouped = get<std::int64_t>(be, groups.offsets).back();
     const Tensor sent = zeros_of(be, DType::f32, {rows, hidden});
     be.take_rows(put(be, h, {T, hidden}), plan.row_token, sent);
@@ -275,12 +307,22 @@ TEST_F(BackendPair, MoeStagesAgree) {
                get<std::int64_t>(be, plan.row_position),
                get<std::int64_t>(be, plan.counts),
                get<std::int64_t>(be, groups.offsets),
-               get<std::int64_t>(be, groups.position)};
+               get<std::int64_t>(be, groups.position),
+               get<std::int64_t>(be, overflow),
+               get<std::int64_t>(be, block_position),
+               get<std::int64_t>(be, blocks.offsets),
+               get<std::int64_t>(be, blocks.position)};
+    // The blocks hold the counted exchange's rows and groups, padded.
+    EXPECT_EQ(get<std::int64_t>(be, blocks.offsets), get<std::int64_t>(be, groups.offsets));
+    EXPECT_EQ(get<std::int64_t>(be, overflow), std::vector<std::int64_t>{0});
+    const std::vector<std::int32_t> ri = get<std::int32_t>(be, row_index);
+    ints[b].emplace_back(ri.begin(), ri.end());
+    floats[b].push_back(get<float>(be, block_sent));
     const std::vector<std::int32_t> t = get<std::int32_t>(be, plan.row_token);
     const std::vector<std::int32_t> g = get<std::int32_t>(be, groups.experts);
     ints[b].emplace_back(t.begin(), t.begin() + rows);
     ints[b].emplace_back(g.begin(), g.end());
-    floats[b] = {get<float>(be, out)};
+    floats[b].push_back(get<float>(be, out));
     bytes[b] = {get<std::uint8_t>(be, call.status), get<std::uint8_t>(be, plan.entries.rows(0, entries))};
   }
   ASSERT_GT(ints[0][1][0], 0) << "gamma 0.5 dropped nothing: the capacity check is weaker than meant";

@@ -5,7 +5,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "kernels/cpu/cpu_backend.h"
@@ -62,6 +64,64 @@ TEST(HostSyncs, AServingStepSynchronisesTwicePerMoeLayerAndOnceForTheSampledToke
   for (std::size_t r = 0; r < 2; ++r) {
     const std::span<const float> row = logits.subspan(r * vocab, vocab);
     EXPECT_EQ(next[r], std::max_element(row.begin(), row.end()) - row.begin()) << "row " << r;
+  }
+}
+
+// With a capacity factor the MoE layers exchange in fixed-size blocks: a serving step synchronises once, for
+// the sampled tokens, and its statistics are those of the counted exchange.
+TEST(HostSyncs, WithACapacityFactorAServingStepSynchronisesOnceAndCountsAsTheCountedExchange) {
+  kernels::cpu::CpuBackend backend(2);
+  runtime::ParallelOptions parallel;
+  parallel.capacity.gamma = {1.0};
+  const auto model = runtime::Model::load(testing::fixture_models_dir() / "olmoe_bf16", backend, parallel);
+  runtime::EngineOptions blocks_options;
+  runtime::EngineOptions counted_options;
+  counted_options.fixed_exchange_tokens = 0;
+  runtime::Engine blocks(*model, blocks_options);
+  runtime::Engine counted(*model, counted_options);
+  const std::vector<std::int32_t> prompt_a = {1, 5, 9, 13};
+  const std::vector<std::int32_t> prompt_b = {2, 4};
+  std::vector<std::int32_t> next(2);
+  std::vector<std::int32_t> next_counted(2);
+  std::vector<runtime::Engine::Work> work = {{1, prompt_a, false}, {2, prompt_b, false}};
+  std::vector<runtime::Engine::Work> work_counted = work;
+  const std::vector<kernels::SampleControls> greedy(2);
+  for (int step = 0; step < 4; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    std::array<std::int64_t, static_cast<std::size_t>(HostSync::count_)> before{};
+    for (int why = 0; why < static_cast<int>(HostSync::count_); ++why)
+      before[static_cast<std::size_t>(why)] = backend.host_syncs(static_cast<HostSync>(why));
+    ASSERT_TRUE(blocks.step(work).ok());
+    blocks.sample(greedy, next);
+    for (int why = 0; why < static_cast<int>(HostSync::count_); ++why) {
+      const auto w = static_cast<HostSync>(why);
+      EXPECT_EQ(backend.host_syncs(w) - before[static_cast<std::size_t>(why)],
+                w == HostSync::sampled_tokens ? 1 : 0)
+          << kernels::host_sync_name(w);
+    }
+    ASSERT_TRUE(counted.step(work_counted).ok());
+    counted.sample(greedy, next_counted);
+    EXPECT_EQ(next, next_counted);
+    const auto& a = blocks.last_moe_stats().layers;
+    const auto& b = counted.last_moe_stats().layers;
+    ASSERT_EQ(a.size(), b.size());
+    for (std::size_t l = 0; l < a.size(); ++l) {
+      EXPECT_EQ(a[l].dropped, b[l].dropped);
+      EXPECT_EQ(a[l].routed_load, b[l].routed_load);
+      EXPECT_EQ(a[l].expert_load, b[l].expert_load);
+      EXPECT_EQ(a[l].rows_dispatched, b[l].rows_dispatched);
+    }
+    for (std::size_t i = 0; i < 2; ++i) {
+      EXPECT_EQ(blocks.moe_counts()[i].dropped, counted.moe_counts()[i].dropped);
+    }
+    if (step == 0) {
+      std::int64_t dropped = 0;
+      for (const auto& layer : a) dropped += layer.dropped;
+      EXPECT_GT(dropped, 0) << "a capacity factor of 1 over six tokens drops some slots";
+    }
+    work = {{1, std::span(&next[0], 1), false, true}, {2, std::span(&next[1], 1), false, true}};
+    work_counted = {{1, std::span(&next_counted[0], 1), false, true},
+                    {2, std::span(&next_counted[1], 1), false, true}};
   }
 }
 
