@@ -135,8 +135,10 @@ Tensor CudaBackend::upload(const WeightView& host, Buffer& storage) {
 
 void CudaBackend::copy_to_host(const Tensor& src, std::span<std::byte> dst) {
   enter({&src});
-  if (dst.empty()) return;
-  CAPSERVE_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), dst.size(), cudaMemcpyDeviceToHost, stream_));
+  // An empty copy still completes the queued later copies: to_host promises them delivered.
+  if (dst.empty() && !readback_.outstanding()) return;
+  if (!dst.empty())
+    CAPSERVE_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), dst.size(), cudaMemcpyDeviceToHost, stream_));
   wait_for_stream(stream_, wait_check_);
   readback_.deliver();
 }
@@ -144,14 +146,14 @@ void CudaBackend::copy_to_host(const Tensor& src, std::span<std::byte> dst) {
 bool CudaBackend::copy_to_host_later(const Tensor& src, std::span<std::byte> dst) {
   enter({&src});
   if (dst.empty()) return false;
+  // Copies queued beyond the room (more than one step's report between two waits) wait for the earlier ones,
+  // a synchronisation the emulation's counters show; growing frees the memory the queued copies land in.
+  if (!readback_.fits(dst.size()) && readback_.outstanding()) finish_copies_to_host();
   if (!readback_.fits(dst.size())) {
     if (scratch_sealed()) {
-      throw std::length_error("host readback: " + std::to_string(dst.size()) + " bytes beside " +
-                              std::to_string(readback_.used()) +
-                              " queued do not fit (sized at start-up for the engine's largest step)");
+      throw std::length_error("host readback: " + std::to_string(dst.size()) +
+                              " bytes do not fit (sized at start-up for the engine's largest step)");
     }
-    // Growing frees the page-locked memory the queued copies land in: they are delivered first.
-    if (readback_.outstanding()) finish_copies_to_host();
     readback_.grow(2 * HostReadback::room(dst.size()));
   }
   readback_.queue(src.data(), dst, stream_);

@@ -6,6 +6,7 @@
 // engine's start-up reservation (EngineOptions::max_step_tokens) no step up to that size allocates.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <span>
 #include <stdexcept>
@@ -169,6 +170,32 @@ TEST(CudaBackendSyncs, ADecodeStepWithACapacityFactorWaitsOnceAllocatesNothingAn
       EXPECT_EQ(kept + layer.dropped, 2 * config.top_k);
     }
   }
+}
+
+// A copy queued with to_host_later is in its destination once the next to_host returns, even a to_host of
+// nothing (a rank without work samples zero rows), and a finish_host_copies after that has nothing to wait
+// for. (An empty to_host used to return without waiting, and the statistics were read before they arrived.)
+TEST(CudaBackendSyncs, QueuedCopiesArriveWithTheNextToHostEvenAnEmptyOne) {
+  cuda::CudaBackend backend(0);
+  const std::vector<std::int64_t> values = {3, 1, 4, 1, 5};
+  Buffer slot;
+  const Tensor t = backend.scratch(slot, DType::i64, {5});
+  backend.from_host(std::as_bytes(std::span(values)), t);
+  std::vector<std::int64_t> later(5, -1);
+  backend.to_host_later(t, std::as_writable_bytes(std::span(later)));
+  backend.to_host(t.rows(0, 0), {}, HostSync::sampled_tokens);
+  EXPECT_EQ(later, values);
+  cuda_emu::reset_counters();
+  backend.finish_host_copies(HostSync::moe_stats);
+  EXPECT_EQ(cuda_emu::counters().host_syncs, 0);
+  EXPECT_EQ(backend.host_syncs(HostSync::moe_stats), 0);
+  // Without a to_host, finish_host_copies waits, once.
+  std::fill(later.begin(), later.end(), -1);
+  backend.to_host_later(t, std::as_writable_bytes(std::span(later)));
+  backend.finish_host_copies(HostSync::moe_stats);
+  backend.finish_host_copies(HostSync::moe_stats);
+  EXPECT_EQ(later, values);
+  EXPECT_EQ(backend.host_syncs(HostSync::moe_stats), 1);
 }
 
 // A stream stalled behind work that never completes (an NCCL kernel whose peer died): a copy that laps the
