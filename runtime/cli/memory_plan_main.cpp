@@ -1,7 +1,9 @@
 // capserve-memory-plan: what each rank of a model would hold, from its config.json alone (no weights), and
 // whether it fits devices of a given memory (runtime/README.md, "Memory plan").
+#include <charconv>
 #include <cstdio>
 #include <exception>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -25,12 +27,13 @@ std::string gb(std::int64_t bytes) {
 
 // --reserve: a size, or a percentage of --device-memory.
 std::int64_t parse_reserve(const std::string& text, std::int64_t device_memory) {
-  if (!text.empty() && text.back() == '%') {
-    const double percent = std::stod(text.substr(0, text.size() - 1));
-    if (!(percent >= 0 && percent <= 100)) throw std::invalid_argument("--reserve: a percentage of 0 to 100");
-    return static_cast<std::int64_t>(static_cast<double>(device_memory) * percent / 100.0);
-  }
-  return capserve::runtime::parse_byte_size(text);
+  if (text.empty() || text.back() != '%') return capserve::runtime::parse_byte_size(text);
+  double percent = -1;
+  const char* end = text.data() + text.size() - 1;
+  const auto [ptr, ec] = std::from_chars(text.data(), end, percent);
+  if (ec != std::errc() || ptr != end || !(percent >= 0 && percent <= 100))
+    throw std::invalid_argument("--reserve: '" + text + "' is not a percentage of 0 to 100");
+  return static_cast<std::int64_t>(static_cast<double>(device_memory) * percent / 100.0);
 }
 
 void print(const MemoryPlan& plan, const capserve::runtime::ModelConfig& c, const std::string& path,
