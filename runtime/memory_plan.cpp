@@ -107,7 +107,7 @@ std::string_view weight_kind_name(WeightKind kind) {
   return "?";
 }
 
-std::int64_t RankMemory::weight_bytes() const {
+std::int64_t RankMemoryPlan::weight_bytes() const {
   std::int64_t total = 0;
   for (const std::int64_t b : weights) total += b;
   return total;
@@ -115,16 +115,13 @@ std::int64_t RankMemory::weight_bytes() const {
 
 std::int64_t MemoryPlan::kv_blocks() const {
   std::int64_t blocks = ranks.empty() ? 0 : ranks.front().kv_blocks;
-  for (const RankMemory& r : ranks) blocks = std::min(blocks, r.kv_blocks);
+  for (const RankMemoryPlan& r : ranks) blocks = std::min(blocks, r.kv_blocks);
   return blocks;
 }
 
 bool MemoryPlan::fits() const {
-  if (kv_tokens() < required_kv_tokens) return false;
-  const std::int64_t cache = kv_tokens() * kv_bytes_per_token;
-  return std::all_of(ranks.begin(), ranks.end(), [&](const RankMemory& r) {
-    return r.weight_bytes() + options.reserve + cache <= options.device_memory;
-  });
+  return !ranks.empty() &&
+         std::all_of(ranks.begin(), ranks.end(), [](const RankMemoryPlan& r) { return r.fits; });
 }
 
 MemoryPlan plan_memory(const ModelConfig& config, const TensorNames& names,
@@ -158,7 +155,7 @@ MemoryPlan plan_memory(const ModelConfig& config, const TensorNames& names,
 
   const std::int64_t block_bytes = plan.kv_bytes_per_token * options.kv_block_size;
   for (int rank = 0; rank < options.ranks; ++rank) {
-    RankMemory r;
+    RankMemoryPlan r;
     r.rank = rank;
     for (std::int64_t l = 0; l < placement.num_layers(); ++l) {
       const bool moe = l < config.num_layers
@@ -171,13 +168,11 @@ MemoryPlan plan_memory(const ModelConfig& config, const TensorNames& names,
       const Role role = classify(w.name, config, names);
       r.weights[static_cast<std::size_t>(role.kind)] += held_bytes(w, role, config, options);
     }
-    if (options.kv_blocks > 0) {
-      r.kv_blocks = options.kv_blocks;
-    } else {
-      const std::int64_t left = options.device_memory - options.reserve - r.weight_bytes();
-      r.kv_blocks = std::max<std::int64_t>(0, left / block_bytes);
-    }
+    r.kv_room = options.device_memory - options.reserve - r.weight_bytes();
+    r.kv_blocks =
+        options.kv_blocks > 0 ? options.kv_blocks : std::max<std::int64_t>(0, r.kv_room / block_bytes);
     r.kv_bytes = r.kv_blocks * block_bytes;
+    r.fits = r.kv_bytes <= r.kv_room && r.kv_blocks * options.kv_block_size >= plan.required_kv_tokens;
     plan.ranks.push_back(r);
   }
   plan.kv.num_blocks = plan.kv_blocks();

@@ -63,12 +63,15 @@ struct MemoryPlanOptions {
   std::int64_t max_batched_tokens = 0;
 };
 
-struct RankMemory {
+struct RankMemoryPlan {
   int rank = 0;
   std::int64_t experts = 0;  // routed experts held, over all MoE layers
   std::array<std::int64_t, kWeightKinds> weights{};
-  std::int64_t kv_blocks = 0;
-  std::int64_t kv_bytes = 0;  // KvCache::bytes for kv_blocks
+  std::int64_t kv_room = 0;    // device_memory - reserve - weights (negative: the weights alone overflow)
+  std::int64_t kv_blocks = 0;  // --kv-blocks, or as many as kv_room holds
+  std::int64_t kv_bytes = 0;   // KvCache::bytes for kv_blocks
+  // The cache fits kv_room and holds MemoryPlan::required_kv_tokens.
+  bool fits = false;
 
   [[nodiscard]] std::int64_t weight_bytes() const;
 };
@@ -80,7 +83,7 @@ struct MemoryPlan {
   // The largest single step buffer whose size is known from the config: the f32 logits of
   // max_batched_tokens rows (every position's, as the engine sizes them), against the reserve.
   std::int64_t logits_bytes = 0;
-  std::vector<RankMemory> ranks;
+  std::vector<RankMemoryPlan> ranks;
   // The KV tokens a rank must hold for the model to count as fitting: one sequence of its whole context
   // (ModelConfig::max_context_length) and at least one step of max_batched_tokens.
   std::int64_t required_kv_tokens = 0;
@@ -88,8 +91,7 @@ struct MemoryPlan {
   // The blocks every rank can hold (the engine takes one --kv-blocks for all ranks).
   [[nodiscard]] std::int64_t kv_blocks() const;
   [[nodiscard]] std::int64_t kv_tokens() const { return kv_blocks() * kv.block_size; }
-  // Weights + reserve + required_kv_tokens of KV within device_memory on every rank (with a fixed block
-  // count: weights + reserve + that cache).
+  // Every rank fits: weights + reserve + a cache of at least required_kv_tokens within device_memory.
   [[nodiscard]] bool fits() const;
 };
 

@@ -18,7 +18,7 @@
 namespace {
 
 using capserve::runtime::MemoryPlan;
-using capserve::runtime::RankMemory;
+using capserve::runtime::RankMemoryPlan;
 using capserve::runtime::WeightKind;
 
 std::string gb(std::int64_t bytes) {
@@ -74,14 +74,11 @@ void print(const MemoryPlan& plan, const capserve::runtime::ModelConfig& c, cons
     header += fmt::format(" {:>14}", capserve::runtime::weight_kind_name(static_cast<WeightKind>(k)));
   header += fmt::format(" {:>10} {:>11} {:>10}  {}", "weights", "KV room", "KV tokens", "");
   std::printf("%s  (GB)\n", header.c_str());
-  for (const RankMemory& r : plan.ranks) {
+  for (const RankMemoryPlan& r : plan.ranks) {
     std::string line = fmt::format("{:>4} {:>7}", r.rank, r.experts);
     for (const std::int64_t b : r.weights) line += fmt::format(" {:>14}", gb(b));
-    const std::int64_t room = o.device_memory - o.reserve - r.weight_bytes();
-    const bool fits =
-        r.weight_bytes() + o.reserve + plan.required_kv_tokens * plan.kv_bytes_per_token <= o.device_memory;
-    line += fmt::format(" {:>10} {:>11} {:>10}  {}", gb(r.weight_bytes()), gb(room),
-                        r.kv_blocks * plan.kv.block_size, fits ? "FITS" : "DOES NOT FIT");
+    line += fmt::format(" {:>10} {:>11} {:>10}  {}", gb(r.weight_bytes()), gb(r.kv_room),
+                        r.kv_blocks * plan.kv.block_size, r.fits ? "FITS" : "DOES NOT FIT");
     std::printf("%s\n", line.c_str());
   }
   std::printf(

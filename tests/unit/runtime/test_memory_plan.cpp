@@ -1,8 +1,8 @@
-// The memory plan (runtime/memory_plan.h) against what loading really holds: for every fixture on 1, 2 and
-// 4 ranks (the MTP layer loaded or not), the plan's weight bytes per rank equal ModelWeights::bytes of a real
-// load on the CPU backend and its KV bytes the engine's KvCache allocation; its FP8 rule equals the FP8
-// fixture's stored types; and DeepSeek-V3's released config on 8 ranks of 141 GB fits with FP8 kept and does
-// not fit dequantized to bf16.
+// The memory plan (runtime/memory_plan.h) against what loading really holds: for every fixture on 1 to 4
+// ranks (the MTP layer loaded or not), the plan's weight bytes per rank equal ModelWeights::bytes of a real
+// load on the CPU backend (3 ranks: experts that do not divide evenly) and its KV bytes the engine's KvCache
+// allocation; its FP8 rule equals the FP8 fixture's stored types; and DeepSeek-V3's released config on 8
+// ranks of 141 GB fits with FP8 kept and does not fit dequantized to bf16.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -31,7 +31,7 @@ fs::path deepseek_v3_config() {
   return testing::fixture_models_dir().parent_path() / "configs" / "deepseek_v3" / "config.json";
 }
 
-std::int64_t held(const RankMemory& r, WeightKind kind) {
+std::int64_t held(const RankMemoryPlan& r, WeightKind kind) {
   return r.weights[static_cast<std::size_t>(kind)];
 }
 
@@ -45,7 +45,7 @@ TEST_P(PlanAgainstLoad, WeightAndKvBytesPerRankEqualARealLoad) {
   const ModelConfig& c = model.config;
   Checkpoint checkpoint = Checkpoint::open(dir(), c.fp8_blocks);
   int checked = 0;
-  for (const int ranks : {1, 2, 4}) {
+  for (const int ranks : {1, 2, 3, 4}) {
     if (ranks > c.num_experts) continue;
     for (const bool mtp : {false, true}) {
       if (mtp && c.mtp_layer_is_moe.size() != 1) continue;
@@ -71,7 +71,7 @@ TEST_P(PlanAgainstLoad, WeightAndKvBytesPerRankEqualARealLoad) {
         EngineOptions engine_options;
         engine_options.kv_blocks = kBlocks;
         const Engine engine(*loaded, engine_options);
-        const RankMemory& planned = plan.ranks[static_cast<std::size_t>(r)];
+        const RankMemoryPlan& planned = plan.ranks[static_cast<std::size_t>(r)];
         EXPECT_EQ(planned.weight_bytes(), loaded->weights().bytes) << "rank " << r;
         EXPECT_EQ(planned.kv_bytes, engine.cache().bytes()) << "rank " << r;
         EXPECT_EQ(plan.kv_bytes_per_token * engine.cache().shape().block_size * kBlocks,
@@ -91,7 +91,7 @@ TEST_P(PlanAgainstLoad, WeightAndKvBytesPerRankEqualARealLoad) {
       ++checked;
     }
   }
-  EXPECT_GE(checked, 3);
+  EXPECT_GE(checked, 4);
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, PlanAgainstLoad, ::testing::ValuesIn(testing::fixture_model_names()),
@@ -188,13 +188,13 @@ TEST(MemoryPlan, DeepSeekV3FitsEightH200sWithFp8KeptAndNotDequantized) {
   // The bf16 latent cache: (512 + 64) values of 2 bytes per layer, 61 layers.
   EXPECT_EQ(kept.kv_bytes_per_token, 576 * 2 * 61);
   for (const MemoryPlan* plan : {&kept, &bf16}) {
-    for (const RankMemory& r : plan->ranks) {
+    for (const RankMemoryPlan& r : plan->ranks) {
       EXPECT_EQ(r.experts, 58 * 256 / 8);
       EXPECT_EQ(held(r, WeightKind::mtp_layers), 0);  // not loaded without --mtp
     }
   }
-  const RankMemory& k = kept.ranks.front();
-  const RankMemory& b = bf16.ranks.front();
+  const RankMemoryPlan& k = kept.ranks.front();
+  const RankMemoryPlan& b = bf16.ranks.front();
   // Unquantized in both: embeddings and head in bf16, routers widened to f32 on a device (with their f32
   // correction biases).
   EXPECT_EQ(held(k, WeightKind::embedding), 129280LL * 7168 * 2);
@@ -208,12 +208,35 @@ TEST(MemoryPlan, DeepSeekV3FitsEightH200sWithFp8KeptAndNotDequantized) {
 
   EXPECT_TRUE(kept.fits());
   EXPECT_GE(kept.kv_tokens(), 100'000);
-  for (const RankMemory& r : kept.ranks)
+  for (const RankMemoryPlan& r : kept.ranks)
     EXPECT_LE(r.weight_bytes() + kept.options.reserve + kept.kv_tokens() * kept.kv_bytes_per_token,
               kept.options.device_memory);
   EXPECT_FALSE(bf16.fits());
   EXPECT_GT(b.weight_bytes(), bf16.options.device_memory);  // the weights alone overflow
   EXPECT_EQ(bf16.kv_tokens(), 0);
+}
+
+// A fixed --kv-blocks fits when it holds the model's whole context and fits the room the weights leave.
+TEST(MemoryPlan, AFixedBlockCountFitsOnlyWhenItHoldsAContextAndFitsTheRoom) {
+  const ModelDescription model = read_model_config(deepseek_v3_config());
+  MemoryPlanOptions options;
+  options.ranks = 8;
+  options.fp8 = Fp8Holding::keep_fp8;
+  options.device_memory = parse_byte_size("141GB");
+  options.reserve = options.device_memory / 10;
+  const std::int64_t room = plan_memory(model.config, model.names, options).ranks.front().kv_room;
+  const std::int64_t context_blocks = 163840 / 16;
+  const std::int64_t block_bytes = 576 * 2 * 61 * 16;
+  ASSERT_GT(room, context_blocks * block_bytes);
+  for (const auto& [blocks, fits] :
+       {std::pair{context_blocks - 1, false}, std::pair{context_blocks, true},
+        std::pair{room / block_bytes, true}, std::pair{room / block_bytes + 1, false}}) {
+    options.kv_blocks = blocks;
+    const MemoryPlan plan = plan_memory(model.config, model.names, options);
+    EXPECT_EQ(plan.fits(), fits) << blocks << " blocks";
+    EXPECT_EQ(plan.kv_blocks(), blocks);
+    EXPECT_EQ(plan.ranks.front().kv_bytes, blocks * block_bytes);
+  }
 }
 
 TEST(MemoryPlan, MtpLayersAddTheirWeightsAndACacheLayer) {
