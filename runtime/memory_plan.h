@@ -42,7 +42,8 @@ std::string_view weight_kind_name(WeightKind kind);
 
 struct MemoryPlanOptions {
   int ranks = 1;
-  std::string placement = "contiguous";  // as --placement: contiguous, round-robin or a --moe-stats file
+  // As --expert-placement: contiguous, round-robin or a --moe-stats file.
+  std::string placement = "contiguous";
   // A device backend (routers widened to f32, runtime/model_weights.cpp) or the CPU (which counts the
   // checkpoint's mapped bytes as ModelWeights::bytes does).
   bool device = true;
@@ -95,8 +96,8 @@ struct MemoryPlan {
   [[nodiscard]] bool fits() const;
 };
 
-// std::invalid_argument on options that cannot be planned (no device memory and no block count, a config
-// without torch_dtype); LoadError on a bad placement.
+// std::invalid_argument on options that cannot be planned (no device memory, no rank, no block size) or a
+// config without a torch_dtype; LoadError on a bad placement.
 MemoryPlan plan_memory(const ModelConfig& config, const TensorNames& names, const MemoryPlanOptions& options);
 
 // "141GB" (10^9), "141GiB" (2^30), "512MiB", "80G" (= GB), or a byte count; std::invalid_argument otherwise.
