@@ -1,10 +1,12 @@
 #include "runtime/model_weights.h"
 
+#include <functional>
 #include <initializer_list>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -27,8 +29,10 @@ class Uploader {
            bool read = true)
       : ckpt_(ckpt), backend_(backend), storage_(storage), read_(read) {}
 
-  [[nodiscard]] Checkpoint& checkpoint() { return ckpt_; }
   [[nodiscard]] bool reads() const { return read_; }
+  [[nodiscard]] bool contains(std::string_view name) const { return ckpt_.contains(name); }
+  // What `get` checks, for a tensor this rank does not keep (another rank's expert).
+  void check(std::string_view name, std::initializer_list<std::int64_t> shape) { ckpt_.check(name, shape); }
   kernels::Tensor get(std::string_view name, std::initializer_list<std::int64_t> shape) {
     if (!read_) {
       ckpt_.check(name, shape);
@@ -110,23 +114,77 @@ class Uploader {
   std::int64_t bytes_ = 0;
 };
 
+// Records what an Uploader would upload, by name, shape and fetch, without a checkpoint (the memory plan):
+// every tensor is taken to have the shape the walk asks for, and optional ones (`contains`) to be present
+// where `present` says so. One made with `read` false records nothing, as the checking Uploader uploads
+// nothing.
+class ShapeRecorder {
+ public:
+  ShapeRecorder(std::vector<WeightShape>& out, const std::function<bool(std::string_view)>& present,
+                bool read = true)
+      : out_(out), present_(present), read_(read) {}
+
+  [[nodiscard]] bool reads() const { return read_; }
+  [[nodiscard]] bool contains(std::string_view name) const { return present_(name); }
+  void check(std::string_view, std::initializer_list<std::int64_t>) {}
+  kernels::Tensor get(std::string_view name, std::initializer_list<std::int64_t> shape) {
+    return record(name, shape, WeightFetch::as_stored);
+  }
+  kernels::Tensor get_router(std::string_view name, std::initializer_list<std::int64_t> shape) {
+    return record(name, shape, WeightFetch::router);
+  }
+  kernels::Tensor get_f32(std::string_view name, std::initializer_list<std::int64_t> shape) {
+    return record(name, shape, WeightFetch::f32);
+  }
+  std::pair<kernels::Tensor, kernels::Tensor> get_split(std::string_view name,
+                                                        std::initializer_list<std::int64_t> shape,
+                                                        std::int64_t first) {
+    if (!read_) return {};
+    const std::vector<std::int64_t> s(shape);
+    if (s.size() == 1) {
+      out_.push_back({std::string(name), 1, first, WeightFetch::as_stored});
+      out_.push_back({std::string(name), 1, s[0] - first, WeightFetch::as_stored});
+    } else {
+      out_.push_back({std::string(name), first, s[1], WeightFetch::as_stored});
+      out_.push_back({std::string(name), s[0] - first, s[1], WeightFetch::as_stored});
+    }
+    return {};
+  }
+
+ private:
+  kernels::Tensor record(std::string_view name, std::initializer_list<std::int64_t> shape,
+                         WeightFetch fetch) {
+    if (!read_) return {};
+    const std::vector<std::int64_t> s(shape);
+    out_.push_back({std::string(name), s.size() == 1 ? 1 : s[0], s.back(), fetch});
+    return {};
+  }
+
+  std::vector<WeightShape>& out_;
+  const std::function<bool(std::string_view)>& present_;
+  bool read_;
+};
+
+// The walk below is written once over an uploader type: the Uploader (loading) or the ShapeRecorder (the
+// memory plan), so that the plan sees exactly the tensors a load fetches.
+
 // One SwiGLU's three matrices, checked against their shapes; uploaded only when `keep`.
-std::optional<kernels::ExpertWeights> load_swiglu(Uploader& up, const std::string& prefix,
-                                                  const std::string& gate, const std::string& up_proj,
-                                                  const std::string& down, std::int64_t hidden,
-                                                  std::int64_t ffn, bool keep = true) {
+template <class Up>
+std::optional<kernels::ExpertWeights> load_swiglu(Up& up, const std::string& prefix, const std::string& gate,
+                                                  const std::string& up_proj, const std::string& down,
+                                                  std::int64_t hidden, std::int64_t ffn, bool keep = true) {
   if (!keep) {
-    Checkpoint& ckpt = up.checkpoint();
-    ckpt.check(prefix + gate, {ffn, hidden});
-    ckpt.check(prefix + up_proj, {ffn, hidden});
-    ckpt.check(prefix + down, {hidden, ffn});
+    up.check(prefix + gate, {ffn, hidden});
+    up.check(prefix + up_proj, {ffn, hidden});
+    up.check(prefix + down, {hidden, ffn});
     return std::nullopt;
   }
   return kernels::ExpertWeights{up.get(prefix + gate, {ffn, hidden}), up.get(prefix + up_proj, {ffn, hidden}),
                                 up.get(prefix + down, {hidden, ffn})};
 }
 
-AttentionWeights load_latent_attention(Uploader& up, const ModelConfig& c, const TensorNames& n,
+template <class Up>
+AttentionWeights load_latent_attention(Up& up, const ModelConfig& c, const TensorNames& n,
                                        const std::string& p) {
   const MlaConfig& m = *c.mla;
   const std::int64_t q_width = c.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim);
@@ -152,8 +210,8 @@ AttentionWeights load_latent_attention(Uploader& up, const ModelConfig& c, const
   return a;
 }
 
-AttentionWeights load_attention(Uploader& up, const ModelConfig& c, const TensorNames& n,
-                                const std::string& p) {
+template <class Up>
+AttentionWeights load_attention(Up& up, const ModelConfig& c, const TensorNames& n, const std::string& p) {
   if (c.mla) return load_latent_attention(up, c, n, p);
   const std::int64_t q_width = c.num_heads * c.head_dim;
   const std::int64_t kv_width = c.num_kv_heads * c.head_dim;
@@ -177,7 +235,8 @@ AttentionWeights load_attention(Uploader& up, const ModelConfig& c, const Tensor
 }
 
 // `owners` empty: no rank keeps a routed expert (a layer walked without reading).
-MoeWeights load_moe(Uploader& up, const ModelConfig& c, const TensorNames& n, const std::string& p,
+template <class Up>
+MoeWeights load_moe(Up& up, const ModelConfig& c, const TensorNames& n, const std::string& p,
                     std::span<const std::int32_t> owners, int rank) {
   MoeWeights m;
   m.router = up.get_router(p + n.router, {c.num_experts, c.hidden_size});
@@ -198,8 +257,9 @@ MoeWeights load_moe(Uploader& up, const ModelConfig& c, const TensorNames& n, co
   return m;
 }
 
-LayerWeights load_layer(Uploader& up, const ModelConfig& c, const TensorNames& n, const std::string& p,
-                        bool is_moe, std::span<const std::int32_t> owners, int rank) {
+template <class Up>
+LayerWeights load_layer(Up& up, const ModelConfig& c, const TensorNames& n, const std::string& p, bool is_moe,
+                        std::span<const std::int32_t> owners, int rank) {
   LayerWeights layer;
   layer.input_norm = up.get(p + n.input_norm, {c.hidden_size});
   layer.post_attention_norm = up.get(p + n.post_attention_norm, {c.hidden_size});
@@ -217,18 +277,20 @@ LayerWeights load_layer(Uploader& up, const ModelConfig& c, const TensorNames& n
 // Multi-token-prediction layer `i`: loaded through a reading uploader with this rank's experts (`owners`),
 // or only checked through one that does not read (speculation off). A checkpoint without the layer (no
 // eh_proj) passes the check (and fails a load); one with part of it fails check_all_used.
-std::optional<MtpWeights> load_mtp_layer(Uploader& up, const ModelConfig& c, const TensorNames& n,
-                                         std::int64_t i, std::span<const std::int32_t> owners, int rank,
+template <class Up>
+std::optional<MtpWeights> load_mtp_layer(Up& up, const ModelConfig& c, const TensorNames& n, std::int64_t i,
+                                         std::span<const std::int32_t> owners, int rank,
                                          const ModelWeights& model) {
   const std::int64_t l = c.num_layers + i;
   const std::string p = "model.layers." + std::to_string(l) + ".";
-  if (!up.checkpoint().contains(p + n.mtp_eh_proj)) {
+  if (!up.contains(p + n.mtp_eh_proj)) {
     if (up.reads())
       throw LoadError(c.architecture + ": speculative decoding with MTP needs multi-token-prediction layer " +
                       std::to_string(l) + ", which the checkpoint does not have (no '" + p + n.mtp_eh_proj +
                       "')");
-    spdlog::info("{}: the checkpoint has no multi-token-prediction layer {} (no '{}')", c.architecture, l,
-                 p + n.mtp_eh_proj);
+    if constexpr (std::is_same_v<Up, Uploader>)
+      spdlog::info("{}: the checkpoint has no multi-token-prediction layer {} (no '{}')", c.architecture, l,
+                   p + n.mtp_eh_proj);
     return std::nullopt;
   }
   MtpWeights m;
@@ -236,26 +298,25 @@ std::optional<MtpWeights> load_mtp_layer(Uploader& up, const ModelConfig& c, con
   m.enorm = up.get(p + n.mtp_enorm, {c.hidden_size});
   m.hnorm = up.get(p + n.mtp_hnorm, {c.hidden_size});
   m.head_norm = up.get(p + n.mtp_head_norm, {c.hidden_size});
-  m.embed = up.checkpoint().contains(p + n.mtp_embed) ? up.get(p + n.mtp_embed, {c.vocab_size, c.hidden_size})
-                                                      : model.embed;
-  m.lm_head = up.checkpoint().contains(p + n.mtp_head) ? up.get(p + n.mtp_head, {c.vocab_size, c.hidden_size})
-                                                       : model.lm_head;
+  m.embed =
+      up.contains(p + n.mtp_embed) ? up.get(p + n.mtp_embed, {c.vocab_size, c.hidden_size}) : model.embed;
+  m.lm_head =
+      up.contains(p + n.mtp_head) ? up.get(p + n.mtp_head, {c.vocab_size, c.hidden_size}) : model.lm_head;
   m.layer = load_layer(up, c, n, p, c.mtp_layer_is_moe[static_cast<std::size_t>(i)], owners, rank);
   if (!up.reads()) {
-    spdlog::info("{}: multi-token-prediction layer {} checked and not loaded (no MTP speculation)",
-                 c.architecture, l);
+    if constexpr (std::is_same_v<Up, Uploader>)  // a load's news, not a plan's
+      spdlog::info("{}: multi-token-prediction layer {} checked and not loaded (no MTP speculation)",
+                   c.architecture, l);
     return std::nullopt;
   }
   return m;
 }
 
-}  // namespace
-
-ModelWeights load_model_weights(Checkpoint& ckpt, const ModelConfig& c, const TensorNames& n,
-                                const parallel::ExpertPlacement& placement, int rank,
-                                kernels::Backend& backend, bool load_mtp) {
+// Every tensor a rank loads, in order: `up` uploads, `checker` only checks (the MTP layers when not loaded).
+template <class Up>
+ModelWeights walk_model(Up& up, Up& checker, const ModelConfig& c, const TensorNames& n,
+                        const parallel::ExpertPlacement& placement, int rank, bool load_mtp) {
   ModelWeights w;
-  Uploader up(ckpt, backend, w.storage);
   w.embed = up.get(n.embed, {c.vocab_size, c.hidden_size});
   w.final_norm = up.get(n.final_norm, {c.hidden_size});
   w.lm_head = c.tie_word_embeddings ? w.embed : up.get(n.lm_head, {c.vocab_size, c.hidden_size});
@@ -266,7 +327,6 @@ ModelWeights load_model_weights(Checkpoint& ckpt, const ModelConfig& c, const Te
         load_layer(up, c, n, "model.layers." + std::to_string(l) + ".", is_moe,
                    is_moe ? placement.owners(l) : std::span<const std::int32_t>{}, rank);
   }
-  Uploader checker(ckpt, backend, w.storage, /*read=*/false);
   for (std::size_t i = 0; i < c.mtp_layer_is_moe.size(); ++i) {
     const auto layer = c.num_layers + static_cast<std::int64_t>(i);
     const bool moe = c.mtp_layer_is_moe[i];
@@ -275,11 +335,35 @@ ModelWeights load_model_weights(Checkpoint& ckpt, const ModelConfig& c, const Te
                        load_mtp && moe ? placement.owners(layer) : std::span<const std::int32_t>{}, rank, w);
     if (m) w.mtp.push_back(std::move(*m));
   }
+  return w;
+}
+
+}  // namespace
+
+ModelWeights load_model_weights(Checkpoint& ckpt, const ModelConfig& c, const TensorNames& n,
+                                const parallel::ExpertPlacement& placement, int rank,
+                                kernels::Backend& backend, bool load_mtp) {
+  std::vector<kernels::Buffer> storage;
+  Uploader up(ckpt, backend, storage);
+  Uploader checker(ckpt, backend, storage, /*read=*/false);
+  ModelWeights w = walk_model(up, checker, c, n, placement, rank, load_mtp);
   // Tied checkpoints sometimes still carry lm_head.weight; it is the same matrix, so accept it.
   if (c.tie_word_embeddings && ckpt.contains(n.lm_head)) ckpt.get(n.lm_head, {c.vocab_size, c.hidden_size});
   ckpt.check_all_used();
+  w.storage = std::move(storage);
   w.bytes = up.bytes();
   return w;
+}
+
+std::vector<WeightShape> model_weight_shapes(const ModelConfig& c, const TensorNames& n,
+                                             const parallel::ExpertPlacement& placement, int rank,
+                                             bool load_mtp,
+                                             const std::function<bool(std::string_view)>& present) {
+  std::vector<WeightShape> shapes;
+  ShapeRecorder up(shapes, present);
+  ShapeRecorder checker(shapes, present, /*read=*/false);
+  walk_model(up, checker, c, n, placement, rank, load_mtp);
+  return shapes;
 }
 
 }  // namespace capserve::runtime

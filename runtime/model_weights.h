@@ -3,6 +3,9 @@
 // shapes its config implies, and uploaded through the backend: on the CPU views into the mmapped checkpoint
 // (zero copy), on a device copies the weights own. Each rank uploads only its own routed experts.
 #include <cstdint>
+#include <functional>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "kernels/backend.h"
@@ -74,5 +77,27 @@ struct ModelWeights {
 ModelWeights load_model_weights(Checkpoint& ckpt, const ModelConfig& config, const TensorNames& names,
                                 const parallel::ExpertPlacement& placement, int rank,
                                 kernels::Backend& backend, bool load_mtp = false);
+
+// How the loader fetches a tensor, which decides the type it is held in (runtime/memory_plan.h): as the
+// checkpoint stores it (an FP8 weight: dequantized to bf16), as a router (widened to f32 on a device), or
+// always widened to f32 (the router's correction bias).
+enum class WeightFetch : std::uint8_t { as_stored, router, f32 };
+
+// One upload of load_model_weights, without its data: a vector is one row. kv_a_proj_with_mqa, which the
+// loader uploads as two parts, is two entries of the same name.
+struct WeightShape {
+  std::string name;
+  std::int64_t rows = 0;
+  std::int64_t cols = 0;
+  WeightFetch fetch = WeightFetch::as_stored;
+};
+
+// What load_model_weights uploads on `rank`, in its order, by the same walk over the config's shapes alone
+// (no checkpoint): every tensor is taken to exist with the shape the walk asks for, and the optional ones
+// (an MTP layer, its own embed_tokens and shared_head.head copies) where `present` says so.
+std::vector<WeightShape> model_weight_shapes(const ModelConfig& config, const TensorNames& names,
+                                             const parallel::ExpertPlacement& placement, int rank,
+                                             bool load_mtp,
+                                             const std::function<bool(std::string_view)>& present);
 
 }  // namespace capserve::runtime
