@@ -58,18 +58,20 @@ HostWeight host_weight(const std::vector<float>& values, DType dtype, std::int64
 }
 
 // A block-quantized FP8 weight [rows, cols] with blocks of block_rows x block_cols (the last ones partial
-// where the sizes are not multiples): random E4M3 bytes (no NaN) and f32 scales, and their bf16
-// dequantization by the checkpoint's code (runtime/weights/fp8_blocks.h), which the reference computes with.
+// where the sizes are not multiples): random E4M3 bytes (no NaN) and f32 scales (or bf16, which the device
+// widens when uploading), and their bf16 dequantization by the checkpoint's code
+// (runtime/weights/fp8_blocks.h), which the reference computes with.
 struct Fp8Weight {
   std::vector<std::uint8_t> bytes;
   std::vector<float> scales;
+  std::vector<std::uint16_t> bf16_scales;
   std::vector<std::uint16_t> bf16;
   WeightView fp8;
   WeightView dequantized;
 };
 
 Fp8Weight fp8_weight(Rng& rng, std::int64_t rows, std::int64_t cols, std::int64_t block_rows,
-                     std::int64_t block_cols) {
+                     std::int64_t block_cols, DType scale_dtype = DType::f32) {
   Fp8Weight w;
   const BlockScales shape{DType::f32, nullptr, block_rows, block_cols};
   std::uniform_int_distribution<int> byte(0, 255);
@@ -84,15 +86,20 @@ Fp8Weight fp8_weight(Rng& rng, std::int64_t rows, std::int64_t cols, std::int64_
   for (float& f : w.scales) f = scale(rng);
   const auto* data = reinterpret_cast<const std::byte*>(w.bytes.data());
   const auto* scale_data = reinterpret_cast<const std::byte*>(w.scales.data());
+  if (scale_dtype == DType::bf16) {
+    for (const float f : w.scales)
+      w.bf16_scales.push_back(static_cast<std::uint16_t>(std::bit_cast<std::uint32_t>(f) >> 16));
+    scale_data = reinterpret_cast<const std::byte*>(w.bf16_scales.data());
+  }
   const runtime::TensorInfo info{"w", DType::f8_e4m3, {rows, cols}, data, w.bytes.size()};
   const runtime::TensorInfo scale_info{"w_scale_inv",
-                                       DType::f32,
+                                       scale_dtype,
                                        {shape.grid_rows(rows), shape.grid_cols(cols)},
                                        scale_data,
-                                       w.scales.size() * sizeof(float)};
+                                       w.scales.size() * dtype_size(scale_dtype)};
   w.bf16.resize(w.bytes.size());
   runtime::dequantize_fp8_blocks(info, scale_info, {block_rows, block_cols}, w.bf16);
-  w.fp8 = {DType::f8_e4m3, data, rows, cols, {DType::f32, scale_data, block_rows, block_cols}};
+  w.fp8 = {DType::f8_e4m3, data, rows, cols, {scale_dtype, scale_data, block_rows, block_cols}};
   w.dequantized = {DType::bf16, reinterpret_cast<const std::byte*>(w.bf16.data()), rows, cols};
   return w;
 }
@@ -492,13 +499,14 @@ TEST_F(BackendPair, Fp8LinearAgreesWithItsDequantizedWeight) {
   struct Case {
     std::int64_t out_dim, in_dim, block_rows, block_cols;
     std::vector<std::int64_t> rows;
+    DType scale_dtype = DType::f32;
   };
   std::vector<std::int64_t> every(70);
   for (std::size_t i = 0; i < every.size(); ++i) every[i] = static_cast<std::int64_t>(i) + 1;
   const Case cases[] = {
-      {72, 84, 16, 16, every}, {200, 150, 128, 128, {1, 2, 33, 70}}, {40, 130, 16, 64, {5}}};
+      {72, 84, 16, 16, every}, {200, 150, 128, 128, {1, 2, 33, 70}}, {40, 130, 16, 64, {5}, DType::bf16}};
   for (const Case& c : cases) {
-    const Fp8Weight w = fp8_weight(rng, c.out_dim, c.in_dim, c.block_rows, c.block_cols);
+    const Fp8Weight w = fp8_weight(rng, c.out_dim, c.in_dim, c.block_rows, c.block_cols, c.scale_dtype);
     const HostWeight bias =
         host_weight(normal(rng, static_cast<std::size_t>(c.out_dim)), DType::f32, 1, c.out_dim);
     const Tensor cpu_w = weight(cpu_, w.dequantized);
@@ -523,10 +531,12 @@ TEST_F(BackendPair, Fp8LinearAgreesWithItsDequantizedWeight) {
       worst_bf16 = std::max(worst_bf16, vs_bf16);
     }
     std::printf(
-        "[ fp8 ] linear %lldx%lld, blocks %lldx%lld: vs CPU on the dequantized weight %.3g, vs the "
+        "[ fp8 ] linear %lldx%lld, blocks %lldx%lld, %s scales: vs CPU on the dequantized weight %.3g, vs "
+        "the "
         "device's bf16 path %.3g\n",
         static_cast<long long>(c.out_dim), static_cast<long long>(c.in_dim),
-        static_cast<long long>(c.block_rows), static_cast<long long>(c.block_cols), worst_cpu, worst_bf16);
+        static_cast<long long>(c.block_rows), static_cast<long long>(c.block_cols),
+        std::string(dtype_name(c.scale_dtype)).c_str(), worst_cpu, worst_bf16);
   }
 }
 
