@@ -41,7 +41,7 @@ class Uploader {
     return t;
   }
   // `get`, but FP8 dequantized to bf16 whatever the backend keeps: kv_b_proj, which latent attention's
-  // per-head batched GEMMs take in a 16-bit type (and which is small: 2% of DeepSeek-V3's weights).
+  // per-head batched GEMMs take in a 16-bit type (and which is small: DeepSeek-V3's 61 are 2 GB in bf16).
   kernels::Tensor get_bf16(std::string_view name, std::initializer_list<std::int64_t> shape) {
     if (!read_) return get(name, shape);
     const kernels::WeightView host = ckpt_.get(name, shape);

@@ -62,8 +62,9 @@ struct ModelWeights {
   std::vector<LayerWeights> layers;
   // Loaded MTP layers, in order (empty unless asked for); layer i runs as model layer num_layers + i.
   std::vector<MtpWeights> mtp;
-  // The bytes of the tensors above, the rank's own experts only: device copies, or on the CPU the
-  // checkpoint's mapped bytes (which the backend never allocates).
+  // The bytes of the tensors above, the rank's own experts only: device copies (an FP8 weight's bytes plus
+  // its f32 scales where the backend keeps FP8), or on the CPU the checkpoint's mapped bytes or bf16
+  // dequantizations (which the backend never allocates).
   std::int64_t bytes = 0;
 };
 
