@@ -1,5 +1,7 @@
 #include "kernels/cuda/linear.h"
 
+#include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -55,10 +57,80 @@ struct alignas(128) Fp8Tiles {
   unsigned char bytes[kFp8XBytes + kFp8WBytes + kFp8YBytes];
 };
 
+// Four bytes (4-aligned) and four floats (16-aligned) from global memory in one load each.
+__device__ inline std::uint32_t load_four(const std::uint8_t* p) {
+#if defined(__CUDACC__)
+  return *reinterpret_cast<const std::uint32_t*>(p);
+#else
+  std::uint32_t v = 0;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+#endif
+}
+
+__device__ inline float4 load_four(const float* p) {
+#if defined(__CUDACC__)
+  return *reinterpret_cast<const float4*>(p);
+#else
+  float4 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+#endif
+}
+
+// Stages one step's tiles: x [kFp8Rows, kFp8Depth] from column k0 rounded to bf16 (as the bf16 path's
+// narrow_to), and w [kFp8Outs, kFp8Depth] dequantized to bf16 (the f32 product of the byte's value and its
+// block's scale, rounded to nearest even: the checkpoint's dequantization); zeros past m, n and k.
+// Vectorised (kVector): each thread loads four consecutive columns at once, which needs k, the blocks' width
+// and the pointers to be multiples of 4 (16 bytes for x), so that the four share a scale; otherwise one
+// element at a time.
+template <bool kVector>
+__device__ inline void stage_fp8_step(const float* x, std::int64_t m, std::int64_t k, const std::uint8_t* w,
+                                      const float* scales, int block_cols, std::int64_t n, std::int64_t row0,
+                                      std::int64_t out0, std::int64_t k0, const std::int64_t* scale_row,
+                                      __nv_bfloat16* xs, __nv_bfloat16* ws) {
+  constexpr int kWidth = kVector ? 4 : 1;         // columns per load
+  constexpr int kLanes = kFp8Depth / kWidth;      // threads across a row
+  constexpr int kRowStep = kFp8Threads / kLanes;  // rows between a thread's loads
+  const int t = static_cast<int>(threadIdx.x);
+  const int c = t % kLanes * kWidth;
+  const std::int64_t col = k0 + c;
+  const bool in_k = col < k;  // all kWidth columns, as k is a multiple of kWidth
+  for (int r = t / kLanes; r < kFp8Rows; r += kRowStep) {
+    const std::int64_t row = row0 + r;
+    const bool in = in_k && row < m;
+    if constexpr (kVector) {
+      const float4 v = in ? load_four(x + row * k + col) : float4{0.0F, 0.0F, 0.0F, 0.0F};
+      __nv_bfloat16* dst = xs + r * kFp8Ld + c;
+      dst[0] = __float2bfloat16(v.x);
+      dst[1] = __float2bfloat16(v.y);
+      dst[2] = __float2bfloat16(v.z);
+      dst[3] = __float2bfloat16(v.w);
+    } else {
+      xs[r * kFp8Ld + c] = __float2bfloat16(in ? x[row * k + col] : 0.0F);
+    }
+  }
+  const std::int64_t scale_col = col / block_cols;
+  for (int r = t / kLanes; r < kFp8Outs; r += kRowStep) {
+    const std::int64_t out = out0 + r;
+    const bool in = in_k && out < n;
+    const float scale = in ? scales[scale_row[r] + scale_col] : 0.0F;
+    if constexpr (kVector) {
+      const std::uint32_t four = in ? load_four(w + out * k + col) : 0U;
+      for (int i = 0; i < 4; ++i)  // little-endian: column c + i is byte i
+        ws[r * kFp8Ld + c + i] =
+            __float2bfloat16(widen_f8_e4m3(static_cast<std::uint8_t>(four >> (8 * i))) * scale);
+    } else {
+      ws[r * kFp8Ld + c] = __float2bfloat16(in ? widen_f8_e4m3(w[out * k + col]) * scale : 0.0F);
+    }
+  }
+}
+
 // y[m, n] = bf16(x)[m, k] * bf16(w x scale)[n, k]^T with fp32 sums: the bf16 path's product on the weight the
-// checkpoint's dequantization gives (the f32 product of the byte's value and its block's scale, rounded to
-// nearest even), so that the two paths differ only in the order of the sums. Rows and outputs past m and
-// n, and k past the end, are zeros in the tiles: any m, n, k and any block shape, partial blocks included.
+// checkpoint's dequantization gives, so that the two paths differ only in the order of the sums. Rows and
+// outputs past m and n, and k past the end, are zeros in the tiles: any m, n, k and any block shape, partial
+// blocks included.
+template <bool kVector>
 __global__ void __launch_bounds__(kFp8Threads)
     fp8_linear_kernel(const float* x, std::int64_t m, std::int64_t k, const std::uint8_t* w,
                       const float* scales, int block_rows, int block_cols, std::int64_t scale_cols,
@@ -74,30 +146,14 @@ __global__ void __launch_bounds__(kFp8Threads)
   const int warp = t / 32;
   const int wm = warp / 2;
   const int wn = warp % 2;
-  // A thread stages one column c of every other row: its column's block is the same for all of them.
-  const int c = t % kFp8Depth;
-  const int r_first = t / kFp8Depth;
-  constexpr int kRowStep = kFp8Threads / kFp8Depth;
   if (t < kFp8Outs) scale_row[t] = (out0 + t) / block_rows * scale_cols;
 
   FragC acc[2];
   wmma::fill_fragment(acc[0], 0.0F);
   wmma::fill_fragment(acc[1], 0.0F);
   for (std::int64_t k0 = 0; k0 < k; k0 += kFp8Depth) {
-    const std::int64_t col = k0 + c;
-    const bool in_k = col < k;
     __syncthreads();  // the previous step's tiles are read (and scale_row written)
-    for (int r = r_first; r < kFp8Rows; r += kRowStep) {
-      const std::int64_t row = row0 + r;
-      xs[r * kFp8Ld + c] = __float2bfloat16(in_k && row < m ? x[row * k + col] : 0.0F);
-    }
-    const std::int64_t scale_col = col / block_cols;
-    for (int r = r_first; r < kFp8Outs; r += kRowStep) {
-      const std::int64_t out = out0 + r;
-      const float v =
-          in_k && out < n ? widen_f8_e4m3(w[out * k + col]) * scales[scale_row[r] + scale_col] : 0.0F;
-      ws[r * kFp8Ld + c] = __float2bfloat16(v);
-    }
+    stage_fp8_step<kVector>(x, m, k, w, scales, block_cols, n, row0, out0, k0, scale_row, xs, ws);
     __syncthreads();
     for (int kk = 0; kk < kFp8Depth; kk += kWmma) {
       FragA a;
@@ -127,9 +183,12 @@ void fp8_linear(const float* x, std::int64_t m, std::int64_t k, const void* w, c
   if (n == 0) return;
   const dim3 grid(static_cast<unsigned>((n + kFp8Outs - 1) / kFp8Outs),
                   static_cast<unsigned>((m + kFp8Rows - 1) / kFp8Rows));
-  launch(fp8_linear_kernel, grid, kFp8Threads, 0, stream, x, m, k, static_cast<const std::uint8_t*>(w),
-         static_cast<const float*>(scales.data), static_cast<int>(scales.block_rows),
-         static_cast<int>(scales.block_cols), scales.grid_cols(k), n, y);
+  const bool vector = k % 4 == 0 && scales.block_cols % 4 == 0 &&
+                      reinterpret_cast<std::uintptr_t>(x) % 16 == 0 &&
+                      reinterpret_cast<std::uintptr_t>(w) % 4 == 0;
+  launch(vector ? fp8_linear_kernel<true> : fp8_linear_kernel<false>, grid, kFp8Threads, 0, stream, x, m, k,
+         static_cast<const std::uint8_t*>(w), static_cast<const float*>(scales.data),
+         static_cast<int>(scales.block_rows), static_cast<int>(scales.block_cols), scales.grid_cols(k), n, y);
   CAPSERVE_CUDA_CHECK_LAUNCH();
 }
 

@@ -491,7 +491,8 @@ TEST_F(BackendPair, GroupedExpertFfnAgrees) {
 // above, and against the device's own bf16 path on that dequantization within 1e-5, i.e. the same rounding
 // of activations and weights, only the sums in another order. Every row count 1..70 (one tile of 32 rows,
 // two, three), outputs and inputs not multiples of the tile (64) nor of the blocks (partial blocks), the
-// released checkpoints' 128x128 blocks and the fixture's 16x16.
+// released checkpoints' 128x128 blocks and the fixture's 16x16; inputs and blocks of widths that are
+// multiples of 4 (the kernel's vectorised loads) and others (one element at a time).
 TEST_F(BackendPair, Fp8LinearAgreesWithItsDequantizedWeight) {
   EXPECT_TRUE(gpu().keeps_fp8());
   EXPECT_FALSE(cpu_.keeps_fp8());
@@ -503,8 +504,11 @@ TEST_F(BackendPair, Fp8LinearAgreesWithItsDequantizedWeight) {
   };
   std::vector<std::int64_t> every(70);
   for (std::size_t i = 0; i < every.size(); ++i) every[i] = static_cast<std::int64_t>(i) + 1;
-  const Case cases[] = {
-      {72, 84, 16, 16, every}, {200, 150, 128, 128, {1, 2, 33, 70}}, {40, 130, 16, 64, {5}, DType::bf16}};
+  const Case cases[] = {{72, 84, 16, 16, every},
+                        {200, 150, 128, 128, {1, 2, 33, 70}},
+                        {40, 130, 16, 64, {5}, DType::bf16},
+                        {130, 256, 128, 128, {1, 70}},
+                        {30, 84, 8, 6, {3, 40}}};
   for (const Case& c : cases) {
     const Fp8Weight w = fp8_weight(rng, c.out_dim, c.in_dim, c.block_rows, c.block_cols, c.scale_dtype);
     const HostWeight bias =
