@@ -32,7 +32,7 @@ constexpr std::size_t dtype_size(DType t) {
   return 0;
 }
 
-// The types a weight may be stored in.
+// The types every backend takes a weight in (f8_e4m3 only with its BlockScales, where Backend::keeps_fp8).
 constexpr bool is_float(DType t) {
   return t == DType::f32 || t == DType::f16 || t == DType::bf16;
 }
