@@ -58,8 +58,8 @@ Role classify(std::string_view name, const ModelConfig& c, const TensorNames& n)
 }
 
 // The bytes one upload holds, as the Uploader (model_weights.cpp) counts them: the checkpoint's type, an FP8
-// projection's bf16 dequantization (or its FP8 bytes and f32 block scales when kept), a router widened to
-// f32 on a device, a correction bias always in f32.
+// projection's bf16 dequantization (or its FP8 bytes and f32 block scales when kept, except kv_b_proj and a
+// split inside a block), a router widened to f32 on a device, a correction bias always in f32.
 std::int64_t held_bytes(const WeightShape& w, const Role& role, const ModelConfig& c,
                         const MemoryPlanOptions& o) {
   const std::int64_t numel = w.rows * w.cols;
@@ -71,6 +71,8 @@ std::int64_t held_bytes(const WeightShape& w, const Role& role, const ModelConfi
       return size(kernels::DType::f32);
     case WeightFetch::router:
       return size(o.device ? kernels::DType::f32 : *c.torch_dtype);
+    case WeightFetch::bf16:
+      return size(c.fp8_blocks && role.projection ? kernels::DType::bf16 : *c.torch_dtype);
     case WeightFetch::as_stored:
       break;
   }

@@ -19,9 +19,8 @@
 
 namespace capserve::runtime {
 
-// How a device holds block-quantized FP8 checkpoint weights. Every backend dequantizes today (the checkpoint
-// hands it bf16); a backend that keeps FP8 holds one byte per element and one f32 scale per block. A backend
-// will report which (the CUDA backend is being changed to keep FP8).
+// How a device holds block-quantized FP8 checkpoint weights: dequantized to bf16 (the CPU backend), or kept
+// FP8 with one f32 scale per block (a backend whose keeps_fp8() is true: the CUDA backend).
 enum class Fp8Holding : std::uint8_t { dequantize_bf16, keep_fp8 };
 
 // The weights of one rank, by kind. The MTP layers (loaded only for MTP speculation) are one kind whatever

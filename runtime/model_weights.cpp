@@ -20,9 +20,10 @@ namespace {
 
 // Fetches checkpoint tensors (checked against their shapes) and uploads them through the backend; a device
 // backend's copies are kept in `storage`, and then the host copies of dequantized FP8 weights are freed (the
-// CPU's tensors are those host copies). One made with `read` false only checks each tensor (shape, FP8
-// scales) and marks it used, reading nothing, and gives empty tensors: the walk over layers the model does
-// not run.
+// CPU's tensors are those host copies). Block-quantized FP8 weights stay FP8 for a backend that keeps them
+// (Backend::keeps_fp8), with their scales; the others get them dequantized to bf16. One made with `read`
+// false only checks each tensor (shape, FP8 scales) and marks it used, reading nothing, and gives empty
+// tensors: the walk over layers the model does not run.
 class Uploader {
  public:
   Uploader(Checkpoint& ckpt, kernels::Backend& backend, std::vector<kernels::Buffer>& storage,
@@ -38,6 +39,15 @@ class Uploader {
       ckpt_.check(name, shape);
       return {};
     }
+    const kernels::WeightView host = fetch(name, shape);
+    kernels::Tensor t = upload(host);
+    release(host);
+    return t;
+  }
+  // `get`, but FP8 dequantized to bf16 whatever the backend keeps: kv_b_proj, which latent attention's
+  // per-head batched GEMMs take in a 16-bit type (and which is small: DeepSeek-V3's 61 are 2 GB in bf16).
+  kernels::Tensor get_bf16(std::string_view name, std::initializer_list<std::int64_t> shape) {
+    if (!read_) return get(name, shape);
     const kernels::WeightView host = ckpt_.get(name, shape);
     kernels::Tensor t = upload(host);
     release(host);
@@ -45,6 +55,9 @@ class Uploader {
   }
   kernels::Tensor upload(const kernels::WeightView& host) {
     bytes_ += host.numel() * static_cast<std::int64_t>(kernels::dtype_size(host.dtype));
+    if (!host.scales.empty())  // a device keeps f32 scales
+      bytes_ += host.scales.grid_rows(host.rows) * host.scales.grid_cols(host.cols) *
+                static_cast<std::int64_t>(sizeof(float));
     kernels::Buffer copy;
     kernels::Tensor t = backend_.upload(host, copy);
     if (copy.bytes() > 0) {
@@ -89,7 +102,9 @@ class Uploader {
       ckpt_.check(name, shape);
       return {};
     }
-    const kernels::WeightView host = ckpt_.get(name, shape);
+    kernels::WeightView host = fetch(name, shape);
+    // An FP8 matrix splits at a block's first row (DeepSeek-V3's 512 of 576 rows at 128); otherwise bf16.
+    if (!host.scales.empty() && first % host.scales.block_rows != 0) host = ckpt_.get(name, shape);
     const bool vector = shape.size() == 1;
     const std::int64_t rest = (vector ? host.cols : host.rows) - first;
     std::pair<kernels::Tensor, kernels::Tensor> parts{
@@ -98,7 +113,7 @@ class Uploader {
     release(host);
     return parts;
   }
-  // The bytes of every tensor uploaded so far.
+  // The bytes of every tensor uploaded so far (an FP8 weight's with its f32 scales).
   [[nodiscard]] std::int64_t bytes() const { return bytes_; }
   // `host` (a view Checkpoint::get returned) is no longer needed once the device holds copies of it.
   void release(const kernels::WeightView& host) {
@@ -106,6 +121,11 @@ class Uploader {
   }
 
  private:
+  // The checkpoint's tensor, FP8 kept as stored where the backend keeps it.
+  kernels::WeightView fetch(std::string_view name, std::initializer_list<std::int64_t> shape) {
+    return backend_.keeps_fp8() ? ckpt_.get_stored(name, shape) : ckpt_.get(name, shape);
+  }
+
   Checkpoint& ckpt_;
   kernels::Backend& backend_;
   std::vector<kernels::Buffer>& storage_;
@@ -120,9 +140,10 @@ class Uploader {
 // nothing.
 class ShapeRecorder {
  public:
+  // `fp8`: the checkpoint's FP8 block shape, for the split that falls back to bf16 as the Uploader's does.
   ShapeRecorder(std::vector<WeightShape>& out, const std::function<bool(std::string_view)>& present,
-                bool read = true)
-      : out_(out), present_(present), read_(read) {}
+                std::optional<Fp8BlockShape> fp8, bool read = true)
+      : out_(out), present_(present), fp8_(fp8), read_(read) {}
 
   [[nodiscard]] bool reads() const { return read_; }
   [[nodiscard]] bool contains(std::string_view name) const { return present_(name); }
@@ -136,6 +157,9 @@ class ShapeRecorder {
   kernels::Tensor get_f32(std::string_view name, std::initializer_list<std::int64_t> shape) {
     return record(name, shape, WeightFetch::f32);
   }
+  kernels::Tensor get_bf16(std::string_view name, std::initializer_list<std::int64_t> shape) {
+    return record(name, shape, WeightFetch::bf16);
+  }
   std::pair<kernels::Tensor, kernels::Tensor> get_split(std::string_view name,
                                                         std::initializer_list<std::int64_t> shape,
                                                         std::int64_t first) {
@@ -145,8 +169,9 @@ class ShapeRecorder {
       out_.push_back({std::string(name), 1, first, WeightFetch::as_stored});
       out_.push_back({std::string(name), 1, s[0] - first, WeightFetch::as_stored});
     } else {
-      out_.push_back({std::string(name), first, s[1], WeightFetch::as_stored});
-      out_.push_back({std::string(name), s[0] - first, s[1], WeightFetch::as_stored});
+      const WeightFetch fetch = fp8_ && first % fp8_->rows != 0 ? WeightFetch::bf16 : WeightFetch::as_stored;
+      out_.push_back({std::string(name), first, s[1], fetch});
+      out_.push_back({std::string(name), s[0] - first, s[1], fetch});
     }
     return {};
   }
@@ -162,6 +187,7 @@ class ShapeRecorder {
 
   std::vector<WeightShape>& out_;
   const std::function<bool(std::string_view)>& present_;
+  std::optional<Fp8BlockShape> fp8_;
   bool read_;
 };
 
@@ -204,7 +230,7 @@ AttentionWeights load_latent_attention(Up& up, const ModelConfig& c, const Tenso
   if (m.bias)
     std::tie(a.kv_a_latent_bias, a.kv_a_rope_bias) = up.get_split(p + n.kv_a_proj + ".bias", {r + dr}, r);
   a.kv_a_norm = up.get(p + n.kv_a_norm, {r});
-  a.kv_b = up.get(p + n.kv_b_proj + ".weight", {c.num_heads * (m.qk_nope_head_dim + m.v_head_dim), r});
+  a.kv_b = up.get_bf16(p + n.kv_b_proj + ".weight", {c.num_heads * (m.qk_nope_head_dim + m.v_head_dim), r});
   a.o = up.get(p + n.o_proj + ".weight", {c.hidden_size, c.num_heads * m.v_head_dim});
   if (c.o_bias) a.o_bias = up.get(p + n.o_proj + ".bias", {c.hidden_size});
   return a;
@@ -360,8 +386,8 @@ std::vector<WeightShape> model_weight_shapes(const ModelConfig& c, const TensorN
                                              bool load_mtp,
                                              const std::function<bool(std::string_view)>& present) {
   std::vector<WeightShape> shapes;
-  ShapeRecorder up(shapes, present);
-  ShapeRecorder checker(shapes, present, /*read=*/false);
+  ShapeRecorder up(shapes, present, c.fp8_blocks);
+  ShapeRecorder checker(shapes, present, c.fp8_blocks, /*read=*/false);
   walk_model(up, checker, c, n, placement, rank, load_mtp);
   return shapes;
 }

@@ -65,8 +65,9 @@ struct ModelWeights {
   std::vector<LayerWeights> layers;
   // Loaded MTP layers, in order (empty unless asked for); layer i runs as model layer num_layers + i.
   std::vector<MtpWeights> mtp;
-  // The bytes of the tensors above, the rank's own experts only: device copies, or on the CPU the
-  // checkpoint's mapped bytes (which the backend never allocates).
+  // The bytes of the tensors above, the rank's own experts only: device copies (an FP8 weight's bytes plus
+  // its f32 scales where the backend keeps FP8), or on the CPU the checkpoint's mapped bytes or bf16
+  // dequantizations (which the backend never allocates).
   std::int64_t bytes = 0;
 };
 
@@ -79,9 +80,10 @@ ModelWeights load_model_weights(Checkpoint& ckpt, const ModelConfig& config, con
                                 kernels::Backend& backend, bool load_mtp = false);
 
 // How the loader fetches a tensor, which decides the type it is held in (runtime/memory_plan.h): as the
-// checkpoint stores it (an FP8 weight: dequantized to bf16), as a router (widened to f32 on a device), or
-// always widened to f32 (the router's correction bias).
-enum class WeightFetch : std::uint8_t { as_stored, router, f32 };
+// checkpoint stores it (an FP8 weight: kept FP8 with its scales by a backend that keeps FP8, else
+// dequantized to bf16), as a router (widened to f32 on a device), always widened to f32 (the router's
+// correction bias), or an FP8 weight always dequantized to bf16 (kv_b_proj, and a split inside a block).
+enum class WeightFetch : std::uint8_t { as_stored, router, f32, bf16 };
 
 // One upload of load_model_weights, without its data: a vector is one row. kv_a_proj_with_mqa, which the
 // loader uploads as two parts, is two entries of the same name.

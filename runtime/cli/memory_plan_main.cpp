@@ -125,9 +125,11 @@ int main(int argc, char** argv) {
       ->check(runtime::at_least(1));
   app.add_option("--max-batched-tokens", options.max_batched_tokens, "tokens per step, all ranks")
       ->check(runtime::at_least(1));
-  runtime::add_enum_option(
-      app, "--fp8", options.fp8, "how a device holds block-quantized FP8 weights",
-      {{"dequantize", runtime::Fp8Holding::dequantize_bf16}, {"keep", runtime::Fp8Holding::keep_fp8}});
+  std::string fp8;
+  app.add_option("--fp8", fp8,
+                 "how a device holds block-quantized FP8 weights: keep or dequantize (default: as --device's "
+                 "backend does: cuda keeps them, cpu dequantizes)")
+      ->check(CLI::IsMember({"keep", "dequantize"}));
   app.add_option("--device", device,
                  "cuda: routers widened to f32 on the device; cpu: every weight as the checkpoint stores it")
       ->check(CLI::IsMember({"cuda", "cpu"}));
@@ -140,6 +142,8 @@ int main(int argc, char** argv) {
   try {
     const runtime::ModelDescription model = runtime::read_model_config(config_path);
     options.device = device == "cuda";
+    const bool keep = fp8.empty() ? options.device : fp8 == "keep";
+    options.fp8 = keep ? runtime::Fp8Holding::keep_fp8 : runtime::Fp8Holding::dequantize_bf16;
     options.kv_dtype = kv_dtype == "f32" ? kernels::DType::f32 : kernels::DType::bf16;
     options.device_memory = runtime::parse_byte_size(memory_text);
     options.reserve = parse_reserve(reserve_text, options.device_memory);
