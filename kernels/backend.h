@@ -207,7 +207,13 @@ class Backend {
   // A checkpoint weight (host memory) as a tensor on this backend's device [rows, cols]. The CPU backend
   // returns a view of the host memory itself (zero copy: it must outlive the tensor) and leaves `storage`
   // empty; a device backend copies it into `storage`, which the caller keeps as long as the tensor.
+  // A block-quantized weight (f8_e4m3 with its scales) only to a backend that keeps_fp8(): its tensor then
+  // carries the scales (f32, on the device) beside the FP8 bytes, both in `storage`.
   [[nodiscard]] virtual Tensor upload(const WeightView& host, Buffer& storage) = 0;
+  // Whether block-quantized FP8 weights stay FP8 on this backend (upload, linear and grouped_expert_ffn take
+  // them): half the bytes of bf16, which decides whether a model fits a device. Otherwise the checkpoint
+  // hands this backend bf16 dequantizations (the CPU: its GEMMs widen every weight anyway).
+  [[nodiscard]] virtual bool keeps_fp8() const { return false; }
 
   // At least `bytes` of device memory, aligned for every element type.
   Buffer allocate(std::size_t bytes) {
@@ -252,7 +258,8 @@ class Backend {
     return host_syncs_[static_cast<std::size_t>(why)];
   }
 
-  // y[m, n] = x[m, k] * w[n, k]^T (+ bias[n] when bias is not empty).
+  // y[m, n] = x[m, k] * w[n, k]^T (+ bias[n] when bias is not empty); w may be block-quantized FP8 where
+  // keeps_fp8().
   virtual void linear(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& y) = 0;
 
   // out[i, :] = table[ids[i], :]; ids is int32 [rows].

@@ -48,7 +48,25 @@ std::string Tensor::shape_text() const {
   return text + "]";
 }
 
+Tensor Tensor::with_block_scales(const BlockScales& scales) const {
+  if (dtype_ != DType::f8_e4m3 || dims_ != 2 || scales.data == nullptr || scales.block_rows <= 0 ||
+      scales.block_cols <= 0) {
+    throw std::invalid_argument("Tensor::with_block_scales: " + std::to_string(scales.block_rows) + "x" +
+                                std::to_string(scales.block_cols) + " blocks for a " +
+                                std::string(dtype_name(dtype_)) + " tensor " + shape_text());
+  }
+  Tensor t = *this;
+  t.scales_ = scales;
+  return t;
+}
+
+void Tensor::check_unscaled(const char* what) const {
+  if (!scales_.empty())
+    throw std::logic_error(std::string("Tensor::") + what + " of the block-scaled weight " + shape_text());
+}
+
 Tensor Tensor::rows(std::int64_t first, std::int64_t count) const {
+  check_unscaled("rows");
   if (dims_ == 0 || first < 0 || count < 0 || first + count > shape_[0]) {
     throw std::out_of_range("Tensor::rows(" + std::to_string(first) + ", " + std::to_string(count) + ") of " +
                             shape_text());
@@ -61,6 +79,7 @@ Tensor Tensor::rows(std::int64_t first, std::int64_t count) const {
 }
 
 Tensor Tensor::reshaped(std::initializer_list<std::int64_t> shape) const {
+  check_unscaled("reshaped");
   Tensor t(data_, dtype_, device_, shape);
   if (t.numel() != numel()) {
     throw std::invalid_argument("Tensor::reshaped: " + t.shape_text() + " from " + shape_text() +

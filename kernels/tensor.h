@@ -83,6 +83,10 @@ class Tensor {
   [[nodiscard]] void* data() const { return data_; }
   [[nodiscard]] DType dtype() const { return dtype_; }
   [[nodiscard]] const Device& device() const { return device_; }
+  // A block-quantized weight's scales on the tensor's device (f32); empty for every other tensor.
+  [[nodiscard]] const BlockScales& block_scales() const { return scales_; }
+  // This tensor, an f8_e4m3 matrix, with its scales.
+  [[nodiscard]] Tensor with_block_scales(const BlockScales& scales) const;
   [[nodiscard]] int dims() const { return dims_; }
   [[nodiscard]] std::int64_t dim(int i) const;
   [[nodiscard]] std::int64_t numel() const;
@@ -92,9 +96,10 @@ class Tensor {
   [[nodiscard]] std::int64_t row_numel() const;
   [[nodiscard]] std::string shape_text() const;
 
-  // Rows [first, first + count) of dim 0.
+  // Rows [first, first + count) of dim 0. Not of a block-scaled weight (std::logic_error): no operation takes
+  // a part of one.
   [[nodiscard]] Tensor rows(std::int64_t first, std::int64_t count) const;
-  // The same elements in another shape of equal size.
+  // The same elements in another shape of equal size (not a block-scaled weight's, as rows()).
   [[nodiscard]] Tensor reshaped(std::initializer_list<std::int64_t> shape) const;
 
   // The typed pointer, on any device (a device pointer must not be dereferenced on the host).
@@ -118,17 +123,20 @@ class Tensor {
  private:
   void check_dtype(DType wanted) const;
   void check_host() const;
+  void check_unscaled(const char* what) const;
 
   void* data_ = nullptr;
   DType dtype_ = DType::f32;
   Device device_{};
+  BlockScales scales_;
   std::array<std::int64_t, kMaxDims> shape_{};
   int dims_ = 0;
 };
 
 // A weight in host memory (e.g. the mmapped checkpoint) as a CPU tensor [rows, cols], without a copy.
 inline Tensor weight_tensor(const WeightView& w) {
-  return {const_cast<std::byte*>(w.data), w.dtype, kCpu, {w.rows, w.cols}};
+  const Tensor t(const_cast<std::byte*>(w.data), w.dtype, kCpu, {w.rows, w.cols});
+  return w.scales.empty() ? t : t.with_block_scales(w.scales);
 }
 
 }  // namespace capserve::kernels

@@ -26,10 +26,17 @@ std::vector<std::int64_t> mtp_moe_layer_indices(const ModelConfig& config, std::
   return layers;
 }
 
-// A placement over the decoder's layers, and the MTP layers after them when they load (a statistics file
-// covers the decoder's layers only: the MTP layers are placed contiguously).
-parallel::ExpertPlacement make_placement(const ModelConfig& config, const ParallelOptions& options,
-                                         int ranks) {
+// The MTP layers' capacity: a per-layer --capacity-gamma list names the decoder's layers only.
+parallel::CapacityConfig capacity_for_mtp(const parallel::CapacityConfig& capacity) {
+  parallel::CapacityConfig c = capacity;
+  if (c.gamma.size() != 1) c.gamma = {std::numeric_limits<double>::infinity()};
+  return c;
+}
+
+}  // namespace
+
+parallel::ExpertPlacement model_placement(const ModelConfig& config, const ParallelOptions& options,
+                                          int ranks) {
   const std::int64_t layers =
       config.num_layers + (options.mtp ? static_cast<std::int64_t>(config.mtp_layer_is_moe.size()) : 0);
   try {
@@ -39,14 +46,14 @@ parallel::ExpertPlacement make_placement(const ModelConfig& config, const Parall
   }
 }
 
-// The MTP layers' capacity: a per-layer --capacity-gamma list names the decoder's layers only.
-parallel::CapacityConfig capacity_for_mtp(const parallel::CapacityConfig& capacity) {
-  parallel::CapacityConfig c = capacity;
-  if (c.gamma.size() != 1) c.gamma = {std::numeric_limits<double>::infinity()};
-  return c;
+ModelDescription read_model_config(const std::filesystem::path& config_json) {
+  const nlohmann::json json = read_json_file(config_json);
+  if (!json.is_object()) throw LoadError(config_json.string() + ": must be a JSON object");
+  const Architecture& arch = find_architecture(json);
+  ModelConfig config = arch.parse_config(ConfigReader(json));
+  config.validate();
+  return {std::move(config), arch.tensor_names()};
 }
-
-}  // namespace
 
 std::unique_ptr<Model> Model::load(const std::filesystem::path& dir, kernels::Backend& backend,
                                    const ParallelOptions& options) {
@@ -93,11 +100,7 @@ std::unique_ptr<Model> Model::load_with(const std::filesystem::path& dir, kernel
     throw LoadError("the data and control communicators are different groups (rank " +
                     std::to_string(data.rank()) + " of " + std::to_string(data.size()) + " and " +
                     std::to_string(control.rank()) + " of " + std::to_string(control.size()) + ")");
-  const nlohmann::json json = read_json_file(dir / "config.json");
-  if (!json.is_object()) throw LoadError((dir / "config.json").string() + ": must be a JSON object");
-  const Architecture& arch = find_architecture(json);
-  ModelConfig config = arch.parse_config(ConfigReader(json));
-  config.validate();
+  auto [config, names] = read_model_config(dir / "config.json");
   config.generation = read_generation_config(dir, config.vocab_size);
   for (const std::int32_t id : config.generation.eos_token_ids) {
     if (std::find(config.eos_token_ids.begin(), config.eos_token_ids.end(), id) == config.eos_token_ids.end())
@@ -112,8 +115,9 @@ std::unique_ptr<Model> Model::load_with(const std::filesystem::path& dir, kernel
                     "(config.json's num_nextn_predict_layers); this model declares " +
                     std::to_string(config.mtp_layer_is_moe.size()));
   }
-  return std::unique_ptr<Model>(new Model(std::move(config), Checkpoint::open(dir, config.fp8_blocks),
-                                          arch.tensor_names(), backend, std::move(comms), options));
+  std::optional<Fp8BlockShape> fp8 = config.fp8_blocks;
+  return std::unique_ptr<Model>(
+      new Model(std::move(config), Checkpoint::open(dir, fp8), names, backend, std::move(comms), options));
 }
 
 Model::Model(ModelConfig config, Checkpoint checkpoint, const TensorNames& names, kernels::Backend& backend,
@@ -123,7 +127,7 @@ Model::Model(ModelConfig config, Checkpoint checkpoint, const TensorNames& names
       own_comms_(std::move(comms.owned)),
       data_(comms.data),
       control_(comms.control),
-      placement_(make_placement(config_, options, data_->size())),
+      placement_(model_placement(config_, options, data_->size())),
       checkpoint_(std::move(checkpoint)),
       weights_(
           load_model_weights(checkpoint_, config_, names, placement_, data_->rank(), backend, options.mtp)),

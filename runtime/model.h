@@ -14,6 +14,7 @@
 #include "parallel/communicator.h"
 #include "parallel/expert_placement.h"
 #include "parallel/placement_tables.h"
+#include "runtime/architectures/architecture.h"
 #include "runtime/model_config.h"
 #include "runtime/model_weights.h"
 #include "runtime/rope.h"
@@ -29,6 +30,21 @@ struct ParallelOptions {
   // checked and skipped unread.
   bool mtp = false;
 };
+
+// A config.json parsed by its architecture and validated, with the architecture's tensor names: what loading
+// starts from, and all the memory plan (memory_plan.h) reads.
+struct ModelDescription {
+  ModelConfig config;
+  TensorNames names;
+};
+// LoadError naming the key at fault. generation_config.json is not read.
+ModelDescription read_model_config(const std::filesystem::path& config_json);
+
+// The expert placement a model loads with on `ranks` ranks: over the decoder's layers, and the MTP layers
+// after them when they load (a statistics file covers the decoder's layers only: the MTP layers are placed
+// contiguously). LoadError on a bad placement option.
+parallel::ExpertPlacement model_placement(const ModelConfig& config, const ParallelOptions& options,
+                                          int ranks);
 
 class Model {
  public:

@@ -206,6 +206,14 @@ void ConfigReader::read_common(ModelConfig& c) const {
   }
 
   if (const nlohmann::json* q = find("quantization_config")) c.fp8_blocks = read_fp8_quantization(*q);
+  for (const char* key : {"dtype", "torch_dtype"}) {
+    const std::string name = string_or(key, "");
+    if (name.empty()) continue;
+    if (name == "bfloat16") c.torch_dtype = kernels::DType::bf16;
+    if (name == "float16") c.torch_dtype = kernels::DType::f16;
+    if (name == "float32") c.torch_dtype = kernels::DType::f32;
+    break;
+  }
 
   if (const nlohmann::json* eos = find("eos_token_id")) {
     if (eos->is_number_integer()) {

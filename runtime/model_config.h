@@ -10,6 +10,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "kernels/dtype.h"
 #include "runtime/generation_config.h"
 #include "runtime/json_file.h"
 #include "runtime/weights/fp8_blocks.h"
@@ -119,6 +120,11 @@ struct ModelConfig {
 
   // quantization_config of block-quantized FP8 weights; unset: unquantized.
   std::optional<Fp8BlockShape> fp8_blocks;
+  // The type the unquantized weights are stored in, as config.json declares it (torch_dtype, or dtype in
+  // transformers 5: bfloat16, float16, float32); unset when absent or another name. Loading reads each
+  // tensor's own type from the checkpoint; the memory plan (memory_plan.h), which has no checkpoint, needs
+  // this one.
+  std::optional<kernels::DType> torch_dtype;
 
   // The dims RoPE rotates in each query and key head.
   [[nodiscard]] std::int64_t rotary_dim() const { return mla ? mla->qk_rope_head_dim : head_dim; }

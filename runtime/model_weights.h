@@ -3,6 +3,9 @@
 // shapes its config implies, and uploaded through the backend: on the CPU views into the mmapped checkpoint
 // (zero copy), on a device copies the weights own. Each rank uploads only its own routed experts.
 #include <cstdint>
+#include <functional>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "kernels/backend.h"
@@ -62,8 +65,9 @@ struct ModelWeights {
   std::vector<LayerWeights> layers;
   // Loaded MTP layers, in order (empty unless asked for); layer i runs as model layer num_layers + i.
   std::vector<MtpWeights> mtp;
-  // The bytes of the tensors above, the rank's own experts only: device copies, or on the CPU the
-  // checkpoint's mapped bytes (which the backend never allocates).
+  // The bytes of the tensors above, the rank's own experts only: device copies (an FP8 weight's bytes plus
+  // its f32 scales where the backend keeps FP8), or on the CPU the checkpoint's mapped bytes or bf16
+  // dequantizations (which the backend never allocates).
   std::int64_t bytes = 0;
 };
 
@@ -74,5 +78,28 @@ struct ModelWeights {
 ModelWeights load_model_weights(Checkpoint& ckpt, const ModelConfig& config, const TensorNames& names,
                                 const parallel::ExpertPlacement& placement, int rank,
                                 kernels::Backend& backend, bool load_mtp = false);
+
+// How the loader fetches a tensor, which decides the type it is held in (runtime/memory_plan.h): as the
+// checkpoint stores it (an FP8 weight: kept FP8 with its scales by a backend that keeps FP8, else
+// dequantized to bf16), as a router (widened to f32 on a device), always widened to f32 (the router's
+// correction bias), or an FP8 weight always dequantized to bf16 (kv_b_proj, and a split inside a block).
+enum class WeightFetch : std::uint8_t { as_stored, router, f32, bf16 };
+
+// One upload of load_model_weights, without its data: a vector is one row. kv_a_proj_with_mqa, which the
+// loader uploads as two parts, is two entries of the same name.
+struct WeightShape {
+  std::string name;
+  std::int64_t rows = 0;
+  std::int64_t cols = 0;
+  WeightFetch fetch = WeightFetch::as_stored;
+};
+
+// What load_model_weights uploads on `rank`, in its order, by the same walk over the config's shapes alone
+// (no checkpoint): every tensor is taken to exist with the shape the walk asks for, and the optional ones
+// (an MTP layer, its own embed_tokens and shared_head.head copies) where `present` says so.
+std::vector<WeightShape> model_weight_shapes(const ModelConfig& config, const TensorNames& names,
+                                             const parallel::ExpertPlacement& placement, int rank,
+                                             bool load_mtp,
+                                             const std::function<bool(std::string_view)>& present);
 
 }  // namespace capserve::runtime

@@ -259,6 +259,10 @@ WeightView host_weight(const Tensor& w) {
 }  // namespace
 
 Tensor CpuBackend::upload(const WeightView& host, Buffer& /*storage*/) {
+  if (!host.scales.empty())
+    throw std::invalid_argument(
+        "CpuBackend::upload: a block-quantized FP8 weight (this backend takes them "
+        "dequantized: keeps_fp8 is false)");
   return weight_tensor(host);
 }
 

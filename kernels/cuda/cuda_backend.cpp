@@ -1,6 +1,7 @@
 #include "kernels/cuda/cuda_backend.h"
 
 #include <algorithm>
+#include <bit>
 #include <stdexcept>
 #include <string>
 
@@ -126,11 +127,38 @@ void CudaBackend::check_kv_dtype(DType dtype) const {
 
 Tensor CudaBackend::upload(const WeightView& host, Buffer& storage) {
   const std::size_t bytes = static_cast<std::size_t>(host.numel()) * dtype_size(host.dtype);
+  if (host.dtype == DType::f8_e4m3) return upload_fp8(host, bytes, storage);
   storage = allocate(bytes);
   const Tensor t = storage.view(host.dtype, {host.rows, host.cols});
   // Chunk by chunk through the page-locked ring: the host memory may go as soon as this returns.
   staging_->copy({host.data, bytes}, t.data(), stream_);
   return t;
+}
+
+Tensor CudaBackend::upload_fp8(const WeightView& host, std::size_t bytes, Buffer& storage) {
+  const BlockScales& s = host.scales;
+  if (s.empty() || s.block_rows <= 0 || s.block_cols <= 0 ||
+      (s.dtype != DType::f32 && s.dtype != DType::bf16))
+    throw std::invalid_argument("CudaBackend::upload: an F8_E4M3 weight [" + std::to_string(host.rows) +
+                                ", " + std::to_string(host.cols) + "] without f32 or bf16 block scales");
+  // The kernels read f32 scales: a bf16 checkpoint's are widened (exactly) on the host first.
+  const auto count = static_cast<std::size_t>(s.grid_rows(host.rows) * s.grid_cols(host.cols));
+  std::vector<float> wide;
+  const void* scales = s.data;
+  if (s.dtype == DType::bf16) {
+    wide.resize(count);
+    const auto* half = static_cast<const std::uint16_t*>(s.data);
+    for (std::size_t i = 0; i < count; ++i) wide[i] = std::bit_cast<float>(std::uint32_t{half[i]} << 16);
+    scales = wide.data();
+  }
+  // One buffer: the FP8 bytes, then (256-byte aligned) the scales.
+  const std::size_t scale_offset = (bytes + 255) / 256 * 256;
+  storage = allocate(scale_offset + count * sizeof(float));
+  const Tensor t = storage.view(DType::f8_e4m3, {host.rows, host.cols});
+  auto* device_scales = static_cast<std::byte*>(t.data()) + scale_offset;
+  staging_->copy({host.data, bytes}, t.data(), stream_);
+  staging_->copy({static_cast<const std::byte*>(scales), count * sizeof(float)}, device_scales, stream_);
+  return t.with_block_scales({DType::f32, device_scales, s.block_rows, s.block_cols});
 }
 
 void CudaBackend::copy_to_host(const Tensor& src, std::span<std::byte> dst) {
@@ -194,7 +222,7 @@ DeviceAttentionBatch CudaBackend::attention_batch(std::span<const SequenceSlice>
 
 void CudaBackend::run_linear(const float* x, std::int64_t m, std::int64_t k, const Tensor& w,
                              const Tensor& bias, float* y) {
-  check_float_weight(w, "a weight");
+  if (w.dtype() != DType::f8_e4m3 || w.block_scales().empty()) check_float_weight(w, "a weight");
   const std::int64_t n = w.dim(0);
   if (w.row_numel() != k) {
     throw std::invalid_argument("CudaBackend::linear: x of width " + std::to_string(k) + " for a weight " +
@@ -203,8 +231,8 @@ void CudaBackend::run_linear(const float* x, std::int64_t m, std::int64_t k, con
   if (bias.dims() > 0) check_float_weight(bias, "a bias");
   const Tensor ws = scratch(linear_workspace_, DType::u8,
                             {std::max<std::int64_t>(1, Linear::workspace_bytes(m, k, w.dtype()))});
-  linear_.run(x, m, k, w.data(), w.dtype(), n, bias.dims() > 0 ? bias.data() : nullptr, bias.dtype(), y,
-              ws.data(), stream_);
+  linear_.run(x, m, k, w.data(), w.dtype(), w.block_scales(), n, bias.dims() > 0 ? bias.data() : nullptr,
+              bias.dtype(), y, ws.data(), stream_);
 }
 
 void CudaBackend::linear(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& y) {

@@ -42,7 +42,9 @@ class CudaBackend final : public Backend {
   // The fast attention kernel that check_fast_kernels compares and paged_attention then uses:
   // flash_attention, unless a test puts a broken one in its place.
   void use_fast_attention(FastAttention fast) { fast_attention_ = std::move(fast); }
+  // FP8 weights stay FP8, their scales beside them (f32).
   [[nodiscard]] Tensor upload(const WeightView& host, Buffer& storage) override;
+  [[nodiscard]] bool keeps_fp8() const override { return true; }
 
   void linear(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& y) override;
   void embedding(const Tensor& ids, const Tensor& table, const Tensor& out) override;
@@ -95,6 +97,8 @@ class CudaBackend final : public Backend {
   void enter(std::initializer_list<const Tensor*> tensors) const;
   // The ragged batch's rows, positions and block tables on the device (copied from the slices).
   DeviceAttentionBatch attention_batch(std::span<const SequenceSlice> seqs);
+  // upload() of a block-quantized weight of `bytes` FP8 bytes.
+  Tensor upload_fp8(const WeightView& host, std::size_t bytes, Buffer& storage);
   // Host values on the device (staging_'s device mirror), queued on the stream.
   template <typename T>
   const T* stage(std::span<const T> host);

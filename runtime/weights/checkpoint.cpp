@@ -192,7 +192,7 @@ const TensorInfo& Checkpoint::fp8_scale_of(const std::string& name, const Tensor
   return scale;
 }
 
-kernels::WeightView Checkpoint::get(std::string_view name, std::initializer_list<std::int64_t> shape) {
+kernels::WeightView Checkpoint::get_stored(std::string_view name, std::initializer_list<std::int64_t> shape) {
   const std::vector<std::int64_t> expected(shape);
   const TensorInfo& t = checked(name, expected);
 
@@ -215,12 +215,21 @@ kernels::WeightView Checkpoint::get(std::string_view name, std::initializer_list
     }
   }
   if (t.dtype == kernels::DType::f8_e4m3) {
-    std::vector<std::uint16_t> bf16(static_cast<std::size_t>(view.rows * view.cols));
-    dequantize_fp8_blocks(t, fp8_scale_of(std::string(name), t), *fp8_, bf16);
-    view.dtype = kernels::DType::bf16;
-    view.data = reinterpret_cast<const std::byte*>(bf16.data());
-    dequantized_.emplace(view.data, std::move(bf16));
+    const TensorInfo& scale = fp8_scale_of(std::string(name), t);
+    view.scales = {scale.dtype, scale.data, fp8_->rows, fp8_->cols};
   }
+  return view;
+}
+
+kernels::WeightView Checkpoint::get(std::string_view name, std::initializer_list<std::int64_t> shape) {
+  kernels::WeightView view = get_stored(name, shape);
+  if (view.dtype != kernels::DType::f8_e4m3) return view;
+  const std::string key(name);
+  const TensorInfo& t = *by_name_.at(key);
+  std::vector<std::uint16_t> bf16(static_cast<std::size_t>(view.numel()));
+  dequantize_fp8_blocks(t, fp8_scale_of(key, t), *fp8_, bf16);
+  view = {kernels::DType::bf16, reinterpret_cast<const std::byte*>(bf16.data()), view.rows, view.cols};
+  dequantized_.emplace(view.data, std::move(bf16));
   return view;
 }
 

@@ -2,8 +2,9 @@
 // A Hugging Face checkpoint directory: `model.safetensors`, or shards listed in
 // `model.safetensors.index.json`. Architectures fetch tensors by name with their expected shape; every
 // fetched tensor is marked used so that `check_all_used` can reject a checkpoint carrying tensors the
-// architecture does not know. Block-quantized FP8 weights (runtime/weights/fp8_blocks.h) are fetched as
-// bf16, dequantized on fetch into memory the checkpoint owns, together with their `_scale_inv` tensors.
+// architecture does not know. Block-quantized FP8 weights (runtime/weights/fp8_blocks.h) are fetched with
+// their `_scale_inv` tensors: as stored for a backend that keeps FP8 (get_stored), or as bf16, dequantized on
+// fetch into memory the checkpoint owns (get).
 #include <cstdint>
 #include <filesystem>
 #include <initializer_list>
@@ -34,6 +35,9 @@ class Checkpoint {
   // the file and tensor when it is missing or has another shape.
   // An F8_E4M3 tensor comes back dequantized to bf16 (its scale tensor checked and marked used too).
   kernels::WeightView get(std::string_view name, std::initializer_list<std::int64_t> shape);
+  // `get` without the dequantization: an F8_E4M3 tensor comes back as its bytes in the mapping with its
+  // scales (WeightView::scales, F32 or BF16 as stored), for a backend that keeps FP8 (Backend::keeps_fp8).
+  kernels::WeightView get_stored(std::string_view name, std::initializer_list<std::int64_t> shape);
   // `get` widened exactly to f32 (from BF16 or F16, or an FP8 matrix's bf16 dequantization) into memory the
   // checkpoint owns: converters store small f32 tensors in either half type.
   kernels::WeightView get_f32(std::string_view name, std::initializer_list<std::int64_t> shape);

@@ -114,6 +114,33 @@ class CliTest(unittest.TestCase):
         self.assertEqual(spec.stdout, plain.stdout)
         self.assertRegex(spec.stderr, r"speculative decoding: \d+ of \d+ drafts kept")
 
+    def test_memory_plan_verdicts_and_exit_codes(self):
+        # DeepSeek-V3's released config on 8 x 141 GB: fits with FP8 kept (exit 0), not dequantized (exit 3); a
+        # size it cannot read is an error naming it (exit 1), a config that is not there a refused command line.
+        plan = os.environ["CAPSERVE_MEMORY_PLAN"]
+        config = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fixtures", "configs", "deepseek_v3",
+                              "config.json")
+        base = [plan, "--model-config", config, "--ranks", "8", "--device-memory", "141GB", "--kv-dtype", "bf16"]
+        kept = subprocess.run(base + ["--fp8", "keep"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              timeout=60)
+        self.assertEqual(kept.returncode, 0, kept.stderr)
+        self.assertEqual(kept.stderr, "")  # nothing logged: the plan loads nothing
+        rows = [line for line in kept.stdout.splitlines() if re.match(r"^\s+\d+\s+1856\s", line)]
+        self.assertEqual(len(rows), 8, kept.stdout)
+        self.assertTrue(all(row.endswith("FITS") for row in rows), kept.stdout)
+        self.assertEqual(kept.stdout.splitlines()[-1], "FITS")
+        tokens = int(re.search(r"--kv-blocks \d+ \((\d+) tokens", kept.stdout).group(1))
+        self.assertGreaterEqual(tokens, 100_000)
+        bf16 = subprocess.run(base + ["--fp8", "dequantize"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, timeout=60)
+        self.assertEqual(bf16.returncode, 3, bf16.stderr)
+        self.assertEqual(bf16.stdout.splitlines()[-1], "DOES NOT FIT")
+        bad = run([plan, "--model-config", config, "--device-memory", "141XB"])
+        self.assertEqual(bad.returncode, 1, bad.stdout)
+        self.assertIn("'141XB' is not a size", bad.stdout)
+        missing = run([plan, "--model-config", config + ".missing", "--device-memory", "141GB"])
+        self.assertEqual(missing.returncode, 2, missing.stdout)
+
     def test_help_describes_every_option_in_words(self):
         generate = os.environ["CAPSERVE_GENERATE"]
         for program in (BIN, generate):

@@ -191,6 +191,9 @@ class TensorPool {
       const float v = sd * noise_[static_cast<std::size_t>(i)];
       if (dtype == DType::f32) {
         std::memcpy(block.data() + 4 * i, &v, 4);
+      } else if (dtype == DType::f8_e4m3) {  // bits of the noise with exponent bit 0 clear: never NaN
+        block[static_cast<std::size_t>(i)] =
+            static_cast<std::byte>((std::bit_cast<std::uint32_t>(v) >> 16) & 0xF7U);
       } else {
         const auto h = static_cast<std::uint16_t>(std::bit_cast<std::uint32_t>(v) >> 16);
         std::memcpy(block.data() + 2 * i, &h, 2);
@@ -204,6 +207,17 @@ class TensorPool {
     }
     CAPSERVE_CUDA_CHECK(cudaStreamSynchronize(backend_.stream()));  // the host block may go now
     return t;
+  }
+  // A block-quantized FP8 weight [rows, cols] with f32 scales per block x block (what a DeepSeek-V3
+  // checkpoint's F8_E4M3 weights become on the device): bytes from the noise (exponents below 15, so never
+  // NaN) and scales of about 1/448.
+  Tensor random_fp8(std::int64_t rows, std::int64_t cols, std::int64_t block) {
+    const Tensor bytes = random(DType::f8_e4m3, {rows, cols});
+    const kernels::BlockScales shape{DType::f32, nullptr, block, block};
+    const std::vector<float> scales(static_cast<std::size_t>(shape.grid_rows(rows) * shape.grid_cols(cols)),
+                                    1.0F / 448.0F);
+    const Tensor s = values(scales, {static_cast<std::int64_t>(scales.size())});
+    return bytes.with_block_scales({DType::f32, s.data(), block, block});
   }
   template <typename T>
   Tensor values(const std::vector<T>& host, std::initializer_list<std::int64_t> shape) {
@@ -275,6 +289,7 @@ class Bench {
     each("mla_prefill", &Bench::latent_prefill);
     each("gqa", &Bench::gqa);
     each("expert_ffn", &Bench::expert_ffn);
+    each("expert_ffn_fp8", &Bench::expert_ffn_fp8);
     each("router_dispatch", &Bench::router_and_plan);
     each("sample", &Bench::sampling);
     each("launch", &Bench::launch_overhead);
@@ -416,6 +431,46 @@ class Bench {
     emit(dense);
   }
 
+  // The same two rows with the weights in FP8 with 128x128 block scales, as DeepSeek-V3 ships them and the
+  // CUDA backend keeps them (kernels/README.md, "FP8 weights kept FP8"): half the weight bytes of the bf16
+  // rows, which at these few rows should halve their times.
+  void expert_ffn_fp8(const std::function<void(const Row&)>& emit) {
+    const std::int64_t E = s_.ffn_experts, m = s_.ffn_rows, H = s_.ffn_hidden, F = s_.ffn_inter;
+    constexpr std::int64_t kBlock = 128;
+    std::vector<kernels::ExpertWeights> experts;
+    double weight_bytes = 0;
+    const auto scale_bytes = [](std::int64_t rows, std::int64_t cols) {
+      return 4.0 * static_cast<double>(((rows + kBlock - 1) / kBlock) * ((cols + kBlock - 1) / kBlock));
+    };
+    for (std::int64_t e = 0; e < E; ++e) {
+      experts.push_back(
+          {pool_.random_fp8(F, H, kBlock), pool_.random_fp8(F, H, kBlock), pool_.random_fp8(H, F, kBlock)});
+      weight_bytes += 3.0 * static_cast<double>(F * H) + 2 * scale_bytes(F, H) + scale_bytes(H, F);
+    }
+    std::vector<std::int64_t> offsets;
+    for (std::int64_t e = 0; e <= E; ++e) offsets.push_back(e * m);
+    const Tensor x = pool_.random(DType::f32, {E * m, H});
+    const Tensor y = pool_.empty(DType::f32, {E * m, H});
+    Row grouped{"expert_ffn_grouped_fp8",
+                std::to_string(E) + " experts x " + std::to_string(m) + " rows, " + std::to_string(H) + "->" +
+                    std::to_string(F) + ", FP8 128x128",
+                0, weight_bytes + static_cast<double>(x.bytes() + y.bytes()),
+                2.0 * 3 * static_cast<double>(E * m * H * F)};
+    grouped.ms = timer_.median_ms(s_.reps, 1, [&] { gpu_.grouped_expert_ffn(x, offsets, experts, y); });
+    emit(grouped);
+
+    const Tensor all = pool_.random_fp8(3 * E * F, H, kBlock);
+    const Tensor xd = pool_.random(DType::f32, {m, H});
+    const Tensor yd = pool_.empty(DType::f32, {m, 3 * E * F});
+    Row dense{
+        "dense_gemm_fp8_same_bytes",
+        std::to_string(m) + " x " + std::to_string(H) + " -> " + std::to_string(3 * E * F) + ", FP8 128x128",
+        0, static_cast<double>(all.bytes() + xd.bytes() + yd.bytes()) + scale_bytes(3 * E * F, H),
+        2.0 * static_cast<double>(m * H * 3 * E * F)};
+    dense.ms = timer_.median_ms(s_.reps, 1, [&] { gpu_.linear(xd, all, {}, yd); });
+    emit(dense);
+  }
+
   // DeepSeek-V3's sigmoid router with group-limited top-k and a correction bias, then the dispatch plan.
   void router_and_plan(const std::function<void(const Row&)>& emit) {
     const std::int64_t E = s_.router_experts, k = s_.router_k, ranks = s_.ranks;
@@ -553,7 +608,7 @@ int main(int argc, char** argv) {
   app.add_option(
       "--rows", groups,
       "only the groups of rows this regular expression finds in their names: mla_decode, mla_prefill, "
-      "gqa, expert_ffn, router_dispatch, sample, launch, h2d (the ceilings always run)");
+      "gqa, expert_ffn, expert_ffn_fp8, router_dispatch, sample, launch, h2d (the ceilings always run)");
   app.add_option("--reps", reps, "timed repetitions of each row (0: the shapes' own, 20 at real shapes)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--json", json_path, "also write the rows as JSON lines here");

@@ -1064,7 +1064,7 @@ TEST(CudaKernels, LinearEqualsTheCpuBackendForEveryWeightType) {
         auto d_y = poisoned<float>(static_cast<std::size_t>(m * n));
         DeviceBuffer<std::byte> workspace(static_cast<std::size_t>(
             std::max<std::int64_t>(1, kernels::cuda::Linear::workspace_bytes(m, k, dtype))));
-        linear.run(d_x.data(), m, k, d_w.data(), dtype, n, with_bias ? d_b.data() : nullptr, dtype,
+        linear.run(d_x.data(), m, k, d_w.data(), dtype, {}, n, with_bias ? d_b.data() : nullptr, dtype,
                    d_y.data(), workspace.data(), nullptr);
         std::vector<float> x_copy = x;
         std::vector<float> ref(static_cast<std::size_t>(m * n));

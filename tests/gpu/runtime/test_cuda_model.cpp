@@ -2,7 +2,7 @@
 // committed fixture, the prompt logits against transformers' and against the CPU backend's, a 16-token greedy
 // continuation equal to the CPU backend's, a ragged batch equal to each sequence alone, and speculative
 // greedy decoding equal to plain greedy decoding (scripted drafts, and DeepSeek-V3's MTP draft, whose logits
-// are held to the CPU backend's).
+// are held to the CPU backend's); the FP8 fixture's weights held FP8 on the device.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -13,16 +13,20 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "runtime/engine.h"
 #include "runtime/generator.h"
+#include "runtime/memory_plan.h"
 #include "runtime/model.h"
 #include "runtime/npy.h"
 #include "runtime/speculative/drafter.h"
 #include "runtime/speculative/mtp_drafter.h"
+#include "runtime/weights/safetensors_file.h"
 #include "tests/gpu/gpu_test_support.h"
 #include "tests/unit/kernels/log_softmax_reference.h"
 #include "tests/unit/runtime/fixture_models.h"
@@ -305,6 +309,84 @@ TEST_P(CudaModel, RaggedBatchEqualsEachSequenceAlone) {
         testing::relative_max_diff(first_step, std::span<const float>(last.data).subspan(i * vocab, vocab)),
         tolerance(*cuda_model_))
         << "sequence " << i << " against transformers";
+  }
+}
+
+// The FP8 fixture on the device keeps its FP8 weights FP8 (the parity tests above run it so): every matrix
+// the checkpoint stores as F8_E4M3 is an f8_e4m3 tensor with f32 block scales, except kv_b_proj (bf16: latent
+// attention's per-head GEMMs take 16-bit weights), and the model's weight bytes are exactly the stored FP8
+// bytes plus 4 per scale, counted here from the checkpoint file: not the bf16 the CPU backend holds.
+TEST(CudaModelFp8, FixtureWeightsStayFp8WithTheirScalesOnTheDevice) {
+  CAPSERVE_REQUIRE_CUDA_DEVICE();
+  const auto dir = testing::fixture_models_dir() / "deepseek_v3_fp8";
+  kernels::cuda::CudaBackend gpu(0);
+  kernels::cpu::CpuBackend cpu(1);
+  const auto cuda_model = runtime::Model::load(dir, gpu);
+  const auto cpu_model = runtime::Model::load(dir, cpu);
+  const runtime::ModelWeights& w = cuda_model->weights();
+  const auto is_fp8 = [](const kernels::Tensor& t) {
+    return t.dtype() == kernels::DType::f8_e4m3 && !t.block_scales().empty() &&
+           t.block_scales().dtype == kernels::DType::f32 && t.block_scales().block_rows == 16 &&
+           t.block_scales().block_cols == 16;
+  };
+  for (const runtime::LayerWeights& layer : w.layers) {
+    EXPECT_TRUE(is_fp8(layer.attention.q_a) && is_fp8(layer.attention.q_b) &&
+                is_fp8(layer.attention.kv_a_latent) && is_fp8(layer.attention.kv_a_rope) &&
+                is_fp8(layer.attention.o));
+    EXPECT_EQ(layer.attention.kv_b.dtype(), kernels::DType::bf16);
+    for (const auto& mlp : {layer.dense_mlp, layer.moe.shared, layer.moe.experts})
+      for (const kernels::ExpertWeights& e : mlp)
+        EXPECT_TRUE(is_fp8(e.gate) && is_fp8(e.up) && is_fp8(e.down));
+  }
+  EXPECT_EQ(cpu_model->weights().layers[0].attention.q_a.dtype(), kernels::DType::bf16);
+
+  // The bytes the device should hold, from the file: MTP layer 3 is checked, not loaded.
+  const runtime::SafetensorsFile file = runtime::SafetensorsFile::open(dir / "model.safetensors");
+  const auto numel = [](const runtime::TensorInfo& t) {
+    std::int64_t n = 1;
+    for (const std::int64_t d : t.shape) n *= d;
+    return n;
+  };
+  const auto ends_with = [](const std::string& s, std::string_view tail) { return s.ends_with(tail); };
+  std::int64_t expected = 0;
+  std::int64_t fp8_tensors = 0;
+  for (const runtime::TensorInfo& t : file.tensors()) {
+    if (t.name.starts_with("model.layers.3.") || ends_with(t.name, "_scale_inv")) continue;
+    if (t.dtype == kernels::DType::f8_e4m3) {
+      const runtime::TensorInfo& scale = *file.find(t.name + "_scale_inv");
+      if (t.name.find("kv_b_proj") != std::string::npos) {
+        expected += 2 * numel(t);
+      } else {
+        expected += numel(t) + 4 * numel(scale);
+        ++fp8_tensors;
+      }
+    } else if (ends_with(t.name, "mlp.gate.weight") || ends_with(t.name, "e_score_correction_bias")) {
+      expected += 4 * numel(t);  // the router and its bias in f32 on a device
+    } else {
+      expected += numel(t) * static_cast<std::int64_t>(kernels::dtype_size(t.dtype));
+    }
+  }
+  std::printf(
+      "[ cuda ] deepseek_v3_fp8 weights: %lld bytes on the device (%lld FP8 matrices with their scales), "
+      "%lld on the CPU backend (bf16)\n",
+      static_cast<long long>(w.bytes), static_cast<long long>(fp8_tensors),
+      static_cast<long long>(cpu_model->weights().bytes));
+  EXPECT_GT(fp8_tensors, 0);
+  EXPECT_EQ(w.bytes, expected);
+  EXPECT_LT(w.bytes, cpu_model->weights().bytes);
+
+  // The memory plan (capserve-memory-plan) counts, from config.json alone, what each backend holds.
+  const runtime::ModelDescription described = runtime::read_model_config(dir / "config.json");
+  for (const auto& [backend, bytes] :
+       {std::pair<kernels::Backend*, std::int64_t>{&gpu, w.bytes},
+        std::pair<kernels::Backend*, std::int64_t>{&cpu, cpu_model->weights().bytes}}) {
+    runtime::MemoryPlanOptions options;
+    options.device = backend == &gpu;
+    options.fp8 = backend->keeps_fp8() ? runtime::Fp8Holding::keep_fp8 : runtime::Fp8Holding::dequantize_bf16;
+    options.device_memory = std::int64_t{1} << 30;
+    const runtime::MemoryPlan plan = runtime::plan_memory(described.config, described.names, options);
+    ASSERT_EQ(plan.ranks.size(), 1U);
+    EXPECT_EQ(plan.ranks[0].weight_bytes(), bytes) << (options.device ? "the device" : "the CPU");
   }
 }
 

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -110,6 +111,31 @@ TEST_F(Fp8Checkpoint, DequantizesOnFetchAndMarksTheScaleUsed) {
   EXPECT_EQ(bf16_value(h[3]), 3.0f);
   EXPECT_EQ(bf16_value(h[4]), 0.25f);
   EXPECT_EQ(bf16_value(h[23]), 0.25f);
+  EXPECT_NO_THROW(ckpt.check_all_used());
+}
+
+// For a backend that keeps FP8: the stored bytes and their scales (as stored), the scale marked used; a row
+// range from a block's first row takes its scale rows along, one inside a block is refused.
+TEST_F(Fp8Checkpoint, GetStoredGivesTheFp8BytesWithTheirScales) {
+  write(R"("w.weight_scale_inv": {"dtype": "F32", "shape": [2, 2], "data_offsets": [24, 40]})",
+        f32_bytes({3.0f, 0.25f, 5.0f, 7.0f}));
+  Checkpoint ckpt = Checkpoint::open(dir_.path(), Fp8BlockShape{2, 4});
+  const capserve::kernels::WeightView v = ckpt.get_stored("w.weight", {4, 6});
+  ASSERT_EQ(v.dtype, DType::f8_e4m3);
+  EXPECT_EQ(v.rows, 4);
+  EXPECT_EQ(v.cols, 6);
+  EXPECT_EQ(std::to_integer<int>(v.data[5]), 0x38);
+  ASSERT_FALSE(v.scales.empty());
+  EXPECT_EQ(v.scales.dtype, DType::f32);
+  EXPECT_EQ(v.scales.block_rows, 2);
+  EXPECT_EQ(v.scales.block_cols, 4);
+  EXPECT_EQ(v.scales.grid_rows(v.rows), 2);
+  EXPECT_EQ(v.scales.grid_cols(v.cols), 2);
+  EXPECT_EQ(static_cast<const float*>(v.scales.data)[1], 0.25f);
+  const capserve::kernels::WeightView lower = v.row_range(2, 2);
+  EXPECT_EQ(lower.data, v.data + 12);
+  EXPECT_EQ(static_cast<const float*>(lower.scales.data)[0], 5.0f);
+  EXPECT_THROW((void)v.row_range(1, 2), std::invalid_argument);
   EXPECT_NO_THROW(ckpt.check_all_used());
 }
 
