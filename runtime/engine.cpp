@@ -135,21 +135,25 @@ Status Engine::validate(std::span<const Work> work) {
                                       std::to_string(max_step_tokens_) + ")");
     }
   }
-  std::unordered_set<SequenceId> seen;
+  // Duplicates by sorting the step's ids in a reused buffer: no allocation per step.
+  seen_.clear();
+  for (const Work& w : work) seen_.push_back(w.seq);
+  std::sort(seen_.begin(), seen_.end());
+  if (const auto twice = std::adjacent_find(seen_.begin(), seen_.end()); twice != seen_.end())
+    return Status::invalid_argument("sequence " + std::to_string(*twice) + ": appears twice in one step");
   std::int64_t blocks_needed = 0;
   for (const Work& w : work) {
-    const std::string who = "sequence " + std::to_string(w.seq);
-    if (w.tokens.empty()) return Status::invalid_argument(who + ": no tokens to process");
-    if (!seen.insert(w.seq).second) return Status::invalid_argument(who + ": appears twice in one step");
+    const auto who = [&w] { return "sequence " + std::to_string(w.seq); };
+    if (w.tokens.empty()) return Status::invalid_argument(who() + ": no tokens to process");
     for (const std::int32_t t : w.tokens) {
       if (t < 0 || t >= c.vocab_size) {
-        return Status::invalid_argument(who + ": token id " + std::to_string(t) +
+        return Status::invalid_argument(who() + ": token id " + std::to_string(t) +
                                         " outside the vocabulary [0, " + std::to_string(c.vocab_size) + ")");
       }
     }
     const std::int64_t total = length(w.seq) + static_cast<std::int64_t>(w.tokens.size());
     if (total > c.max_context_length()) {
-      return Status::invalid_argument(who + ": " + std::to_string(total) +
+      return Status::invalid_argument(who() + ": " + std::to_string(total) +
                                       " tokens exceed the model's context (" +
                                       std::to_string(c.max_context_length()) + ")");
     }

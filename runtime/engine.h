@@ -153,6 +153,7 @@ class Engine {
   std::vector<std::int64_t> logit_rows_;
   std::vector<std::uint8_t> decode_rows_;
   std::vector<SequenceId> step_seqs_;
+  std::vector<SequenceId> seen_;  // validate's sorted ids
   kernels::Buffer logits_buffer_, tokens_buffer_, scored_buffer_, scores_buffer_;
   kernels::Tensor logits_;
   // MTP drafting: the step's hidden states, the draft step's rows, their gathered input states and output

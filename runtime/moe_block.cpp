@@ -20,10 +20,12 @@ std::span<std::byte> bytes_of(std::vector<T>& v) {
   return std::as_writable_bytes(std::span<T>(v));
 }
 
-// The receiver's grouping of `rows` received rows into `s`'s slots; the caller sets what was received.
-kernels::ReceivedGroups received_groups(kernels::Backend& backend, MoeScratch& s, std::int64_t rows,
-                                        std::int64_t top_k, std::int64_t num_local) {
+// The receiver's grouping of `rows` received rows with their `entries` into `s`'s slots; the caller sets
+// where each source's entries and rows are.
+kernels::ReceivedGroups received_groups(kernels::Backend& backend, MoeScratch& s, const Tensor& entries,
+                                        std::int64_t rows, std::int64_t top_k, std::int64_t num_local) {
   kernels::ReceivedGroups g;
+  g.entries = entries;
   g.experts = backend.scratch(s.local_experts, DType::i32, {rows, top_k});
   g.weights = backend.scratch(s.local_weights, DType::f32, {rows, top_k});
   g.offsets = backend.scratch(s.group_offsets, DType::i64, {num_local + 1});
@@ -64,8 +66,7 @@ double counted_stages(kernels::Backend& backend, parallel::TokenDispatcher& disp
   const auto start = Clock::now();
   const std::int64_t in_rows = in.rows.dim(0);
   const auto num_local = static_cast<std::int64_t>(local.size());
-  kernels::ReceivedGroups groups = received_groups(backend, s, in_rows, top_k, num_local);
-  groups.entries = in.entries;
+  kernels::ReceivedGroups groups = received_groups(backend, s, in.entries, in_rows, top_k, num_local);
   groups.entry_start = in.entry_start;
   groups.row_start = in.row_start;
   backend.group_received(groups);
@@ -105,8 +106,7 @@ double block_stages(kernels::Backend& backend, parallel::TokenDispatcher& dispat
   const auto start = Clock::now();
   const std::int64_t in_rows = in.rows.dim(0);
   const auto num_local = static_cast<std::int64_t>(local.size());
-  kernels::ReceivedGroups groups = received_groups(backend, s, in_rows, top_k, num_local);
-  groups.entries = in.entries;
+  kernels::ReceivedGroups groups = received_groups(backend, s, in.entries, in_rows, top_k, num_local);
   groups.entry_counts = in.entry_counts;
   groups.entry_block = blocks.entries;
   groups.row_block = blocks.rows;
@@ -163,8 +163,8 @@ void reserve_moe_scratch(kernels::Backend& backend, const ModelConfig& config,
   const std::int64_t received = std::max(tokens, block_rows);
   const Tensor starts = backend.scratch(s.counts, DType::i64, {std::max<std::int64_t>(4, 4 * ranks)});
   backend.zero(starts);
-  kernels::ReceivedGroups groups = received_groups(backend, s, received, top_k, num_local);
-  groups.entries = Tensor(nullptr, DType::u8, backend.device(), {0, 1});
+  kernels::ReceivedGroups groups = received_groups(
+      backend, s, Tensor(nullptr, DType::u8, backend.device(), {0, 1}), received, top_k, num_local);
   groups.entry_start = starts.rows(0, 2);
   groups.row_start = starts.rows(2, 2);
   backend.group_received(groups);

@@ -290,6 +290,7 @@ cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa, cub
                             int n, int k, const void* alpha, const void* A, cudaDataType Atype, int lda,
                             const void* B, cudaDataType Btype, int ldb, const void* beta, void* C,
                             cudaDataType Ctype, int ldc, cublasComputeType_t computeType, cublasGemmAlgo_t) {
+  const d::EmulationScope emulation;
   return d::gemm("cublasGemmEx", handle, transa, transb, m, n, k, alpha, A, Atype, lda, 0, B, Btype, ldb, 0,
                  beta, C, Ctype, ldc, 0, 1, computeType);
 }
@@ -301,6 +302,7 @@ cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t handle, cublasOperation
                                           const void* beta, void* C, cudaDataType Ctype, int ldc,
                                           long long int strideC, int batchCount,
                                           cublasComputeType_t computeType, cublasGemmAlgo_t) {
+  const d::EmulationScope emulation;
   return d::gemm("cublasGemmStridedBatchedEx", handle, transa, transb, m, n, k, alpha, A, Atype, lda, strideA,
                  B, Btype, ldb, strideB, beta, C, Ctype, ldc, strideC, batchCount, computeType);
 }

@@ -36,6 +36,11 @@ struct Counters {
 [[nodiscard]] Counters counters();
 void reset_counters();
 
+// Whether this host thread is inside an emulated CUDA runtime or cuBLAS call that allocates host memory of
+// its own (the copies' and GEMMs' checks and temporaries): no product code's allocations, which tests that
+// count a step's host allocations leave out.
+[[nodiscard]] bool inside_emulation();
+
 enum class Schedule : std::uint8_t {
   in_order,  // threads by index between barriers
   shuffled,  // each block's threads in a seeded random order, drawn anew after every barrier

@@ -44,6 +44,15 @@ void* allocate_pinned(std::size_t bytes);
 // False when p is not the start of a live allocation of `kind`.
 bool release(void* p, MemoryKind kind);
 
+// While it lives, inside_emulation() is true on this thread.
+class EmulationScope {
+ public:
+  EmulationScope();
+  ~EmulationScope();
+  EmulationScope(const EmulationScope&) = delete;
+  EmulationScope& operator=(const EmulationScope&) = delete;
+};
+
 // One more of a counter (thread-safe).
 void count(std::int64_t Counters::*field);
 

@@ -31,6 +31,7 @@ thread_local LastError last;
 Counters totals;
 
 thread_local int device = 0;
+thread_local int emulation_depth = 0;
 
 struct EmuStream {
   int device = 0;
@@ -389,6 +390,18 @@ Counters counters() {
   return c;
 }
 
+bool inside_emulation() {
+  return detail::emulation_depth > 0;
+}
+
+detail::EmulationScope::EmulationScope() {
+  ++emulation_depth;
+}
+
+detail::EmulationScope::~EmulationScope() {
+  --emulation_depth;
+}
+
 void reset_counters() {
   for (std::int64_t Counters::*f :
        {&Counters::host_syncs, &Counters::device_allocations, &Counters::device_frees,
@@ -555,6 +568,7 @@ cudaError_t cudaMemcpy(void* dst, const void* src, std::size_t count, cudaMemcpy
 
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t count, cudaMemcpyKind kind,
                             cudaStream_t stream) {
+  const d::EmulationScope emulation;
   if (const cudaError_t e = d::check_stream(stream); e != cudaSuccess) return e;
   return d::copy(dst, src, count, kind, "cudaMemcpyAsync", true);
 }
@@ -564,6 +578,7 @@ cudaError_t cudaMemset(void* dst, int value, std::size_t count) {
 }
 
 cudaError_t cudaMemsetAsync(void* dst, int value, std::size_t count, cudaStream_t stream) {
+  const d::EmulationScope emulation;
   if (const cudaError_t e = d::check_stream(stream); e != cudaSuccess) return e;
   return d::set(dst, value, count, "cudaMemsetAsync");
 }

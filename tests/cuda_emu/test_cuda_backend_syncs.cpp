@@ -8,6 +8,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <new>
+#include <optional>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -22,8 +25,44 @@
 #include "runtime/sampler.h"
 #include "tests/unit/runtime/fixture_models.h"
 
+// Host allocations of this thread while counting, the emulation's own left out (operator new replaced for
+// this test program): what a warm step must not make.
+namespace {
+thread_local bool counting_news = false;
+thread_local std::int64_t news = 0;
+}  // namespace
+
+// The replacement pair allocates with malloc and frees with free; GCC, seeing both inlined, takes the free
+// for a mismatch with new.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+void* operator new(std::size_t bytes) {
+  if (counting_news && !capserve::cuda_emu::inside_emulation()) ++news;
+  if (void* p = std::malloc(bytes == 0 ? 1 : bytes)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept {
+  std::free(p);
+}
+void operator delete(void* p, std::size_t /*bytes*/) noexcept {
+  std::free(p);
+}
+
 namespace capserve::kernels {
 namespace {
+
+// Counts the host allocations of this thread while it lives.
+class CountNews {
+ public:
+  CountNews() {
+    news = 0;
+    counting_news = true;
+  }
+  ~CountNews() { counting_news = false; }
+  CountNews(const CountNews&) = delete;
+  CountNews& operator=(const CountNews&) = delete;
+  [[nodiscard]] std::int64_t count() const { return news; }
+};
 
 TEST(CudaBackendSyncs, AWarmStepWaitsOnlyInToHostAndAllocatesNothing) {
   cuda::CudaBackend backend(0);
@@ -112,7 +151,8 @@ TEST(CudaBackendSyncs, AWholeModelDecodeStepWaitsTwicePerMoeLayerAndOnceToSample
 // With a capacity factor every expert's load has a bound all ranks know, so a decode step exchanges its rows
 // in fixed-size blocks and the host reads nothing until the sampled tokens, whose wait also brings the step's
 // MoE statistics. The step runs inside a graph capture, which refuses every call that would make the host
-// wait, allocate or copy from pageable memory (the emulation's cudaStreamBeginCapture).
+// wait, allocate or copy from pageable memory (the emulation's cudaStreamBeginCapture), and neither it nor
+// the sampling and statistics after it allocate host memory (the emulation's own allocations aside).
 TEST(CudaBackendSyncs, ADecodeStepWithACapacityFactorWaitsOnceAllocatesNothingAndRunsUnderGraphCapture) {
   for (const char* name : {"qwen2_moe", "deepseek_v3"}) {
     SCOPED_TRACE(name);
@@ -133,20 +173,30 @@ TEST(CudaBackendSyncs, ADecodeStepWithACapacityFactorWaitsOnceAllocatesNothingAn
     work = {{1, std::span(next).first(1), false, true}, {2, std::span(next).last(1), false, true}};
     ASSERT_TRUE(engine.step(work).ok());  // a decode step, to warm what decodes use
     engine.sample(greedy, next);
+    (void)engine.moe_counts();  // as a server reads them every step
 
     cuda_emu::reset_counters();
     const std::int64_t counted_before = backend.host_syncs(HostSync::moe_dispatch);
     ASSERT_EQ(cudaStreamBeginCapture(backend.stream(), cudaStreamCaptureModeGlobal), cudaSuccess);
+    std::optional<CountNews> host_news(std::in_place);
     const runtime::Status stepped = engine.step(work);
+    const std::int64_t step_news = host_news->count();
+    host_news.reset();
     cudaGraph_t graph = nullptr;
     const cudaError_t captured = cudaStreamEndCapture(backend.stream(), &graph);
     ASSERT_TRUE(stepped.ok()) << stepped.message();
     ASSERT_EQ(captured, cudaSuccess) << cudaGetErrorString(captured);
     EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+    host_news.emplace();
     engine.sample(greedy, next);
     const parallel::MoeStepStats& stats = engine.last_moe_stats();
+    (void)engine.moe_counts();
+    const std::int64_t sample_news = host_news->count();
+    host_news.reset();
     const cuda_emu::Counters c = cuda_emu::counters();
     EXPECT_EQ(c.host_syncs, 1) << "the sampled tokens only";
+    EXPECT_EQ(step_news, 0) << "host allocations in the step";
+    EXPECT_EQ(sample_news, 0) << "host allocations in sampling and reading the statistics";
     EXPECT_EQ(c.device_allocations, 0);
     EXPECT_EQ(c.host_allocations, 0);
     EXPECT_EQ(c.pageable_async_copies, 0);

@@ -146,13 +146,19 @@ TEST(MemoryPlan, KeptFp8BytesFollowTheCheckpointsStoredTypes) {
   }
 }
 
-MemoryPlan deepseek_v3_on_8_h200(Fp8Holding fp8) {
-  const ModelDescription model = read_model_config(deepseek_v3_config());
+// 8 ranks of 141 GB, a tenth kept back, FP8 held as `fp8`.
+MemoryPlanOptions h200_node(Fp8Holding fp8) {
   MemoryPlanOptions options;
   options.ranks = 8;
   options.fp8 = fp8;
   options.device_memory = parse_byte_size("141GB");
   options.reserve = options.device_memory / 10;
+  return options;
+}
+
+MemoryPlan deepseek_v3_on_8_h200(Fp8Holding fp8) {
+  const ModelDescription model = read_model_config(deepseek_v3_config());
+  MemoryPlanOptions options = h200_node(fp8);
   options.max_batched_tokens = 8192;
   return plan_memory(model.config, model.names, options);
 }
@@ -222,11 +228,7 @@ TEST(MemoryPlan, DeepSeekV3FitsEightH200sWithFp8KeptAndNotDequantized) {
 // A fixed --kv-blocks fits when it holds the model's whole context and fits the room the weights leave.
 TEST(MemoryPlan, AFixedBlockCountFitsOnlyWhenItHoldsAContextAndFitsTheRoom) {
   const ModelDescription model = read_model_config(deepseek_v3_config());
-  MemoryPlanOptions options;
-  options.ranks = 8;
-  options.fp8 = Fp8Holding::keep_fp8;
-  options.device_memory = parse_byte_size("141GB");
-  options.reserve = options.device_memory / 10;
+  MemoryPlanOptions options = h200_node(Fp8Holding::keep_fp8);
   const std::int64_t room = plan_memory(model.config, model.names, options).ranks.front().kv_room;
   const std::int64_t context_blocks = 163840 / 16;
   const std::int64_t block_bytes = 576 * 2 * 61 * 16;
@@ -244,10 +246,8 @@ TEST(MemoryPlan, AFixedBlockCountFitsOnlyWhenItHoldsAContextAndFitsTheRoom) {
 
 TEST(MemoryPlan, MtpLayersAddTheirWeightsAndACacheLayer) {
   const ModelDescription model = read_model_config(deepseek_v3_config());
-  MemoryPlanOptions options;
-  options.ranks = 8;
-  options.fp8 = Fp8Holding::keep_fp8;
-  options.device_memory = parse_byte_size("141GB");
+  MemoryPlanOptions options = h200_node(Fp8Holding::keep_fp8);
+  options.reserve = 0;
   options.mtp = true;
   const MemoryPlan with = plan_memory(model.config, model.names, options);
   EXPECT_EQ(with.kv_bytes_per_token, 576 * 2 * 62);
