@@ -169,6 +169,12 @@ void add_flags(CLI::App& app, Options& o) {
   app.add_option("--kv-blocks", o.engine.kv_blocks, "KV cache blocks of 16 tokens per rank")
       ->check(runtime::at_least(1))
       ->capture_default_str();
+  app.add_option(
+         "--fixed-exchange-tokens", o.engine.fixed_exchange_tokens,
+         "steps of at most this many tokens (all ranks) exchange MoE rows in fixed-size blocks where the "
+         "capacity factor bounds every expert, with no host wait per layer; 0: never")
+      ->check(runtime::at_least(0))
+      ->capture_default_str();
   app.add_option("--max-running", o.scheduler.max_running, "sequences decoding at once, all ranks")
       ->check(runtime::at_least(1))
       ->capture_default_str();

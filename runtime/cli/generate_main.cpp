@@ -102,6 +102,11 @@ int main(int argc, char** argv) {
   runtime::add_kv_dtype_flag(app, kv_dtype);
   app.add_option("--kv-blocks", engine_options.kv_blocks, "KV cache blocks of 16 tokens per rank")
       ->check(runtime::at_least(1));
+  app.add_option(
+         "--fixed-exchange-tokens", engine_options.fixed_exchange_tokens,
+         "steps of at most this many tokens (all ranks) exchange MoE rows in fixed-size blocks where the "
+         "capacity factor bounds every expert; 0: never")
+      ->check(runtime::at_least(0));
   runtime::add_parallel_flags(app, parallel_flags);
   runtime::add_speculation_flags(app, speculation);
   // Every rank parses the same flags; rank 0 alone prints.

@@ -40,7 +40,8 @@ class CliTest(unittest.TestCase):
         self.assertEqual(done.returncode, 0, done.stdout)
         lines = {line.split()[0]: line for line in done.stdout.splitlines() if line.strip().startswith("--")}
         for flag, default in (("--max-running", "64"), ("--kv-blocks", "1024"), ("--log-level", "info"),
-                              ("--batch-selector", "fcfs"), ("--capacity-factor", "inf")):
+                              ("--batch-selector", "fcfs"), ("--capacity-factor", "inf"),
+                              ("--fixed-exchange-tokens", "1024")):
             self.assertIn(flag, lines, done.stdout)
             self.assertIn(default, lines[flag])
 
