@@ -65,7 +65,6 @@ void CapacityStage::begin_step(std::int64_t local_tokens, std::int64_t exempt_to
   const std::int64_t mine[2] = {local_tokens, exempt_tokens};
   gathered_.resize(2 * ranks);
   control_.allgather(mine, gathered_);
-  token_offset_ = 0;
   total_tokens_ = 0;
   max_rank_tokens_ = 0;
   any_exempt_ = false;

@@ -129,27 +129,25 @@ void ForwardPass::begin_step(const ForwardBatch& batch) {
 
   // Rows of the phase the capacity scheduler leaves alone are exempt from dropping.
   const parallel::CapacityPhase phase = scheduler_.config().apply_to;
+  a.exempt = {};
+  std::int64_t exempt_rows = 0;
   if (phase != parallel::CapacityPhase::both) {
     exempt_.resize(static_cast<std::size_t>(rows));
     const std::uint8_t exempt_decode = phase == parallel::CapacityPhase::prefill ? 1 : 0;
     for (std::int64_t r = 0; r < rows; ++r) {
       const bool decode = !batch.decode_rows.empty() && batch.decode_rows[static_cast<std::size_t>(r)] != 0;
-      exempt_[static_cast<std::size_t>(r)] =
-          decode ? exempt_decode : static_cast<std::uint8_t>(1 - exempt_decode);
+      const std::uint8_t exempt = decode ? exempt_decode : static_cast<std::uint8_t>(1 - exempt_decode);
+      exempt_[static_cast<std::size_t>(r)] = exempt;
+      exempt_rows += exempt;
     }
-  }
-  a.exempt = {};
-  exempt_rows_ = 0;
-  if (phase != parallel::CapacityPhase::both) {
     a.exempt = backend.scratch(s.exempt, DType::u8, {rows});
     backend.from_host(std::as_bytes(std::span<const std::uint8_t>(exempt_)), a.exempt);
-    for (const std::uint8_t e : exempt_) exempt_rows_ += e;
   }
   settle_stats();  // the previous step's, before its figures are overwritten
   a.report = backend.scratch(s.report, DType::i64, {step_report(model_, stack_, rows).size()});
   backend.zero(a.report);
   stats_.begin_step();
-  scheduler_.begin_step(rows, exempt_rows_);
+  scheduler_.begin_step(rows, exempt_rows);
 }
 
 void ForwardPass::end_step() {

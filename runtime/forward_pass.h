@@ -126,7 +126,6 @@ class ForwardPass {
   parallel::StepStatsRecorder stats_;
   parallel::RunStats run_stats_;
   std::vector<std::uint8_t> exempt_;  // [rows]: rows the capacity scheduler may not drop this step
-  std::int64_t exempt_rows_ = 0;
   std::vector<std::int64_t> dry_run_counts_;
   std::int64_t fixed_exchange_tokens_ = 0;
   // The step's report (StepReport layout in forward_pass.cpp) on the host, once it arrives; pending until
