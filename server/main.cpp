@@ -627,7 +627,7 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Engine& engine, server
       for (const auto& g : gathered) results.push_back(server::deserialize_result(g));
       // The step's statistics first: once a request's end is visible (to its client, or in
       // capserve_requests_total), the work of its last step is already in /metrics.
-      if (!plan.starts.empty() || !plan.decodes.empty()) metrics->record_step(engine.last_moe_stats());
+      if (plan.has_work()) metrics->record_step(engine.last_moe_stats());
       scheduler->complete(results, engine.last_moe_stats(), server::Clock::now());
     }
   } catch (const std::exception& e) {

@@ -34,6 +34,9 @@ struct StepPlan {
   // 0 bounds it by the request's max_tokens and the context, so the KV blocks reserved at admission always
   // suffice); empty when speculation is off.
   std::vector<std::int32_t> max_drafts;
+
+  // Whether the step runs a forward pass (anything to prefill or decode).
+  [[nodiscard]] bool has_work() const { return !starts.empty() || !decodes.empty(); }
 };
 
 // Why a sequence could not take a token (rank 0 ends its request with an error; the others go on).
