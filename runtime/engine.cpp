@@ -39,7 +39,7 @@ Engine::Engine(const Model& model, const EngineOptions& options)
     : model_(model),
       pass_(model),
       mtp_pass_(model.mtp_layers() > 0 ? std::make_unique<ForwardPass>(model, LayerStack::mtp) : nullptr),
-      cache_(engine_cache_shape(model, options), model.backend()) {
+      cache_(engine_cache_shape(model, options), model.backend(), options.prefix_cache) {
   pass_.set_fixed_exchange_tokens(options.fixed_exchange_tokens);
   if (mtp_pass_) mtp_pass_->set_fixed_exchange_tokens(options.fixed_exchange_tokens);
   for (const kernels::FastKernelCheck& check :
@@ -75,7 +75,7 @@ void Engine::reserve_step_memory(std::int64_t max_step_tokens) {
                                            static_cast<std::size_t>(std::min(per_seq, tokens - first))),
                     true});
   }
-  if (Status s = step(work); !s.ok())
+  if (Status s = run_step(work, false); !s.ok())
     throw std::runtime_error("Engine: start-up reservation: " + s.message());
   const std::vector<kernels::SampleControls> greedy(static_cast<std::size_t>(tokens));
   std::vector<std::int32_t> drawn(static_cast<std::size_t>(tokens));
@@ -124,11 +124,31 @@ void Engine::truncate(SequenceId seq, std::int64_t length) {
   cache_.blocks().truncate(seq, length);
 }
 
+std::int64_t Engine::idle_blocks_adopted(std::span<const Work> work) const {
+  const KvBlockManager& blocks = cache_.blocks();
+  std::int64_t idle = 0;
+  for (std::size_t j = 0; j < work.size(); ++j) {
+    const Work& w = work[j];
+    if (w.cached == 0) continue;
+    // Two prefixes share exactly the cached blocks of their common whole-block prefix (a block's key is its
+    // chain's content), which an earlier item already counted.
+    std::int64_t shared = 0;
+    for (std::size_t i = 0; i < j; ++i) {
+      const auto a = w.tokens.first(static_cast<std::size_t>(w.cached));
+      const auto b = work[i].tokens.first(static_cast<std::size_t>(work[i].cached));
+      const auto common = static_cast<std::int64_t>(std::ranges::mismatch(a, b).in1 - a.begin());
+      shared = std::max(shared, common / blocks.block_size() * blocks.block_size());
+    }
+    idle += blocks.idle_cached_blocks(w.tokens, w.cached) - blocks.idle_cached_blocks(w.tokens, shared);
+  }
+  return idle;
+}
+
 Status Engine::validate(std::span<const Work> work) {
   const ModelConfig& c = model_.config();
   if (max_step_tokens_ > 0) {
     std::int64_t tokens = 0;
-    for (const Work& w : work) tokens += static_cast<std::int64_t>(w.tokens.size());
+    for (const Work& w : work) tokens += static_cast<std::int64_t>(w.tokens.size()) - w.cached;
     if (tokens > max_step_tokens_) {
       return Status::invalid_argument("step of " + std::to_string(tokens) +
                                       " tokens exceeds the engine's max_step_tokens (" +
@@ -151,16 +171,33 @@ Status Engine::validate(std::span<const Work> work) {
                                         " outside the vocabulary [0, " + std::to_string(c.vocab_size) + ")");
       }
     }
+    if (w.cached != 0) {
+      const std::int64_t block = cache_.blocks().block_size();
+      if (lengths_.contains(w.seq))
+        return Status::invalid_argument(who() + ": a cached prefix starts a new sequence only");
+      if (w.cached < 0 || w.cached % block != 0 || w.cached >= static_cast<std::int64_t>(w.tokens.size())) {
+        return Status::invalid_argument(who() + ": cached prefix of " + std::to_string(w.cached) + " of " +
+                                        std::to_string(w.tokens.size()) + " tokens (whole blocks of " +
+                                        std::to_string(block) + ", at least one token computed)");
+      }
+      if (const std::int64_t held = cache_.blocks().cached_prefix(w.tokens); w.cached > held) {
+        return Status::invalid_argument(who() + ": cached prefix of " + std::to_string(w.cached) +
+                                        " tokens, the cache holds " + std::to_string(held));
+      }
+    }
     const std::int64_t total = length(w.seq) + static_cast<std::int64_t>(w.tokens.size());
     if (total > c.max_context_length()) {
       return Status::invalid_argument(who() + ": " + std::to_string(total) +
                                       " tokens exceed the model's context (" +
                                       std::to_string(c.max_context_length()) + ")");
     }
-    const std::int64_t have =
-        lengths_.contains(w.seq) ? static_cast<std::int64_t>(cache_.blocks().block_table(w.seq).size()) : 0;
+    const std::int64_t have = lengths_.contains(w.seq)
+                                  ? static_cast<std::int64_t>(cache_.blocks().block_table(w.seq).size())
+                                  : w.cached / cache_.blocks().block_size();
     blocks_needed += std::max<std::int64_t>(0, cache_.blocks().blocks_for(total) - have);
   }
+  // Adopting an idle cached block takes it out of the free blocks as a reservation would.
+  blocks_needed += idle_blocks_adopted(work);
   if (blocks_needed > cache_.blocks().free_blocks()) {
     return Status::resource_exhausted("KV cache: step needs " + std::to_string(blocks_needed) + " blocks, " +
                                       std::to_string(cache_.blocks().free_blocks()) + " free");
@@ -179,6 +216,10 @@ void Engine::begin_rows() {
 }
 
 Status Engine::step(std::span<const Work> work) {
+  return run_step(work, true);
+}
+
+Status Engine::run_step(std::span<const Work> work, bool record) {
   begin_rows();
   kernels::Backend& backend = model_.backend();
   const std::int64_t vocab = model_.config().vocab_size;
@@ -187,16 +228,25 @@ Status Engine::step(std::span<const Work> work) {
     pass_.forward({tokens_, positions_, slices_, logit_rows_, decode_rows_}, cache_, logits_);
     return s;
   }
+  // Every adoption before any reservation: a reservation may evict idle cached blocks, never one a later
+  // work item of the same step adopts.
+  for (const Work& w : work) {
+    if (w.cached == 0) continue;
+    if (!cache_.blocks().adopt_prefix(w.seq, w.tokens, w.cached))
+      throw std::logic_error("Engine::step: validated cached prefix not adopted");
+    lengths_[w.seq] = w.cached;
+  }
   for (const Work& w : work) {
     const std::int64_t start = length(w.seq);
-    const auto n = static_cast<std::int64_t>(w.tokens.size());
+    const std::span<const std::int32_t> computed = w.tokens.subspan(static_cast<std::size_t>(w.cached));
+    const auto n = static_cast<std::int64_t>(computed.size());
     // A single token appended to a sequence already in the cache is a decode step.
     decode_rows_.insert(decode_rows_.end(), static_cast<std::size_t>(n),
                         w.decode || (start > 0 && n == 1) ? 1 : 0);
     cache_.blocks().reserve(w.seq, start + n);  // validated above: always fits
     lengths_[w.seq] = start + n;
     const auto first_row = static_cast<std::int64_t>(tokens_.size());
-    tokens_.insert(tokens_.end(), w.tokens.begin(), w.tokens.end());
+    tokens_.insert(tokens_.end(), computed.begin(), computed.end());
     for (std::int64_t i = 0; i < n; ++i) positions_.push_back(static_cast<std::int32_t>(start + i));
     slices_.push_back({first_row, n, start, cache_.blocks().block_table(w.seq)});
     step_seqs_.push_back(w.seq);
@@ -213,6 +263,10 @@ Status Engine::step(std::span<const Work> work) {
                               {static_cast<std::int64_t>(tokens_.size()), model_.config().hidden_size});
   }
   pass_.forward({tokens_, positions_, slices_, logit_rows_, decode_rows_}, cache_, logits_, hidden_);
+  if (record) {
+    for (const Work& w : work)
+      cache_.blocks().append_tokens(w.seq, w.tokens.subspan(static_cast<std::size_t>(w.cached)));
+  }
   counted_rows_.assign(slices_.begin(), slices_.end());
   moe_counts_current_ = false;
   return {};

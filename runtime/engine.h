@@ -31,6 +31,9 @@ struct EngineOptions {
   // synchronisation per layer, at the price of full blocks on the wire. Larger steps, and 0, use the counted
   // exchange.
   std::int64_t fixed_exchange_tokens = 1024;
+  // The KV cache keeps full blocks by content, shares them between this engine's sequences and lets a new
+  // sequence start after a cached prefix (Work::cached; runtime/README.md, "Prefix cache").
+  bool prefix_cache = false;
 };
 
 class Engine {
@@ -46,14 +49,23 @@ class Engine {
     // Decode tokens: a sampled token and the draft tokens after it (speculative decoding), which the capacity
     // scheduler treats as the decode phase, as it does a lone token appended to a sequence.
     bool decode = false;
+    // A new sequence only: its first `cached` tokens are taken from the prefix cache
+    // (KvBlockManager::adopt_prefix), not computed. A multiple of the block size, less than tokens.size()
+    // and at most the cached prefix (KvBlockManager::cached_prefix). The step computes the rest, at
+    // positions from `cached` on, and its logits rows are those of the computed tokens.
+    std::int64_t cached = 0;
   };
 
-  // Runs one step. On success the step's logits hold, for each work item in order, one row (or tokens.size()
-  // rows with all_logits) of vocab_size floats: on the backend's device (device_logits), where sample() draws
-  // from them, or copied to the host by logits(). On failure no sequence changed: an unknown or invalid token
-  // id, an empty work item, a sequence past the model's context (ModelConfig::max_context_length:
-  // max_position_embeddings, stretched by dynamic rope scaling) (INVALID_ARGUMENT) or too few free KV
-  // blocks (RESOURCE_EXHAUSTED). A collective under expert parallelism: every rank calls it every step, with
+  // Runs one step. On success the step's logits hold, for each work item in order, one row (or
+  // tokens.size() - cached rows with all_logits) of vocab_size floats: on the backend's device
+  // (device_logits), where sample() draws from them, or copied to the host by logits(). On failure no
+  // sequence changed: an unknown or invalid token id, an empty work item, a sequence past the model's
+  // context (ModelConfig::max_context_length: max_position_embeddings, stretched by dynamic rope scaling), a
+  // `cached` the rules of Work::cached refuse (INVALID_ARGUMENT) or too few free KV blocks
+  // (RESOURCE_EXHAUSTED). The KV block manager sees, in this order: adopt_prefix for each work item with
+  // `cached` (work order), reserve for each work item (work order), and after the forward append_tokens of
+  // each work item's computed tokens (work order); a refused step none of them. A server's mirror of the
+  // manager repeats exactly that. A collective under expert parallelism: every rank calls it every step, with
   // no work if it has none, and a rank whose work is refused still joins the step's collectives with zero
   // tokens.
   Status step(std::span<const Work> work);
@@ -136,6 +148,11 @@ class Engine {
 
  private:
   Status validate(std::span<const Work> work);
+  // step(); `record`: tell the block manager the computed tokens (not for the start-up reservation's
+  // placeholder tokens, which must never enter the prefix cache).
+  Status run_step(std::span<const Work> work, bool record);
+  // Cached blocks the step's work items adopt that no sequence holds now, each counted once.
+  [[nodiscard]] std::int64_t idle_blocks_adopted(std::span<const Work> work) const;
   // Forgets the last step's rows (and its logits on the host) before a step or a draft step lays out its own.
   void begin_rows();
   Status validate_drafts(std::int64_t depth, DraftInput input, std::span<const DraftWork> work);

@@ -34,8 +34,8 @@ KvCacheShape kv_cache_shape(const ModelConfig& config, std::int64_t block_size, 
   return s;
 }
 
-KvCache::KvCache(const KvCacheShape& shape, kernels::Backend& backend)
-    : shape_(shape), blocks_(shape.num_blocks, shape.block_size) {
+KvCache::KvCache(const KvCacheShape& shape, kernels::Backend& backend, bool prefix_cache)
+    : shape_(shape), blocks_(shape.num_blocks, shape.block_size, prefix_cache) {
   backend.check_kv_dtype(shape.dtype);
   const auto bytes =
       static_cast<std::size_t>(shape.num_layers * shape.num_blocks * shape.block_size * row_floats(shape)) *

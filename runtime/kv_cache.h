@@ -40,7 +40,10 @@ KvCacheShape kv_cache_shape(const ModelConfig& config, std::int64_t block_size, 
 class KvCache {
  public:
   // The pools are allocated by `backend`, on its device (uninitialised: attention reads only written slots).
-  KvCache(const KvCacheShape& shape, kernels::Backend& backend);
+  // `prefix_cache`: the block manager keeps full blocks by content for sharing (KvBlockManager). Their K/V
+  // also depend on what this cache fixes (the model, the element type), so one manager per cache keys them
+  // completely.
+  KvCache(const KvCacheShape& shape, kernels::Backend& backend, bool prefix_cache = false);
 
   // Which blocks each sequence holds (the host side; the pools below are the backend's).
   [[nodiscard]] KvBlockManager& blocks() { return blocks_; }
