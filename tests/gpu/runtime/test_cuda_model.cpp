@@ -1,8 +1,9 @@
 // The whole model on CudaBackend (one process; the cuda-emu label runs it on the emulation): for every
 // committed fixture, the prompt logits against transformers' and against the CPU backend's, a 16-token greedy
-// continuation equal to the CPU backend's, a ragged batch equal to each sequence alone, and speculative
-// greedy decoding equal to plain greedy decoding (scripted drafts, and DeepSeek-V3's MTP draft, whose logits
-// are held to the CPU backend's); the FP8 fixture's weights held FP8 on the device.
+// continuation equal to the CPU backend's, a ragged batch equal to each sequence alone, the prefix cache
+// equal to a whole prefill, and speculative greedy decoding equal to plain greedy decoding (scripted drafts,
+// and DeepSeek-V3's MTP draft, whose logits are held to the CPU backend's); the FP8 fixture's weights held
+// FP8 on the device.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -310,6 +311,60 @@ TEST_P(CudaModel, RaggedBatchEqualsEachSequenceAlone) {
         tolerance(*cuda_model_))
         << "sequence " << i << " against transformers";
   }
+}
+
+// The prefix cache on the device: a sequence started after another's cached prefix (the K/V, or the latent
+// rows, written by that sequence's step) computes only its tail and gives the logits and greedy tokens of the
+// same sequence prefilled whole without the cache (runtime/README.md, "Prefix cache").
+TEST_P(CudaModel, PrefixCacheEqualsAWholePrefill) {
+  const auto prompt = [&](int i) { return ref_["prompts"][i]["input_ids"].get<std::vector<std::int32_t>>(); };
+  const std::vector<std::int32_t> long_prompt = prompt(3);
+  std::vector<std::int32_t> a(long_prompt.begin(), long_prompt.begin() + 12);
+  std::vector<std::int32_t> b(long_prompt.begin(), long_prompt.begin() + 9);
+  const std::vector<std::int32_t> y = prompt(1);
+  b.insert(b.end(), y.begin(), y.begin() + 4);
+  runtime::EngineOptions options;
+  options.kv_block_size = 4;
+  options.kv_blocks = 64;
+  runtime::Engine off(*cuda_model_, options);
+  options.prefix_cache = true;
+  runtime::Engine on(*cuda_model_, options);
+  const runtime::Engine::Work first{1, a};
+  ASSERT_TRUE(on.step({&first, 1}).ok());
+  on.release(1);
+  const std::int64_t cached = on.cache().blocks().cached_prefix(b);
+  ASSERT_EQ(cached, 8);
+  const auto vocab = static_cast<std::size_t>(cuda_model_->config().vocab_size);
+  struct Outcome {
+    std::int64_t computed = 0;
+    std::vector<float> rows;  // positions cached.. of b
+    std::vector<std::int32_t> greedy;
+  };
+  const auto run = [&](runtime::Engine& engine, std::int64_t skip) {
+    Outcome out;
+    runtime::Engine::Work w{2, b, true};
+    w.cached = skip;
+    EXPECT_TRUE(engine.step({&w, 1}).ok());
+    out.computed = engine.last_step_slices()[0].num_tokens;
+    const std::span<const float> all = engine.logits();
+    out.rows.assign(
+        all.end() - static_cast<std::ptrdiff_t>((b.size() - static_cast<std::size_t>(cached)) * vocab),
+        all.end());
+    std::vector<std::int32_t> next(static_cast<std::size_t>(out.computed));  // one per logits row
+    for (int d = 0; d < 8; ++d) {
+      engine.sample(std::vector<kernels::SampleControls>(next.size()), next);
+      out.greedy.push_back(next.back());
+      const runtime::Engine::Work decode{2, std::span(&out.greedy.back(), 1)};
+      EXPECT_TRUE(engine.step({&decode, 1}).ok());
+      next.resize(1);
+    }
+    return out;
+  };
+  const Outcome whole = run(off, 0);
+  const Outcome got = run(on, cached);
+  EXPECT_EQ(got.computed, static_cast<std::int64_t>(b.size()) - cached);
+  EXPECT_LE(testing::relative_max_diff(got.rows, whole.rows), tolerance(*cuda_model_));
+  EXPECT_EQ(got.greedy, whole.greedy);
 }
 
 // The FP8 fixture on the device keeps its FP8 weights FP8 (the parity tests above run it so): every matrix
