@@ -138,11 +138,18 @@ void log_access(const AccessRecord& r) {
   spdlog::logger& logger = access ? *access : *spdlog::default_logger_raw();
   if (!logger.should_log(spdlog::level::info)) return;
   const bool json = access && g_format.load(std::memory_order_relaxed) == LogFormat::json;
-  // Speculative decoding's counts end the line when the server speculates.
-  std::string drafts;
+  // Speculative decoding's counts end the line when the server speculates, then the prefix cache's and
+  // chunked prefill's.
+  std::string tail;
   if (r.drafted && r.accepted) {
-    drafts = json ? fmt::format(R"(,"drafted":{},"accepted":{})", *r.drafted, *r.accepted)
-                  : fmt::format(" drafted={} accepted={}", *r.drafted, *r.accepted);
+    tail = json ? fmt::format(R"(,"drafted":{},"accepted":{})", *r.drafted, *r.accepted)
+                : fmt::format(" drafted={} accepted={}", *r.drafted, *r.accepted);
+  }
+  if (json) {
+    tail += fmt::format(R"(,"cached_tokens":{},"prefill_chunks":{})", r.cached_tokens, r.prefill_chunks);
+  } else {
+    if (r.cached_tokens > 0) tail += fmt::format(" cached_tokens={}", r.cached_tokens);
+    if (r.prefill_chunks > 1) tail += fmt::format(" prefill_chunks={}", r.prefill_chunks);
   }
   if (json) {
     logger.info(
@@ -150,7 +157,7 @@ void log_access(const AccessRecord& r) {
         R"("ttft_s":{},"e2e_s":{:.6f},"dropped":{},"rerouted":{}{})",
         json_string(r.request_id), json_string(r.peer), r.prompt_tokens, r.completion_tokens,
         json_string(r.finish_reason), seconds_text(r.queue_s, true), seconds_text(r.ttft_s, true), r.e2e_s,
-        r.dropped, r.rerouted, drafts);
+        r.dropped, r.rerouted, tail);
     return;
   }
   logger.info(
@@ -158,7 +165,7 @@ void log_access(const AccessRecord& r) {
       "e2e_s={:.6f} dropped={} rerouted={}{}",
       r.request_id, r.peer.empty() ? std::string_view("-") : r.peer, r.prompt_tokens, r.completion_tokens,
       r.finish_reason, seconds_text(r.queue_s, false), seconds_text(r.ttft_s, false), r.e2e_s, r.dropped,
-      r.rerouted, drafts);
+      r.rerouted, tail);
 }
 
 }  // namespace capserve::server

@@ -41,12 +41,16 @@ struct AccessRecord {
   // Speculative decoding (only when the server speculates): draft tokens verified for the request, and kept.
   std::optional<std::int64_t> drafted = std::nullopt;
   std::optional<std::int64_t> accepted = std::nullopt;
+  // Prompt tokens taken from the prefix cache instead of being computed; prefill steps the prompt took.
+  std::int64_t cached_tokens = 0;
+  std::int64_t prefill_chunks = 1;
 };
 
 // Text: "request id=... peer=... prompt_tokens=... completion_tokens=... finish_reason=... queue_s=...
-// ttft_s=... e2e_s=... dropped=... rerouted=...[ drafted=... accepted=...]" (absent times as "-"; the draft
-// counts only when present); JSON: the same keys as fields of the line's object, absent times null, with
-// "logger": "access".
+// ttft_s=... e2e_s=... dropped=... rerouted=...[ drafted=... accepted=...][ cached_tokens=...][
+// prefill_chunks=...]" (absent times as "-"; the draft counts only when present, the cached tokens when some
+// were, the chunks when more than one); JSON: the same keys as fields of the line's object, absent times
+// null, cached_tokens and prefill_chunks always, with "logger": "access".
 void log_access(const AccessRecord& record);
 
 }  // namespace capserve::server

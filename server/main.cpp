@@ -637,7 +637,9 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Engine& engine, server
     grpc_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
     world.abort(1);
   }
-  std::vector<std::byte> bytes = server::serialize(server::StepPlan{true, {}, {}, {}, {}});
+  server::StepPlan shutdown;
+  shutdown.shutdown = true;
+  std::vector<std::byte> bytes = server::serialize(shutdown);
   watchdog.begin_step();
   world.broadcast(bytes, 0);
   if (!watchdog.end_step()) wait_for_stall_handler();

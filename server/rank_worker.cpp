@@ -11,28 +11,8 @@ StepResult RankWorker::run(const StepPlan& plan) {
     if (sequences_.erase(id) > 0) engine_.release(id);
   }
   work_.clear();
-  work_ids_.clear();
-  for (const SequenceStart& s : plan.starts) {
-    if (s.rank != rank_) continue;
-    runtime::SamplingParams params;
-    params.temperature = s.temperature;
-    params.top_k = s.top_k;
-    params.top_p = s.top_p;
-    params.seed = s.seed;
-    params.logprobs = s.logprobs != 0;
-    params.prompt_logprobs = s.prompt_logprobs != 0;
-    params.top_logprobs = s.top_logprobs;
-    Sequence seq{params, 0, 0, {}};
-    if (drafter_ != nullptr) {
-      // Room for as many generated tokens as the prompt has before the history grows (amortized).
-      seq.history.reserve(2 * s.prompt.size());
-      seq.history.assign(s.prompt.begin(), s.prompt.end());
-    }
-    sequences_.insert_or_assign(s.id, std::move(seq));
-    // Prompt log-probabilities are scored on the logits of every prompt position.
-    work_.push_back({s.id, s.prompt, params.prompt_logprobs});
-    work_ids_.push_back(s.id);
-  }
+  items_.clear();
+  plan_prefills(plan);
   prefills_ = work_.size();
   plan_decodes(plan);
 
@@ -40,8 +20,8 @@ StepResult RankWorker::run(const StepPlan& plan) {
   const runtime::Status status = engine_.step(work_);
   if (!status.ok()) {
     // The refused sequences are dropped here; rank 0 ends their requests with the error.
-    for (std::size_t i = 0; i < work_ids_.size(); ++i) {
-      if (sequences_.erase(work_ids_[i]) > 0) engine_.release(work_ids_[i]);
+    for (const Item& item : items_) {
+      if (sequences_.erase(item.id) > 0) engine_.release(item.id);
     }
     result.ok = false;
     result.error = status.message();
@@ -53,8 +33,8 @@ StepResult RankWorker::run(const StepPlan& plan) {
   controls_.clear();
   std::int64_t top_k = 0;
   bool scoring = false;
-  for (std::size_t i = 0; i < work_ids_.size(); ++i) {
-    const Sequence& seq = sequences_.at(work_ids_[i]);
+  for (std::size_t i = 0; i < items_.size(); ++i) {
+    const Sequence& seq = sequences_.at(items_[i].id);
     const std::size_t draws = draws_of(i);
     controls_.insert(controls_.end(), rows_of(i) - draws, kernels::SampleControls{});
     for (std::size_t j = 0; j < draws; ++j)
@@ -66,10 +46,10 @@ StepResult RankWorker::run(const StepPlan& plan) {
   engine_.sample(controls_, tokens_);
   if (scoring) score(top_k);
   const auto counts = engine_.moe_counts();
-  result.sequences.reserve(work_ids_.size());
+  result.sequences.reserve(items_.size());
   std::size_t row = 0;
-  for (std::size_t i = 0; i < work_ids_.size(); ++i) {
-    const std::uint64_t id = work_ids_[i];
+  for (std::size_t i = 0; i < items_.size(); ++i) {
+    const std::uint64_t id = items_[i].id;
     Sequence& seq = sequences_.at(id);
     const std::size_t first_row = row;
     row += rows_of(i);
@@ -78,16 +58,17 @@ StepResult RankWorker::run(const StepPlan& plan) {
     // A decode's drafts are its fed tokens after the first (none for a prefill).
     const std::span<const std::int32_t> drafts =
         i < prefills_ ? std::span<const std::int32_t>() : work_[i].tokens.subspan(1);
-    const std::size_t kept = runtime::kept_draws(drafts, draws);
+    // An earlier chunk of a prompt draws nothing and keeps nothing.
+    const std::size_t kept = draws.empty() ? 0 : runtime::kept_draws(drafts, draws);
     SequenceResult& out = result.sequences.emplace_back();
     out.id = id;
     out.dropped = counts[i].dropped;
     out.rerouted = counts[i].rerouted;
     out.drafted = static_cast<std::int32_t>(drafts.size());
-    out.accepted = static_cast<std::int32_t>(kept - 1);
-    // A prefill's rows before its last score the prompt (a verifying decode's rows score its draws, below).
+    out.accepted = static_cast<std::int32_t>(std::max<std::size_t>(kept, 1) - 1);
+    // A prefill's rows before its draw score the prompt (a verifying decode's rows score its draws, below).
     if (scoring && seq.params.prompt_logprobs && i < prefills_) {
-      for (std::size_t r = first_row; r + 1 < row; ++r) report(id, seq.params.top_logprobs, r, true, result);
+      for (std::size_t r = first_row; r < draw_row; ++r) report(id, seq.params.top_logprobs, r, true, result);
     }
     for (std::size_t j = 0; j < kept; ++j) {
       const std::int32_t token = draws[j];
@@ -111,6 +92,40 @@ StepResult RankWorker::run(const StepPlan& plan) {
   return result;
 }
 
+void RankWorker::plan_prefills(const StepPlan& plan) {
+  for (const SequenceStart& s : plan.starts) {
+    if (s.rank != rank_) continue;
+    Sequence seq{
+        .params = s.params, .prompt = s.prompt, .cached = s.cached, .prefilled = s.cached, .history = {}};
+    if (drafter_ != nullptr) {
+      // Room for as many generated tokens as the prompt has before the history grows (amortized).
+      seq.history.reserve(2 * s.prompt.size());
+      seq.history.assign(s.prompt.begin(), s.prompt.end());
+    }
+    sequences_.insert_or_assign(s.id, std::move(seq));
+  }
+  for (const PrefillChunk& c : plan.prefills) {
+    const auto it = sequences_.find(c.id);
+    if (it == sequences_.end()) continue;  // another rank's
+    Sequence& seq = it->second;
+    const auto prompt = std::span<const std::int32_t>(seq.prompt);
+    const std::int64_t begin = seq.prefilled;
+    const std::int64_t end =
+        std::min<std::int64_t>(begin + c.tokens, static_cast<std::int64_t>(prompt.size()));
+    // A new sequence's first chunk names its cached prefix too, which the engine takes from its cache.
+    const bool fresh = begin == seq.cached;
+    const std::int64_t from = fresh ? 0 : begin;
+    // Prompt log-probabilities are scored on the logits of every prompt position.
+    work_.push_back(
+        {.seq = c.id,
+         .tokens = prompt.subspan(static_cast<std::size_t>(from), static_cast<std::size_t>(end - from)),
+         .all_logits = seq.params.prompt_logprobs,
+         .cached = fresh ? seq.cached : 0});
+    items_.push_back({c.id, true, begin, end});
+    seq.prefilled = end;
+  }
+}
+
 void RankWorker::plan_decodes(const StepPlan& plan) {
   const std::int64_t k = drafter_ != nullptr ? drafter_->max_drafts() : 0;
   const auto stride = static_cast<std::size_t>(k + 1);
@@ -123,20 +138,28 @@ void RankWorker::plan_decodes(const StepPlan& plan) {
     if (it == sequences_.end()) continue;  // another rank's
     std::int32_t* const fed = feed_.data() + d * stride;
     fed[0] = it->second.last;
-    work_.push_back({id, std::span<const std::int32_t>(fed, 1), false, true});
-    work_ids_.push_back(id);
+    work_.push_back({.seq = id, .tokens = std::span<const std::int32_t>(fed, 1), .decode = true});
+    items_.push_back({id, false, 0, 0});
     if (drafter_ == nullptr) continue;
     const std::int64_t room =
         plan.max_drafts.empty() ? 0 : std::clamp<std::int64_t>(plan.max_drafts[d], 0, k);
     slots_.push_back(
         {id, it->second.history, std::span<std::int32_t>(fed + 1, static_cast<std::size_t>(room))});
   }
+  if (drafter_ == nullptr) return;
+  const std::size_t decode_slots = slots_.size();
+  // A prompt's later chunks: the drafter catches up on the chunk before (an MTP drafter's own cache needs
+  // every position), with no room to draft.
+  for (std::size_t i = 0; i < prefills_; ++i) {
+    const Sequence& seq = sequences_.at(items_[i].id);
+    if (items_[i].begin > seq.cached) slots_.push_back({items_[i].id, seq.history, {}});
+  }
   // A drafter that runs the model (a collective) drafts every step on every rank, with or without decodes.
-  if (drafter_ == nullptr || (slots_.empty() && !drafter_->collective())) return;
-  // One proposal for all of this rank's decodes; slot s is decode work item prefills_ + s.
+  if (slots_.empty() && !drafter_->collective()) return;
+  // One proposal for all of this rank's decodes; slot s < decode_slots is decode work item prefills_ + s.
   draft_counts_.assign(slots_.size(), 0);
   drafter_->propose(slots_, draft_counts_);
-  for (std::size_t s = 0; s < slots_.size(); ++s) {
+  for (std::size_t s = 0; s < decode_slots; ++s) {
     runtime::Engine::Work& w = work_[prefills_ + s];
     const auto count = static_cast<std::size_t>(
         std::clamp<std::int64_t>(draft_counts_[s], 0, static_cast<std::int64_t>(slots_[s].drafts.size())));
@@ -146,23 +169,32 @@ void RankWorker::plan_decodes(const StepPlan& plan) {
 }
 
 std::size_t RankWorker::rows_of(std::size_t item) const {
-  return work_[item].all_logits ? work_[item].tokens.size() : 1;
+  const runtime::Engine::Work& w = work_[item];
+  return w.all_logits ? w.tokens.size() - static_cast<std::size_t>(w.cached) : 1;
 }
 
 std::size_t RankWorker::draws_of(std::size_t item) const {
-  return item < prefills_ ? 1 : rows_of(item);
+  if (!items_[item].prefill) return rows_of(item);
+  const Sequence& seq = sequences_.at(items_[item].id);
+  return items_[item].end == static_cast<std::int64_t>(seq.prompt.size()) ? 1 : 0;
 }
 
 void RankWorker::score(std::int64_t top_k) {
-  // Each row's next token: a prompt's own, then the token drawn from the prefill's last row; each of a
+  // Each row's next token: a prompt's own, then the token drawn from the prompt's last row; each of a
   // decode's rows is scored on its own draw (the kept ones are reported).
   targets_.clear();
   std::size_t row = 0;
   for (std::size_t i = 0; i < work_.size(); ++i) {
     const std::size_t rows = rows_of(i);
-    if (i < prefills_ && rows > 1)
-      targets_.insert(targets_.end(), work_[i].tokens.begin() + 1, work_[i].tokens.end());
     const std::size_t draws = draws_of(i);
+    if (items_[i].prefill) {
+      // Rows at positions [end - rows, end): each scores the prompt's next token, the last one of the
+      // prompt's last chunk its draw.
+      const std::span<const std::int32_t> prompt = sequences_.at(items_[i].id).prompt;
+      const auto first = static_cast<std::size_t>(items_[i].end) - rows + 1;
+      targets_.insert(targets_.end(), prompt.begin() + static_cast<std::ptrdiff_t>(first),
+                      prompt.begin() + static_cast<std::ptrdiff_t>(first + rows - draws));
+    }
     targets_.insert(targets_.end(), tokens_.begin() + static_cast<std::ptrdiff_t>(row + rows - draws),
                     tokens_.begin() + static_cast<std::ptrdiff_t>(row + rows));
     row += rows;

@@ -1,10 +1,11 @@
 #pragma once
-// One rank's side of the server's step loop: applies a StepPlan to its engine (releases, prefills of the new
-// sequences placed on this rank, decodes of its running ones), samples each of its sequences' next token and
-// reports them, with their log-probabilities for the sequences that ask. Every rank runs every step, with no
-// work if it has none: the forward pass is a collective. With a drafter (speculative decoding) each decode
-// also verifies the drafts proposed from its sequence's history, as runtime/generator.cpp does, and reports
-// every token the verification keeps.
+// One rank's side of the server's step loop: applies a StepPlan to its engine (releases, prefill chunks of
+// its sequences — a new one's first chunk after the prefix its cache holds — and decodes of its running
+// ones), samples the next token of each sequence whose prompt is in and reports them, with their
+// log-probabilities for the sequences that ask. Every rank runs every step, with no work if it has none: the
+// forward pass is a collective. With a drafter (speculative decoding) each decode also verifies the drafts
+// proposed from its sequence's history, as runtime/generator.cpp does, and reports every token the
+// verification keeps.
 #include <cstdint>
 #include <unordered_map>
 #include <vector>
@@ -30,17 +31,31 @@ class RankWorker {
  private:
   struct Sequence {
     runtime::SamplingParams params;
+    std::vector<std::int32_t> prompt;
+    std::int64_t cached = 0;     // prompt tokens its first chunk takes from the prefix cache
+    std::int64_t prefilled = 0;  // prompt tokens in the cache (cached ones included)
     std::int32_t last = 0;
     std::uint64_t drawn = 0;            // tokens sampled so far: the next draw's step
     std::vector<std::int32_t> history;  // with a drafter: prompt, then the kept tokens
   };
+  // What work item i is: a prefill chunk of prompt positions [begin, end) (it draws once at the prompt's end,
+  // else never), or a decode (it draws from every row).
+  struct Item {
+    std::uint64_t id = 0;
+    bool prefill = false;
+    std::int64_t begin = 0, end = 0;
+  };
+
+  // Places this step's prefill chunks of this rank in work_, in the plan's order.
+  void plan_prefills(const StepPlan& plan);
 
   // Places this step's decodes of this rank in work_ (after the prefills), each with its drafts.
   void plan_decodes(const StepPlan& plan);
 
   // Logits rows of work item i.
   [[nodiscard]] std::size_t rows_of(std::size_t item) const;
-  // Draws of work item i: its last rows (a prefill draws from its last row only; a decode from every row).
+  // Draws of work item i: its last rows (a prefill's last chunk draws from its last row only, an earlier
+  // chunk draws nothing; a decode draws from every row).
   [[nodiscard]] std::size_t draws_of(std::size_t item) const;
   // Scores every logits row's next token (targets_) with the step's largest top_k, in one engine call.
   void score(std::int64_t top_k);
@@ -54,7 +69,7 @@ class RankWorker {
   std::unordered_map<std::uint64_t, Sequence> sequences_;
   // Per step, reused.
   std::vector<runtime::Engine::Work> work_;
-  std::vector<std::uint64_t> work_ids_;
+  std::vector<Item> items_;   // [i]: work_[i]'s sequence and kind
   std::size_t prefills_ = 0;  // work_'s first items; the decodes follow
   // With a drafter: each decode's fed tokens ([last, drafts...], max_drafts() + 1 slots per decode), the
   // drafter's slots and its counts, one per decode.

@@ -46,6 +46,7 @@ struct RequestEvent {
   std::string message;               // for an error terminal
   std::uint32_t prompt_tokens = 0;
   std::uint32_t completion_tokens = 0;
+  std::uint32_t cached_tokens = 0;  // of the prompt, taken from the prefix cache
   std::uint64_t moe_assignments = 0, moe_dropped = 0, moe_rerouted = 0;
 };
 

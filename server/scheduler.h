@@ -1,16 +1,17 @@
 #pragma once
-// Continuous batching on rank 0 (server/README.md): requests wait in a queue, join the running batch when
-// there is room (sequence slots, batched tokens, KV blocks on some rank) in the order the CAPS batch selector
-// chooses, decode one token per step, and end on a stop token, a stop string, their token budget, the context
-// length, cancellation or their deadline. Each sequence runs on the data-parallel rank with the most room.
-// The scheduler turns this state into one StepPlan per step and the ranks' StepResults back into client
-// events.
+// Continuous batching on rank 0 (server/README.md): admission, placement and KV accounting. Requests wait in
+// a queue and join the running batch when there is room (sequence slots, the step's token budget, KV blocks
+// on some rank) in the order the CAPS batch selector chooses. Each step spends one token budget: every
+// running decode first (a decode never waits behind a long prompt), then the prompts being prefilled, in
+// chunks, oldest first, then newcomers. A newcomer goes to the data-parallel rank whose prefix cache holds
+// most of its prompt, unless that rank is busier than the least busy one by more than a slack. The scheduler
+// turns this state into one StepPlan per step, reads the ranks' StepResults into typed sequence outputs, and
+// hands those to its OutputProcessor, which tells it which requests ended.
 #include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <span>
 #include <string>
 #include <unordered_map>
@@ -19,16 +20,19 @@
 #include "parallel/moe_stats.h"
 #include "runtime/tokenizer/tokenizer.h"
 #include "server/batch_selector.h"
-#include "server/output_stream.h"
+#include "server/kv_ledger.h"
+#include "server/output_processor.h"
 #include "server/request.h"
+#include "server/request_queue.h"
 #include "server/server_metrics.h"
+#include "server/step_load.h"
 #include "server/step_plan.h"
 
 namespace capserve::server {
 
 struct SchedulerConfig {
-  std::int64_t max_running = 64;           // sequences decoding at once, all ranks together
-  std::int64_t max_batched_tokens = 2048;  // tokens per step, all ranks together
+  std::int64_t max_running = 64;           // sequences running at once (prefilling or decoding), all ranks
+  std::int64_t max_batched_tokens = 2048;  // tokens per step, all ranks together: decodes and prefill chunks
   std::int64_t max_queue = 512;            // waiting requests beyond this are refused (RESOURCE_EXHAUSTED)
   std::int64_t kv_blocks_per_rank = 1024;
   std::int64_t kv_block_size = 16;
@@ -37,6 +41,16 @@ struct SchedulerConfig {
   std::int64_t dry_run_layers = 1;         // MoE layers the predictor and the realized load cover
   // Speculative decoding: the most drafts a decode verifies per step (--num-speculative-tokens; 0: off).
   std::int64_t speculative_tokens = 0;
+  // Prompts longer than this are prefilled whole, in one step (so at most max_batched_tokens long): a model
+  // with dynamic NTK rope turns keys with frequencies that depend on the sequence's length past its
+  // max_position_embeddings, so chunks would change them (0: every prompt may be chunked).
+  std::int64_t whole_prefill_above = 0;
+  // Full KV blocks stay cached by content after their sequence ends, and a prompt starts after its longest
+  // cached prefix (--prefix-cache).
+  bool prefix_cache = false;
+  // A newcomer may go to the rank holding its longest cached prefix while that rank runs at most this many
+  // more sequences than the least busy rank with room; beyond, the least busy rank takes it.
+  std::int64_t cache_affinity_slack = 4;
   SelectorConfig selector;
 };
 
@@ -56,19 +70,20 @@ class Scheduler {
   // nothing is queued.
   enum class Refusal { none, queue_full, draining, never_fits };
   Refusal submit(std::shared_ptr<Request> request);
-  // Empty when the request fits an idle server, else which limit it exceeds: a prompt longer than the batched
-  // tokens of a step (prompts are prefilled whole), or prompt + max tokens needing more KV blocks than a rank
-  // has. Such a request would wait forever at the head of the queue.
+  // Empty when the request fits an idle server, else which limit it exceeds: prompt + max tokens needing more
+  // KV blocks than a rank has, or a prompt that must be prefilled whole (whole_prefill_above) longer than a
+  // step's tokens. Such a request would wait forever at the head of the queue. (Any other prompt longer than
+  // a step's token budget fits: it is prefilled in chunks.)
   [[nodiscard]] std::string why_never_fits(const Request& request) const;
-  // Empty when a prompt of `tokens` tokens fits the batched tokens of one step, else why not (after the field
-  // that holds the prompt: "N tokens exceed ...").
+  // Empty when a prompt of `tokens` tokens can be prefilled, else why not (after the field that holds the
+  // prompt: "N tokens exceed ...").
   [[nodiscard]] std::string why_prompt_too_long(std::int64_t tokens) const;
   // Stop admitting; running and waiting requests still finish.
-  void drain();
+  void drain() { queue_.drain(); }
   // After drain(), or once `stop_requested` reads true.
-  [[nodiscard]] bool draining() const;
+  [[nodiscard]] bool draining() const { return queue_.draining(); }
   // Wakes the engine loop when there is something to do (or `timeout` passes).
-  void wait_for_work(std::chrono::milliseconds timeout);
+  void wait_for_work(std::chrono::milliseconds timeout) { queue_.wait_for_work(timeout); }
 
   // Engine loop.
   StepPlan plan(Clock::time_point now);
@@ -82,73 +97,69 @@ class Scheduler {
  private:
   struct Waiting {
     std::shared_ptr<Request> request;
-    std::vector<float> load;  // predicted, per rank
+    std::vector<float> load;  // predicted for the whole prompt, per rank
     bool predicted = false;
   };
   struct Running {
     std::shared_ptr<Request> request;
     std::int32_t rank = 0;
-    std::int64_t blocks = 0;  // reserved for prompt + max tokens
-    std::int64_t completion = 0;
-    std::int64_t dropped = 0, rerouted = 0;
-    std::int64_t drafted = 0, accepted = 0;  // speculative decoding's drafts verified and kept
-    OutputStream stream;
-    Clock::time_point last_token{};
-    // Log-probability entries not yet sent: the prompt's, and the sampled tokens', each with the stream's
-    // text_bytes() after its token (its entry goes with the event whose text completes it).
-    LogprobEntries prompt_logprobs{}, logprobs{};
-    std::deque<std::size_t> logprob_text_ends{};
-    Clock::time_point admitted{};
-    Clock::time_point first_token{};  // when completion > 0
+    std::int64_t prompt_done = 0;  // prompt tokens in its cache once the planned steps ran
+    std::int64_t length = 0;       // tokens in its cache once the planned steps ran
+    std::int32_t next = 0;         // the sampled token its next decode feeds
+    bool decoding = false;         // its prompt is in and a token was sampled
+    std::vector<float> load;       // predicted for the whole prompt, per rank
   };
-  // A sampled token's log-probability record and its alternatives, when its sequence asks.
-  struct Scored {
-    const LogprobRecord* record = nullptr;
-    std::span<const TopLogprob> top;
+  // One prefill chunk or decode of the last plan, in the ranks' work order.
+  struct Item {
+    std::uint64_t id = 0;
+    std::int32_t rank = 0;
+    std::int64_t chunk = 0;  // prompt tokens computed; 0: a decode
   };
 
-  // KV blocks reserved for the request: prompt + max tokens, within the context length.
-  [[nodiscard]] std::int64_t kv_blocks_needed(const Request& request) const;
-  void admit(Clock::time_point now, StepPlan& plan);
+  [[nodiscard]] std::int64_t context_tokens(const Request& request) const;
+  [[nodiscard]] bool prefilled_whole(const Request& request) const;
+  void expire(Clock::time_point now);
+  // Spends `budget` on the prompts being prefilled, oldest first; returns what is left.
+  std::int64_t plan_chunks(StepPlan& plan, std::int64_t budget);
+  // Admits waiting requests with their first chunks from what is left of `budget`; returns what remains.
+  std::int64_t admit(Clock::time_point now, StepPlan& plan, std::int64_t budget);
+  // The rank a newcomer goes to (-1: none has room) and the prompt tokens its cache holds there.
+  struct Placement {
+    int rank = -1;
+    std::int64_t cached = 0;
+  };
+  [[nodiscard]] Placement place(const Request& request) const;
   // The plan's max_drafts: each decode's room within its max_tokens and the context, from the batched tokens
-  // the decodes and the admitted prompts leave.
-  void plan_drafts(StepPlan& plan) const;
-  void finish(std::uint64_t id, Running& run, Terminal terminal, const std::string& message,
-              Clock::time_point now);
-  void emit_token(std::uint64_t id, Running& run, std::int32_t token, const Scored& scored,
-                  Clock::time_point now);
-  // Moves the request's pending log-probability entries whose text has been sent (all of them at the end)
-  // into the event about to be sent.
-  static void take_logprobs(Running& run, bool all, RequestEvent& e);
-  void end_waiting(Waiting& w, Terminal terminal, const std::string& message, Clock::time_point now);
+  // the decodes and the prefill chunks leave.
+  void plan_drafts(StepPlan& plan, std::int64_t budget) const;
+  // Reserves the decodes' blocks and records every planned token in the ledger, in the ranks' order.
+  void settle_kv(const StepPlan& plan);
+  // The sequence's request ended: its blocks are freed at the next step.
+  void release(std::uint64_t id);
+  void publish_metrics();
 
   SchedulerConfig config_;
   int ranks_;
-  const runtime::Tokenizer* tokenizer_;
   LoadPredictor predictor_;
   ServerMetrics* metrics_;
   BatchSelector selector_;
+  OutputProcessor outputs_;
+  KvLedger kv_;
+  StepLoad load_;
 
-  mutable std::mutex inbox_mutex_;
-  std::condition_variable inbox_ready_;
-  std::vector<std::shared_ptr<Request>> inbox_;
-  std::int64_t queued_ = 0;  // inbox + waiting, guarded by inbox_mutex_
-  bool draining_ = false;
-  const std::atomic<bool>* stop_requested_;
+  RequestQueue queue_;
 
   std::deque<Waiting> waiting_;
   std::unordered_map<std::uint64_t, Running> running_;
   std::vector<std::uint64_t> to_free_;
-  std::vector<std::int64_t> rank_blocks_used_;
   std::vector<std::int64_t> rank_sequences_;
-  std::vector<std::pair<std::uint64_t, std::int32_t>> in_step_;  // (sequence, rank) of the last plan
+  std::vector<Item> in_step_;
   std::uint64_t next_id_ = 1;
-  std::vector<float> running_load_;  // per rank: the decode batch's realized load, from the last step
-  std::vector<float> predicted_step_load_;
-  std::int64_t last_step_tokens_ = 0;
+  std::int64_t last_evictions_ = 0;  // the ledger's count at the last metrics update
   // Per step, reused.
   std::vector<Candidate> candidates_;
-  std::vector<Scored> scored_;  // a result's sampled-token records of one sequence
+  std::vector<std::vector<float>> chunk_loads_;  // [candidate]: its predicted load of this step's chunk
+  std::vector<std::uint64_t> prefilling_;
 };
 
 }  // namespace capserve::server

@@ -126,6 +126,15 @@ struct ServerMetrics::Impl {
   Gauge* waiting = nullptr;
   Counter* prompt_tokens = nullptr;
   Counter* generation_tokens = nullptr;
+  Counter* prefix_query_tokens = nullptr;
+  Counter* prefix_hit_tokens = nullptr;
+  Counter* prefix_query_blocks = nullptr;
+  Counter* prefix_hit_blocks = nullptr;
+  std::vector<Gauge*> prefix_cached_blocks;  // [num_ranks]
+  Counter* prefix_evictions = nullptr;
+  Counter* prefill_chunks = nullptr;
+  Counter* prefill_computed = nullptr;
+  Counter* chunked_prefills = nullptr;
   Counter* spec_drafted = nullptr;
   Counter* spec_accepted = nullptr;
   std::vector<Counter*> spec_position_drafted;   // [speculative_tokens]
@@ -261,6 +270,36 @@ ServerMetrics::ServerMetrics(std::span<const std::int64_t> moe_layers, std::int6
               "Prompt tokens of admitted requests (prefill work); rate() gives prefill throughput.");
   m.generation_tokens = counter("capserve_generation_tokens_total",
                                 "Tokens generated for clients; rate() gives decode throughput.");
+  m.prefix_query_tokens = counter("capserve_prefix_cache_query_tokens_total",
+                                  "Prefix cache: prompt tokens of admitted requests looked up in the cache "
+                                  "(requests asking for prompt log-probabilities are computed whole and not "
+                                  "looked up).");
+  m.prefix_hit_tokens = counter("capserve_prefix_cache_hit_tokens_total",
+                                "Prefix cache: prompt tokens taken from the cache instead of being computed; "
+                                "divided by capserve_prefix_cache_query_tokens_total, the token hit rate.");
+  m.prefix_query_blocks = counter("capserve_prefix_cache_query_blocks_total",
+                                  "Prefix cache: full KV blocks of the prompts looked up.");
+  m.prefix_hit_blocks = counter("capserve_prefix_cache_hit_blocks_total",
+                                "Prefix cache: full KV blocks found cached; divided by "
+                                "capserve_prefix_cache_query_blocks_total, the block hit rate.");
+  auto& cached_blocks = gauge_family("capserve_prefix_cache_cached_blocks",
+                                     "Prefix cache: KV blocks holding cached content on each rank, held by "
+                                     "running sequences or idle (idle ones are evicted, least recently used "
+                                     "first, when blocks are needed).");
+  m.prefix_cached_blocks.reserve(static_cast<std::size_t>(num_ranks));
+  for (int r = 0; r < num_ranks; ++r)
+    m.prefix_cached_blocks.push_back(&cached_blocks.Add({{"rank", std::to_string(r)}}));
+  m.prefix_evictions = counter("capserve_prefix_cache_evictions_total",
+                               "Prefix cache: cached blocks reused for other content (all ranks).");
+  m.prefill_chunks = counter("capserve_prefill_chunks_total",
+                             "Prefill chunks run: a prompt is prefilled in chunks that share each step's "
+                             "--max-batched-tokens with the decodes.");
+  m.prefill_computed =
+      counter("capserve_prefill_tokens_computed_total",
+              "Prompt tokens computed by prefill chunks (prompt tokens minus those taken from "
+              "the prefix cache).");
+  m.chunked_prefills = counter("capserve_chunked_prefills_total",
+                               "Finished requests whose prompt took more than one prefill chunk.");
   if (options.speculative_tokens > 0) {
     m.spec_drafted =
         counter("capserve_spec_draft_tokens_total",
@@ -532,6 +571,30 @@ void ServerMetrics::add_prompt_tokens(std::int64_t n) {
 }
 void ServerMetrics::add_generation_tokens(std::int64_t n) {
   add_count(impl_->generation_tokens, n);
+}
+
+void ServerMetrics::record_prefix_lookup(std::int64_t prompt_tokens, std::int64_t cached_tokens,
+                                         std::int64_t block_size) {
+  Impl& m = *impl_;
+  add_count(m.prefix_query_tokens, prompt_tokens);
+  add_count(m.prefix_hit_tokens, cached_tokens);
+  add_count(m.prefix_query_blocks, prompt_tokens / block_size);
+  add_count(m.prefix_hit_blocks, cached_tokens / block_size);
+}
+void ServerMetrics::set_prefix_cached_blocks(int rank, std::int64_t blocks) {
+  const auto r = static_cast<std::size_t>(rank);
+  if (r < impl_->prefix_cached_blocks.size())
+    impl_->prefix_cached_blocks[r]->Set(static_cast<double>(blocks));
+}
+void ServerMetrics::add_prefix_evictions(std::int64_t n) {
+  add_count(impl_->prefix_evictions, n);
+}
+void ServerMetrics::record_prefill_chunks(std::int64_t chunks, std::int64_t tokens) {
+  add_count(impl_->prefill_chunks, chunks);
+  add_count(impl_->prefill_computed, tokens);
+}
+void ServerMetrics::count_chunked_prefill() {
+  impl_->chunked_prefills->Increment();
 }
 
 void ServerMetrics::record_speculation(std::int64_t drafted, std::int64_t accepted) {

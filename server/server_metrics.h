@@ -59,6 +59,15 @@ class ServerMetrics {
   void set_requests_waiting(std::int64_t n);
   void add_prompt_tokens(std::int64_t n);
   void add_generation_tokens(std::int64_t n);
+  // The prefix cache (--prefix-cache): one admitted prompt's lookup (its tokens and full blocks, and those
+  // found cached), each rank's cached blocks, and cached blocks reused for other content.
+  void record_prefix_lookup(std::int64_t prompt_tokens, std::int64_t cached_tokens, std::int64_t block_size);
+  void set_prefix_cached_blocks(int rank, std::int64_t blocks);
+  void add_prefix_evictions(std::int64_t n);
+  // Chunked prefill: one step's prefill chunks and the prompt tokens they computed; a finished request whose
+  // prompt took more than one chunk.
+  void record_prefill_chunks(std::int64_t chunks, std::int64_t tokens);
+  void count_chunked_prefill();
   // One decode's verification (speculative decoding): `drafted` drafts verified, the first `accepted` kept.
   void record_speculation(std::int64_t drafted, std::int64_t accepted);
 

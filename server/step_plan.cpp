@@ -65,6 +65,32 @@ class Reader {
   std::size_t pos_ = 0;
 };
 
+void put_params(Writer& w, const runtime::SamplingParams& p) {
+  w.put(p.temperature);
+  w.put(p.top_k);
+  w.put(p.top_p);
+  w.put(p.seed);
+  w.put_vector(p.stop_token_ids);
+  w.put(p.max_new_tokens);
+  w.put(static_cast<std::uint8_t>(p.logprobs ? 1 : 0));
+  w.put(static_cast<std::uint8_t>(p.prompt_logprobs ? 1 : 0));
+  w.put(p.top_logprobs);
+}
+
+runtime::SamplingParams get_params(Reader& r) {
+  runtime::SamplingParams p;
+  p.temperature = r.get<float>();
+  p.top_k = r.get<std::int32_t>();
+  p.top_p = r.get<float>();
+  p.seed = r.get<std::uint64_t>();
+  r.get_vector(p.stop_token_ids);
+  p.max_new_tokens = r.get<std::int64_t>();
+  p.logprobs = r.get<std::uint8_t>() != 0;
+  p.prompt_logprobs = r.get<std::uint8_t>() != 0;
+  p.top_logprobs = r.get<std::int32_t>();
+  return p;
+}
+
 }  // namespace
 
 std::vector<std::byte> serialize(const StepPlan& plan) {
@@ -76,14 +102,10 @@ std::vector<std::byte> serialize(const StepPlan& plan) {
     w.put(s.id);
     w.put(s.rank);
     w.put_vector(s.prompt);
-    w.put(s.temperature);
-    w.put(s.top_k);
-    w.put(s.top_p);
-    w.put(s.seed);
-    w.put(s.logprobs);
-    w.put(s.prompt_logprobs);
-    w.put(s.top_logprobs);
+    w.put(s.cached);
+    put_params(w, s.params);
   }
+  w.put_vector(plan.prefills);
   w.put_vector(plan.decodes);
   w.put_vector(plan.max_drafts);
   return std::move(w.out);
@@ -101,14 +123,10 @@ StepPlan deserialize_plan(const std::vector<std::byte>& bytes) {
     s.id = r.get<std::uint64_t>();
     s.rank = r.get<std::int32_t>();
     r.get_vector(s.prompt);
-    s.temperature = r.get<float>();
-    s.top_k = r.get<std::int32_t>();
-    s.top_p = r.get<float>();
-    s.seed = r.get<std::uint64_t>();
-    s.logprobs = r.get<std::uint8_t>();
-    s.prompt_logprobs = r.get<std::uint8_t>();
-    s.top_logprobs = r.get<std::int32_t>();
+    s.cached = r.get<std::int64_t>();
+    s.params = get_params(r);
   }
+  r.get_vector(plan.prefills);
   r.get_vector(plan.decodes);
   r.get_vector(plan.max_drafts);
   r.finish();

@@ -6,29 +6,34 @@
 #include <string>
 #include <vector>
 
+#include "runtime/sampler.h"
 #include "server/logprob_entries.h"
 
 namespace capserve::server {
 
-// A sequence joining the batch on `rank`: its whole prompt is prefilled this step.
+// A sequence joining the batch on `rank`. Its first `cached` prompt tokens come from the rank's prefix cache
+// (whole blocks); the rest is prefilled in the plan's chunks, this step's first.
 struct SequenceStart {
   std::uint64_t id = 0;
   std::int32_t rank = 0;
   std::vector<std::int32_t> prompt;
-  float temperature = 0.0F;
-  std::int32_t top_k = 0;
-  float top_p = 1.0F;
-  std::uint64_t seed = 0;
-  // Log-probabilities to report (runtime::SamplingParams has their meaning).
-  std::uint8_t logprobs = 0;
-  std::uint8_t prompt_logprobs = 0;
-  std::int32_t top_logprobs = 0;
+  std::int64_t cached = 0;
+  runtime::SamplingParams params;  // travels whole (serialize below)
+};
+
+// The next `tokens` prompt tokens of a sequence being prefilled; the chunk that ends the prompt samples the
+// sequence's first token.
+struct PrefillChunk {
+  std::uint64_t id = 0;
+  std::int64_t tokens = 0;
 };
 
 struct StepPlan {
-  bool shutdown = false;               // every rank leaves its loop after this plan (nothing else in it runs)
-  std::vector<std::uint64_t> frees;    // sequences to release first (finished, cancelled, failed)
-  std::vector<SequenceStart> starts;   // new sequences
+  bool shutdown = false;              // every rank leaves its loop after this plan (nothing else in it runs)
+  std::vector<std::uint64_t> frees;   // sequences to release first (finished, cancelled, failed)
+  std::vector<SequenceStart> starts;  // new sequences
+  // Prefill chunks in the ranks' work order: those of sequences already prefilling, then the new ones'.
+  std::vector<PrefillChunk> prefills;
   std::vector<std::uint64_t> decodes;  // running sequences that take one more token (each on its own rank)
   // Speculative decoding: [i] is the most draft tokens decodes[i] may verify after its token this step (rank
   // 0 bounds it by the request's max_tokens and the context, so the KV blocks reserved at admission always
@@ -36,7 +41,7 @@ struct StepPlan {
   std::vector<std::int32_t> max_drafts;
 
   // Whether the step runs a forward pass (anything to prefill or decode).
-  [[nodiscard]] bool has_work() const { return !starts.empty() || !decodes.empty(); }
+  [[nodiscard]] bool has_work() const { return !prefills.empty() || !decodes.empty(); }
 };
 
 // Why a sequence could not take a token (rank 0 ends its request with an error; the others go on).

@@ -18,6 +18,12 @@ namespace {
 
 constexpr int kDecodeSteps = 5;
 
+// Starts `s` in `plan` with its whole prompt prefilled in this step.
+void add_start(StepPlan& plan, const SequenceStart& s) {
+  plan.starts.push_back(s);
+  plan.prefills.push_back({s.id, static_cast<std::int64_t>(s.prompt.size()) - s.cached});
+}
+
 class RankWorkerTest : public ::testing::Test {
  protected:
   RankWorkerTest()
@@ -30,14 +36,17 @@ class RankWorkerTest : public ::testing::Test {
 
   static SequenceStart start(std::uint64_t id, std::int32_t rank, std::vector<std::int32_t> prompt,
                              float temperature = 0.0F, std::uint64_t seed = 0) {
-    return {id, rank, std::move(prompt), temperature, 0, 1.0F, seed};
+    runtime::SamplingParams params;
+    params.temperature = temperature;
+    params.seed = seed;
+    return {.id = id, .rank = rank, .prompt = std::move(prompt), .params = params};
   }
 
   // The tokens `worker` samples for `s`: its prefill, then kDecodeSteps decodes.
   static std::vector<std::int32_t> generate(RankWorker& worker, const SequenceStart& s) {
     std::vector<std::int32_t> tokens;
     StepPlan plan;
-    plan.starts.push_back(s);
+    add_start(plan, s);
     for (int step = 0; step <= kDecodeSteps; ++step) {
       const StepResult result = worker.run(plan);
       EXPECT_TRUE(result.ok) << result.error;
@@ -67,9 +76,9 @@ class RankWorkerTest : public ::testing::Test {
 TEST_F(RankWorkerTest, PrefillsPlacedOnThisRankYieldOneTokenEachAndOtherRanksAreIgnored) {
   RankWorker worker(engine_, 1);
   StepPlan plan;
-  plan.starts.push_back(start(10, 1, prompts_[1]));
-  plan.starts.push_back(start(11, 0, prompts_[2]));  // another rank's
-  plan.starts.push_back(start(12, 1, prompts_[3]));
+  add_start(plan, start(10, 1, prompts_[1]));
+  add_start(plan, start(11, 0, prompts_[2]));  // another rank's
+  add_start(plan, start(12, 1, prompts_[3]));
   plan.decodes.push_back(13);  // another rank's running sequence
   const StepResult result = worker.run(plan);
   ASSERT_TRUE(result.ok) << result.error;
@@ -114,8 +123,8 @@ TEST_F(RankWorkerTest, DecodesContinueSequencesAsTheEngineDoes) {
 TEST_F(RankWorkerTest, FreesReleaseSequences) {
   RankWorker worker(engine_, 0);
   StepPlan plan;
-  plan.starts.push_back(start(1, 0, prompts_[1]));
-  plan.starts.push_back(start(2, 0, prompts_[2]));
+  add_start(plan, start(1, 0, prompts_[1]));
+  add_start(plan, start(2, 0, prompts_[2]));
   ASSERT_TRUE(worker.run(plan).ok);
   ASSERT_EQ(worker.sequences(), 2U);
 
@@ -153,11 +162,11 @@ TEST_F(RankWorkerTest, SeededSamplingIsReproducible) {
 TEST_F(RankWorkerTest, ARefusedStepDropsItsSequencesAndReportsWhy) {
   RankWorker worker(engine_, 0);
   StepPlan plan;
-  plan.starts.push_back(start(1, 0, prompts_[1]));
+  add_start(plan, start(1, 0, prompts_[1]));
   ASSERT_TRUE(worker.run(plan).ok);
 
   plan = {};
-  plan.starts.push_back(start(2, 0, {5, static_cast<std::int32_t>(model_->config().vocab_size)}));
+  add_start(plan, start(2, 0, {5, static_cast<std::int32_t>(model_->config().vocab_size)}));
   plan.decodes.push_back(1);
   StepResult result = worker.run(plan);
   EXPECT_FALSE(result.ok);
@@ -168,7 +177,7 @@ TEST_F(RankWorkerTest, ARefusedStepDropsItsSequencesAndReportsWhy) {
   EXPECT_EQ(engine_.length(2), 0);
 
   plan = {};
-  plan.starts.push_back(start(3, 0, prompts_[1]));
+  add_start(plan, start(3, 0, prompts_[1]));
   ASSERT_TRUE(worker.run(plan).ok);
   plan = {};
   plan.decodes = {3, 3};
@@ -179,7 +188,7 @@ TEST_F(RankWorkerTest, ARefusedStepDropsItsSequencesAndReportsWhy) {
   EXPECT_EQ(engine_.length(3), 0);
 
   plan = {};
-  plan.starts.push_back(start(4, 0, prompts_[1]));
+  add_start(plan, start(4, 0, prompts_[1]));
   result = worker.run(plan);
   ASSERT_TRUE(result.ok) << result.error;
   EXPECT_EQ(result.sequences.size(), 1U);
@@ -197,12 +206,12 @@ TEST_F(RankWorkerTest, ReportsPromptAndSampledLogprobsOfTheSequencesThatAsk) {
   const auto greedy = prompt["greedy_ids"].get<std::vector<std::int32_t>>();
   RankWorker worker(engine_, 0);
   StepPlan plan;
-  plan.starts.push_back(start(1, 0, prompts_[1]));
+  add_start(plan, start(1, 0, prompts_[1]));
   SequenceStart asking = start(2, 0, ids);
-  asking.logprobs = 1;
-  asking.prompt_logprobs = 1;
-  asking.top_logprobs = 3;
-  plan.starts.push_back(asking);
+  asking.params.logprobs = true;
+  asking.params.prompt_logprobs = true;
+  asking.params.top_logprobs = 3;
+  add_start(plan, asking);
   StepResult result = worker.run(plan);
   ASSERT_TRUE(result.ok) << result.error;
   ASSERT_EQ(result.sequences.size(), 2U);
@@ -272,7 +281,7 @@ Generated generate_all(RankWorker& worker, const std::vector<SequenceStart>& sta
   g.tokens.resize(starts.size());
   g.logprobs.resize(starts.size());
   StepPlan plan;
-  plan.starts = starts;
+  for (const SequenceStart& s : starts) add_start(plan, s);
   while (true) {
     const StepResult result = worker.run(plan);
     ++g.steps;
@@ -346,9 +355,9 @@ TEST_F(RankWorkerTest, SpeculationReportsALogprobForEveryKeptToken) {
   constexpr std::size_t kTokens = 24;
   std::vector<SequenceStart> starts = speculation_starts();
   for (SequenceStart& s : starts) {
-    s.logprobs = 1;
-    s.prompt_logprobs = 1;
-    s.top_logprobs = 2;
+    s.params.logprobs = true;
+    s.params.prompt_logprobs = true;
+    s.params.top_logprobs = 2;
   }
   RankWorker plain(engine_, 0);
   const Generated expected = generate_all(plain, starts, kTokens, 0);
@@ -380,6 +389,98 @@ TEST_F(RankWorkerTest, ADecodeWithoutDraftRoomFeedsOneToken) {
   EXPECT_EQ(got.steps, 4);
   EXPECT_EQ(engine_.length(1), static_cast<std::int64_t>(looping.size()) + 3);
 }
+
+// What a rank samples for one greedy sequence whose prompt arrives in chunks of `chunk` tokens (the first
+// after `cached` tokens from the prefix cache), then `decodes` decodes; and its prompt log-probabilities
+// when it asks.
+struct ChunkedRun {
+  std::vector<std::int32_t> tokens;
+  std::vector<float> prompt_logprobs;
+};
+
+ChunkedRun run_chunked(RankWorker& worker, std::uint64_t id, const std::vector<std::int32_t>& prompt,
+                       std::int64_t cached, std::int64_t chunk, int decodes, bool prompt_logprobs = false) {
+  ChunkedRun out;
+  StepPlan plan;
+  SequenceStart s{.id = id, .rank = 0, .prompt = prompt, .cached = cached, .params = {}};
+  s.params.prompt_logprobs = prompt_logprobs;
+  plan.starts.push_back(s);
+  std::int64_t done = cached;
+  const auto total = static_cast<std::int64_t>(prompt.size());
+  while (true) {
+    if (done < total) {
+      const std::int64_t n = std::min(chunk, total - done);
+      plan.prefills.push_back({id, n});
+      done += n;
+    } else {
+      plan.decodes.push_back(id);
+    }
+    const StepResult result = worker.run(plan);
+    EXPECT_TRUE(result.ok) << result.error;
+    if (!result.ok) break;
+    out.tokens.insert(out.tokens.end(), result.tokens.begin(), result.tokens.end());
+    for (const LogprobRecord& r : result.logprobs) {
+      if (r.prompt != 0) out.prompt_logprobs.push_back(r.logprob);
+    }
+    if (static_cast<int>(out.tokens.size()) > decodes) break;
+    plan = {};
+  }
+  return out;
+}
+
+class ChunkedPrefillTest : public ::testing::TestWithParam<std::string> {};
+
+// On every fixture architecture (greedy, no capacity factor): a prompt prefilled in chunks through the
+// worker samples what it samples whole, with the same prompt log-probabilities; and a prompt started after
+// the prefix another sequence left in the cache samples the same too. Dynamic NTK rope turns a step's new
+// keys with the frequencies of the sequence's length once it passes max_position_embeddings, so there only
+// prompts within it are chunked (the server prefills longer ones whole and keeps no prefix cache).
+TEST_P(ChunkedPrefillTest, ChunksAndACachedPrefixSampleWhatAWholePrefillSamples) {
+  kernels::cpu::CpuBackend backend(2);
+  const auto model = runtime::Model::load(capserve::testing::fixture_models_dir() / GetParam(), backend);
+  const nlohmann::json ref = capserve::testing::fixture_reference(GetParam());
+  const auto vocab = static_cast<std::int32_t>(model->config().vocab_size);
+  std::vector<std::int32_t> prompt = ref["prompts"][1]["input_ids"].get<std::vector<std::int32_t>>();
+  while (prompt.size() < 40) prompt.push_back(static_cast<std::int32_t>((prompt.size() * 37 + 5) % vocab));
+  const runtime::ModelConfig& config = model->config();
+  const bool dynamic_rope = config.rope_scaling.type == runtime::RopeScaling::Type::dynamic;
+  if (dynamic_rope) prompt.resize(static_cast<std::size_t>(config.max_position_embeddings));
+  constexpr int kDecodes = 6;
+
+  runtime::Engine plain(*model, {});
+  RankWorker whole_worker(plain, 0);
+  const ChunkedRun whole = run_chunked(whole_worker, 1, prompt, 0, 1 << 20, kDecodes, true);
+  ASSERT_EQ(whole.prompt_logprobs.size(), prompt.size() - 1);
+  for (const std::int64_t chunk : {1, 7, 16}) {
+    const ChunkedRun chunked =
+        run_chunked(whole_worker, 10 + static_cast<std::uint64_t>(chunk), prompt, 0, chunk, kDecodes, true);
+    EXPECT_EQ(chunked.tokens, whole.tokens) << "chunks of " << chunk;
+    ASSERT_EQ(chunked.prompt_logprobs.size(), whole.prompt_logprobs.size()) << "chunks of " << chunk;
+    for (std::size_t i = 0; i < whole.prompt_logprobs.size(); ++i)
+      EXPECT_NEAR(chunked.prompt_logprobs[i], whole.prompt_logprobs[i], 1e-4)
+          << "chunks of " << chunk << " at " << i;
+  }
+
+  if (dynamic_rope) return;
+  runtime::EngineOptions caching;
+  caching.prefix_cache = true;
+  runtime::Engine cached_engine(*model, caching);
+  RankWorker cached_worker(cached_engine, 0);
+  // Another prompt with the same first 32 tokens leaves them cached when it ends.
+  std::vector<std::int32_t> other(prompt.begin(), prompt.begin() + 32);
+  other.push_back((prompt[32] + 1) % vocab);
+  run_chunked(cached_worker, 1, other, 0, 1 << 20, 1);
+  StepPlan free;
+  free.frees.push_back(1);
+  ASSERT_TRUE(cached_worker.run(free).ok);
+  ASSERT_EQ(cached_engine.cache().blocks().cached_prefix(prompt), 32);
+  const ChunkedRun reused = run_chunked(cached_worker, 2, prompt, 32, 5, kDecodes);
+  EXPECT_EQ(reused.tokens, whole.tokens);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, ChunkedPrefillTest,
+                         ::testing::ValuesIn(capserve::testing::fixture_model_names()),
+                         [](const auto& info) { return info.param; });
 
 }  // namespace
 }  // namespace capserve::server

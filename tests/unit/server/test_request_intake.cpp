@@ -50,11 +50,13 @@ TEST_F(RequestIntakeTest, UnsetSamplingFieldsTakeTheModelsDefaults) {
   EXPECT_EQ(none.top_k, 0);
 }
 
-// A prompt longer than a step's batched tokens is refused naming the field the client sent it in (it was
-// once refused by the scheduler with param "max_tokens").
+// A prompt that must be prefilled in one step (a model with dynamic rope scaling, past its
+// max_position_embeddings) and is longer than a step's batched tokens is refused naming the field the client
+// sent it in (it was once refused by the scheduler with param "max_tokens"). Other long prompts are chunked.
 TEST_F(RequestIntakeTest, PromptOverTheBatchedTokensNamesItsField) {
   SchedulerConfig config;
   config.max_batched_tokens = 4;
+  config.whole_prefill_above = 2;
   Scheduler scheduler(config, 1, &tokenizer_, nullptr, nullptr);
   ServiceLimits limits;
   limits.vocab_size = tokenizer_.vocab_size();
@@ -64,9 +66,10 @@ TEST_F(RequestIntakeTest, PromptOverTheBatchedTokensNamesItsField) {
   const IntakeResult refused = intake.token_prompt(five, "prompt[1]");
   ASSERT_TRUE(refused.has_value());
   EXPECT_EQ(refused->param, "prompt[1]");
-  EXPECT_EQ(refused->message,
-            "prompt[1]: 5 tokens exceed the 4 batched tokens of a step (--max-batched-tokens); a prompt is "
-            "prefilled in one step");
+  EXPECT_EQ(
+      refused->message,
+      "prompt[1]: 5 tokens exceed the 4 batched tokens of a step (--max-batched-tokens); the model's dynamic "
+      "rope scaling needs a prompt longer than its max_position_embeddings (2) prefilled in one step");
 }
 
 }  // namespace

@@ -95,9 +95,9 @@ TEST_F(SchedulerTest, LogprobEntriesGoWithTheTextThatCoversTheirTokens) {
     StepResult result;
     const std::uint64_t id = plan.starts.empty() ? plan.decodes.at(0) : plan.starts[0].id;
     if (!plan.starts.empty()) {
-      EXPECT_EQ(plan.starts[0].logprobs, 1);
-      EXPECT_EQ(plan.starts[0].prompt_logprobs, 1);
-      EXPECT_EQ(plan.starts[0].top_logprobs, 1);
+      EXPECT_TRUE(plan.starts[0].params.logprobs);
+      EXPECT_TRUE(plan.starts[0].params.prompt_logprobs);
+      EXPECT_EQ(plan.starts[0].params.top_logprobs, 1);
     }
     add_token(result, id, token);
     if (!plan.starts.empty()) {
@@ -161,16 +161,15 @@ TEST_F(SchedulerTest, ASequenceWithoutATokenFailsAloneWithAnError) {
 }
 
 // A request that could never be admitted, even by an idle server, is refused at submission naming the limit,
-// and the requests behind it are served.
+// and the requests behind it are served. (A prompt longer than a step's batched tokens fits: it is prefilled
+// in chunks.)
 TEST_F(SchedulerTest, RequestsThatCanNeverFitAreRefusedAtSubmission) {
   SchedulerConfig config;
-  config.max_batched_tokens = 512;
+  config.max_batched_tokens = 16;
   config.kv_blocks_per_rank = 4;  // 64 tokens of 16
   Scheduler scheduler(config, 2, &tokenizer_, nullptr, nullptr);
-  const auto long_prompt = chat_request({}, 1, 600);
-  EXPECT_EQ(scheduler.submit(long_prompt), Scheduler::Refusal::never_fits);
-  EXPECT_NE(scheduler.why_never_fits(*long_prompt).find("--max-batched-tokens"), std::string::npos)
-      << scheduler.why_never_fits(*long_prompt);
+  const auto long_prompt = chat_request({}, 1, 60);
+  EXPECT_EQ(scheduler.why_never_fits(*long_prompt), "");
   const auto many_tokens = chat_request({}, 100);
   EXPECT_EQ(scheduler.submit(many_tokens), Scheduler::Refusal::never_fits);
   EXPECT_NE(scheduler.why_never_fits(*many_tokens).find("--kv-blocks"), std::string::npos)
@@ -179,6 +178,7 @@ TEST_F(SchedulerTest, RequestsThatCanNeverFitAreRefusedAtSubmission) {
   EXPECT_EQ(scheduler.why_never_fits(*fits), "");
   ASSERT_EQ(scheduler.submit(fits), Scheduler::Refusal::none);
   EXPECT_EQ(scheduler.plan(Clock::now()).starts.size(), 1U);
+  EXPECT_EQ(scheduler.submit(long_prompt), Scheduler::Refusal::none);
 }
 
 TEST_F(SchedulerTest, AFullQueueAndADrainingServerRefuse) {
@@ -449,6 +449,206 @@ TEST_F(SchedulerTest, VerifiedDraftsFeedTheSpeculationMetrics) {
   EXPECT_TRUE(has("capserve_spec_position_accepted_tokens_total{model_name=\"m\",position=\"2\"} 0\n"))
       << text;
   EXPECT_TRUE(has("capserve_generation_tokens_total{model_name=\"m\"} 6\n")) << text;
+}
+
+// Runs plans the way the ranks would: every prefill chunk that ends its prompt and every decode samples
+// `token`; earlier chunks sample nothing. Returns the plans.
+class ChunkedRun {
+ public:
+  explicit ChunkedRun(Scheduler& scheduler) : scheduler_(scheduler) {}
+
+  StepPlan step(std::int32_t token) {
+    StepPlan plan = scheduler_.plan(Clock::now());
+    for (const SequenceStart& s : plan.starts) {
+      left_[s.id] = static_cast<std::int64_t>(s.prompt.size()) - s.cached;
+      rank_[s.id] = s.rank;
+    }
+    StepResult result;
+    for (const PrefillChunk& c : plan.prefills) {
+      left_[c.id] -= c.tokens;
+      EXPECT_GE(left_[c.id], 0) << "a chunk past its prompt";
+      if (left_[c.id] == 0) {
+        add_token(result, c.id, token);
+      } else {
+        result.sequences.push_back({c.id, 0, 0, 0});
+      }
+    }
+    for (const std::uint64_t id : plan.decodes) add_token(result, id, token);
+    scheduler_.complete(std::span<const StepResult>(&result, 1), {}, Clock::now());
+    return plan;
+  }
+  [[nodiscard]] std::int32_t rank_of(std::uint64_t id) const { return rank_.at(id); }
+
+ private:
+  Scheduler& scheduler_;
+  std::unordered_map<std::uint64_t, std::int64_t> left_;
+  std::unordered_map<std::uint64_t, std::int32_t> rank_;
+};
+
+std::int64_t step_tokens(const StepPlan& plan) {
+  std::int64_t tokens = static_cast<std::int64_t>(plan.decodes.size());
+  for (const PrefillChunk& c : plan.prefills) tokens += c.tokens;
+  return tokens;
+}
+
+// A prompt of four times the step's token budget is prefilled in chunks that share each step with the running
+// decodes: every step keeps to the budget, the running request decodes in every one of them, and the long
+// one's first token comes with its last chunk.
+TEST_F(SchedulerTest, ALongPromptIsPrefilledInChunksWhileTheDecodesGoOn) {
+  SchedulerConfig config;
+  config.max_batched_tokens = 16;
+  Scheduler scheduler(config, 1, &tokenizer_, nullptr, nullptr);
+  ChunkedRun run(scheduler);
+  const std::int32_t a = single_token(tokenizer_, "a");
+  const auto running = chat_request({}, 100);
+  ASSERT_EQ(scheduler.submit(running), Scheduler::Refusal::none);
+  run.step(a);
+  const auto long_prompt = chat_request({}, 2, 64);
+  ASSERT_EQ(scheduler.submit(long_prompt), Scheduler::Refusal::none);
+  std::int64_t prefilled = 0;
+  int steps = 0;
+  while (prefilled < 64) {
+    const StepPlan plan = run.step(a);
+    ++steps;
+    EXPECT_LE(step_tokens(plan), 16) << "step " << steps;
+    ASSERT_EQ(plan.decodes.size(), 1U) << "the running request decodes in every step";
+    ASSERT_EQ(plan.prefills.size(), 1U);
+    prefilled += plan.prefills[0].tokens;
+    EXPECT_EQ(drain_events(*long_prompt).empty(), prefilled < 64) << "step " << steps;
+  }
+  EXPECT_EQ(steps, 5);  // 15 prompt tokens a step beside the decode
+  const StepPlan next = run.step(a);
+  EXPECT_EQ(next.decodes.size(), 2U);
+  EXPECT_TRUE(next.prefills.empty());
+  const std::vector<RequestEvent> events = drain_events(*long_prompt);
+  ASSERT_FALSE(events.empty());
+  EXPECT_EQ(events.back().terminal, Terminal::ok_length);
+  EXPECT_EQ(events.back().prompt_tokens, 64U);
+}
+
+// A request cancelled in the middle of its prefill is freed at the next step, and its chunks stop.
+TEST_F(SchedulerTest, CancellationMidPrefillStopsTheChunksAndFreesTheSequence) {
+  SchedulerConfig config;
+  config.max_batched_tokens = 16;
+  Scheduler scheduler(config, 1, &tokenizer_, nullptr, nullptr);
+  ChunkedRun run(scheduler);
+  const auto request = chat_request({}, 4, 100);
+  ASSERT_EQ(scheduler.submit(request), Scheduler::Refusal::none);
+  const StepPlan first = run.step(1);
+  ASSERT_EQ(first.starts.size(), 1U);
+  run.step(1);
+  request->cancel();
+  const StepPlan after = run.step(1);
+  EXPECT_EQ(after.frees, std::vector<std::uint64_t>{first.starts[0].id});
+  EXPECT_TRUE(after.prefills.empty());
+  EXPECT_TRUE(scheduler.idle());
+  const std::vector<RequestEvent> events = drain_events(*request);
+  ASSERT_EQ(events.size(), 1U);
+  EXPECT_EQ(events[0].terminal, Terminal::cancelled);
+}
+
+std::shared_ptr<Request> prompt_request(std::vector<std::int32_t> prompt, std::int64_t max_new_tokens = 1) {
+  runtime::SamplingParams params;
+  params.max_new_tokens = max_new_tokens;
+  return std::make_shared<Request>("r", std::move(prompt), params, std::vector<std::string>{}, false,
+                                   Clock::time_point::max());
+}
+
+std::vector<std::int32_t> iota_prompt(std::int32_t first, std::size_t n) {
+  std::vector<std::int32_t> ids(n);
+  for (std::size_t i = 0; i < n; ++i) ids[i] = first + static_cast<std::int32_t>(i);
+  return ids;
+}
+
+// With the prefix cache, a prompt starts after the whole blocks of it that a rank's cache holds — from a
+// finished request or a running one — leaving at least one token to compute, and goes to that rank even
+// when another is idle; a prompt asking for prompt log-probabilities is computed whole.
+TEST_F(SchedulerTest, APromptStartsAfterItsCachedPrefixOnTheRankThatHoldsIt) {
+  SchedulerConfig config;
+  config.prefix_cache = true;
+  config.kv_block_size = 16;
+  Scheduler scheduler(config, 2, &tokenizer_, nullptr, nullptr);
+  ChunkedRun run(scheduler);
+  // Two requests occupy rank 0 and rank 1; the first one's prompt spans two whole blocks and a part.
+  const std::vector<std::int32_t> shared = iota_prompt(100, 40);
+  ASSERT_EQ(scheduler.submit(prompt_request(shared, 30)), Scheduler::Refusal::none);
+  ASSERT_EQ(scheduler.submit(prompt_request(iota_prompt(500, 20), 30)), Scheduler::Refusal::none);
+  const StepPlan first = run.step(1);
+  ASSERT_EQ(first.starts.size(), 2U);
+  EXPECT_EQ(first.starts[0].rank, 0);
+  EXPECT_EQ(first.starts[1].rank, 1);
+  EXPECT_EQ(first.starts[0].cached, 0);
+
+  // The same 32 leading tokens, another tail: 32 cached tokens on rank 0, 13 to compute.
+  std::vector<std::int32_t> follow_up(shared.begin(), shared.begin() + 32);
+  for (std::int32_t t = 900; t < 913; ++t) follow_up.push_back(t);
+  ASSERT_EQ(scheduler.submit(prompt_request(follow_up)), Scheduler::Refusal::none);
+  // Exactly the two cached blocks: one block is computed again, for the prompt's last logits.
+  ASSERT_EQ(scheduler.submit(prompt_request(std::vector<std::int32_t>(shared.begin(), shared.begin() + 32))),
+            Scheduler::Refusal::none);
+  runtime::SamplingParams scoring;
+  scoring.max_new_tokens = 1;
+  scoring.prompt_logprobs = true;
+  ASSERT_EQ(scheduler.submit(std::make_shared<Request>("r", shared, scoring, std::vector<std::string>{},
+                                                       false, Clock::time_point::max())),
+            Scheduler::Refusal::none);
+  const StepPlan second = run.step(1);
+  ASSERT_EQ(second.starts.size(), 3U);
+  EXPECT_EQ(second.starts[0].rank, 0);
+  EXPECT_EQ(second.starts[0].cached, 32);
+  EXPECT_EQ(second.starts[1].rank, 0);
+  EXPECT_EQ(second.starts[1].cached, 16);
+  EXPECT_EQ(second.starts[2].cached, 0);
+  std::int64_t chunk_of_follow_up = 0;
+  for (const PrefillChunk& c : second.prefills) {
+    if (c.id == second.starts[0].id) chunk_of_follow_up = c.tokens;
+  }
+  EXPECT_EQ(chunk_of_follow_up, 13);
+}
+
+// Cache affinity yields to balance: a rank more than the slack busier than the least busy one does not get
+// the request even though its cache holds the prefix.
+TEST_F(SchedulerTest, CacheAffinityYieldsWhenItsRankIsTooBusy) {
+  SchedulerConfig config;
+  config.prefix_cache = true;
+  config.cache_affinity_slack = 0;
+  Scheduler scheduler(config, 2, &tokenizer_, nullptr, nullptr);
+  ChunkedRun run(scheduler);
+  const std::vector<std::int32_t> shared = iota_prompt(100, 40);
+  ASSERT_EQ(scheduler.submit(prompt_request(shared, 30)), Scheduler::Refusal::none);
+  run.step(1);  // rank 0 now runs one sequence, rank 1 none
+  ASSERT_EQ(scheduler.submit(prompt_request(shared)), Scheduler::Refusal::none);
+  const StepPlan plan = run.step(1);
+  ASSERT_EQ(plan.starts.size(), 1U);
+  EXPECT_EQ(plan.starts[0].rank, 1);
+  EXPECT_EQ(plan.starts[0].cached, 0);
+}
+
+// A model whose rope depends on the sequence's length (dynamic NTK) prefills a prompt past that length whole:
+// it waits for a step with room for all of it, and one longer than a step is refused naming the flag.
+TEST_F(SchedulerTest, PromptsPastAWholePrefillLengthAreNeverChunked) {
+  SchedulerConfig config;
+  config.max_batched_tokens = 16;
+  config.whole_prefill_above = 8;
+  Scheduler scheduler(config, 1, &tokenizer_, nullptr, nullptr);
+  ChunkedRun run(scheduler);
+  const auto too_long = chat_request({}, 1, 17);
+  EXPECT_EQ(scheduler.submit(too_long), Scheduler::Refusal::never_fits);
+  EXPECT_NE(scheduler.why_never_fits(*too_long).find("--max-batched-tokens"), std::string::npos);
+  const auto running = chat_request({}, 10, 3);
+  ASSERT_EQ(scheduler.submit(running), Scheduler::Refusal::none);
+  run.step(1);
+  // 16 tokens: with the running decode in the step, not all of it fits; it waits, then goes whole.
+  const auto whole = chat_request({}, 1, 16);
+  ASSERT_EQ(scheduler.submit(whole), Scheduler::Refusal::none);
+  const StepPlan waiting = run.step(1);
+  EXPECT_TRUE(waiting.starts.empty());
+  EXPECT_EQ(waiting.decodes.size(), 1U);
+  StepPlan admitted = run.step(1);
+  for (int i = 0; i < 12 && admitted.prefills.empty(); ++i) admitted = run.step(1);
+  ASSERT_EQ(admitted.prefills.size(), 1U);
+  EXPECT_EQ(admitted.prefills[0].tokens, 16);
+  EXPECT_TRUE(admitted.decodes.empty()) << "admitted only once the running request ended";
 }
 
 }  // namespace

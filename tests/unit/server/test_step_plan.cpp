@@ -12,8 +12,20 @@ namespace {
 TEST(StepPlanTest, PlanRoundTripKeepsEveryField) {
   StepPlan plan;
   plan.frees = {7, 9};
-  plan.starts.push_back({11, 1, {5, 6, 7}, 0.5F, 40, 0.9F, 1234, 1, 1, 20});
-  plan.starts.push_back({12, 0, {8}, 0.0F, 0, 1.0F, 0});
+  runtime::SamplingParams asking;
+  asking.temperature = 0.5F;
+  asking.top_k = 40;
+  asking.top_p = 0.9F;
+  asking.seed = 1234;
+  asking.stop_token_ids = {2, 3};
+  asking.max_new_tokens = 77;
+  asking.logprobs = true;
+  asking.prompt_logprobs = true;
+  asking.top_logprobs = 20;
+  plan.starts.push_back({.id = 11, .rank = 1, .prompt = {5, 6, 7}, .cached = 0, .params = asking});
+  plan.starts.push_back(
+      {.id = 12, .rank = 0, .prompt = std::vector<std::int32_t>(40, 8), .cached = 32, .params = {}});
+  plan.prefills = {{11, 3}, {12, 8}, {13, 100}};
   plan.decodes = {3, 4, 5};
   const StepPlan back = deserialize_plan(serialize(plan));
   EXPECT_FALSE(back.shutdown);
@@ -22,17 +34,25 @@ TEST(StepPlanTest, PlanRoundTripKeepsEveryField) {
   EXPECT_EQ(back.starts[0].id, 11U);
   EXPECT_EQ(back.starts[0].rank, 1);
   EXPECT_EQ(back.starts[0].prompt, (std::vector<std::int32_t>{5, 6, 7}));
-  EXPECT_EQ(back.starts[0].temperature, 0.5F);
-  EXPECT_EQ(back.starts[0].top_k, 40);
-  EXPECT_EQ(back.starts[0].top_p, 0.9F);
-  EXPECT_EQ(back.starts[0].seed, 1234U);
-  EXPECT_EQ(back.starts[0].logprobs, 1);
-  EXPECT_EQ(back.starts[0].prompt_logprobs, 1);
-  EXPECT_EQ(back.starts[0].top_logprobs, 20);
-  EXPECT_EQ(back.starts[1].logprobs, 0);
-  EXPECT_EQ(back.starts[1].top_logprobs, 0);
+  const runtime::SamplingParams& p = back.starts[0].params;
+  EXPECT_EQ(p.temperature, 0.5F);
+  EXPECT_EQ(p.top_k, 40);
+  EXPECT_EQ(p.top_p, 0.9F);
+  EXPECT_EQ(p.seed, 1234U);
+  EXPECT_EQ(p.stop_token_ids, (std::vector<std::int32_t>{2, 3}));
+  EXPECT_EQ(p.max_new_tokens, 77);
+  EXPECT_TRUE(p.logprobs);
+  EXPECT_TRUE(p.prompt_logprobs);
+  EXPECT_EQ(p.top_logprobs, 20);
+  EXPECT_FALSE(back.starts[1].params.logprobs);
+  EXPECT_EQ(back.starts[1].params.top_logprobs, 0);
   EXPECT_EQ(back.starts[1].id, 12U);
-  EXPECT_EQ(back.starts[1].prompt, (std::vector<std::int32_t>{8}));
+  EXPECT_EQ(back.starts[1].prompt, std::vector<std::int32_t>(40, 8));
+  EXPECT_EQ(back.starts[1].cached, 32);
+  ASSERT_EQ(back.prefills.size(), 3U);
+  EXPECT_EQ(back.prefills[1].id, 12U);
+  EXPECT_EQ(back.prefills[1].tokens, 8);
+  EXPECT_EQ(back.prefills[2].tokens, 100);
   EXPECT_EQ(back.decodes, (std::vector<std::uint64_t>{3, 4, 5}));
 }
 
@@ -120,7 +140,8 @@ TEST(StepPlanTest, MismatchedDraftLimitsOrTokenCountsAreRefused) {
 
 TEST(StepPlanTest, TruncatedOrTrailingBytesAreRefused) {
   StepPlan plan;
-  plan.starts.push_back({1, 0, {1, 2, 3}, 0.0F, 0, 1.0F, 0});
+  plan.starts.push_back({.id = 1, .rank = 0, .prompt = {1, 2, 3}, .cached = 0, .params = {}});
+  plan.prefills.push_back({1, 3});
   std::vector<std::byte> bytes = serialize(plan);
   std::vector<std::byte> truncated(bytes.begin(), bytes.end() - 1);
   EXPECT_THROW(deserialize_plan(truncated), std::runtime_error);
