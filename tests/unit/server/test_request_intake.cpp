@@ -19,10 +19,13 @@ class RequestIntakeTest : public testing::Test {
     limits.vocab_size = tokenizer_.vocab_size();
     limits.generation_defaults = defaults;
     RequestIntake intake(scheduler_, &tokenizer_, std::nullopt, limits, nullptr);
-    runtime::SamplingParams params;
-    std::vector<std::string> stops;
-    EXPECT_FALSE(intake.sampling(in, 4, true, "", params, stops).has_value());
-    return params;
+    IntakeRequest request;
+    request.prompts.resize(1);
+    request.prompts[0] = {TokenPrompt{{1, 2, 3, 4}}, "input_ids"};
+    request.sampling = in;
+    const runtime::StatusOr<RequestIntake::Admitted> admitted = intake.admit(request, [] {});
+    EXPECT_TRUE(admitted.ok()) << admitted.status().message();
+    return admitted->requests.at(0)->params();
   }
 
   runtime::Tokenizer tokenizer_;
@@ -59,12 +62,18 @@ TEST_F(RequestIntakeTest, PromptOverTheBatchedTokensNamesItsField) {
   ServiceLimits limits;
   limits.vocab_size = tokenizer_.vocab_size();
   RequestIntake intake(scheduler, &tokenizer_, std::nullopt, limits, nullptr);
-  const std::vector<std::int32_t> four(4, 1), five(5, 1);
-  EXPECT_FALSE(intake.token_prompt(four, "input_ids").has_value());
-  const IntakeResult refused = intake.token_prompt(five, "prompt[1]");
-  ASSERT_TRUE(refused.has_value());
-  EXPECT_EQ(refused->param, "prompt[1]");
-  EXPECT_EQ(refused->message,
+  const auto admit = [&](std::size_t tokens, const std::string& field) {
+    IntakeRequest request;
+    request.prompts.resize(1);
+    request.prompts[0] = {TokenPrompt{std::vector<std::int32_t>(tokens, 1)}, field};
+    request.sampling.max_tokens = 1;
+    return intake.admit(request, [] {});
+  };
+  EXPECT_TRUE(admit(4, "input_ids").ok());
+  const runtime::StatusOr<RequestIntake::Admitted> refused = admit(5, "prompt[1]");
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().field(), "prompt[1]");
+  EXPECT_EQ(refused.status().message(),
             "prompt[1]: 5 tokens exceed the 4 batched tokens of a step (--max-batched-tokens); a prompt is "
             "prefilled in one step");
 }
