@@ -83,7 +83,9 @@ struct CompletionLogprobs {
   }
 };
 
-unsigned http_status(StatusCode code);
+unsigned http_status(StatusCode code) {
+  return status_response(Status{code, {}}).status;
+}
 
 const char* finish_reason(Terminal t) {
   return t == Terminal::ok_stop ? "stop" : "length";
@@ -316,10 +318,6 @@ class Completion final : public Producer {
   std::string error_type_;
   unsigned status_ = 200;
 };
-
-unsigned http_status(StatusCode code) {
-  return status_response(Status{code, {}}).status;
-}
 
 }  // namespace
 
