@@ -8,6 +8,8 @@
 #include <utility>
 #include <vector>
 
+#include "server/request_intake.h"
+
 namespace capserve::server {
 namespace {
 
@@ -100,14 +102,14 @@ class DepthScan {
   std::string syntax_error_;
 };
 
-IntakeError invalid(std::string message, std::string param) {
-  return {IntakeCode::invalid_argument, std::move(message), std::move(param)};
+runtime::Status invalid(std::string message, std::string field) {
+  return runtime::Status::invalid_argument(std::move(message), std::move(field));
 }
 
-// Scans before anything is built; empty when `text` is one JSON document within the depth limit.
-IntakeResult scan(std::string_view text, const std::string& field) {
+// Scans before anything is built; ok when `text` is one JSON document within the depth limit.
+runtime::Status scan(std::string_view text, const std::string& field) {
   DepthScan scan;
-  if (nlohmann::json::sax_parse(text, &scan)) return std::nullopt;
+  if (nlohmann::json::sax_parse(text, &scan)) return {};
   const std::string name = field.empty() ? "the request body" : field;
   if (!scan.too_deep()) return invalid(name + ": not valid JSON (" + scan.syntax_error() + ")", field);
   const std::string limit =
@@ -214,29 +216,21 @@ class OrderedBuilder {
   std::vector<Open> open_;
 };
 
-IntakeResult parse(std::string_view text, const std::string& field, nlohmann::json& out) {
-  if (IntakeResult bad = scan(text, field)) return bad;
-  out = nlohmann::json::parse(text);  // cannot fail: the scan read the same document
-  return std::nullopt;
+}  // namespace
+
+template <>
+runtime::StatusOr<nlohmann::json> parse_client_json(std::string_view text, const std::string& field) {
+  if (runtime::Status bad = scan(text, field); !bad.ok()) return bad;
+  return nlohmann::json::parse(text);  // cannot fail: the scan read the same document
 }
 
-IntakeResult parse(std::string_view text, const std::string& field, nlohmann::ordered_json& out) {
-  if (IntakeResult bad = scan(text, field)) return bad;
+template <>
+runtime::StatusOr<nlohmann::ordered_json> parse_client_json(std::string_view text, const std::string& field) {
+  if (runtime::Status bad = scan(text, field); !bad.ok()) return bad;
   nlohmann::ordered_json built;
   OrderedBuilder builder(built);
   nlohmann::ordered_json::sax_parse(text, &builder);  // cannot fail: the scan read the same document
-  out = std::move(built);
-  return std::nullopt;
-}
-
-}  // namespace
-
-IntakeResult parse_client_json(std::string_view text, const std::string& field, nlohmann::json& out) {
-  return parse(text, field, out);
-}
-
-IntakeResult parse_client_json(std::string_view text, const std::string& field, nlohmann::ordered_json& out) {
-  return parse(text, field, out);
+  return built;
 }
 
 }  // namespace capserve::server

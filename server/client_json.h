@@ -11,7 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "server/request_intake.h"
+#include "runtime/status.h"
 
 namespace capserve::server {
 
@@ -19,12 +19,16 @@ namespace capserve::server {
 // schemas (each schema level is two JSON levels: "properties" and the property), far below any stack risk.
 inline constexpr int kMaxClientJsonDepth = 64;
 
-// Parses `text` into `out` when it is one valid JSON document nesting at most kMaxClientJsonDepth levels;
-// else INVALID_ARGUMENT, and `out` is left alone. `field` names the document in errors ("tools",
-// "messages[0].tool_calls"); empty for an HTTP body, whose errors then name the top-level key at fault (the
-// error's param) and the path below it (the message, e.g. "messages[0].tool_calls[0]...: ...").
-IntakeResult parse_client_json(std::string_view text, const std::string& field, nlohmann::json& out);
-// The same keeping object keys in the client's order (templates show them in that order).
-IntakeResult parse_client_json(std::string_view text, const std::string& field, nlohmann::ordered_json& out);
+// The document `text` when it is one valid JSON document nesting at most kMaxClientJsonDepth levels; else
+// INVALID_ARGUMENT. `field` names the document in errors ("tools", "messages[0].tool_calls"); empty for an
+// HTTP body, whose errors then name the top-level key at fault (the status's field) and the path below it
+// (the message, e.g. "messages[0].tool_calls[0]...: ..."). Json: nlohmann::json, or nlohmann::ordered_json to
+// keep object keys in the client's order (templates show them in that order).
+template <typename Json>
+runtime::StatusOr<Json> parse_client_json(std::string_view text, const std::string& field);
+template <>
+runtime::StatusOr<nlohmann::json> parse_client_json(std::string_view text, const std::string& field);
+template <>
+runtime::StatusOr<nlohmann::ordered_json> parse_client_json(std::string_view text, const std::string& field);
 
 }  // namespace capserve::server

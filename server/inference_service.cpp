@@ -1,33 +1,45 @@
 #include "server/inference_service.h"
 
+#include <memory>
+#include <mutex>
+#include <type_traits>
 #include <utility>
 
 namespace capserve::server {
 namespace {
 
 namespace v1 = capserve::v1;
+using runtime::Status;
+using runtime::StatusCode;
+using runtime::StatusOr;
 
-grpc::StatusCode grpc_code(IntakeCode code) {
+grpc::StatusCode grpc_code(StatusCode code) {
   switch (code) {
-    case IntakeCode::invalid_argument:
+    case StatusCode::ok:
+      return grpc::StatusCode::OK;
+    case StatusCode::invalid_argument:
       return grpc::StatusCode::INVALID_ARGUMENT;
-    case IntakeCode::resource_exhausted:
+    case StatusCode::resource_exhausted:
       return grpc::StatusCode::RESOURCE_EXHAUSTED;
-    case IntakeCode::unavailable:
+    case StatusCode::unavailable:
       return grpc::StatusCode::UNAVAILABLE;
-    case IntakeCode::failed_precondition:
+    case StatusCode::failed_precondition:
       return grpc::StatusCode::FAILED_PRECONDITION;
-    case IntakeCode::cancelled:
+    case StatusCode::cancelled:
       return grpc::StatusCode::CANCELLED;
-    case IntakeCode::deadline_exceeded:
+    case StatusCode::deadline_exceeded:
       return grpc::StatusCode::DEADLINE_EXCEEDED;
-    case IntakeCode::internal:
+    case StatusCode::internal:
       break;
   }
   return grpc::StatusCode::INTERNAL;
 }
 
-Clock::time_point steady_deadline(const grpc::ServerContext& context) {
+grpc::Status grpc_status(const Status& status) {
+  return {grpc_code(status.code()), status.message()};
+}
+
+Clock::time_point steady_deadline(const grpc::CallbackServerContext& context) {
   const auto deadline = context.deadline();
   if (deadline == std::chrono::system_clock::time_point::max()) return Clock::time_point::max();
   const auto left = deadline - std::chrono::system_clock::now();
@@ -37,9 +49,9 @@ Clock::time_point steady_deadline(const grpc::ServerContext& context) {
 
 // The gRPC status of a terminal event (OK for a normal completion).
 grpc::Status terminal_status(const RequestEvent& e) {
-  const std::optional<IntakeCode> code = meaning_of(*e.terminal).error;
+  const std::optional<StatusCode> code = meaning_of(*e.terminal).error;
   if (!code) return grpc::Status::OK;
-  if (*code == IntakeCode::cancelled && e.message.empty()) return {grpc::StatusCode::CANCELLED, "cancelled"};
+  if (*code == StatusCode::cancelled && e.message.empty()) return {grpc::StatusCode::CANCELLED, "cancelled"};
   return {grpc_code(*code), e.message};
 }
 
@@ -99,13 +111,259 @@ SamplingInput sampling_input(const v1::SamplingOptions& s) {
   return in;
 }
 
+// What every call shares: model, request id, sampling (spelt "sampling.*"), peer and deadline.
+IntakeRequest intake_request(const grpc::CallbackServerContext& context, const std::string& model,
+                             const std::string& request_id, const v1::SamplingOptions& sampling) {
+  IntakeRequest r;
+  r.model = model;
+  r.request_id = request_id;
+  r.sampling = sampling_input(sampling);
+  r.fields.sampling_prefix = "sampling.";
+  r.peer = context.peer();
+  r.deadline = steady_deadline(context);
+  return r;
+}
+
+// A ChatRequest as the intake sees it; its JSON string fields (tools, kwargs, tool_calls) parsed here.
+StatusOr<IntakeRequest> chat_request(const grpc::CallbackServerContext& context,
+                                     const v1::ChatRequest& request) {
+  IntakeRequest r = intake_request(context, request.model(), request.request_id(), request.sampling());
+  ChatPrompt chat;
+  chat.messages.reserve(static_cast<std::size_t>(request.messages_size()));
+  for (int i = 0; i < request.messages_size(); ++i) {
+    const v1::ChatMessage& m = request.messages(i);
+    const std::string at = "messages[" + std::to_string(i) + "]";
+    runtime::ChatMessage message{m.role(), m.content()};
+    if (!m.tool_calls().empty()) {
+      StatusOr<nlohmann::ordered_json> calls = parse_json_field(m.tool_calls(), at + ".tool_calls");
+      if (!calls.ok()) return std::move(calls).take_status();
+      message.fields["tool_calls"] = std::move(*calls);
+      if (m.content().empty()) {
+        message.content.reset();
+        message.fields["content"] = nullptr;
+      }
+    }
+    if (!m.tool_call_id().empty()) message.fields["tool_call_id"] = m.tool_call_id();
+    if (!m.name().empty()) message.fields["name"] = m.name();
+    chat.messages.push_back(std::move(message));
+  }
+  if (request.has_add_generation_prompt())
+    chat.inputs.add_generation_prompt = request.add_generation_prompt();
+  if (!request.tools().empty()) {
+    StatusOr<nlohmann::ordered_json> tools = parse_json_field(request.tools(), "tools");
+    if (!tools.ok()) return std::move(tools).take_status();
+    chat.inputs.tools = std::move(*tools);
+  }
+  if (!request.chat_template_kwargs().empty()) {
+    StatusOr<nlohmann::ordered_json> kwargs =
+        parse_json_field(request.chat_template_kwargs(), "chat_template_kwargs");
+    if (!kwargs.ok()) return std::move(kwargs).take_status();
+    chat.inputs.kwargs = std::move(*kwargs);
+  }
+  r.prompts.push_back({std::move(chat), "messages"});
+  return r;
+}
+
+IntakeRequest generate_request(const grpc::CallbackServerContext& context,
+                               const v1::GenerateRequest& request) {
+  IntakeRequest r = intake_request(context, request.model(), request.request_id(), request.sampling());
+  r.prompts.push_back(
+      {TokenPrompt{std::vector<std::int32_t>(request.input_ids().begin(), request.input_ids().end())},
+       "input_ids"});
+  r.text_output = false;
+  return r;
+}
+
+// One call's request, relayed to its client as its events come. pump() takes the events while the relay may
+// (no write in flight, not finished); the pump thread (woken by the request's listener) and gRPC's reactions
+// (OnWriteDone) both call it, `mutex_` lets one of them at a time, and is never held while calling into gRPC
+// (a reaction may run inline). The relay owns itself until OnDone; the listener holds it weakly, so an event
+// after the call ended wakes nothing.
+template <typename Reactor>
+class Relay : public Reactor, public RelayPumps::Pumped {
+ public:
+  // A relay that lives until gRPC calls OnDone (after the relay's Finish).
+  template <typename Derived, typename... Args>
+  static Derived* open(Args&&... args) {
+    auto relay = std::make_shared<Derived>(std::forward<Args>(args)...);
+    relay->self_ = relay;
+    return relay.get();
+  }
+
+  Relay(RequestIntake& intake, RelayPumps& pumps, grpc::CallbackServerContext& context)
+      : intake_(intake), pumps_(pumps), context_(context) {}
+
+  // Admits the call's request, or ends the call with what is wrong with it.
+  void start(StatusOr<IntakeRequest> request) {
+    if (!request.ok()) return end(grpc_status(intake_.refuse(std::move(request).take_status())));
+    StatusOr<RequestIntake::Admitted> admitted = intake_.admit(
+        *request, [&pumps = pumps_, relay = std::weak_ptr<Pumped>(self_)] { pumps.post(relay); });
+    if (!admitted.ok()) return end(grpc_status(admitted.status()));
+    {
+      std::lock_guard lock(mutex_);
+      request_ = admitted->requests.front();
+      admitted_.emplace(std::move(*admitted));
+      on_admitted();
+      // A client that left while its request was admitted is not seen by OnCancel, which ran before.
+      if (context_.IsCancelled()) cancel_unless_past_deadline();
+    }
+    pump();
+  }
+
+  void end(const grpc::Status& status) {
+    {
+      std::lock_guard lock(mutex_);
+      finished_ = true;
+    }
+    this->Finish(status);
+  }
+
+  void OnCancel() override {
+    std::lock_guard lock(mutex_);
+    if (request_) cancel_unless_past_deadline();
+  }
+
+  void OnDone() override {
+    const std::shared_ptr<Relay> last = std::move(self_);  // may destroy this on return
+  }
+
+ protected:
+  // Under mutex_, once the request is admitted.
+  virtual void on_admitted() {}
+
+  RequestIntake& intake_;
+  RelayPumps& pumps_;
+  grpc::CallbackServerContext& context_;
+  std::mutex mutex_;
+  std::shared_ptr<Request> request_;  // guarded by mutex_; set once admitted
+  bool finished_ = false;             // guarded by mutex_; Finish called or about to be
+
+ private:
+  // gRPC cancels the call when its deadline passes too; that one the scheduler ends as DEADLINE_EXCEEDED.
+  void cancel_unless_past_deadline() {
+    if (std::chrono::system_clock::now() < context_.deadline()) request_->cancel();
+  }
+
+  std::optional<RequestIntake::Admitted> admitted_;  // the request and its in-flight slot, until OnDone
+  std::shared_ptr<Relay> self_;
+};
+
+// Chat: the whole text and every event's log-probabilities in one response at the terminal event.
+class UnaryChat final : public Relay<grpc::ServerUnaryReactor> {
+ public:
+  UnaryChat(RequestIntake& intake, RelayPumps& pumps, grpc::CallbackServerContext& context,
+            v1::ChatResponse& response)
+      : Relay(intake, pumps, context), response_(response) {}
+
+  void pump() override {
+    grpc::Status status;
+    {
+      std::lock_guard lock(mutex_);
+      if (finished_ || !request_) return;
+      while (std::optional<RequestEvent> e = request_->try_next()) {
+        text_ += e->text;
+        fill_logprobs(*e, intake_.tokenizer(), response_);
+        if (!e->terminal) continue;
+        intake_.conclude(*e);
+        status = terminal_status(*e);
+        if (status.ok()) {
+          response_.set_text(std::move(text_));
+          fill_final(*e, response_);
+        }
+        finished_ = true;
+        break;
+      }
+      if (!finished_) return;
+    }
+    Finish(status);
+  }
+
+ private:
+  void on_admitted() override { response_.set_request_id(request_->id()); }
+
+  v1::ChatResponse& response_;
+  std::string text_;
+};
+
+// ChatStream and Generate: one chunk per event, one write in flight; the terminal event's chunk carries the
+// finish reason, usage and MoE statistics, an error terminal ends the call with its status instead.
+template <typename Chunk>
+class Stream final : public Relay<grpc::ServerWriteReactor<Chunk>> {
+  using Base = Relay<grpc::ServerWriteReactor<Chunk>>;
+
+ public:
+  using Base::Base;
+
+  void OnWriteDone(bool ok) override {
+    bool done = false;
+    {
+      std::lock_guard lock(this->mutex_);
+      writing_ = false;
+      done = !ok || terminal_.has_value();
+      if (done) this->finished_ = true;
+    }
+    if (!ok) return send_failed();
+    if (done) {
+      this->intake_.conclude(*terminal_);
+      return this->Finish(terminal_status(*terminal_));
+    }
+    pump();
+  }
+
+  void pump() override {
+    std::optional<grpc::Status> finish;
+    {
+      std::lock_guard lock(this->mutex_);
+      if (writing_ || this->finished_ || !this->request_) return;
+      std::optional<RequestEvent> e = this->request_->try_next();
+      if (!e) return;
+      if (e->terminal && !terminal_status(*e).ok()) {
+        this->intake_.conclude(*e);
+        finish = terminal_status(*e);
+        this->finished_ = true;
+      } else {
+        chunk_.Clear();
+        chunk_.set_request_id(this->request_->id());
+        if constexpr (std::is_same_v<Chunk, v1::ChatChunk>) {
+          chunk_.set_delta(std::move(e->text));
+          fill_logprobs(*e, this->intake_.tokenizer(), chunk_);
+        } else {
+          chunk_.mutable_token_ids()->Add(e->tokens.begin(), e->tokens.end());
+          fill_logprobs(*e, nullptr, chunk_);
+        }
+        if (e->terminal) {
+          fill_final(*e, chunk_);
+          terminal_ = std::move(e);
+        }
+        writing_ = true;
+      }
+    }
+    if (finish) return this->Finish(*finish);
+    this->StartWrite(&chunk_);
+  }
+
+ private:
+  // A chunk that could not be written: the client went away (a write fails only once the call is over;
+  // IsCancelled() may not say so yet, which once counted it as INTERNAL). The request is cancelled, counted
+  // and ended as CANCELLED.
+  void send_failed() {
+    this->request_->cancel();  // the engine frees its sequence at the next step
+    this->intake_.count_outcome(Outcome::cancelled);
+    this->Finish({grpc::StatusCode::CANCELLED, "the client went away"});
+  }
+
+  Chunk chunk_;                           // the write in flight
+  bool writing_ = false;                  // guarded by mutex_
+  std::optional<RequestEvent> terminal_;  // sent with the write in flight
+};
+
 }  // namespace
 
 InferenceService::InferenceService(RequestIntake& intake, v1::ServerInfo info,
                                    std::optional<security::ApiKey> api_key)
     : intake_(intake), info_(std::move(info)), api_key_(std::move(api_key)) {}
 
-grpc::Status InferenceService::authorize(const grpc::ServerContext& context) const {
+grpc::Status InferenceService::authorize(const grpc::CallbackServerContext& context) const {
   if (!api_key_) return grpc::Status::OK;
   const auto& metadata = context.client_metadata();
   const auto found = metadata.find("authorization");
@@ -117,185 +375,59 @@ grpc::Status InferenceService::authorize(const grpc::ServerContext& context) con
                                   : "invalid API key"};
 }
 
-grpc::Status InferenceService::status_of(const IntakeError& error) {
-  return {grpc_code(error.code), error.message};
-}
-
-grpc::Status InferenceService::enter(const grpc::ServerContext& context,
-                                     std::optional<RequestIntake::PeerSlot>& slot) {
-  if (grpc::Status s = authorize(context); !s.ok()) return s;
-  if (IntakeResult refused = intake_.enter(context.peer(), slot)) return status_of(*refused);
-  return grpc::Status::OK;
-}
-
-grpc::Status InferenceService::submit(const std::shared_ptr<Request>& request) {
-  if (IntakeResult refused = intake_.submit(request)) return status_of(*refused);
-  return grpc::Status::OK;
-}
-
-grpc::Status InferenceService::conclude(const RequestEvent& terminal) {
-  intake_.conclude(terminal);
-  return terminal_status(terminal);
-}
-
-grpc::Status InferenceService::send_failed(Request& request) {
-  request.cancel();  // the engine frees its sequence at the next step
-  // A synchronous stream's Write fails only once the call is over, i.e. the client went away; IsCancelled()
-  // may not say so yet (gRPC learns of the cancellation asynchronously), which once counted it as INTERNAL.
-  intake_.count_outcome(Outcome::cancelled);
-  return {grpc::StatusCode::CANCELLED, "the client went away"};
-}
-
-IntakeResult InferenceService::make_chat(grpc::ServerContext* context, const v1::ChatRequest& request,
-                                         std::shared_ptr<Request>& out) {
-  if (IntakeResult bad = intake_.check_model(request.model())) return bad;
-  if (IntakeResult bad = intake_.check_request_id(request.request_id(), "request_id")) return bad;
-  std::vector<runtime::ChatMessage> messages;
-  messages.reserve(static_cast<std::size_t>(request.messages_size()));
-  for (int i = 0; i < request.messages_size(); ++i) {
-    const v1::ChatMessage& m = request.messages(i);
-    const std::string at = "messages[" + std::to_string(i) + "]";
-    runtime::ChatMessage message{m.role(), m.content()};
-    if (!m.tool_calls().empty()) {
-      nlohmann::ordered_json calls;
-      if (IntakeResult bad = parse_json_field(m.tool_calls(), at + ".tool_calls", calls)) return bad;
-      message.fields["tool_calls"] = std::move(calls);
-      if (m.content().empty()) {
-        message.content.reset();
-        message.fields["content"] = nullptr;
-      }
-    }
-    if (!m.tool_call_id().empty()) message.fields["tool_call_id"] = m.tool_call_id();
-    if (!m.name().empty()) message.fields["name"] = m.name();
-    messages.push_back(std::move(message));
+grpc::ServerUnaryReactor* InferenceService::Chat(grpc::CallbackServerContext* context,
+                                                 const v1::ChatRequest* request, v1::ChatResponse* response) {
+  auto* relay = UnaryChat::open<UnaryChat>(intake_, pumps_, *context, *response);
+  if (grpc::Status refused = authorize(*context); !refused.ok()) {
+    relay->end(refused);
+  } else {
+    relay->start(chat_request(*context, *request));
   }
-  runtime::ChatInputs inputs;
-  if (request.has_add_generation_prompt()) inputs.add_generation_prompt = request.add_generation_prompt();
-  if (!request.tools().empty()) {
-    if (IntakeResult bad = parse_json_field(request.tools(), "tools", inputs.tools)) return bad;
+  return relay;
+}
+
+grpc::ServerWriteReactor<v1::ChatChunk>* InferenceService::ChatStream(grpc::CallbackServerContext* context,
+                                                                      const v1::ChatRequest* request) {
+  using ChatStream = Stream<v1::ChatChunk>;
+  auto* relay = ChatStream::open<ChatStream>(intake_, pumps_, *context);
+  if (grpc::Status refused = authorize(*context); !refused.ok()) {
+    relay->end(refused);
+  } else {
+    relay->start(chat_request(*context, *request));
   }
-  if (!request.chat_template_kwargs().empty()) {
-    if (IntakeResult bad =
-            parse_json_field(request.chat_template_kwargs(), "chat_template_kwargs", inputs.kwargs))
-      return bad;
+  return relay;
+}
+
+grpc::ServerWriteReactor<v1::GenerateChunk>* InferenceService::Generate(grpc::CallbackServerContext* context,
+                                                                        const v1::GenerateRequest* request) {
+  using GenerateStream = Stream<v1::GenerateChunk>;
+  auto* relay = GenerateStream::open<GenerateStream>(intake_, pumps_, *context);
+  if (grpc::Status refused = authorize(*context); !refused.ok()) {
+    relay->end(refused);
+  } else {
+    relay->start(generate_request(*context, *request));
   }
-  std::vector<std::int32_t> ids;
-  if (IntakeResult bad = intake_.chat_prompt(messages, inputs, "messages", ids)) return bad;
-  runtime::SamplingParams params;
-  std::vector<std::string> stops;
-  if (IntakeResult bad =
-          intake_.sampling(sampling_input(request.sampling()), static_cast<std::int64_t>(ids.size()), true,
-                           "sampling.", params, stops))
-    return bad;
-  std::string id = request.request_id().empty() ? generate_request_id("req-") : request.request_id();
-  out = std::make_shared<Request>(std::move(id), std::move(ids), std::move(params), std::move(stops), true,
-                                  steady_deadline(*context), context->peer());
-  return std::nullopt;
+  return relay;
 }
 
-IntakeResult InferenceService::make_generate(grpc::ServerContext* context, const v1::GenerateRequest& request,
-                                             std::shared_ptr<Request>& out) {
-  if (IntakeResult bad = intake_.check_model(request.model())) return bad;
-  if (IntakeResult bad = intake_.check_request_id(request.request_id(), "request_id")) return bad;
-  std::vector<std::int32_t> ids(request.input_ids().begin(), request.input_ids().end());
-  if (IntakeResult bad = intake_.token_prompt(ids, "input_ids")) return bad;
-  runtime::SamplingParams params;
-  std::vector<std::string> stops;
-  if (IntakeResult bad =
-          intake_.sampling(sampling_input(request.sampling()), static_cast<std::int64_t>(ids.size()), false,
-                           "sampling.", params, stops))
-    return bad;
-  std::string id = request.request_id().empty() ? generate_request_id("req-") : request.request_id();
-  out = std::make_shared<Request>(std::move(id), std::move(ids), std::move(params), std::move(stops), false,
-                                  steady_deadline(*context), context->peer());
-  return std::nullopt;
+grpc::ServerUnaryReactor* InferenceService::ListModels(grpc::CallbackServerContext* context,
+                                                       const v1::ListModelsRequest*,
+                                                       v1::ListModelsResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  const grpc::Status status = authorize(*context);
+  if (status.ok()) *response->add_models() = info_.model();
+  reactor->Finish(status);
+  return reactor;
 }
 
-RequestEvent InferenceService::next_event(grpc::ServerContext* context, Request& request) {
-  for (;;) {
-    // Checked before every event, not only when none comes for a while: a unary Chat gets an event every
-    // step, so a client that went away would otherwise go unnoticed until its request ends. gRPC also cancels
-    // the call when its deadline passes; that one the scheduler ends as DEADLINE_EXCEEDED by itself.
-    if (context->IsCancelled() && std::chrono::system_clock::now() < context->deadline()) request.cancel();
-    if (auto e = request.next(std::chrono::milliseconds(20))) return std::move(*e);
-  }
-}
-
-grpc::Status InferenceService::Chat(grpc::ServerContext* context, const v1::ChatRequest* request,
-                                    v1::ChatResponse* response) {
-  std::optional<RequestIntake::PeerSlot> slot;
-  if (grpc::Status s = enter(*context, slot); !s.ok()) return s;
-  std::shared_ptr<Request> req;
-  if (IntakeResult bad = make_chat(context, *request, req)) return status_of(intake_.refuse(std::move(*bad)));
-  if (grpc::Status s = submit(req); !s.ok()) return s;
-  response->set_request_id(req->id());
-  std::string text;
-  for (;;) {
-    RequestEvent e = next_event(context, *req);
-    text += e.text;
-    fill_logprobs(e, intake_.tokenizer(), *response);
-    if (!e.terminal) continue;
-    const grpc::Status status = conclude(e);
-    if (!status.ok()) return status;
-    response->set_text(text);
-    fill_final(e, *response);
-    return status;
-  }
-}
-
-grpc::Status InferenceService::ChatStream(grpc::ServerContext* context, const v1::ChatRequest* request,
-                                          grpc::ServerWriter<v1::ChatChunk>* writer) {
-  std::optional<RequestIntake::PeerSlot> slot;
-  if (grpc::Status s = enter(*context, slot); !s.ok()) return s;
-  std::shared_ptr<Request> req;
-  if (IntakeResult bad = make_chat(context, *request, req)) return status_of(intake_.refuse(std::move(*bad)));
-  if (grpc::Status s = submit(req); !s.ok()) return s;
-  for (;;) {
-    RequestEvent e = next_event(context, *req);
-    if (e.terminal && !terminal_status(e).ok()) return conclude(e);
-    v1::ChatChunk chunk;
-    chunk.set_request_id(req->id());
-    chunk.set_delta(e.text);
-    fill_logprobs(e, intake_.tokenizer(), chunk);
-    if (e.terminal) fill_final(e, chunk);
-    if (!writer->Write(chunk)) return send_failed(*req);
-    if (e.terminal) return conclude(e);
-  }
-}
-
-grpc::Status InferenceService::Generate(grpc::ServerContext* context, const v1::GenerateRequest* request,
-                                        grpc::ServerWriter<v1::GenerateChunk>* writer) {
-  std::optional<RequestIntake::PeerSlot> slot;
-  if (grpc::Status s = enter(*context, slot); !s.ok()) return s;
-  std::shared_ptr<Request> req;
-  if (IntakeResult bad = make_generate(context, *request, req))
-    return status_of(intake_.refuse(std::move(*bad)));
-  if (grpc::Status s = submit(req); !s.ok()) return s;
-  for (;;) {
-    RequestEvent e = next_event(context, *req);
-    if (e.terminal && !terminal_status(e).ok()) return conclude(e);
-    v1::GenerateChunk chunk;
-    chunk.set_request_id(req->id());
-    chunk.mutable_token_ids()->Add(e.tokens.begin(), e.tokens.end());
-    fill_logprobs(e, nullptr, chunk);
-    if (e.terminal) fill_final(e, chunk);
-    if (!writer->Write(chunk)) return send_failed(*req);
-    if (e.terminal) return conclude(e);
-  }
-}
-
-grpc::Status InferenceService::ListModels(grpc::ServerContext* context, const v1::ListModelsRequest*,
-                                          v1::ListModelsResponse* response) {
-  if (grpc::Status s = authorize(*context); !s.ok()) return s;
-  *response->add_models() = info_.model();
-  return grpc::Status::OK;
-}
-
-grpc::Status InferenceService::GetServerInfo(grpc::ServerContext* context, const v1::GetServerInfoRequest*,
-                                             v1::ServerInfo* response) {
-  if (grpc::Status s = authorize(*context); !s.ok()) return s;
-  *response = info_;
-  return grpc::Status::OK;
+grpc::ServerUnaryReactor* InferenceService::GetServerInfo(grpc::CallbackServerContext* context,
+                                                          const v1::GetServerInfoRequest*,
+                                                          v1::ServerInfo* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  const grpc::Status status = authorize(*context);
+  if (status.ok()) *response = info_;
+  reactor->Finish(status);
+  return reactor;
 }
 
 }  // namespace capserve::server

@@ -1,13 +1,12 @@
 #pragma once
-// One client request as it travels between its front end (a gRPC handler thread, or an HTTP connection on an
+// One client request as it travels between its front end (a gRPC call's reactor, or an HTTP connection on an
 // I/O thread) and the engine loop: what was asked (immutable once submitted), and a channel of events back
-// (text or token deltas, then exactly one terminal event). A gRPC handler blocks in next(); an HTTP
-// connection holds no thread: it registers a listener, which push() calls, and drains the events with
-// try_next(). The front end may flag the request cancelled at any time; the engine loop frees its sequence at
-// the next step.
+// (text or token deltas, then exactly one terminal event). Neither front end holds a thread while it waits:
+// it registers a listener, which push() calls, and drains the events with try_next(). The front end may flag
+// the request cancelled at any time; the engine loop frees its sequence at the next step.
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
+#include <condition_variable>  // scheduler.h relies on it through this header
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -88,20 +87,10 @@ class Request {
       std::lock_guard lock(mutex_);
       events_.push_back(std::move(event));
     }
-    ready_.notify_one();
     if (listener_) listener_();
   }
 
-  // Handler side: the next event, or nothing when `timeout` passes first.
-  std::optional<RequestEvent> next(std::chrono::milliseconds timeout) {
-    std::unique_lock lock(mutex_);
-    if (!ready_.wait_for(lock, timeout, [&] { return !events_.empty(); })) return std::nullopt;
-    RequestEvent e = std::move(events_.front());
-    events_.pop_front();
-    return e;
-  }
-
-  // Handler side, without waiting.
+  // Front end side: the next event, if one has come.
   std::optional<RequestEvent> try_next() {
     std::lock_guard lock(mutex_);
     if (events_.empty()) return std::nullopt;
@@ -122,7 +111,6 @@ class Request {
   std::function<void()> listener_;
   std::atomic<bool> cancelled_{false};
   std::mutex mutex_;
-  std::condition_variable ready_;
   std::deque<RequestEvent> events_;
 };
 

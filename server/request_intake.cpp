@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <random>
 #include <utility>
+#include <variant>
 
 #include <spdlog/spdlog.h>
 
@@ -14,16 +15,29 @@
 namespace capserve::server {
 namespace {
 
-IntakeError invalid(std::string message, std::string param) {
-  return {IntakeCode::invalid_argument, std::move(message), std::move(param)};
+using runtime::Status;
+using runtime::StatusCode;
+using runtime::StatusOr;
+
+Status invalid(std::string message, std::string field) {
+  return Status::invalid_argument(std::move(message), std::move(field));
 }
 
 // The UTF-8 check of a request's text field (bytes on the wire), naming the field and the first bad byte.
-IntakeResult check_utf8(std::string_view text, const std::string& field) {
+Status check_utf8(std::string_view text, const std::string& field) {
   const std::size_t valid = runtime::utf8::valid_prefix_length(text);
-  if (valid == text.size()) return std::nullopt;
+  if (valid == text.size()) return {};
   return invalid(field + ": not valid UTF-8 (ill-formed byte at offset " + std::to_string(valid) + ")",
                  field);
+}
+
+// 64 random bits from a generator seeded once per thread from the OS: request ids, unseeded requests' seeds.
+std::uint64_t random_u64() {
+  thread_local std::mt19937_64 rng{[] {
+    std::random_device device;
+    return (static_cast<std::uint64_t>(device()) << 32) ^ device();
+  }()};
+  return rng();
 }
 
 // The client's address without its port ("ipv4:10.0.0.1", "ipv6:[::1]"); other peers ("unix:...") whole.
@@ -36,15 +50,15 @@ std::string peer_address(const std::string& peer) {
 
 // The message keys beyond role and content that the APIs define, in OpenAI's shapes; other keys pass through
 // to the template unchecked, as transformers passes them.
-IntakeResult check_message_fields(const nlohmann::ordered_json& fields, const std::string& at) {
+Status check_message_fields(const nlohmann::ordered_json& fields, const std::string& at) {
   for (const char* key : {"tool_call_id", "name"}) {
     const auto it = fields.find(key);
     if (it == fields.end()) continue;
     if (!it->is_string()) return invalid(at + "." + key + ": must be a string", at + "." + key);
-    if (IntakeResult bad = check_utf8(it->get_ref<const std::string&>(), at + "." + key)) return bad;
+    if (Status bad = check_utf8(it->get_ref<const std::string&>(), at + "." + key); !bad.ok()) return bad;
   }
   const auto calls = fields.find("tool_calls");
-  if (calls == fields.end() || calls->is_null()) return std::nullopt;
+  if (calls == fields.end() || calls->is_null()) return {};
   const std::string where = at + ".tool_calls";
   if (!calls->is_array()) return invalid(where + ": must be a list of tool calls", where);
   for (std::size_t i = 0; i < calls->size(); ++i) {
@@ -64,12 +78,12 @@ IntakeResult check_message_fields(const nlohmann::ordered_json& fields, const st
         args != function->end() && !args->is_string() && !args->is_object())
       return invalid(c + ".function.arguments: must be a JSON string or an object", where);
   }
-  return std::nullopt;
+  return {};
 }
 
 // tools: absent, or OpenAI function tools {"type": "function", "function": {"name": ..., ...}}.
-IntakeResult check_tools(const nlohmann::ordered_json& tools) {
-  if (tools.is_null()) return std::nullopt;
+Status check_tools(const nlohmann::ordered_json& tools) {
+  if (tools.is_null()) return {};
   if (!tools.is_array()) return invalid("tools: must be a list of tools", "tools");
   for (std::size_t i = 0; i < tools.size(); ++i) {
     const nlohmann::ordered_json& tool = tools[i];
@@ -83,14 +97,14 @@ IntakeResult check_tools(const nlohmann::ordered_json& tools) {
     if (const auto name = function->find("name"); name == function->end() || !name->is_string())
       return invalid(at + ".function.name: required, a string", "tools");
   }
-  return std::nullopt;
+  return {};
 }
 
 // Client strings other than message text (tool calls, tools, template kwargs) that spell a special token are
 // refused (keys too), as the API documents. The renderer marks them as the client's bytes like message text
 // (RenderedPrompt::content), so this is a second line: such text could not become a control token anyway.
-IntakeResult check_no_special_tokens(const runtime::Tokenizer& tokenizer, const nlohmann::ordered_json& value,
-                                     const std::string& field) {
+Status check_no_special_tokens(const runtime::Tokenizer& tokenizer, const nlohmann::ordered_json& value,
+                               const std::string& field) {
   const auto spells_special = [&](const std::string& text) {
     std::vector<std::int32_t> ids;
     return tokenizer.encode(text, false, ids).ok() &&
@@ -105,49 +119,29 @@ IntakeResult check_no_special_tokens(const runtime::Tokenizer& tokenizer, const 
     for (const auto& [key, item] : value.items()) {
       if (spells_special(key))
         return invalid(field + ": the key " + excerpt(key) + " spells a special token of the model", field);
-      if (IntakeResult bad = check_no_special_tokens(tokenizer, item, field)) return bad;
+      if (Status bad = check_no_special_tokens(tokenizer, item, field); !bad.ok()) return bad;
     }
   } else if (value.is_array()) {
     for (const nlohmann::ordered_json& item : value) {
-      if (IntakeResult bad = check_no_special_tokens(tokenizer, item, field)) return bad;
+      if (Status bad = check_no_special_tokens(tokenizer, item, field); !bad.ok()) return bad;
     }
   }
-  return std::nullopt;
+  return {};
 }
 
 // A prompt longer than a step's batched tokens can never be prefilled: refused naming the field that holds it
 // (the scheduler would refuse it too, but without knowing which field the client sent).
-IntakeResult fits_one_step(const Scheduler& scheduler, std::size_t tokens, const std::string& field) {
+Status fits_one_step(const Scheduler& scheduler, std::size_t tokens, const std::string& field) {
   std::string why = scheduler.why_prompt_too_long(static_cast<std::int64_t>(tokens));
-  if (why.empty()) return std::nullopt;
+  if (why.empty()) return {};
   return invalid(field + ": " + why, field);
 }
 
 }  // namespace
 
-IntakeResult parse_json_field(std::string_view text, const std::string& field, nlohmann::ordered_json& out) {
-  if (IntakeResult bad = check_utf8(text, field)) return bad;
-  return parse_client_json(text, field, out);
-}
-
-const char* code_name(IntakeCode code) {
-  switch (code) {
-    case IntakeCode::invalid_argument:
-      return "INVALID_ARGUMENT";
-    case IntakeCode::resource_exhausted:
-      return "RESOURCE_EXHAUSTED";
-    case IntakeCode::unavailable:
-      return "UNAVAILABLE";
-    case IntakeCode::failed_precondition:
-      return "FAILED_PRECONDITION";
-    case IntakeCode::cancelled:
-      return "CANCELLED";
-    case IntakeCode::deadline_exceeded:
-      return "DEADLINE_EXCEEDED";
-    case IntakeCode::internal:
-      break;
-  }
-  return "INTERNAL";
+StatusOr<nlohmann::ordered_json> parse_json_field(std::string_view text, const std::string& field) {
+  if (Status bad = check_utf8(text, field); !bad.ok()) return bad;
+  return parse_client_json<nlohmann::ordered_json>(text, field);
 }
 
 std::string excerpt(std::string_view text, std::size_t limit) {
@@ -168,17 +162,17 @@ TerminalMeaning meaning_of(Terminal t) {
     case Terminal::ok_length:
       return {std::nullopt, Outcome::length};
     case Terminal::cancelled:
-      return {IntakeCode::cancelled, Outcome::cancelled};
+      return {StatusCode::cancelled, Outcome::cancelled};
     case Terminal::deadline_exceeded:
-      return {IntakeCode::deadline_exceeded, Outcome::error};
+      return {StatusCode::deadline_exceeded, Outcome::error};
     case Terminal::unavailable:
-      return {IntakeCode::unavailable, Outcome::error};
+      return {StatusCode::unavailable, Outcome::error};
     case Terminal::invalid_argument:
-      return {IntakeCode::invalid_argument, Outcome::error};
+      return {StatusCode::invalid_argument, Outcome::error};
     case Terminal::internal:
       break;
   }
-  return {IntakeCode::internal, Outcome::error};
+  return {StatusCode::internal, Outcome::error};
 }
 
 void RateLimitedLog::log(const std::string& line) {
@@ -201,13 +195,9 @@ void RateLimitedLog::log(const std::string& line) {
 }
 
 std::string generate_request_id(std::string_view prefix) {
-  thread_local std::mt19937_64 rng{[] {
-    std::random_device device;
-    return (static_cast<std::uint64_t>(device()) << 32) ^ device();
-  }()};
   char hex[25];
-  const std::uint64_t hi = rng();
-  const std::uint64_t lo = rng();
+  const std::uint64_t hi = random_u64();
+  const std::uint64_t lo = random_u64();
   std::snprintf(hex, sizeof hex, "%08x%016llx", static_cast<unsigned>(hi >> 32),
                 static_cast<unsigned long long>(lo));
   return std::string(prefix) + hex;
@@ -222,16 +212,16 @@ RequestIntake::RequestIntake(Scheduler& scheduler, const runtime::Tokenizer* tok
       limits_(std::move(limits)),
       metrics_(metrics) {}
 
-IntakeResult RequestIntake::check_model(std::string_view model) const {
-  if (IntakeResult bad = check_utf8(model, "model")) return bad;
+Status RequestIntake::check_model(std::string_view model) const {
+  if (Status bad = check_utf8(model, "model"); !bad.ok()) return bad;
   if (!model.empty() && model != limits_.model_id)
     return invalid(
         "model: unknown model " + excerpt(model) + "; this server serves '" + limits_.model_id + "'",
         "model");
-  return std::nullopt;
+  return {};
 }
 
-IntakeResult RequestIntake::check_request_id(std::string_view id, const std::string& field) const {
+Status RequestIntake::check_request_id(std::string_view id, const std::string& field) const {
   if (static_cast<std::int64_t>(id.size()) > limits_.max_request_id_length)
     return invalid(field + ": " + std::to_string(id.size()) + " bytes exceed the limit " +
                        std::to_string(limits_.max_request_id_length),
@@ -239,68 +229,84 @@ IntakeResult RequestIntake::check_request_id(std::string_view id, const std::str
   return check_utf8(id, field);
 }
 
-IntakeResult RequestIntake::chat_prompt(std::span<const runtime::ChatMessage> messages,
-                                        const runtime::ChatInputs& inputs, const std::string& field,
-                                        std::vector<std::int32_t>& ids, std::stop_token stop) const {
+StatusOr<std::vector<std::int32_t>> RequestIntake::prompt_ids(const PromptInput& prompt,
+                                                              std::stop_token stop) const {
+  if (const auto* chat = std::get_if<ChatPrompt>(&prompt.content))
+    return chat_prompt(*chat, prompt.field, std::move(stop));
+  if (const auto* text = std::get_if<TextPrompt>(&prompt.content))
+    return text_prompt(text->text, prompt.field);
+  const std::vector<std::int32_t>& ids = std::get<TokenPrompt>(prompt.content).ids;
+  if (Status bad = token_prompt(ids, prompt.field); !bad.ok()) return bad;
+  return ids;
+}
+
+StatusOr<std::vector<std::int32_t>> RequestIntake::chat_prompt(const ChatPrompt& chat,
+                                                               const std::string& field,
+                                                               std::stop_token stop) const {
+  const std::vector<runtime::ChatMessage>& messages = chat.messages;
+  const runtime::ChatInputs& inputs = chat.inputs;
   if (tokenizer_ == nullptr || !chat_template_)
-    return IntakeError{IntakeCode::failed_precondition,
-                       "this model has no tokenizer or chat template; send token ids instead", field};
+    return Status{StatusCode::failed_precondition,
+                  "this model has no tokenizer or chat template; send token ids instead", field};
   if (messages.empty()) return invalid(field + ": at least one message is required", field);
   for (std::size_t i = 0; i < messages.size(); ++i) {
     const runtime::ChatMessage& m = messages[i];
     const std::string at = field + "[" + std::to_string(i) + "]";
-    if (IntakeResult bad = check_utf8(m.role, at + ".role")) return bad;
+    if (Status bad = check_utf8(m.role, at + ".role"); !bad.ok()) return bad;
     if (m.role != "system" && m.role != "user" && m.role != "assistant" && m.role != "tool")
       return invalid(at + ".role: " + excerpt(m.role) + " is not system, user, assistant or tool",
                      at + ".role");
     if (m.content) {
-      if (IntakeResult bad = check_utf8(*m.content, at + ".content")) return bad;
+      if (Status bad = check_utf8(*m.content, at + ".content"); !bad.ok()) return bad;
     }
-    if (IntakeResult bad = check_message_fields(m.fields, at)) return bad;
+    if (Status bad = check_message_fields(m.fields, at); !bad.ok()) return bad;
     if (!limits_.special_tokens_in_content) {
-      if (IntakeResult bad = check_no_special_tokens(*tokenizer_, m.fields, at)) return bad;
+      if (Status bad = check_no_special_tokens(*tokenizer_, m.fields, at); !bad.ok()) return bad;
     }
   }
-  if (IntakeResult bad = check_tools(inputs.tools)) return bad;
+  if (Status bad = check_tools(inputs.tools); !bad.ok()) return bad;
   if (!inputs.kwargs.is_object())
     return invalid("chat_template_kwargs: must be an object", "chat_template_kwargs");
   if (!limits_.special_tokens_in_content) {
-    if (IntakeResult bad = check_no_special_tokens(*tokenizer_, inputs.tools, "tools")) return bad;
-    if (IntakeResult bad = check_no_special_tokens(*tokenizer_, inputs.kwargs, "chat_template_kwargs"))
+    if (Status bad = check_no_special_tokens(*tokenizer_, inputs.tools, "tools"); !bad.ok()) return bad;
+    if (Status bad = check_no_special_tokens(*tokenizer_, inputs.kwargs, "chat_template_kwargs"); !bad.ok())
       return bad;
   }
   runtime::RenderedPrompt prompt;
-  if (runtime::Status s = chat_template_->render(messages, inputs, prompt, stop); !s.ok()) {
+  if (Status s = chat_template_->render(messages, inputs, prompt, stop); !s.ok()) {
     if (stop.stop_requested())
-      return IntakeError{
-          IntakeCode::cancelled, "the request was cancelled while its prompt was rendered", {}};
+      return Status{StatusCode::cancelled, "the request was cancelled while its prompt was rendered"};
     return invalid(field + ": " + s.message(), field);
   }
   // Only the template's markup yields special tokens, unless the server allows them in content too.
   const std::span<const runtime::TextRange> plain_text =
       limits_.special_tokens_in_content ? std::span<const runtime::TextRange>() : prompt.content;
-  if (runtime::Status s = tokenizer_->encode(prompt.text, false, ids, plain_text); !s.ok())
+  std::vector<std::int32_t> ids;
+  if (Status s = tokenizer_->encode(prompt.text, false, ids, plain_text); !s.ok())
     return invalid(field + ": " + s.message(), field);
-  return fits_one_step(scheduler_, ids.size(), field);
+  if (Status bad = fits_one_step(scheduler_, ids.size(), field); !bad.ok()) return bad;
+  return ids;
 }
 
-IntakeResult RequestIntake::text_prompt(std::string_view text, const std::string& field,
-                                        std::vector<std::int32_t>& ids) const {
+StatusOr<std::vector<std::int32_t>> RequestIntake::text_prompt(std::string_view text,
+                                                               const std::string& field) const {
   if (tokenizer_ == nullptr)
-    return IntakeError{IntakeCode::failed_precondition, "this model has no tokenizer; send token ids instead",
-                       field};
-  if (IntakeResult bad = check_utf8(text, field)) return bad;
+    return Status{StatusCode::failed_precondition, "this model has no tokenizer; send token ids instead",
+                  field};
+  if (Status bad = check_utf8(text, field); !bad.ok()) return bad;
   // Plain text throughout: a prompt's special-token text is encoded as control tokens only where allowed.
   const runtime::TextRange all{0, text.size()};
   const std::span<const runtime::TextRange> plain_text =
       limits_.special_tokens_in_content ? std::span<const runtime::TextRange>() : std::span(&all, 1);
-  if (runtime::Status s = tokenizer_->encode(text, true, ids, plain_text); !s.ok())
+  std::vector<std::int32_t> ids;
+  if (Status s = tokenizer_->encode(text, true, ids, plain_text); !s.ok())
     return invalid(field + ": " + s.message(), field);
   if (ids.empty()) return invalid(field + ": the prompt is empty", field);
-  return fits_one_step(scheduler_, ids.size(), field);
+  if (Status bad = fits_one_step(scheduler_, ids.size(), field); !bad.ok()) return bad;
+  return ids;
 }
 
-IntakeResult RequestIntake::token_prompt(std::span<const std::int32_t> ids, const std::string& field) const {
+Status RequestIntake::token_prompt(std::span<const std::int32_t> ids, const std::string& field) const {
   if (ids.empty()) return invalid(field + ": at least one token id is required", field);
   for (std::size_t i = 0; i < ids.size(); ++i) {
     if (ids[i] < 0 || ids[i] >= limits_.vocab_size)
@@ -311,9 +317,10 @@ IntakeResult RequestIntake::token_prompt(std::span<const std::int32_t> ids, cons
   return fits_one_step(scheduler_, ids.size(), field);
 }
 
-IntakeResult RequestIntake::sampling(const SamplingInput& s, std::int64_t prompt_tokens, bool text,
-                                     const std::string& prefix, runtime::SamplingParams& params,
-                                     std::vector<std::string>& stops) const {
+StatusOr<RequestIntake::Sampling> RequestIntake::sampling(const IntakeRequest& request,
+                                                          std::int64_t prompt_tokens) const {
+  const SamplingInput& s = request.sampling;
+  const std::string& prefix = request.fields.sampling_prefix;
   const runtime::GenerationDefaults& defaults = limits_.generation_defaults;
   const double temperature = s.temperature.value_or(defaults.temperature.value_or(0.0F));
   const double top_p = s.top_p.value_or(defaults.top_p.value_or(1.0F));
@@ -348,21 +355,22 @@ IntakeResult RequestIntake::sampling(const SamplingInput& s, std::int64_t prompt
     return invalid("prompt: " + std::to_string(prompt_tokens) +
                        " tokens leave no room to generate within the context length " +
                        std::to_string(limits_.max_context),
-                   "prompt");
-  if (!text && !s.stop.empty())
+                   request.fields.context);
+  if (!request.text_output && !s.stop.empty())
     return invalid(prefix + "stop: stop strings need text output; use stop_token_ids", prefix + "stop");
   if (static_cast<std::int64_t>(s.stop.size()) > limits_.max_stop_strings)
     return invalid(prefix + "stop: " + std::to_string(s.stop.size()) + " stop strings exceed the limit " +
                        std::to_string(limits_.max_stop_strings),
                    prefix + "stop");
+  Sampling out;
   for (std::size_t i = 0; i < s.stop.size(); ++i) {
     const std::string& stop = s.stop[i];
     const std::string field = prefix + "stop[" + std::to_string(i) + "]";
     if (stop.empty() || static_cast<std::int64_t>(stop.size()) > limits_.max_stop_length)
       return invalid(field + ": must be 1.." + std::to_string(limits_.max_stop_length) + " bytes",
                      prefix + "stop");
-    if (IntakeResult bad = check_utf8(stop, field)) return bad;
-    stops.push_back(stop);
+    if (Status bad = check_utf8(stop, field); !bad.ok()) return bad;
+    out.stops.push_back(stop);
   }
   if (static_cast<std::int64_t>(s.stop_token_ids.size()) > limits_.max_stop_token_ids)
     return invalid(prefix + "stop_token_ids: " + std::to_string(s.stop_token_ids.size()) +
@@ -374,10 +382,10 @@ IntakeResult RequestIntake::sampling(const SamplingInput& s, std::int64_t prompt
                          std::to_string(limits_.vocab_size) + ")",
                      prefix + "stop_token_ids");
   }
+  runtime::SamplingParams& params = out.params;
   params.temperature = static_cast<float>(temperature);
   params.top_p = top_p == 0 ? 1.0F : static_cast<float>(top_p);
   params.top_k = static_cast<std::int32_t>(top_k);
-  params.seed = s.seed;
   params.max_new_tokens = std::min(max_tokens, limits_.max_context - prompt_tokens);
   params.logprobs = s.logprobs;
   params.prompt_logprobs = s.prompt_logprobs;
@@ -386,32 +394,93 @@ IntakeResult RequestIntake::sampling(const SamplingInput& s, std::int64_t prompt
   if (!s.ignore_eos)
     params.stop_token_ids.insert(params.stop_token_ids.end(), limits_.eos_token_ids.begin(),
                                  limits_.eos_token_ids.end());
-  return std::nullopt;
+  return out;
 }
 
-IntakeResult RequestIntake::submit(const std::shared_ptr<Request>& request) {
+StatusOr<std::vector<std::shared_ptr<Request>>> RequestIntake::prepare(const IntakeRequest& request) {
+  if (Status bad = check_model(request.model); !bad.ok()) return bad;
+  if (Status bad = check_request_id(request.request_id, request.fields.request_id); !bad.ok()) return bad;
+  std::vector<std::vector<std::int32_t>> prompts;
+  prompts.reserve(request.prompts.size());
+  for (const PromptInput& prompt : request.prompts) {
+    StatusOr<std::vector<std::int32_t>> ids = prompt_ids(prompt, request.stop);
+    if (!ids.ok()) return std::move(ids).take_status();
+    prompts.push_back(std::move(*ids));
+  }
+  const std::size_t choices = prompts.size() * static_cast<std::size_t>(request.n);
+  const std::string id =
+      request.request_id.empty() ? generate_request_id(request.id_prefix) : request.request_id;
+  const std::uint64_t base_seed = request.seeding == Seeding::client ? request.sampling.seed : random_u64();
+  std::vector<std::shared_ptr<Request>> requests;
+  requests.reserve(choices);
+  for (std::vector<std::int32_t>& ids : prompts) {
+    StatusOr<Sampling> sampled = sampling(request, static_cast<std::int64_t>(ids.size()));
+    if (!sampled.ok()) return std::move(sampled).take_status();
+    for (std::int64_t k = 0; k < request.n; ++k) {
+      // Choices differ by their seed only; one choice keeps the call's id, several get "-index".
+      const std::size_t index = requests.size();
+      runtime::SamplingParams params = sampled->params;
+      params.seed = base_seed + index;
+      requests.push_back(std::make_shared<Request>(choices == 1 ? id : id + "-" + std::to_string(index), ids,
+                                                   std::move(params), sampled->stops, request.text_output,
+                                                   request.deadline, request.peer));
+    }
+  }
+  return requests;
+}
+
+StatusOr<RequestIntake::Admitted> RequestIntake::admit(const IntakeRequest& request,
+                                                       const std::function<void()>& listener) {
+  StatusOr<std::vector<std::shared_ptr<Request>>> prepared = prepare(request);
+  if (!prepared.ok()) {
+    if (prepared.status().code() != StatusCode::cancelled) return refuse(std::move(prepared).take_status());
+    count_outcome(Outcome::cancelled);
+    return std::move(prepared).take_status();
+  }
+  // The client left (or the server drains) while the prompts were prepared: nothing reaches the scheduler.
+  if (request.stop.stop_requested()) {
+    count_outcome(Outcome::cancelled);
+    return Status{StatusCode::cancelled, "the request was cancelled"};
+  }
+  std::vector<std::shared_ptr<Request>>& requests = *prepared;
+  // Every choice is a request in flight: a call takes one slot per choice.
+  StatusOr<PeerSlot> slot = enter(request.peer, static_cast<std::int64_t>(requests.size()));
+  if (!slot.ok()) return std::move(slot).take_status();
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    requests[i]->set_listener(listener);
+    if (Status refused = submit(requests[i]); !refused.ok()) {
+      for (std::size_t j = 0; j < i; ++j) {
+        requests[j]->cancel();  // the engine frees their sequences at the next step
+        count_outcome(Outcome::cancelled);
+      }
+      return refused;
+    }
+  }
+  return Admitted{std::move(requests), std::move(*slot)};
+}
+
+Status RequestIntake::submit(const std::shared_ptr<Request>& request) {
   switch (scheduler_.submit(request)) {
     case Scheduler::Refusal::none:
-      return std::nullopt;
+      return {};
     case Scheduler::Refusal::queue_full:
-      return refuse(
-          {IntakeCode::resource_exhausted, "queue full: too many waiting requests; retry later", {}});
+      return refuse({StatusCode::resource_exhausted, "queue full: too many waiting requests; retry later"});
     case Scheduler::Refusal::draining:
-      return refuse({IntakeCode::unavailable, "the server is shutting down", {}});
+      return refuse({StatusCode::unavailable, "the server is shutting down"});
     case Scheduler::Refusal::never_fits:
-      return refuse({IntakeCode::invalid_argument, scheduler_.why_never_fits(*request), "max_tokens"});
+      return refuse(invalid(scheduler_.why_never_fits(*request), "max_tokens"));
   }
-  return refuse({IntakeCode::internal, "unknown refusal", {}});
+  return refuse(Status::internal("unknown refusal"));
 }
 
 RequestIntake::PeerSlot::~PeerSlot() {
+  if (intake_ == nullptr) return;
   std::lock_guard lock(intake_->peers_mutex_);
-  const auto it = intake_->peer_requests_.find(peer_);
+  const auto it = intake_->peer_requests_.find(address_);
   if ((it->second -= count_) <= 0) intake_->peer_requests_.erase(it);
 }
 
-IntakeResult RequestIntake::enter(const std::string& peer, std::optional<PeerSlot>& slot,
-                                  std::int64_t count) {
+StatusOr<RequestIntake::PeerSlot> RequestIntake::enter(const std::string& peer, std::int64_t count) {
   std::string address = peer_address(peer);
   bool admitted = false;
   {
@@ -425,19 +494,17 @@ IntakeResult RequestIntake::enter(const std::string& peer, std::optional<PeerSlo
     }
   }
   if (!admitted)
-    return refuse({IntakeCode::resource_exhausted,
+    return refuse({StatusCode::resource_exhausted,
                    "too many requests in flight from " + address + ": " + std::to_string(count) +
                        " more would exceed the limit of " + std::to_string(limits_.max_requests_per_peer) +
-                       " per client address (--max-requests-per-peer); retry when one ends",
-                   {}});
-  slot.emplace(*this, std::move(address), count);
-  return std::nullopt;
+                       " per client address (--max-requests-per-peer); retry when one ends"});
+  return PeerSlot(*this, std::move(address), count);
 }
 
-IntakeError RequestIntake::refuse(IntakeError error) {
-  if (metrics_ != nullptr) metrics_->count_error(code_name(error.code));
-  refusal_log_.log(std::string("capserve: refused a request: ") + code_name(error.code) + ": " +
-                   error.message);
+Status RequestIntake::refuse(Status error) {
+  if (metrics_ != nullptr) metrics_->count_error(runtime::code_name(error.code()));
+  refusal_log_.log(std::string("capserve: refused a request: ") + runtime::code_name(error.code()) + ": " +
+                   error.message());
   return error;
 }
 
@@ -445,7 +512,7 @@ void RequestIntake::conclude(const RequestEvent& terminal) {
   if (metrics_ == nullptr) return;
   const TerminalMeaning meaning = meaning_of(*terminal.terminal);
   metrics_->count_outcome(meaning.outcome);
-  if (meaning.outcome == Outcome::error) metrics_->count_error(code_name(*meaning.error));
+  if (meaning.outcome == Outcome::error) metrics_->count_error(runtime::code_name(*meaning.error));
 }
 
 void RequestIntake::count_outcome(Outcome outcome) {

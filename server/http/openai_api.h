@@ -1,10 +1,9 @@
 #pragma once
 // The OpenAI-compatible HTTP API on rank 0, beside gRPC and from the same scheduler: POST
 // /v1/chat/completions and /v1/completions (whole, or streamed as Server-Sent Events), GET /v1/models,
-// /health and /version. It maps OpenAI's JSON onto our requests (validated by the shared RequestIntake, so
-// both APIs refuse alike) and the requests' events back onto OpenAI's responses and chunks, with the
-// request's MoE statistics as the extra field "moe". Errors use OpenAI's shape {"error": {"message", "type",
-// "param", "code"}}.
+// /health and /version. The routes' glue: a body becomes an IntakeRequest (openai_request.h), which the
+// shared RequestIntake admits (so both APIs refuse alike), and the requests' events become OpenAI's responses
+// and chunks (openai_response.h).
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -16,6 +15,8 @@
 #include <nlohmann/json.hpp>
 
 #include "server/http/http_server.h"
+#include "server/http/openai_request.h"
+#include "server/http/openai_response.h"
 #include "server/request_intake.h"
 #include "server/security/api_key.h"
 
@@ -26,14 +27,6 @@ struct OpenAiOptions {
   std::int64_t max_choices = 64;       // n times the number of prompts, per call
   std::function<bool()> stalled = {};  // the step watchdog fired: /health answers 503
 };
-
-// An error in OpenAI's shape with its HTTP status; `param` null when empty.
-Response error_response(unsigned status, std::string_view message, std::string_view type,
-                        std::string_view param = {}, std::string_view code = {});
-
-// The server's own refusals (unknown path, method, oversized head or body, malformed HTTP, no worker free,
-// draining) in OpenAI's shape: Options::error_response of the API's port.
-Response server_error_response(unsigned status, std::string_view message);
 
 // Puts every route but /health behind the key (Route::admit): a request without `Authorization: Bearer KEY`
 // gets 401 in
@@ -50,7 +43,7 @@ class OpenAiApi {
   std::map<std::string, Route, std::less<>> routes();
 
  private:
-  Response completions(const IncomingRequest& in, bool chat);
+  Response completions(const IncomingRequest& in, Endpoint endpoint);
   Response models() const;
   Response health() const;
 

@@ -3,6 +3,8 @@
 // issue-24 crash too), and every accepted document within what the chat template engine renders.
 #include "server/client_json.h"
 
+#include "server/request_intake.h"
+
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -29,16 +31,15 @@ std::string nested_objects(int levels, const std::string& inner = "1") {
 
 template <typename Json>
 void expect_limit_exact(const std::string& what, std::string (*nested)(int, const std::string&)) {
-  Json out;
-  EXPECT_FALSE(parse_client_json(nested(kMaxClientJsonDepth, "1"), "f", out).has_value()) << what;
-  EXPECT_FALSE(out.is_null()) << what;
-  Json untouched = 7;
-  const IntakeResult refused = parse_client_json(nested(kMaxClientJsonDepth + 1, "1"), "f", untouched);
-  ASSERT_TRUE(refused.has_value()) << what;
-  EXPECT_EQ(refused->code, IntakeCode::invalid_argument);
-  EXPECT_EQ(refused->param, "f");
-  EXPECT_NE(refused->message.find("deeper than 64 levels"), std::string::npos) << refused->message;
-  EXPECT_EQ(untouched, 7) << what;
+  const runtime::StatusOr<Json> out = parse_client_json<Json>(nested(kMaxClientJsonDepth, "1"), "f");
+  ASSERT_TRUE(out.ok()) << what;
+  EXPECT_FALSE(out->is_null()) << what;
+  const runtime::StatusOr<Json> refused = parse_client_json<Json>(nested(kMaxClientJsonDepth + 1, "1"), "f");
+  ASSERT_FALSE(refused.ok()) << what;
+  EXPECT_EQ(refused.status().code(), runtime::StatusCode::invalid_argument);
+  EXPECT_EQ(refused.status().field(), "f");
+  EXPECT_NE(refused.status().message().find("deeper than 64 levels"), std::string::npos)
+      << refused.status().message();
 }
 
 TEST(ClientJson, TheDepthLimitIsExactForArraysAndObjects) {
@@ -47,22 +48,21 @@ TEST(ClientJson, TheDepthLimitIsExactForArraysAndObjects) {
   expect_limit_exact<json>("objects", nested_objects);
   expect_limit_exact<ordered_json>("objects", nested_objects);
   // Scalars and empty containers count their own level only.
-  json out;
-  EXPECT_FALSE(parse_client_json("3", "f", out).has_value());
-  EXPECT_FALSE(parse_client_json(nested_arrays(kMaxClientJsonDepth - 1, "[]"), "f", out).has_value());
-  EXPECT_TRUE(parse_client_json(nested_arrays(kMaxClientJsonDepth, "{}"), "f", out).has_value());
+  EXPECT_TRUE(parse_client_json<json>("3", "f").ok());
+  EXPECT_TRUE(parse_client_json<json>(nested_arrays(kMaxClientJsonDepth - 1, "[]"), "f").ok());
+  EXPECT_FALSE(parse_client_json<json>(nested_arrays(kMaxClientJsonDepth, "{}"), "f").ok());
   // Siblings do not add up: depth is nesting, not the number of containers.
   std::string wide = "[";
   for (int i = 0; i < 1000; ++i) wide += nested_arrays(kMaxClientJsonDepth - 1) + ",";
   wide += "1]";
-  EXPECT_FALSE(parse_client_json(wide, "f", out).has_value());
+  EXPECT_TRUE(parse_client_json<json>(wide, "f").ok());
 }
 
 TEST(ClientJson, BracketsInsideStringsAreText) {
-  ordered_json out;
   const std::string text = "[\"" + std::string(200000, '[') + std::string(200000, '{') + "\"]";
-  ASSERT_FALSE(parse_client_json(text, "f", out).has_value());
-  EXPECT_EQ(out[0].get_ref<const std::string&>().size(), 400000U);
+  const runtime::StatusOr<ordered_json> out = parse_client_json<ordered_json>(text, "f");
+  ASSERT_TRUE(out.ok());
+  EXPECT_EQ((*out)[0].get_ref<const std::string&>().size(), 400000U);
 }
 
 // The issue-24 crash: a deep object in an unknown key before another key (ordered_json copied the deep value
@@ -70,59 +70,58 @@ TEST(ClientJson, BracketsInsideStringsAreText) {
 TEST(ClientJson, AVeryDeepDocumentIsRefusedQuicklyBeforeAnythingIsBuilt) {
   const std::string body = R"({"x":)" + nested_objects(200000) + R"(,"messages":[]})";
   const auto start = std::chrono::steady_clock::now();
-  ordered_json ordered;
-  const IntakeResult refused = parse_client_json(body, "", ordered);
-  json plain;
-  const IntakeResult refused_plain = parse_client_json(nested_arrays(200000), "tools", plain);
+  const runtime::StatusOr<ordered_json> ordered = parse_client_json<ordered_json>(body, "");
+  const runtime::StatusOr<json> plain = parse_client_json<json>(nested_arrays(200000), "tools");
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  ASSERT_TRUE(refused.has_value());
-  EXPECT_EQ(refused->param, "x");
-  EXPECT_EQ(refused->message, "x.a.a.a...: JSON nests deeper than 64 levels of arrays and objects");
-  EXPECT_TRUE(ordered.is_null());
-  ASSERT_TRUE(refused_plain.has_value());
-  EXPECT_EQ(refused_plain->message,
+  ASSERT_FALSE(ordered.ok());
+  EXPECT_EQ(ordered.status().field(), "x");
+  EXPECT_EQ(ordered.status().message(), "x.a.a.a...: JSON nests deeper than 64 levels of arrays and objects");
+  ASSERT_FALSE(plain.ok());
+  EXPECT_EQ(plain.status().message(),
             "tools[0][0][0][0]...: JSON nests deeper than 64 levels of arrays and objects");
   // The scan stops at level 65 of 200k: microseconds; the bound only guards against a full parse.
   EXPECT_LT(seconds, 1.0);
 }
 
 TEST(ClientJson, ErrorsNameTheFieldAndThePath) {
-  json body;
   const std::string deep_call = R"({"model":"m","messages":[{"role":"assistant","tool_calls":[)" +
                                 nested_objects(kMaxClientJsonDepth) + "]}]}";
-  IntakeResult e = parse_client_json(deep_call, "", body);
-  ASSERT_TRUE(e.has_value());
-  EXPECT_EQ(e->param, "messages");
-  EXPECT_EQ(e->message.rfind("messages[0].tool_calls[0]...: JSON nests deeper", 0), 0U) << e->message;
+  runtime::StatusOr<json> e = parse_client_json<json>(deep_call, "");
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().field(), "messages");
+  EXPECT_EQ(e.status().message().rfind("messages[0].tool_calls[0]...: JSON nests deeper", 0), 0U)
+      << e.status().message();
 
   // A body that is not an object names the body.
-  e = parse_client_json(nested_arrays(kMaxClientJsonDepth + 1), "", body);
-  ASSERT_TRUE(e.has_value());
-  EXPECT_EQ(e->param, "");
-  EXPECT_EQ(e->message.rfind("the request body[0][0][0][0]...: ", 0), 0U) << e->message;
+  e = parse_client_json<json>(nested_arrays(kMaxClientJsonDepth + 1), "");
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().field(), "");
+  EXPECT_EQ(e.status().message().rfind("the request body[0][0][0][0]...: ", 0), 0U) << e.status().message();
 
   // A long key is cut in the message.
   const std::string key(1000, 'k');
-  e = parse_client_json("{\"" + key + "\":" + nested_arrays(kMaxClientJsonDepth) + "}", "", body);
-  ASSERT_TRUE(e.has_value());
-  EXPECT_LT(e->message.size(), 200U) << e->message;
+  e = parse_client_json<json>("{\"" + key + "\":" + nested_arrays(kMaxClientJsonDepth) + "}", "");
+  ASSERT_FALSE(e.ok());
+  EXPECT_LT(e.status().message().size(), 200U) << e.status().message();
 
   // Syntax errors keep nlohmann's words and position.
-  ordered_json field;
-  e = parse_client_json(R"({"a": [1, 2}")", "chat_template_kwargs", field);
-  ASSERT_TRUE(e.has_value());
-  EXPECT_EQ(e->param, "chat_template_kwargs");
-  EXPECT_EQ(e->message.rfind("chat_template_kwargs: not valid JSON (", 0), 0U) << e->message;
-  e = parse_client_json("{} {}", "", body);
-  ASSERT_TRUE(e.has_value());
-  EXPECT_EQ(e->message.rfind("the request body: not valid JSON (", 0), 0U) << e->message;
-  EXPECT_TRUE(parse_client_json("", "", body).has_value());
+  const runtime::StatusOr<ordered_json> field =
+      parse_client_json<ordered_json>(R"({"a": [1, 2}")", "chat_template_kwargs");
+  ASSERT_FALSE(field.ok());
+  EXPECT_EQ(field.status().field(), "chat_template_kwargs");
+  EXPECT_EQ(field.status().message().rfind("chat_template_kwargs: not valid JSON (", 0), 0U)
+      << field.status().message();
+  e = parse_client_json<json>("{} {}", "");
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().message().rfind("the request body: not valid JSON (", 0), 0U) << e.status().message();
+  EXPECT_FALSE(parse_client_json<json>("", "").ok());
 }
 
 TEST(ClientJson, KeysKeepTheClientsOrder) {
-  ordered_json out;
-  ASSERT_FALSE(parse_client_json(R"({"z": 1, "a": {"y": 2, "b": 3}})", "f", out).has_value());
-  EXPECT_EQ(out.dump(), R"({"z":1,"a":{"y":2,"b":3}})");
+  const runtime::StatusOr<ordered_json> out =
+      parse_client_json<ordered_json>(R"({"z": 1, "a": {"y": 2, "b": 3}})", "f");
+  ASSERT_TRUE(out.ok());
+  EXPECT_EQ(out->dump(), R"({"z":1,"a":{"y":2,"b":3}})");
 }
 
 // Repeated keys: the last value at the first one's place, as nlohmann's own parser (and Python's json) keep
@@ -133,9 +132,9 @@ TEST(ClientJson, RepeatedKeysAsNlohmannParsesThem) {
     for (int i = 0; i < keys; ++i)
       text += "\"k" + std::to_string(i % (keys / 2 + 1)) + "\": [" + std::to_string(i) + "],";
     text += R"("last": {"x": 1, "x": {"y": 2}}})";
-    ordered_json out;
-    ASSERT_FALSE(parse_client_json(text, "f", out).has_value());
-    EXPECT_EQ(out.dump(), ordered_json::parse(text).dump()) << keys;
+    const runtime::StatusOr<ordered_json> out = parse_client_json<ordered_json>(text, "f");
+    ASSERT_TRUE(out.ok());
+    EXPECT_EQ(out->dump(), ordered_json::parse(text).dump()) << keys;
   }
 }
 
@@ -150,9 +149,10 @@ TEST(ClientJson, AnObjectOfManyKeysParsesInLinearTime) {
   text.back() = '}';
   text += '}';
   const auto start = std::chrono::steady_clock::now();
-  ordered_json out;
-  ASSERT_FALSE(parse_client_json(text, "tools", out).has_value());
+  runtime::StatusOr<ordered_json> parsed = parse_client_json<ordered_json>(text, "tools");
+  ASSERT_TRUE(parsed.ok());
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+  ordered_json& out = *parsed;
   ASSERT_EQ(out["properties"].size(), static_cast<std::size_t>(kKeys));
   EXPECT_EQ(out["properties"].begin().key(), "p0");
   EXPECT_EQ((--out["properties"].end()).key(), "p" + std::to_string(kKeys - 1));
@@ -175,31 +175,37 @@ TEST(ClientJson, EveryAcceptedDocumentRendersAndDeeperOnesAreTheClientsError) {
 
   // The deepest documents each gRPC field accepts.
   const std::string tool = R"({"type":"function","function":{"name":"f","parameters":)";
-  runtime::ChatInputs inputs;
-  ASSERT_FALSE(
-      parse_json_field("[" + tool + nested_objects(kMaxClientJsonDepth - 3) + "}}]", "tools", inputs.tools));
-  ASSERT_FALSE(parse_json_field(R"({"deep":)" + nested_arrays(kMaxClientJsonDepth - 1) + "}",
-                                "chat_template_kwargs", inputs.kwargs));
+  runtime::StatusOr<ordered_json> tools =
+      parse_json_field("[" + tool + nested_objects(kMaxClientJsonDepth - 3) + "}}]", "tools");
+  ASSERT_TRUE(tools.ok());
+  runtime::StatusOr<ordered_json> kwargs =
+      parse_json_field(R"({"deep":)" + nested_arrays(kMaxClientJsonDepth - 1) + "}", "chat_template_kwargs");
+  ASSERT_TRUE(kwargs.ok());
   runtime::ChatMessage call{"assistant", "", ordered_json::object()};
-  ordered_json calls;
-  ASSERT_FALSE(parse_json_field(R"([{"type":"function","function":{"name":"f","arguments":)" +
-                                    nested_objects(kMaxClientJsonDepth - 3) + "}}]",
-                                "messages[1].tool_calls", calls));
-  call.fields["tool_calls"] = std::move(calls);
-  const std::vector<runtime::ChatMessage> messages{{"user", "hi", ordered_json::object()}, std::move(call)};
-  std::vector<std::int32_t> ids;
-  const IntakeResult rendered = intake.chat_prompt(messages, inputs, "messages", ids);
-  EXPECT_FALSE(rendered.has_value()) << rendered->message;
-  EXPECT_FALSE(ids.empty());
+  runtime::StatusOr<ordered_json> calls =
+      parse_json_field(R"([{"type":"function","function":{"name":"f","arguments":)" +
+                           nested_objects(kMaxClientJsonDepth - 3) + "}}]",
+                       "messages[1].tool_calls");
+  ASSERT_TRUE(calls.ok());
+  call.fields["tool_calls"] = std::move(*calls);
+  IntakeRequest request;
+  ChatPrompt chat{{{"user", "hi", ordered_json::object()}, std::move(call)}, {}};
+  chat.inputs.tools = std::move(*tools);
+  chat.inputs.kwargs = std::move(*kwargs);
+  request.prompts.push_back({std::move(chat), "messages"});
+  const runtime::StatusOr<RequestIntake::Admitted> rendered = intake.admit(request, [] {});
+  ASSERT_TRUE(rendered.ok()) << rendered.status().message();
+  EXPECT_FALSE(rendered->requests.at(0)->prompt().empty());
 
   // Past the template engine's own limit: refused at the parser, naming the field.
-  ordered_json tools;
-  const IntakeResult refused = parse_json_field("[" + tool + nested_objects(300) + "}}]", "tools", tools);
-  ASSERT_TRUE(refused.has_value());
-  EXPECT_EQ(refused->code, IntakeCode::invalid_argument);
-  EXPECT_EQ(refused->param, "tools");
-  EXPECT_EQ(refused->message.rfind("tools[0].function.parameters.a...: JSON nests deeper than 64", 0), 0U)
-      << refused->message;
+  const runtime::StatusOr<ordered_json> refused =
+      parse_json_field("[" + tool + nested_objects(300) + "}}]", "tools");
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), runtime::StatusCode::invalid_argument);
+  EXPECT_EQ(refused.status().field(), "tools");
+  EXPECT_EQ(
+      refused.status().message().rfind("tools[0].function.parameters.a...: JSON nests deeper than 64", 0), 0U)
+      << refused.status().message();
 }
 
 }  // namespace

@@ -23,7 +23,7 @@ std::shared_ptr<Request> chat_request(std::vector<std::string> stops, std::int64
 // Every event the request has received so far.
 std::vector<RequestEvent> drain_events(Request& request) {
   std::vector<RequestEvent> events;
-  while (auto e = request.next(std::chrono::milliseconds(0))) events.push_back(std::move(*e));
+  while (auto e = request.try_next()) events.push_back(std::move(*e));
   return events;
 }
 

@@ -1,0 +1,334 @@
+#include "server/http/openai_request.h"
+
+#include <climits>
+#include <optional>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "server/client_json.h"
+#include "server/request_intake.h"
+
+namespace capserve::server::http {
+namespace {
+
+using json = nlohmann::json;
+using ordered_json = nlohmann::ordered_json;
+using runtime::Status;
+using runtime::StatusOr;
+
+Status bad(std::string message, std::string field) {
+  return Status::invalid_argument(std::move(message), std::move(field));
+}
+
+bool present(const json& body, const char* name) {
+  const auto it = body.find(name);
+  return it != body.end() && !it->is_null();
+}
+
+// Field readers: absent or null is nullopt; a value of another type is an error naming the field.
+StatusOr<std::optional<double>> number_field(const json& body, const char* name) {
+  if (!present(body, name)) return std::optional<double>();
+  const json& v = body[name];
+  if (!v.is_number()) return bad(std::string(name) + ": must be a number", name);
+  return std::optional(v.get<double>());
+}
+
+StatusOr<std::optional<std::int64_t>> int_field(const json& body, const char* name) {
+  if (!present(body, name)) return std::optional<std::int64_t>();
+  const json& v = body[name];
+  if (!v.is_number_integer()) return bad(std::string(name) + ": must be an integer", name);
+  if (v.is_number_unsigned() && v.get<std::uint64_t>() > static_cast<std::uint64_t>(INT64_MAX))
+    return bad(std::string(name) + ": out of range", name);
+  return std::optional(v.get<std::int64_t>());
+}
+
+StatusOr<std::optional<bool>> bool_field(const json& body, const char* name) {
+  if (!present(body, name)) return std::optional<bool>();
+  const json& v = body[name];
+  if (!v.is_boolean()) return bad(std::string(name) + ": must be true or false", name);
+  return std::optional(v.get<bool>());
+}
+
+// The sampling fields common to both endpoints (log-probabilities apart).
+StatusOr<SamplingInput> read_sampling(const json& body, Endpoint endpoint) {
+  SamplingInput s;
+  const auto temperature = number_field(body, "temperature");
+  if (!temperature.ok()) return temperature.status();
+  s.temperature = *temperature;
+  const auto top_p = number_field(body, "top_p");
+  if (!top_p.ok()) return top_p.status();
+  s.top_p = *top_p;
+  const auto top_k = int_field(body, "top_k");
+  if (!top_k.ok()) return top_k.status();
+  s.top_k = *top_k == -1 ? 0 : *top_k;  // -1: vLLM's "off"
+  const auto max_tokens = int_field(body, "max_tokens");
+  if (!max_tokens.ok()) return max_tokens.status();
+  std::int64_t limit = max_tokens->value_or(0);
+  if (endpoint == Endpoint::chat) {
+    const auto max_completion = int_field(body, "max_completion_tokens");
+    if (!max_completion.ok()) return max_completion.status();
+    if (*max_completion) limit = **max_completion;
+  }
+  if (*max_tokens && limit < 1)
+    return bad("max_tokens: must be >= 1, got " + std::to_string(limit), "max_tokens");
+  if (limit < 0 || (endpoint == Endpoint::chat && present(body, "max_completion_tokens") && limit < 1))
+    return bad("max_completion_tokens: must be >= 1, got " + std::to_string(limit), "max_completion_tokens");
+  s.max_tokens = limit;
+  const auto seed = int_field(body, "seed");
+  if (!seed.ok()) return seed.status();
+  s.seed = static_cast<std::uint64_t>(seed->value_or(0));
+  const auto ignore_eos = bool_field(body, "ignore_eos");
+  if (!ignore_eos.ok()) return ignore_eos.status();
+  s.ignore_eos = ignore_eos->value_or(false);
+  for (const char* name : {"presence_penalty", "frequency_penalty"}) {
+    const auto penalty = number_field(body, name);
+    if (!penalty.ok()) return penalty.status();
+    if (penalty->value_or(0) != 0)
+      return bad(std::string(name) + ": not supported by this server (only 0)", name);
+  }
+  const auto repetition = number_field(body, "repetition_penalty");
+  if (!repetition.ok()) return repetition.status();
+  if (repetition->value_or(1) != 1)
+    return bad("repetition_penalty: not supported by this server (only 1)", "repetition_penalty");
+  if (present(body, "stop")) {
+    const json& stop = body["stop"];
+    if (stop.is_string()) {
+      s.stop.push_back(stop.get<std::string>());
+    } else if (stop.is_array()) {
+      for (const json& one : stop) {
+        if (!one.is_string()) return bad("stop: must be a string or a list of strings", "stop");
+        s.stop.push_back(one.get<std::string>());
+      }
+    } else {
+      return bad("stop: must be a string or a list of strings", "stop");
+    }
+  }
+  return s;
+}
+
+struct Logprobs {
+  bool logprobs = false;
+  bool prompt_logprobs = false;
+  std::int64_t top_logprobs = 0;
+  bool echo = false;
+};
+
+// Token log-probabilities. Chat: `logprobs` (bool) and `top_logprobs` (0..20, needs logprobs). Completions:
+// `logprobs` (the number of alternatives, 0..20; present: every generated token's) and `echo` (the prompt
+// comes back before the completion, with its tokens' log-probabilities when logprobs is set: what lm-eval's
+// log-likelihood tasks read).
+StatusOr<Logprobs> read_logprobs(const json& body, Endpoint endpoint) {
+  const std::string max = std::to_string(runtime::kMaxTopLogprobs);
+  Logprobs l;
+  if (endpoint == Endpoint::chat) {
+    const auto logprobs = bool_field(body, "logprobs");
+    if (!logprobs.ok()) return logprobs.status();
+    l.logprobs = logprobs->value_or(false);
+    const auto top = int_field(body, "top_logprobs");
+    if (!top.ok()) return top.status();
+    l.top_logprobs = top->value_or(0);
+    if (l.top_logprobs < 0 || l.top_logprobs > runtime::kMaxTopLogprobs)
+      return bad("top_logprobs: must be in 0.." + max + ", got " + std::to_string(l.top_logprobs),
+                 "top_logprobs");
+    if (*top && !l.logprobs) return bad("top_logprobs: needs logprobs set to true", "top_logprobs");
+    if (present(body, "echo")) return bad("echo: only /v1/completions echoes the prompt", "echo");
+    return l;
+  }
+  const auto echo = bool_field(body, "echo");
+  if (!echo.ok()) return echo.status();
+  l.echo = echo->value_or(false);
+  if (present(body, "top_logprobs"))
+    return bad("top_logprobs: /v1/completions takes the number of alternatives in logprobs", "top_logprobs");
+  if (!present(body, "logprobs")) return l;
+  if (body["logprobs"].is_boolean())
+    return bad("logprobs: /v1/completions takes the number of alternatives (0.." + max + ")", "logprobs");
+  const auto top = int_field(body, "logprobs");
+  if (!top.ok()) return top.status();
+  l.top_logprobs = **top;
+  if (l.top_logprobs < 0 || l.top_logprobs > runtime::kMaxTopLogprobs)
+    return bad("logprobs: must be in 0.." + max + ", got " + std::to_string(l.top_logprobs), "logprobs");
+  l.logprobs = true;
+  l.prompt_logprobs = l.echo;
+  return l;
+}
+
+// Chat messages (runtime::message_from_json), in the client's key order (`body` is parsed keeping it);
+// request_intake checks the keys the API defines.
+StatusOr<std::vector<runtime::ChatMessage>> read_messages(const ordered_json& body) {
+  const auto it = body.find("messages");
+  if (it == body.end() || !it->is_array()) return bad("messages: required, a list of messages", "messages");
+  std::vector<runtime::ChatMessage> messages;
+  for (std::size_t i = 0; i < it->size(); ++i) {
+    runtime::ChatMessage message;
+    if (std::optional<std::string> error = runtime::message_from_json((*it)[i], message))
+      return bad("messages[" + std::to_string(i) + "]" + *error, "messages");
+    messages.push_back(std::move(message));
+  }
+  return messages;
+}
+
+// What the chat template sees besides the messages: tools, chat_template_kwargs (vLLM), add_generation_prompt
+// and continue_final_message (vLLM's top-level fields). tool_choice is accepted and checked only: the server
+// does not constrain generation to a tool call.
+StatusOr<runtime::ChatInputs> read_chat_inputs(const json& body, const ordered_json& ordered) {
+  runtime::ChatInputs inputs;
+  if (const auto it = ordered.find("tools"); it != ordered.end() && !it->is_null()) {
+    if (!it->is_array()) return bad("tools: must be a list of tools", "tools");
+    inputs.tools = *it;
+  }
+  if (const auto it = body.find("tool_choice"); it != body.end() && !it->is_null()) {
+    const bool named = it->is_object() && it->value("type", "") == "function";
+    const bool mode = it->is_string() && (*it == "none" || *it == "auto" || *it == "required");
+    if (!named && !mode)
+      return bad("tool_choice: must be \"none\", \"auto\", \"required\" or a named function", "tool_choice");
+  }
+  if (const auto it = ordered.find("chat_template_kwargs"); it != ordered.end() && !it->is_null()) {
+    if (!it->is_object()) return bad("chat_template_kwargs: must be an object", "chat_template_kwargs");
+    inputs.kwargs = *it;
+  }
+  const auto add = bool_field(body, "add_generation_prompt");
+  if (!add.ok()) return add.status();
+  if (*add) inputs.add_generation_prompt = **add;
+  const auto cont = bool_field(body, "continue_final_message");
+  if (!cont.ok()) return cont.status();
+  if (*cont) inputs.continue_final_message = **cont;
+  if (inputs.continue_final_message && inputs.add_generation_prompt)
+    return bad("continue_final_message: needs add_generation_prompt false", "continue_final_message");
+  return inputs;
+}
+
+// A completions prompt: a string, a list of strings, a list of token ids or a list of such lists. One prompt
+// is "prompt" in errors, one of several "prompt[i]".
+StatusOr<std::vector<PromptInput>> read_prompts(const json& body) {
+  const Status shape =
+      bad("prompt: must be a string, a list of strings, a list of token ids or a list of lists of token ids",
+          "prompt");
+  if (!present(body, "prompt")) return bad("prompt: required", "prompt");
+  const json& prompt = body["prompt"];
+  const auto ids_of = [](const json& list) -> std::optional<TokenPrompt> {
+    TokenPrompt p;
+    for (const json& t : list) {
+      if (!t.is_number_integer()) return std::nullopt;
+      const auto v = t.get<std::int64_t>();
+      p.ids.push_back(v < INT32_MIN || v > INT32_MAX ? -1 : static_cast<std::int32_t>(v));
+    }
+    return p;
+  };
+  std::vector<PromptInput> prompts;
+  if (prompt.is_string()) {
+    prompts.push_back({TextPrompt{prompt.get<std::string>()}, "prompt"});
+    return prompts;
+  }
+  if (!prompt.is_array() || prompt.empty()) return shape;
+  if (prompt.front().is_number_integer()) {
+    std::optional<TokenPrompt> ids = ids_of(prompt);
+    if (!ids) return shape;
+    prompts.push_back({std::move(*ids), "prompt"});
+    return prompts;
+  }
+  for (const json& one : prompt) {
+    if (one.is_string()) {
+      prompts.push_back({TextPrompt{one.get<std::string>()}, {}});
+    } else if (std::optional<TokenPrompt> ids = one.is_array() ? ids_of(one) : std::nullopt) {
+      prompts.push_back({std::move(*ids), {}});
+    } else {
+      return shape;
+    }
+  }
+  for (std::size_t i = 0; i < prompts.size(); ++i)
+    prompts[i].field = prompts.size() == 1 ? "prompt" : "prompt[" + std::to_string(i) + "]";
+  return prompts;
+}
+
+}  // namespace
+
+StatusOr<std::string> response_id(std::string_view header, Endpoint endpoint) {
+  if (header.size() > 128)
+    return bad("X-Request-Id: " + std::to_string(header.size()) + " bytes exceed the limit 128",
+               "X-Request-Id");
+  for (const char ch : header) {
+    if (ch < 0x21 || ch > 0x7e)
+      return bad("X-Request-Id: only printable ASCII characters without spaces are allowed", "X-Request-Id");
+  }
+  if (!header.empty()) return std::string(header);
+  return generate_request_id(endpoint == Endpoint::chat ? "chatcmpl-" : "cmpl-");
+}
+
+StatusOr<CompletionCall> parse_completion(std::string_view text, Endpoint endpoint, std::string id,
+                                          const ParseOptions& options) {
+  StatusOr<json> parsed = parse_client_json<json>(text, "");
+  if (!parsed.ok()) return std::move(parsed).take_status();
+  const json& body = *parsed;
+  if (!body.is_object()) return bad("the request body must be a JSON object", "");
+
+  CompletionCall call;
+  IntakeRequest& r = call.intake;
+  ResponseShape& shape = call.shape;
+  shape.endpoint = endpoint;
+  shape.id = id;
+  shape.created = options.created;
+  shape.model = options.served_model;
+  if (present(body, "model")) {
+    if (!body["model"].is_string()) return bad("model: must be a string", "model");
+    shape.model = body["model"].get<std::string>();
+  }
+  r.model = shape.model;
+  r.request_id = std::move(id);
+  r.fields.request_id = "X-Request-Id";
+  r.fields.context = endpoint == Endpoint::chat ? "messages" : "prompt";
+
+  StatusOr<SamplingInput> sampling = read_sampling(body, endpoint);
+  if (!sampling.ok()) return std::move(sampling).take_status();
+  r.sampling = std::move(*sampling);
+  r.seeding = present(body, "seed") ? Seeding::client : Seeding::random;
+  const StatusOr<Logprobs> logprobs = read_logprobs(body, endpoint);
+  if (!logprobs.ok()) return logprobs.status();
+  r.sampling.logprobs = logprobs->logprobs;
+  r.sampling.prompt_logprobs = logprobs->prompt_logprobs;
+  r.sampling.top_logprobs = logprobs->top_logprobs;
+  shape.logprobs = logprobs->logprobs;
+  shape.echo = logprobs->echo;
+  const auto n = int_field(body, "n");
+  if (!n.ok()) return n.status();
+  r.n = n->value_or(1);
+  if (r.n < 1 || r.n > options.max_choices)
+    return bad("n: must be in 1.." + std::to_string(options.max_choices) + ", got " + std::to_string(r.n),
+               "n");
+  const auto stream = bool_field(body, "stream");
+  if (!stream.ok()) return stream.status();
+  shape.stream = stream->value_or(false);
+  if (present(body, "stream_options")) {
+    const json& stream_options = body["stream_options"];
+    if (!shape.stream) return bad("stream_options: only allowed when stream is true", "stream_options");
+    if (!stream_options.is_object()) return bad("stream_options: must be an object", "stream_options");
+    const auto include_usage = bool_field(stream_options, "include_usage");
+    if (!include_usage.ok())
+      return bad("stream_options.include_usage: must be true or false", "stream_options");
+    shape.include_usage = include_usage->value_or(false);
+  }
+
+  if (endpoint == Endpoint::chat) {
+    // Parsed again keeping key order: templates show tool schemas and arguments in the client's order.
+    StatusOr<ordered_json> ordered = parse_client_json<ordered_json>(text, "");
+    if (!ordered.ok()) return std::move(ordered).take_status();
+    StatusOr<std::vector<runtime::ChatMessage>> messages = read_messages(*ordered);
+    if (!messages.ok()) return std::move(messages).take_status();
+    StatusOr<runtime::ChatInputs> inputs = read_chat_inputs(body, *ordered);
+    if (!inputs.ok()) return std::move(inputs).take_status();
+    r.prompts.push_back({ChatPrompt{std::move(*messages), std::move(*inputs)}, "messages"});
+  } else {
+    StatusOr<std::vector<PromptInput>> prompts = read_prompts(body);
+    if (!prompts.ok()) return std::move(prompts).take_status();
+    r.prompts = std::move(*prompts);
+  }
+  if (static_cast<std::int64_t>(r.prompts.size()) * r.n > options.max_choices)
+    return bad("prompt: " + std::to_string(r.prompts.size()) + " prompts times n=" + std::to_string(r.n) +
+                   " exceed the limit of " + std::to_string(options.max_choices) + " choices per call",
+               "n");
+  return call;
+}
+
+}  // namespace capserve::server::http

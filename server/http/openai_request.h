@@ -1,0 +1,51 @@
+#pragma once
+// The OpenAI API's request side: a POST body to /v1/chat/completions or /v1/completions (and the
+// X-Request-Id header) into the protocol-neutral IntakeRequest, plus what the response's shape needs (stream,
+// usage chunk, echo, logprobs). Only the wire format is checked here — types, OpenAI's field rules and
+// ranges that exist only in this API (n, echo, stream_options, penalties); every check both APIs share is
+// RequestIntake::admit's. Errors are INVALID_ARGUMENT naming the body's field as the client spelt it.
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "runtime/status.h"
+#include "server/intake_request.h"
+
+namespace capserve::server::http {
+
+enum class Endpoint { chat, completions };
+
+// How the response is shaped, besides its choices.
+struct ResponseShape {
+  Endpoint endpoint = Endpoint::chat;
+  bool stream = false;
+  bool include_usage = false;  // stream_options.include_usage: a last chunk with the usage
+  bool logprobs = false;
+  bool echo = false;  // completions: the prompt comes back before the completion
+  std::string id;     // the response's id: the X-Request-Id
+  std::string model;
+  std::int64_t created = 0;
+
+  [[nodiscard]] bool chat() const { return endpoint == Endpoint::chat; }
+};
+
+struct CompletionCall {
+  IntakeRequest intake;
+  ResponseShape shape;
+};
+
+// The client's X-Request-Id when usable (1..128 printable ASCII characters without spaces), or a new one
+// ("chatcmpl-" / "cmpl-" and 96 random bits) when it sent none.
+runtime::StatusOr<std::string> response_id(std::string_view header, Endpoint endpoint);
+
+struct ParseOptions {
+  std::string served_model;       // the model field's default
+  std::int64_t max_choices = 64;  // n times the number of prompts
+  std::int64_t created = 0;       // the response's "created"
+};
+
+// The call `body` asks for, with `id` as its request id.
+runtime::StatusOr<CompletionCall> parse_completion(std::string_view body, Endpoint endpoint, std::string id,
+                                                   const ParseOptions& options);
+
+}  // namespace capserve::server::http

@@ -1,0 +1,85 @@
+#pragma once
+// One client request as the intake sees it, whatever its wire format: each front end (the gRPC service, the
+// OpenAI HTTP API) fills this from its protobuf or JSON and hands it to RequestIntake::admit, which runs
+// every check in one order. What differs between the APIs is data here — the prompt's form, the spelling of
+// field names in errors, how many choices — never the order of the checks.
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <stop_token>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "runtime/chat/chat_template.h"
+#include "server/request.h"
+
+namespace capserve::server {
+
+// The sampling fields of a request, whatever its wire format.
+// Unset temperature / top_p / top_k take the checkpoint's generation_config.json defaults
+// (ServiceLimits::generation_defaults), else greedy and no filter.
+struct SamplingInput {
+  std::optional<double> temperature;
+  std::optional<double> top_p;        // 0 or 1: off
+  std::optional<std::int64_t> top_k;  // 0: off
+  std::int64_t max_tokens = 0;        // 0: the server's default
+  std::uint64_t seed = 0;
+  std::vector<std::string> stop;
+  std::vector<std::int32_t> stop_token_ids;
+  bool ignore_eos = false;
+  bool logprobs = false;         // each generated token's log-probability
+  bool prompt_logprobs = false;  // each prompt token's, given its prefix
+  std::int64_t top_logprobs = 0;
+};
+
+// Chat messages, rendered through the model's chat template.
+struct ChatPrompt {
+  std::vector<runtime::ChatMessage> messages;
+  runtime::ChatInputs inputs;
+};
+// Text, tokenized as the model's tokenizer does (with its BOS where it adds one).
+struct TextPrompt {
+  std::string text;
+};
+// Token ids as sent: not empty, each in the vocabulary.
+struct TokenPrompt {
+  std::vector<std::int32_t> ids;
+};
+
+struct PromptInput {
+  std::variant<ChatPrompt, TextPrompt, TokenPrompt> content;
+  std::string field;  // where the client sent it: "messages", "input_ids", "prompt", "prompt[1]"
+};
+
+// How the front end spells the fields that errors name.
+struct FieldNames {
+  std::string request_id = "request_id";
+  std::string sampling_prefix;     // before each sampling field: "sampling." (gRPC) or "" (HTTP)
+  std::string context = "prompt";  // blamed for a prompt that leaves no room within the context length
+};
+
+// How each choice's seed is chosen when there are several (HTTP's n, prompt lists).
+enum class Seeding {
+  client,  // the client's seed for the first choice, +1 for each next one
+  random   // a random base for the first choice, +1 for each next one
+};
+
+struct IntakeRequest {
+  std::string model;       // empty: the served one
+  std::string request_id;  // empty: `id_prefix` + 96 random bits
+  std::string id_prefix = "req-";
+  std::vector<PromptInput> prompts;  // at least one; HTTP completions may send a list
+  std::int64_t n = 1;                // choices per prompt: each is one Request
+  SamplingInput sampling;
+  Seeding seeding = Seeding::client;
+  bool text_output = true;  // text deltas (chat, completions); false: token ids (Generate)
+  FieldNames fields;
+  std::string peer;  // the client's address in gRPC notation ("ipv4:10.0.0.1:5000"), for limits and logs
+  Clock::time_point deadline = Clock::time_point::max();
+  // Requested when the client goes away or the server drains: cancels a chat template's render and submits
+  // nothing.
+  std::stop_token stop;
+};
+
+}  // namespace capserve::server
