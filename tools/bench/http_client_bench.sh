@@ -48,16 +48,29 @@ trap 'rm -rf "$work"' EXIT
 mkdir -p "$out"
 
 # The aiperf command line, as run (the URL and model name come from the server just started).
+server_args=""
 if [[ -n "$mooncake" ]]; then
+  # aiperf starts each hash block with the tokenizer's BOS (here <|endoftext|>) and sends the prompt as text with
+  # that spelling in it: as plain text it is 7 tokens, and a 16-token block arrives as 22. The server reads it as
+  # the control token it is, so that the blocks keep their size.
+  server_args="--allow-special-tokens-in-content"
   # The slice as capserve-loadgen sends it, capped to the default model's 1024-token context.
   "$build/tools/capserve-loadgen" --trace "$mooncake" --length-scale "$length_scale" --trace-start-s "$trace_start_s" \
     --duration-s "$duration_s" --time-scale "$time_scale" --max-context 1024 --max-prompt-tokens 1024 \
     --max-tokens 1024 --write-trace "$work/trace.jsonl" | tee "$work/write_trace.log"
   block="$(sed -n 's/.*block size \([0-9]*\) tokens.*/\1/p' "$work/write_trace.log")"
   requests="$(wc -l <"$work/trace.jsonl")"
+  # aiperf 0.13 builds hash_ids prompts in worker processes that force HF_HUB_OFFLINE and then accept only a
+  # tokenizer in the hub cache, not a directory: the model's tokenizer files go into a private cache under a
+  # hub-style name, and the whole client runs offline (the hub is not reachable from here anyway).
+  snapshot="$work/hf/hub/models--capserve--capserve-moe-tiny/snapshots/local"
+  mkdir -p "$snapshot" "$work/hf/hub/models--capserve--capserve-moe-tiny/refs"
+  cp "$model"/tokenizer.json "$model"/tokenizer_config.json "$model"/config.json "$snapshot/"
+  printf local >"$work/hf/hub/models--capserve--capserve-moe-tiny/refs/main"  # no newline: the hub reads it verbatim
   cat >"$work/client.sh" <<CLIENT
+HF_HOME="$work/hf" HF_HUB_OFFLINE=1 \\
 exec "$bin/aiperf" profile --model "\$CAPSERVE_MODEL_ID" --url "http://127.0.0.1:\$CAPSERVE_HTTP_PORT" \\
-  --endpoint-type completions --streaming --tokenizer "$model" \\
+  --endpoint-type completions --streaming --tokenizer capserve/capserve-moe-tiny \\
   --input-file "$work/trace.jsonl" --custom-dataset-type mooncake_trace --fixed-schedule --isl-block-size $block \\
   --extra-inputs ignore_eos:true --random-seed 0 --ui simple --artifact-dir "$work/aiperf"
 CLIENT
@@ -70,7 +83,7 @@ exec "$bin/aiperf" profile --model "\$CAPSERVE_MODEL_ID" --url "http://127.0.0.1
   --random-seed 0 --ui simple --artifact-dir "$work/aiperf"
 CLIENT
 fi
-python3 "$root/tools/with_capserve.py" --build "$build" --model "$model" \
+python3 "$root/tools/with_capserve.py" --build "$build" --model "$model" --server-args="$server_args" \
   --counts "$work/server_counts.json" -- bash "$work/client.sh" 2>&1 | tee "$work/run.log"
 report="$(find "$work/aiperf" -name profile_export_aiperf.json | head -1)"
 [[ -n "$report" ]] || { echo "http_client_bench: aiperf wrote no profile_export_aiperf.json" >&2; exit 1; }
@@ -85,11 +98,11 @@ cp "$report" "${report%.json}.csv" "$work/server_counts.json" "$out/"
     echo "# tools/bench/http_client_bench.sh --requests $requests --concurrency $concurrency --isl $isl --osl $osl"
   fi
   echo "# ran this aiperf command against capserve on 2 ranks started by tools/with_capserve.py:"
-  sed -e "s#$root/##g" -e "s#$work/aiperf#ARTIFACT_DIR#" -e "s#$work/trace.jsonl#TRACE.jsonl#" "$work/client.sh"
+  sed -e "s#$root/##g" -e "s#$work/aiperf#ARTIFACT_DIR#" -e "s#$work/trace.jsonl#TRACE.jsonl#" -e "s#$work/hf#HF_CACHE#" "$work/client.sh"
 } >"$out/command.sh"
-python3 - "$out" "$requests" <<'CHECK'
+python3 - "$out" "$requests" "${mooncake:+$out/trace.jsonl}" <<'CHECK'
 import json, sys
-out, wanted = sys.argv[1], int(sys.argv[2])
+out, wanted, trace = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 report = json.load(open(f"{out}/profile_export_aiperf.json"))
 server = json.load(open(f"{out}/server_counts.json"))
 sent = int(report["request_count"]["avg"])
@@ -99,7 +112,13 @@ errors = report["error_summary"]
 summary = {"aiperf_request_count": sent, "aiperf_completed_request_count": completed, "aiperf_errors": errors,
            "server_requests_total": server["finished_total"], "server_refused": server["refused"],
            "requests_per_s": report["request_throughput"]["avg"],
-           "output_tokens_per_s": report["output_token_throughput"]["avg"]}
+           "output_tokens_per_s": report["output_token_throughput"]["avg"],
+           # The prompt tokens aiperf made and the server counted: equal when its text prompts round-trip.
+           "aiperf_total_isl": report.get("total_isl", {}).get("avg"),
+           "server_prompt_tokens": report.get("total_usage_prompt_tokens", {}).get("avg")}
+if trace:
+    with open(trace) as f:
+        summary["trace_input_tokens"] = sum(json.loads(line)["input_length"] for line in f)
 json.dump(summary, open(f"{out}/summary.json", "w"), indent=1)
 print("http_client_bench: aiperf sent", sent, "and completed", completed, "requests; the server counted", counted)
 if sent != wanted or completed != sent or errors or counted != sent:

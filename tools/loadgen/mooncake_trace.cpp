@@ -95,6 +95,10 @@ void write_mooncake_trace(std::ostream& out, std::span<const Arrival> arrivals,
                           std::span<const std::int64_t> output_tokens, std::int64_t block_tokens) {
   if (prompt_tokens.size() != arrivals.size() || output_tokens.size() != arrivals.size())
     throw std::invalid_argument("write_mooncake_trace: one prompt and output size per arrival");
+  std::int64_t next_id = 0;
+  for (const Arrival& a : arrivals) {
+    for (const std::int64_t id : a.hash_ids) next_id = std::max(next_id, id + 1);
+  }
   for (std::size_t i = 0; i < arrivals.size(); ++i) {
     const Arrival& a = arrivals[i];
     const auto blocks = static_cast<std::size_t>(blocks_for(prompt_tokens[i], block_tokens));
@@ -102,12 +106,16 @@ void write_mooncake_trace(std::ostream& out, std::span<const Arrival> arrivals,
       throw std::invalid_argument("write_mooncake_trace: request " + std::to_string(i) + " has " +
                                   std::to_string(a.hash_ids.size()) + " hash ids for " +
                                   std::to_string(blocks) + " blocks");
-    const nlohmann::json line = {
-        {"timestamp", static_cast<std::int64_t>(std::llround(a.at_s * 1000))},
-        {"input_length", prompt_tokens[i]},
-        {"output_length", output_tokens[i]},
-        {"hash_ids", std::vector<std::int64_t>(a.hash_ids.begin(),
-                                               a.hash_ids.begin() + static_cast<std::ptrdiff_t>(blocks))}};
+    std::vector<std::int64_t> ids(a.hash_ids.begin(),
+                                  a.hash_ids.begin() + static_cast<std::ptrdiff_t>(blocks));
+    // A last partial block gets an id of its own: AIPerf 0.13 gives each hash id one block size and refuses a
+    // trace that uses one at two sizes, which scaling and capping make common. A KV cache of full blocks
+    // cannot hit a partial block anyway.
+    if (prompt_tokens[i] % block_tokens != 0) ids.back() = next_id++;
+    const nlohmann::json line = {{"timestamp", static_cast<std::int64_t>(std::llround(a.at_s * 1000))},
+                                 {"input_length", prompt_tokens[i]},
+                                 {"output_length", output_tokens[i]},
+                                 {"hash_ids", ids}};
     out << line.dump() << "\n";
   }
 }

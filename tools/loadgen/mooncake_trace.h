@@ -35,7 +35,8 @@ std::vector<TraceRecord> read_trace(const std::filesystem::path& path, TraceForm
 
 // The arrivals as a Mooncake trace (timestamps in whole milliseconds), each with the sizes it is sent with:
 // `prompt_tokens[i]` and `output_tokens[i]`, and the hash ids of the blocks that prompt still covers, so that
-// every line keeps len(hash_ids) == ceil(input_length / block_tokens).
+// every line keeps len(hash_ids) == ceil(input_length / block_tokens). A last partial block's id is replaced
+// by a new one, above every id of the arrivals and used once, so that each id keeps one block size.
 void write_mooncake_trace(std::ostream& out, std::span<const Arrival> arrivals,
                           std::span<const std::int64_t> prompt_tokens,
                           std::span<const std::int64_t> output_tokens, std::int64_t block_tokens);

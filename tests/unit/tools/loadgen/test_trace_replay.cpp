@@ -290,18 +290,21 @@ TEST(TraceLengths, TheSyntheticTraceAtOneThirtySecond) {
   EXPECT_LT(all.prompts().capped, 700);
 }
 
-TEST(MooncakeTrace, WritesWhatItReadsBack) {
-  const std::vector<Arrival> arrivals = {{0.0, 40, 3, {7, 8, 9}}, {1.2345, 20, 2, {7, 11}}};
+TEST(MooncakeTrace, WritesWhatItReadsBackWithOneSizePerHashId) {
+  const std::vector<Arrival> arrivals = {
+      {0.0, 40, 3, {7, 8, 9}}, {1.2345, 20, 2, {7, 11}}, {2.0, 40, 2, {7, 11, 2}}};
   std::ostringstream text;
-  write_mooncake_trace(text, arrivals, std::vector<std::int64_t>{33, 16}, std::vector<std::int64_t>{3, 1},
-                       16);
+  write_mooncake_trace(text, arrivals, std::vector<std::int64_t>{33, 16, 20},
+                       std::vector<std::int64_t>{3, 1, 2}, 16);
+  // Cut to the blocks the prompt covers; each last partial block a new id (above 11), once.
   EXPECT_EQ(text.str(),
-            "{\"hash_ids\":[7,8,9],\"input_length\":33,\"output_length\":3,\"timestamp\":0}\n"
-            "{\"hash_ids\":[7],\"input_length\":16,\"output_length\":1,\"timestamp\":1235}\n");
+            "{\"hash_ids\":[7,8,12],\"input_length\":33,\"output_length\":3,\"timestamp\":0}\n"
+            "{\"hash_ids\":[7],\"input_length\":16,\"output_length\":1,\"timestamp\":1235}\n"
+            "{\"hash_ids\":[7,13],\"input_length\":20,\"output_length\":2,\"timestamp\":2000}\n");
   const std::filesystem::path p = write_file("written.jsonl", text.str());
   const std::vector<TraceRecord> back = read_mooncake_trace(p, 16);
   std::filesystem::remove(p);
-  ASSERT_EQ(back.size(), 2U);
+  ASSERT_EQ(back.size(), 3U);
   EXPECT_DOUBLE_EQ(back[1].t_s, 1.235);
   EXPECT_EQ(back[1].hash_ids, (std::vector<std::int64_t>{7}));
   std::ostringstream unused;
