@@ -52,8 +52,9 @@ server_args=""
 if [[ -n "$mooncake" ]]; then
   # aiperf starts each hash block with the tokenizer's BOS (here <|endoftext|>) and sends the prompt as text with
   # that spelling in it: as plain text it is 7 tokens, and a 16-token block arrives as 22. The server reads it as
-  # the control token it is, so that the blocks keep their size.
-  server_args="--allow-special-tokens-in-content"
+  # the control token it is, so that the blocks keep their size. aiperf opens a connection per request in flight,
+  # and a replay (unlike --concurrency) can hold more than the 64 one address may by default.
+  server_args="--allow-special-tokens-in-content --max-connections-per-peer 255"
   # The slice as capserve-loadgen sends it, capped to the default model's 1024-token context.
   "$build/tools/capserve-loadgen" --trace "$mooncake" --length-scale "$length_scale" --trace-start-s "$trace_start_s" \
     --duration-s "$duration_s" --time-scale "$time_scale" --max-context 1024 --max-prompt-tokens 1024 \
@@ -92,7 +93,7 @@ cp "$report" "${report%.json}.csv" "$work/server_counts.json" "$out/"
   if [[ -n "$mooncake" ]]; then
     echo "# tools/bench/http_client_bench.sh --mooncake $(basename "$mooncake") --length-scale $length_scale" \
       "--trace-start-s $trace_start_s --duration-s $duration_s --time-scale $time_scale"
-    echo "# wrote TRACE.jsonl: $(cat "$work/write_trace.log")"
+    echo "# wrote TRACE.jsonl: $(sed "s#$work/trace.jsonl#TRACE.jsonl#" "$work/write_trace.log")"
     cp "$work/trace.jsonl" "$out/trace.jsonl"
   else
     echo "# tools/bench/http_client_bench.sh --requests $requests --concurrency $concurrency --isl $isl --osl $osl"
