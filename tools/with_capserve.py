@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Runs a client command against a fresh CapServe with its HTTP API, then stops the server.
 
-    tools/with_capserve.py [--build DIR] [--model DIR] [--np N] [--counts FILE] -- COMMAND [ARGS...]
+    tools/with_capserve.py [--build DIR] [--model DIR] [--np N] [--counts FILE] [--server-args="FLAGS"] -- COMMAND [ARGS...]
 
 capserve starts on N ranks (deploy/launch.sh) with --http-port 0; COMMAND runs (a single argument through
 bash -c, so it may use the variables) with CAPSERVE_HTTP_PORT, CAPSERVE_BASE_URL (http://127.0.0.1:PORT/v1)
@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -58,6 +59,7 @@ def main():
     parser.add_argument("--threads", type=int, default=1, help="capserve --threads per rank")
     parser.add_argument("--counts", help="write the server's request counts caused by COMMAND here (JSON)")
     parser.add_argument("--start-timeout", type=float, default=300)
+    parser.add_argument("--server-args", default="", type=shlex.split, help="more capserve flags, one string")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -69,7 +71,7 @@ def main():
 
     server = subprocess.Popen(["bash", os.path.join(ROOT, "deploy/launch.sh"), str(args.np), binary, "--model",
                                args.model, "--port", "0", "--metrics-port", "0", "--http-port", "0", "--threads",
-                               str(args.threads)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               str(args.threads), *args.server_args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               start_new_session=True)
     started = threading.Event()
     found = {}

@@ -102,7 +102,7 @@ std::vector<TraceRecord> read_azure_trace(const std::filesystem::path& path) {
         throw std::invalid_argument("expected 3 fields TIMESTAMP,ContextTokens,GeneratedTokens");
       const std::string_view view(line);
       absolute.push_back(parse_trace_timestamp(view.substr(0, a)));
-      rows.push_back({0, parse_count(view.substr(a + 1, b - a - 1)), parse_count(view.substr(b + 1))});
+      rows.push_back({0, parse_count(view.substr(a + 1, b - a - 1)), parse_count(view.substr(b + 1)), {}});
     } catch (const std::invalid_argument& e) {
       throw std::runtime_error(path.string() + ":" + std::to_string(number) + ": " + e.what());
     }
@@ -123,7 +123,8 @@ std::vector<Arrival> slice_trace(const std::vector<TraceRecord>& trace, const Tr
   for (const TraceRecord& r : trace) {
     if (r.t_s < slice.start_s || r.t_s >= end_s) continue;
     if (slice.max_requests > 0 && static_cast<std::int64_t>(out.size()) >= slice.max_requests) break;
-    out.push_back({(r.t_s - slice.start_s) * slice.time_scale, r.context_tokens, r.generated_tokens});
+    out.push_back(
+        {(r.t_s - slice.start_s) * slice.time_scale, r.context_tokens, r.generated_tokens, r.hash_ids});
   }
   return out;
 }
@@ -144,6 +145,7 @@ void SizeSource::draw(Arrival& a) {
   const TraceRecord& r = rows_[std::uniform_int_distribution<std::size_t>(0, rows_.size() - 1)(rng_)];
   a.context_tokens = r.context_tokens;
   a.generated_tokens = r.generated_tokens;
+  a.hash_ids = r.hash_ids;
 }
 
 std::vector<Arrival> poisson_arrivals(const PoissonSpec& spec, SizeSource& sizes) {
@@ -153,7 +155,7 @@ std::vector<Arrival> poisson_arrivals(const PoissonSpec& spec, SizeSource& sizes
   std::vector<Arrival> out;
   for (double t = gap(rng); t < spec.duration_s; t += gap(rng)) {
     if (spec.max_requests > 0 && static_cast<std::int64_t>(out.size()) >= spec.max_requests) break;
-    Arrival a{t, 0, 0};
+    Arrival a{t, 0, 0, {}};
     sizes.draw(a);
     out.push_back(a);
   }

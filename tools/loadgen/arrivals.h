@@ -1,7 +1,7 @@
 #pragma once
-// When requests arrive and how big they are: replayed from an Azure LLM inference trace
-// (../shared/data/traces/azure_llm_2023_{code,conv}.csv: TIMESTAMP,ContextTokens,GeneratedTokens),
-// time-scaled and sliced, or drawn as a seeded Poisson process.
+// When requests arrive and how big they are: replayed from a trace (an Azure LLM inference CSV,
+// ../shared/data/traces/azure_llm_2023_{code,conv}.csv: TIMESTAMP,ContextTokens,GeneratedTokens; or a
+// Mooncake JSONL, mooncake_trace.h), time-scaled and sliced, or drawn as a seeded Poisson process.
 #include <cstdint>
 #include <filesystem>
 #include <random>
@@ -10,11 +10,13 @@
 
 namespace capserve::loadgen {
 
-// One row of a trace: seconds since the trace's first request, and its token counts.
+// One row of a trace: seconds since the trace's first request, its token counts, and (Mooncake traces) the
+// hashes of its prompt's blocks, which say which prompts share a prefix.
 struct TraceRecord {
   double t_s = 0;
   std::int64_t context_tokens = 0;
   std::int64_t generated_tokens = 0;
+  std::vector<std::int64_t> hash_ids;
 };
 
 // One request to send: when (seconds after the run starts) and the sizes the trace asked for (uncapped).
@@ -22,6 +24,7 @@ struct Arrival {
   double at_s = 0;
   std::int64_t context_tokens = 0;
   std::int64_t generated_tokens = 0;
+  std::vector<std::int64_t> hash_ids;
 };
 
 // "2023-11-16 18:17:03.9799600" as seconds since 1970-01-01 (UTC assumed; only differences matter). Throws

@@ -2,12 +2,14 @@
 // inter-token and end-to-end latency, throughput, one terminal status per request) next to what the server
 // says about itself on /metrics (dropped and rerouted assignments, per-rank imbalance, predictor accuracy).
 //
-// Arrivals: a replayed Azure LLM trace (time-scaled slice), a seeded Poisson process, or a closed loop that
-// keeps N streams open. Prompts: random slices of the domain corpus, in semantic bursts or mixed, sized by
-// the trace's ContextTokens (capped); max_tokens from its GeneratedTokens (capped). Every request is a gRPC
-// callback reactor, so a few threads sustain hundreds of streams. Exit status: 0 when every request got
-// exactly one terminal status (LOST = 0) and the stream contract held; 1 otherwise; 3 with --fail-on-error
-// when any status was not OK; 4 with
+// Arrivals: a replayed trace (Azure LLM CSV or Mooncake JSONL; time-scaled slice), a seeded Poisson process,
+// or a closed loop that keeps N streams open. Sizes: the trace's, times --length-scale, capped to the limits
+// and the served context (and the report says how many were capped, by how much). Prompts: random slices of
+// the domain corpus, in semantic bursts or mixed; for a Mooncake trace, token ids whose shared prefixes
+// follow its hash_ids (prefix_tokens.h). --write-trace writes the scaled, capped slice as Mooncake JSONL for
+// another client (AIPerf) and sends nothing. Every request is a gRPC callback reactor, so a few threads
+// sustain hundreds of streams. Exit status: 0 when every request got exactly one terminal status (LOST = 0)
+// and the stream contract held; 1 otherwise; 3 with --fail-on-error when any status was not OK; 4 with
 // --soak-report when a server process exited or its memory grew past the tolerance after warm-up.
 #include <grpcpp/grpcpp.h>
 
@@ -29,12 +31,15 @@
 #include "runtime/tokenizer/tokenizer.h"
 #include "tools/loadgen/arrivals.h"
 #include "tools/loadgen/http_get.h"
+#include "tools/loadgen/mooncake_trace.h"
+#include "tools/loadgen/prefix_tokens.h"
 #include "tools/loadgen/prometheus_text.h"
 #include "tools/loadgen/prompts.h"
 #include "tools/loadgen/report.h"
 #include "tools/loadgen/rss_sampler.h"
 #include "tools/loadgen/server_figures.h"
 #include "tools/loadgen/stream_client.h"
+#include "tools/loadgen/trace_lengths.h"
 
 namespace {
 
@@ -55,6 +60,10 @@ struct Options {
   std::string model;
   // Arrivals.
   std::string trace;
+  std::string trace_format = "auto";
+  double length_scale = 1;
+  std::int64_t max_context = 0;
+  std::string write_trace;
   double time_scale = 1;
   double trace_start_s = 0;
   double duration_s = 60;
@@ -107,12 +116,29 @@ void add_flags(CLI::App& app, Options& o) {
 
   auto* g = app.add_option_group("arrivals",
                                  "one of: --trace (replay), --rate (Poisson), --concurrency (closed loop)");
-  g->add_option("--trace", o.trace,
-                "Azure LLM trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens), e.g. "
-                "../shared/data/traces/azure_llm_2023_code.csv next to the source tree: replayed, or with "
-                "--rate/--concurrency only its "
-                "request sizes are used")
+  g->add_option(
+       "--trace", o.trace,
+       "Azure LLM trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens, e.g. "
+       "../shared/data/traces/azure_llm_2023_code.csv next to the source tree) or Mooncake JSONL "
+       "({timestamp ms, input_length, output_length, hash_ids}, e.g. "
+       "../shared/data/traces/mooncake_synthetic.jsonl): replayed, or with --rate/--concurrency only "
+       "its request sizes are used")
       ->check(CLI::ExistingFile);
+  g->add_option("--trace-format", o.trace_format, "auto: by extension (.jsonl Mooncake, .csv Azure)")
+      ->check(CLI::IsMember({"auto", "azure", "mooncake"}))
+      ->capture_default_str();
+  g->add_option("--length-scale", o.length_scale,
+                "multiplies the trace's prompt and output lengths and a Mooncake trace's block size (512 "
+                "tokens per hash id): 1/32 = 0.03125 gives 16-token blocks, the server's KV block")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  g->add_option("--max-context", o.max_context,
+                "prompt + output cap (default: the served model's max_context; with --write-trace: none)")
+      ->check(CLI::NonNegativeNumber);
+  g->add_option(
+      "--write-trace", o.write_trace,
+      "write the scaled, capped, sliced Mooncake trace to this file (JSONL, AIPerf's mooncake_trace; "
+      "block size in the report) and send nothing");
   g->add_option("--time-scale", o.time_scale,
                 "replay time = trace time * this (0.1 replays ten times faster, 2 half as fast)")
       ->check(CLI::PositiveNumber)
@@ -156,11 +182,11 @@ void add_flags(CLI::App& app, Options& o) {
   p->add_option("--output-tokens", o.output_tokens, "max_tokens without a trace")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  p->add_option("--max-prompt-tokens", o.max_prompt_tokens, "cap on the trace's ContextTokens")
+  p->add_option("--max-prompt-tokens", o.max_prompt_tokens, "cap on a trace's (scaled) prompt length")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   p->add_option("--max-tokens", o.max_tokens,
-                "cap on the trace's GeneratedTokens (max_tokens of each request)")
+                "cap on a trace's (scaled) output length (max_tokens of each request)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   p->add_option("--temperature", o.temperature, "0: greedy")
@@ -303,6 +329,14 @@ std::shared_ptr<grpc::Channel> connect(const Options& o) {
   return channel;
 }
 
+// The trace's rows with their lengths scaled (none without --trace).
+std::vector<TraceRecord> load_trace(const Options& o, TraceFormat format, std::int64_t block_tokens) {
+  if (o.trace.empty()) return {};
+  std::vector<TraceRecord> rows = read_trace(o.trace, format);
+  scale_lengths(rows, o.length_scale, block_tokens);
+  return rows;
+}
+
 // One run: arrivals planned up front (or a closed loop), requests started on time, every terminal status
 // collected, then the report.
 class Run {
@@ -311,20 +345,34 @@ class Run {
       : o_(o),
         closed_loop_(o.concurrency > 0),
         poisson_(!closed_loop_ && o.rate > 0),
-        trace_(o.trace.empty() ? std::vector<TraceRecord>{} : read_azure_trace(o.trace)),
+        format_(o.trace.empty() ? TraceFormat::azure : trace_format_for(o.trace, o.trace_format)),
+        block_tokens_(scaled_block_tokens(kMooncakeBlockTokens, o.length_scale)),
+        trace_(load_trace(o, format_, block_tokens_)),
         tokenizer_(o.tokenizer.empty() ? std::nullopt
                                        : std::optional(capserve::runtime::Tokenizer::load(o.tokenizer))),
         prompts_({o.corpus, o.domains, o.prompt_mix == "mixed" ? PromptMix::mixed : PromptMix::bursts,
                   o.burst_length, o.seed, o.bytes_per_token},
                  tokenizer_ ? &*tokenizer_ : nullptr),
         sizes_(closed_loop_ || poisson_ ? trace_ : std::vector<TraceRecord>{}, o.prompt_tokens,
-               o.output_tokens, o.seed + 1) {}
+               o.output_tokens, o.seed + 1) {
+    if (format_ == TraceFormat::mooncake && tokenizer_)
+      prefix_.emplace(ordinary_token_ids(*tokenizer_), block_tokens_, o.seed);
+  }
 
   int execute() {
     const std::vector<Arrival> arrivals = plan_arrivals();
+    if (!o_.write_trace.empty()) return write_trace(arrivals);
     const auto channel = connect(o_);
     Report report;
-    report.run = describe(server_info(channel));
+    const nlohmann::json info = server_info(channel);
+    caps_ = LengthCaps({o_.max_prompt_tokens, o_.max_tokens,
+                        o_.max_context > 0 ? o_.max_context : info.value("max_context", std::int64_t{0})});
+    if (!closed_loop_) {
+      LengthCaps preview = caps_;
+      for (const Arrival& a : arrivals) preview.fit(a.context_tokens, a.generated_tokens);
+      std::fprintf(stderr, "capserve-loadgen: %s\n", preview.summary().c_str());
+    }
+    report.run = describe(info);
 
     std::optional<Scrape> before;
     if (!o_.metrics_url.empty()) {
@@ -362,6 +410,8 @@ class Run {
       report.soak = std::move(soak);
     }
     report.client = client_figures(records_, sent_, abandoned.unterminated, client.max_in_flight());
+    report.run["length_caps"] = caps_.to_json();
+    report.run["length_caps_summary"] = caps_.summary();
     print_report(report);
     if (!o_.json_path.empty()) {
       std::ofstream out(o_.json_path);
@@ -382,6 +432,10 @@ class Run {
     if (o_.mode == "generate" && !tokenizer_)
       throw std::invalid_argument(
           "--mode generate needs --tokenizer (the model directory) to make token ids");
+    if (format_ == TraceFormat::mooncake && o_.write_trace.empty() && o_.mode != "generate")
+      throw std::invalid_argument(
+          "a Mooncake trace is sent as token ids with shared prefixes: give --mode generate and --tokenizer "
+          "(the model directory: its vocabulary and special tokens)");
     std::vector<Arrival> arrivals;
     if (closed_loop_) {
       arrivals_text_ = "closed loop of " + std::to_string(o_.concurrency) + " streams for " +
@@ -401,13 +455,44 @@ class Run {
     }
     if ((closed_loop_ || poisson_) && !trace_.empty())
       arrivals_text_ += ", sizes from " + std::filesystem::path(o_.trace).filename().string();
+    if (!trace_.empty() && o_.length_scale != 1) arrivals_text_ += ", lengths x" + fixed(o_.length_scale, 5);
+    if (format_ == TraceFormat::mooncake && !trace_.empty())
+      arrivals_text_ += ", prefixes of " + std::to_string(block_tokens_) + "-token blocks";
     return arrivals;
+  }
+
+  // --write-trace: the arrivals as a Mooncake trace with the sizes they would be sent with.
+  int write_trace(const std::vector<Arrival>& arrivals) {
+    if (format_ != TraceFormat::mooncake || closed_loop_)
+      throw std::invalid_argument(
+          "--write-trace writes the arrivals of a Mooncake trace (--trace FILE.jsonl, "
+          "replayed or with --rate)");
+    LengthCaps caps({o_.max_prompt_tokens, o_.max_tokens, o_.max_context});
+    std::vector<std::int64_t> prompt;
+    std::vector<std::int64_t> output;
+    for (const Arrival& a : arrivals) {
+      const Lengths l = caps.fit(a.context_tokens, a.generated_tokens);
+      prompt.push_back(l.prompt);
+      output.push_back(l.output);
+    }
+    std::ofstream out(o_.write_trace);
+    write_mooncake_trace(out, arrivals, prompt, output, block_tokens_);
+    out.close();
+    if (!out) throw std::runtime_error("cannot write " + o_.write_trace);
+    std::printf("capserve-loadgen: wrote %s: %s; block size %lld tokens; %s\n", o_.write_trace.c_str(),
+                arrivals_text_.c_str(), static_cast<long long>(block_tokens_), caps.summary().c_str());
+    return 0;
   }
 
   nlohmann::json describe(nlohmann::json server) const {
     nlohmann::json run = {{"target", o_.target},
                           {"mode", o_.mode},
                           {"arrivals", arrivals_text_},
+                          {"trace_format", o_.trace.empty()                   ? ""
+                                           : format_ == TraceFormat::mooncake ? "mooncake"
+                                                                              : "azure"},
+                          {"length_scale", o_.length_scale},
+                          {"block_tokens", format_ == TraceFormat::mooncake ? block_tokens_ : 0},
                           {"prompt_mix", o_.prompt_mix},
                           {"burst_length", o_.burst_length},
                           {"domains", o_.domains},
@@ -417,8 +502,11 @@ class Run {
                           {"seed", o_.seed},
                           {"tokenizer", o_.tokenizer},
                           {"server_info", std::move(server)}};
-    run["summary"] = arrivals_text_ + "; " + o_.mode + ", prompts " + o_.prompt_mix +
-                     (o_.prompt_mix == "bursts" ? " of " + std::to_string(o_.burst_length) : "") +
+    const std::string prompts =
+        prefix_ ? "token-id prompts sharing the trace's prefixes"
+                : "prompts " + o_.prompt_mix +
+                      (o_.prompt_mix == "bursts" ? " of " + std::to_string(o_.burst_length) : "");
+    run["summary"] = arrivals_text_ + "; " + o_.mode + ", " + prompts +
                      ", prompt <= " + std::to_string(o_.max_prompt_tokens) +
                      " tokens, max_tokens <= " + std::to_string(o_.max_tokens) +
                      (o_.temperature > 0 ? ", temperature " + fixed(o_.temperature, 2) : ", greedy");
@@ -429,8 +517,14 @@ class Run {
     RequestSpec spec;
     spec.index = static_cast<std::uint64_t>(sent_);
     spec.scheduled_s = a.at_s;
-    spec.prompt_tokens_target = std::clamp<std::int64_t>(a.context_tokens, 1, o_.max_prompt_tokens);
-    spec.max_tokens = std::clamp<std::int64_t>(a.generated_tokens, 1, o_.max_tokens);
+    const Lengths lengths = caps_.fit(a.context_tokens, a.generated_tokens);
+    spec.prompt_tokens_target = lengths.prompt;
+    spec.max_tokens = lengths.output;
+    if (prefix_) {
+      spec.domain = "mooncake";
+      spec.ids = prefix_->prompt(a.hash_ids, lengths.prompt);
+      return spec;
+    }
     Prompt p = prompts_.next(spec.prompt_tokens_target);
     spec.domain = std::move(p.domain);
     spec.text = std::move(p.text);
@@ -460,7 +554,7 @@ class Run {
     while (!g_interrupted.load() && Clock::now() < end && (o_.max_requests == 0 || sent_ < o_.max_requests)) {
       const Clock::time_point wake = std::min(end, Clock::now() + std::chrono::seconds(1));
       if (client.wait_below(o_.concurrency, wake) < o_.concurrency) {
-        Arrival a{std::chrono::duration<double>(Clock::now() - t0_).count(), 0, 0};
+        Arrival a{std::chrono::duration<double>(Clock::now() - t0_).count(), 0, 0, {}};
         sizes_.draw(a);
         client.start(spec_for(a));
         ++sent_;
@@ -515,10 +609,14 @@ class Run {
   const Options& o_;
   const bool closed_loop_;
   const bool poisson_;
+  const TraceFormat format_;         // azure without a trace
+  const std::int64_t block_tokens_;  // a Mooncake trace's tokens per hash id, scaled
   const std::vector<TraceRecord> trace_;
   const std::optional<capserve::runtime::Tokenizer> tokenizer_;
   PromptSource prompts_;
+  std::optional<PrefixTokens> prefix_;  // a Mooncake trace's prompts
   SizeSource sizes_;
+  LengthCaps caps_{{}};  // set once the served context is known
   std::string arrivals_text_;
   Clock::time_point t0_;
   Clock::time_point next_progress_;

@@ -144,6 +144,8 @@ void print_report(const Report& r) {
                 s.value("model", std::string()).c_str(), s.value("ranks", 0),
                 s.value("capacity", std::string()).c_str(), s.value("batch_selector", std::string()).c_str());
   }
+  if (r.run.contains("length_caps_summary"))
+    std::printf("lengths: %s\n", r.run["length_caps_summary"].get<std::string>().c_str());
   std::printf("\nrequests: %lld sent, %lld ended, %lld OK, LOST %lld", static_cast<long long>(c.sent),
               static_cast<long long>(c.terminated), static_cast<long long>(c.ok),
               static_cast<long long>(c.lost));
@@ -198,6 +200,17 @@ void print_report(const Report& r) {
                   100 * *s.rerouted / *s.assignments);
     print_optional("generation tokens", s.generation_tokens, "%.0f");
     print_optional("prompt tokens", s.prompt_tokens, "%.0f");
+    // A server without a prefix cache exports none of these: one line says so instead of six.
+    if (s.prefill_tokens_computed || s.prefix_cache_query_tokens) {
+      print_optional("prefill tokens computed", s.prefill_tokens_computed, "%.0f");
+      print_optional("prefix cache query tokens", s.prefix_cache_query_tokens, "%.0f");
+      print_optional("prefix cache hit tokens", s.prefix_cache_hit_tokens, "%.0f");
+      print_optional("prefix cache query blocks", s.prefix_cache_query_blocks, "%.0f");
+      print_optional("prefix cache hit blocks", s.prefix_cache_hit_blocks, "%.0f");
+      print_optional("prefix cache evictions", s.prefix_cache_evictions, "%.0f");
+    } else {
+      std::printf("  %-34s (not exported)\n", "prefix cache");
+    }
     print_optional("mean rank imbalance (steps)", s.imbalance_mean, "%.4f");
     std::printf("  %-34s %s\n", "rank imbalance over the run", layer_list(s.imbalance_run_by_layer).c_str());
     std::printf("  %-34s %s\n", "rank imbalance gauge (last step)",
@@ -283,6 +296,12 @@ nlohmann::json to_json(const Report& r, const std::vector<RequestRecord>* per_re
                    {"rerouted", optional_json(s.rerouted)},
                    {"generation_tokens", optional_json(s.generation_tokens)},
                    {"prompt_tokens", optional_json(s.prompt_tokens)},
+                   {"prefill_tokens_computed", optional_json(s.prefill_tokens_computed)},
+                   {"prefix_cache_query_tokens", optional_json(s.prefix_cache_query_tokens)},
+                   {"prefix_cache_hit_tokens", optional_json(s.prefix_cache_hit_tokens)},
+                   {"prefix_cache_query_blocks", optional_json(s.prefix_cache_query_blocks)},
+                   {"prefix_cache_hit_blocks", optional_json(s.prefix_cache_hit_blocks)},
+                   {"prefix_cache_evictions", optional_json(s.prefix_cache_evictions)},
                    {"imbalance_mean", optional_json(s.imbalance_mean)},
                    {"imbalance_run_by_layer", s.imbalance_run_by_layer},
                    {"imbalance_last_by_layer", s.imbalance_last_by_layer},

@@ -42,6 +42,12 @@ ServerFigures server_figures(const Scrape& before, const Scrape& after) {
   f.rerouted = delta(before, after, "capserve_moe_rerouted_assignments_total");
   f.generation_tokens = delta(before, after, "capserve_generation_tokens_total");
   f.prompt_tokens = delta(before, after, "capserve_prompt_tokens_total");
+  f.prefill_tokens_computed = delta(before, after, "capserve_prefill_tokens_computed_total");
+  f.prefix_cache_query_tokens = delta(before, after, "capserve_prefix_cache_query_tokens_total");
+  f.prefix_cache_hit_tokens = delta(before, after, "capserve_prefix_cache_hit_tokens_total");
+  f.prefix_cache_query_blocks = delta(before, after, "capserve_prefix_cache_query_blocks_total");
+  f.prefix_cache_hit_blocks = delta(before, after, "capserve_prefix_cache_hit_blocks_total");
+  f.prefix_cache_evictions = delta(before, after, "capserve_prefix_cache_evictions_total");
   f.imbalance_last_by_layer = after.by_label("capserve_moe_rank_imbalance", "layer");
 
   // The run's imbalance per layer: max/mean over ranks of the tokens each rank computed during the run.

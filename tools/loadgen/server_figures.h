@@ -17,6 +17,13 @@ struct ServerFigures {
   std::optional<double> rerouted;
   std::optional<double> generation_tokens;
   std::optional<double> prompt_tokens;
+  // The prefix cache: prompt tokens actually prefilled, and what lookups asked and found (tokens, blocks).
+  std::optional<double> prefill_tokens_computed;
+  std::optional<double> prefix_cache_query_tokens;
+  std::optional<double> prefix_cache_hit_tokens;
+  std::optional<double> prefix_cache_query_blocks;
+  std::optional<double> prefix_cache_hit_blocks;
+  std::optional<double> prefix_cache_evictions;
   // Per-rank load imbalance (max/mean, after capacity).
   std::map<std::string, double> imbalance_last_by_layer;  // the gauge after the run (last step), per layer
   std::map<std::string, double> imbalance_run_by_layer;   // from the per-rank token counters over the run

@@ -113,7 +113,7 @@ TEST(AzureTrace, ReadsTheRealCodeTrace) {
 
 TEST(TraceSlice, StartDurationAndScale) {
   std::vector<TraceRecord> trace;
-  for (int i = 0; i < 100; ++i) trace.push_back({static_cast<double>(i), i, 2 * i});
+  for (int i = 0; i < 100; ++i) trace.push_back({static_cast<double>(i), i, 2 * i, {}});
   // Trace seconds [10, 30) replayed twice as fast: 20 requests over 10 s of run time.
   const std::vector<Arrival> a = slice_trace(trace, {10, 10, 0.5, 0});
   ASSERT_EQ(a.size(), 20U);
@@ -143,7 +143,7 @@ TEST(Poisson, SeededRateAndBounds) {
 }
 
 TEST(SizeSource, DrawsRowsOfTheTrace) {
-  SizeSource sizes({{0, 11, 1}, {1, 22, 2}}, 7, 9, 5);
+  SizeSource sizes({{0, 11, 1, {}}, {1, 22, 2, {}}}, 7, 9, 5);
   std::map<std::int64_t, int> seen;
   for (int i = 0; i < 200; ++i) {
     Arrival a;
