@@ -161,12 +161,14 @@ StatusOr<IntakeRequest> chat_request(const grpc::CallbackServerContext& context,
     chat.inputs.kwargs = std::move(*kwargs);
   }
   r.prompts.push_back({std::move(chat), "messages"});
+  r.fields.context = "messages";
   return r;
 }
 
 IntakeRequest generate_request(const grpc::CallbackServerContext& context,
                                const v1::GenerateRequest& request) {
   IntakeRequest r = intake_request(context, request.model(), request.request_id(), request.sampling());
+  r.fields.context = "input_ids";
   r.prompts.push_back(
       {TokenPrompt{std::vector<std::int32_t>(request.input_ids().begin(), request.input_ids().end())},
        "input_ids"});

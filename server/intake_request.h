@@ -55,8 +55,9 @@ struct PromptInput {
 // How the front end spells the fields that errors name.
 struct FieldNames {
   std::string request_id = "request_id";
-  std::string sampling_prefix;     // before each sampling field: "sampling." (gRPC) or "" (HTTP)
-  std::string context = "prompt";  // blamed for a prompt that leaves no room within the context length
+  std::string sampling_prefix;  // before each sampling field: "sampling." (gRPC) or "" (HTTP)
+  // Blamed (and named first in the message) for a prompt that leaves no room within the context length.
+  std::string context = "prompt";
 };
 
 // How each choice's seed is chosen when there are several (HTTP's n, prompt lists).

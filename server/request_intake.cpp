@@ -352,7 +352,7 @@ StatusOr<RequestIntake::Sampling> RequestIntake::sampling(const IntakeRequest& r
                        std::to_string(limits_.max_tokens_limit),
                    prefix + "max_tokens");
   if (prompt_tokens + 1 > limits_.max_context)
-    return invalid("prompt: " + std::to_string(prompt_tokens) +
+    return invalid(request.fields.context + ": " + std::to_string(prompt_tokens) +
                        " tokens leave no room to generate within the context length " +
                        std::to_string(limits_.max_context),
                    request.fields.context);

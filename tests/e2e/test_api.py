@@ -127,7 +127,7 @@ class ApiTest(ServerTestCase):
             ("messages", chat(messages=[])),
             ("sampling.temperature", chat(messages=user, sampling=pb.SamplingOptions(temperature=-0.5))),
             ("sampling.max_tokens", chat(messages=user, sampling=pb.SamplingOptions(max_tokens=100_000))),
-            ("messages", chat(messages=[message("user", "hello world " * 2000)])),  # a prompt over a step's tokens
+            ("messages", chat(messages=[message("user", "hello world " * 2000)])),  # a prompt over the context
             ("model", chat(model=b"no-such-model", messages=user)),
             ("input_ids[1]", lambda: list(self.stub.Generate(pb.GenerateRequest(input_ids=[5, 1_000_000]),
                                                              timeout=30))),

@@ -63,7 +63,7 @@ class RequestHardeningTest(ServerTestCase):
         # Once refused (a prompt was prefilled in one step); now its chunks share steps with the decodes.
         long_prompt = pb.GenerateRequest(input_ids=[7] * 600, sampling=pb.SamplingOptions(max_tokens=4))
         self.assertEqual(sum(len(c.token_ids) for c in self.stub.Generate(long_prompt, timeout=120)), 4)
-        long_chat = {"messages": [{"role": "user", "content": "hi " * 700}], "max_tokens": 4}
+        long_chat = {"messages": [{"role": "user", "content": "hi " * 300}], "max_tokens": 4}  # ~600 tokens
         for path, body in (("/v1/completions", {"prompt": [7] * 600, "max_tokens": 4}),
                            ("/v1/chat/completions", long_chat)):
             with urllib.request.urlopen(urllib.request.Request(
