@@ -90,6 +90,7 @@ void fill_final(const RequestEvent& e, Message& m) {
   m.set_finish_reason(finish_reason(*e.terminal));
   m.mutable_usage()->set_prompt_tokens(e.prompt_tokens);
   m.mutable_usage()->set_completion_tokens(e.completion_tokens);
+  m.mutable_usage()->set_cached_prompt_tokens(e.cached_tokens);
   m.mutable_moe()->set_assignments(e.moe_assignments);
   m.mutable_moe()->set_dropped(e.moe_dropped);
   m.mutable_moe()->set_rerouted(e.moe_rerouted);

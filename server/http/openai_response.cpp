@@ -261,12 +261,15 @@ class Completion final : public Producer {
   }
 
   void finish(std::string& out) {
-    std::uint64_t prompt = 0, completion = 0, assignments = 0, dropped = 0, rerouted = 0;
+    std::uint64_t prompt = 0, cached = 0, completion = 0, assignments = 0, dropped = 0, rerouted = 0;
     json choices = json::array();
     for (std::size_t i = 0; i < choices_.size(); ++i) {
       const Choice& c = choices_[i];
       const RequestEvent& t = *c.terminal;
-      if (c.counts_prompt) prompt += t.prompt_tokens;
+      if (c.counts_prompt) {
+        prompt += t.prompt_tokens;
+        cached += t.cached_tokens;
+      }
       completion += t.completion_tokens;
       assignments += t.moe_assignments;
       dropped += t.moe_dropped;
@@ -281,8 +284,11 @@ class Completion final : public Producer {
       }
       choices.push_back(std::move(choice));
     }
-    const json usage{
-        {"prompt_tokens", prompt}, {"completion_tokens", completion}, {"total_tokens", prompt + completion}};
+    // OpenAI's CompletionUsage: the prompt tokens the prefix cache served.
+    const json usage{{"prompt_tokens", prompt},
+                     {"completion_tokens", completion},
+                     {"total_tokens", prompt + completion},
+                     {"prompt_tokens_details", {{"cached_tokens", cached}}}};
     const json moe = moe_json(assignments, dropped, rerouted);
     if (shape_.stream) {
       if (shape_.include_usage) {

@@ -3,9 +3,10 @@ is served while a running stream keeps getting a token every step; a prompt that
 served from the cache with the same greedy output as when it is computed whole; a request goes to the rank whose
 cache holds its prefix; the access line and the metrics say so."""
 
-import re
+import json
 import threading
 import time
+import urllib.request
 
 from capserve_e2e import ServerTestCase, delta, main, metric, pb
 
@@ -81,6 +82,15 @@ class PrefixCacheTest(ServerTestCase):
         line = self.wait_for(lambda: next((x for x in self.server.log if "id=cache-hit " in x), None), 30,
                              "the cached request's access line")
         self.assertIn(f" cached_tokens={4 * BLOCK}", line)
+        # The usage says so too: gRPC's cached_prompt_tokens, HTTP's usage.prompt_tokens_details.cached_tokens.
+        last = list(self.stub.Generate(generate(follow_up, 1, "cache-usage"), timeout=120))[-1]
+        self.assertEqual(last.usage.cached_prompt_tokens, 4 * BLOCK)
+        body = json.dumps({"prompt": follow_up, "max_tokens": 1, "temperature": 0}).encode()
+        with urllib.request.urlopen(urllib.request.Request(
+                f"http://127.0.0.1:{self.server.http_port}/v1/completions", data=body,
+                headers={"Content-Type": "application/json"}), timeout=120) as response:
+            usage = json.load(response)["usage"]
+        self.assertEqual(usage["prompt_tokens_details"], {"cached_tokens": 4 * BLOCK})
 
     def test_a_request_goes_to_the_rank_that_holds_its_prefix(self):
         shared = [(17 * i) % 800 + 40 for i in range(3 * BLOCK + 5)]
