@@ -48,11 +48,12 @@ void log_unadmitted(const Request& r, std::string_view reason, std::optional<dou
 }  // namespace
 
 Scheduler::Scheduler(SchedulerConfig config, int ranks, const runtime::Tokenizer* tokenizer,
-                     LoadPredictor predictor, ServerMetrics* metrics, const std::atomic<bool>* stop_requested)
+                     runtime::LoadPredictor* predictor, ServerMetrics* metrics,
+                     const std::atomic<bool>* stop_requested)
     : config_(config),
       ranks_(ranks),
       tokenizer_(tokenizer),
-      predictor_(std::move(predictor)),
+      predictor_(predictor),
       metrics_(metrics),
       selector_(config.selector, ranks),
       stop_requested_(stop_requested),
@@ -218,7 +219,7 @@ void Scheduler::admit(Clock::time_point now, StepPlan& plan) {
     Waiting& w = waiting_[i];
     if (!w.predicted) {
       w.load.assign(static_cast<std::size_t>(ranks_), 0.0F);
-      if (predictor_) predictor_(w.request->prompt(), w.load);
+      if (predictor_ != nullptr) predictor_->predict(w.request->prompt(), w.load);
       w.predicted = true;
     }
     const auto prompt = static_cast<std::int64_t>(w.request->prompt().size());

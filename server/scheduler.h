@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "parallel/moe_stats.h"
+#include "runtime/load_predictor.h"
 #include "runtime/tokenizer/tokenizer.h"
 #include "server/batch_selector.h"
 #include "server/output_stream.h"
@@ -37,19 +38,20 @@ struct SchedulerConfig {
   std::int64_t dry_run_layers = 1;         // MoE layers the predictor and the realized load cover
   // Speculative decoding: the most drafts a decode verifies per step (--num-speculative-tokens; 0: off).
   std::int64_t speculative_tokens = 0;
+  bool prefix_cache = false;  // --prefix-cache
   SelectorConfig selector;
 };
-
-// Fills `rank_load` (one entry per rank) with the predicted expert load of a prompt on each rank.
-using LoadPredictor = std::function<void(std::span<const std::int32_t> prompt, std::span<float> rank_load)>;
 
 class Scheduler {
  public:
   // `stop_requested` (optional) is the stop signal's flag: once it reads true the scheduler admits nothing,
   // as after drain(), so that no request is accepted after the signal, even before the engine loop calls
   // drain().
-  Scheduler(SchedulerConfig config, int ranks, const runtime::Tokenizer* tokenizer, LoadPredictor predictor,
-            ServerMetrics* metrics, const std::atomic<bool>* stop_requested = nullptr);
+  // `predictor` (optional, outliving the scheduler) predicts each waiting request's per-rank load for the
+  // batch selector.
+  Scheduler(SchedulerConfig config, int ranks, const runtime::Tokenizer* tokenizer,
+            runtime::LoadPredictor* predictor, ServerMetrics* metrics,
+            const std::atomic<bool>* stop_requested = nullptr);
 
   // Handler threads. Empty on success, else why the request is refused now (queue full: RESOURCE_EXHAUSTED;
   // draining: UNAVAILABLE; never_fits: INVALID_ARGUMENT, see why_never_fits) — the handler reports it;
@@ -125,7 +127,7 @@ class Scheduler {
   SchedulerConfig config_;
   int ranks_;
   const runtime::Tokenizer* tokenizer_;
-  LoadPredictor predictor_;
+  runtime::LoadPredictor* predictor_;
   ServerMetrics* metrics_;
   BatchSelector selector_;
 
