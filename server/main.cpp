@@ -4,7 +4,8 @@
 // (continuous batching + CAPS batch selection) and exposes Prometheus metrics. SIGTERM, SIGINT or SIGHUP
 // drains: no request is accepted from the moment rank 0 takes the signal, running ones finish, exit 0;
 // SIGUSR2 is logged and ignored. A step that makes no progress for --step-timeout-s (a hung rank) fails every
-// request UNAVAILABLE and ends the job non-zero.
+// request UNAVAILABLE and ends the job non-zero. This file holds the flags and the wiring, top-down from
+// main(): flags, model and engine, front ends (serve), then the step loop (server/step_loop.h).
 #include <fmt/format.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
@@ -28,7 +29,6 @@
 #include <fstream>
 #include <memory>
 #include <optional>
-#include <thread>
 
 #include "parallel/mpi_world.h"
 #include "parallel/rank_heartbeat.h"
@@ -43,6 +43,7 @@
 #include "runtime/cli/version.h"
 #include "runtime/engine.h"
 #include "runtime/model.h"
+#include "runtime/router_load_predictor.h"
 #include "runtime/tokenizer/tokenizer.h"
 #include "server/http/http_server.h"
 #include "server/http/openai_api.h"
@@ -55,7 +56,7 @@
 #include "server/security/api_key.h"
 #include "server/security/tls_credentials.h"
 #include "server/server_metrics.h"
-#include "server/step_plan.h"
+#include "server/step_loop.h"
 #include "server/step_watchdog.h"
 
 namespace {
@@ -102,6 +103,7 @@ struct Options {
   std::string model_id;
   runtime::EngineOptions engine;
   server::SchedulerConfig scheduler;
+  bool prefix_cache = true;  // --prefix-cache / --no-prefix-cache, before resolve_prefix_cache
   std::string strategy = "fcfs";
   server::ServiceLimits limits;
   runtime::ParallelFlags parallel;
@@ -178,7 +180,9 @@ void add_flags(CLI::App& app, Options& o) {
   app.add_option("--max-running", o.scheduler.max_running, "sequences decoding at once, all ranks")
       ->check(runtime::at_least(1))
       ->capture_default_str();
-  app.add_option("--max-batched-tokens", o.scheduler.max_batched_tokens, "tokens per step, all ranks")
+  app.add_option("--max-batched-tokens", o.scheduler.max_batched_tokens,
+                 "the token budget of one step, all ranks: decodes and prefill chunks share it (a longer "
+                 "prompt is prefilled in chunks)")
       ->check(runtime::at_least(1))
       ->capture_default_str();
   app.add_option("--max-queue", o.scheduler.max_queue, "waiting requests before RESOURCE_EXHAUSTED")
@@ -248,6 +252,11 @@ void add_flags(CLI::App& app, Options& o) {
                  "a step making no progress this long (a hung rank) fails every request and ends the job")
       ->check(CLI::Range(0.1, 86400.0))
       ->capture_default_str();
+  app.add_flag("--prefix-cache,!--no-prefix-cache", o.prefix_cache,
+               "keep full KV blocks cached by their tokens after their sequence ends, and start each prompt "
+               "after the longest prefix its rank holds (default: on; off with --speculative, which it does "
+               "not support yet: the scheduler's per-rank mirror of the KV blocks does not follow draft "
+               "blocks)");
   runtime::add_speculation_flags(app, o.speculation);
   runtime::add_parallel_flags(app, o.parallel);
   app.add_flag("--metrics-per-expert", o.metrics_per_expert,
@@ -299,6 +308,20 @@ std::string cross_check(const Options& o) {
   return runtime::why_speculation_invalid(o.speculation);
 }
 
+// --prefix-cache's value: on unless --speculative, which refuses it (the scheduler's per-rank mirror of the
+// KV blocks does not follow draft blocks yet). Empty, or why the combination is refused.
+std::string resolve_prefix_cache(const CLI::App& app, Options& o) {
+  const bool speculative = o.speculation.method != runtime::SpeculationConfig::Method::none;
+  const bool given = app.count("--prefix-cache") > 0;
+  if (speculative && given && o.prefix_cache)
+    return "--prefix-cache does not work with --speculative yet (the scheduler's per-rank mirror of the KV "
+           "blocks does not follow draft blocks); leave it out, or give --no-prefix-cache";
+  if (speculative && !given) o.prefix_cache = false;
+  o.scheduler.prefix_cache = o.prefix_cache;
+  o.engine.prefix_cache = o.prefix_cache;
+  return {};
+}
+
 // "host:port", with an IPv6 literal in brackets ("[::]:50051") as gRPC expects.
 std::string host_port(const std::string& host, int port) {
   const bool ipv6 = host.find(':') != std::string::npos && !host.starts_with('[');
@@ -336,11 +359,6 @@ server::StepWatchdog::Clock::duration step_bound(const Options& o) {
       std::chrono::duration<double>(o.step_timeout_s));
 }
 
-// After the watchdog fired: the step loop waits for its stall handler to end the process.
-[[noreturn]] void wait_for_stall_handler() {
-  for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
-}
-
 // "27.3 MB (26.1 MiB)": a model of a few MB is no "0 MiB".
 std::string megabytes(std::int64_t bytes) {
   return fmt::format("{:.1f} MB ({:.1f} MiB)", static_cast<double>(bytes) / 1e6,
@@ -373,10 +391,11 @@ void log_startup_summary(const Options& o, const runtime::Model& model, const ca
         o.engine.kv_block_size, megabytes(memory[r].resident_kib * 1024));
   }
   spdlog::info(
-      "scheduler: max_running={} max_batched_tokens={} max_queue={} max_context={}; selector {}; speculative "
-      "{}",
+      "scheduler: max_running={} max_batched_tokens={} max_queue={} max_context={}; prefix cache {}; "
+      "selector "
+      "{}; speculative {}",
       o.scheduler.max_running, o.scheduler.max_batched_tokens, o.scheduler.max_queue, o.scheduler.max_context,
-      info.batch_selector(),
+      o.scheduler.prefix_cache ? "on" : "off", info.batch_selector(),
       o.speculation.method == runtime::SpeculationConfig::Method::none
           ? std::string("none")
           : fmt::format("ngram (k={}, n={}..{})", o.speculation.num_tokens, o.speculation.ngram_min,
@@ -389,43 +408,11 @@ void log_startup_summary(const Options& o, const runtime::Model& model, const ca
                o.key ? "API key required" : "no API key",
                o.key ? " (gRPC reflection off: it cannot check the key)" : "");
 }
-
-// Rank 0: the front end, the scheduler and the step loop's driving side. Every rank learns whether the front
-// end started (the one collective before the step loop): on failure all of them exit 1 cleanly, rank 0 with
-// the reason as its last line.
-int serve(parallel::MpiWorld& world, Options& o, runtime::Engine& engine, server::RankWorker& worker,
-          parallel::RankHeartbeat* heartbeat, std::span<const RankMemory> memory) {
-  const runtime::Model& model = engine.model();
+// The server's description for the API's ServerInfo (and the start-up summary).
+capserve::v1::ServerInfo describe_server(const parallel::MpiWorld& world, const Options& o,
+                                         const runtime::Model& model, std::int64_t dry_run_layers) {
   const runtime::ModelConfig& config = model.config();
-  std::optional<runtime::Tokenizer> tokenizer;
-  std::optional<runtime::ChatTemplate> chat;
-  std::unique_ptr<server::ServerMetrics> metrics;
-  std::unique_ptr<server::http::Server> metrics_http;  // after metrics: serves it, so goes first
-  std::unique_ptr<server::Scheduler> scheduler;
-  std::unique_ptr<server::RequestIntake> intake;
-  std::unique_ptr<server::InferenceService> service;
-  std::unique_ptr<grpc::Server> grpc_server;
-  std::unique_ptr<server::http::OpenAiApi> openai;
-  std::unique_ptr<server::http::Server> api_http;  // after the intake and the API: serves them, so goes first
-  std::atomic<bool> stalled{false};                // the step watchdog fired: /health answers 503
-
-  // The router dry run folded through the placement into per-rank loads.
   const parallel::ExpertPlacement& placement = model.placement();
-  const std::int64_t dry_layers = std::min<std::int64_t>(
-      o.scheduler.dry_run_layers, static_cast<std::int64_t>(model.moe_layers().size()));
-  std::vector<std::int64_t> counts;
-  server::LoadPredictor predictor = [&, dry_layers](std::span<const std::int32_t> prompt,
-                                                    std::span<float> rank_load) {
-    counts.assign(static_cast<std::size_t>(dry_layers * config.num_experts), 0);
-    engine.router_dry_run(prompt, dry_layers, counts);
-    for (std::int64_t l = 0; l < dry_layers; ++l) {
-      const auto owners = placement.owners(model.moe_layers()[static_cast<std::size_t>(l)]);
-      for (std::int64_t e = 0; e < config.num_experts; ++e)
-        rank_load[static_cast<std::size_t>(owners[static_cast<std::size_t>(e)])] +=
-            static_cast<float>(counts[static_cast<std::size_t>(l * config.num_experts + e)]);
-    }
-  };
-
   capserve::v1::ServerInfo info;
   info.set_version(std::string(runtime::build_info().version));
   info.set_ranks(static_cast<std::uint32_t>(world.size()));
@@ -448,95 +435,144 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Engine& engine, server
       "strategy=" + server::to_string(sel.strategy) + " window=" + std::to_string(sel.window) +
       " min_queue=" + std::to_string(sel.min_queue_depth) + " max_wait_ms=" + milliseconds(sel.max_wait_ms) +
       " interval_ms=" + milliseconds(sel.interval_ms) + " d=" + std::to_string(sel.power_of_d) +
-      " dry_run_layers=" + std::to_string(dry_layers));
+      " dry_run_layers=" + std::to_string(dry_run_layers));
   info.set_max_running_sequences(static_cast<std::uint32_t>(o.scheduler.max_running));
   info.set_max_batched_tokens(static_cast<std::uint32_t>(o.scheduler.max_batched_tokens));
   info.set_kv_blocks_per_rank(static_cast<std::uint32_t>(o.engine.kv_blocks));
+  return info;
+}
 
-  std::string failure;
-  int bound_port = 0;
-  try {
-    if (std::filesystem::exists(std::filesystem::path(o.model_dir) / "tokenizer.json")) {
-      tokenizer = runtime::Tokenizer::load(o.model_dir);
-      std::optional<std::filesystem::path> template_file;
-      if (!o.chat_template.empty()) template_file = o.chat_template;
-      const auto tokenizer_config = std::filesystem::path(o.model_dir) / "tokenizer_config.json";
-      if (std::filesystem::exists(tokenizer_config)) {
-        chat = runtime::ChatTemplate::load(tokenizer_config, template_file);
-        runtime::jinja::RenderOptions limits = chat->limits();
-        limits.max_steps = static_cast<std::uint64_t>(o.chat_template_max_steps);
-        chat->set_limits(limits);
-      }
+// Rank 0's front ends and what they serve: the tokenizer and chat template, the metrics and their port, the
+// scheduler, the intake both APIs share, the gRPC service and the HTTP API. Members in construction order:
+// a server goes before what it serves.
+class FrontEnds final : public server::FrontEndControl {
+ public:
+  // Starts everything: empty, or why it could not (a port in use, a bad certificate, a broken template).
+  std::string start(const parallel::MpiWorld& world, const Options& o, const runtime::Model& model,
+                    const capserve::v1::ServerInfo& info, runtime::LoadPredictor& predictor) {
+    try {
+      load_text(o);
+      const runtime::BuildInfo& build = runtime::build_info();
+      metrics_ = std::make_unique<server::ServerMetrics>(
+          model.moe_layers(), model.config().num_experts, world.size(),
+          server::MetricsOptions{.model_name = o.limits.model_id,
+                                 .per_expert = o.metrics_per_expert,
+                                 .max_context = o.scheduler.max_context,
+                                 .speculative_tokens = o.scheduler.speculative_tokens,
+                                 .version = std::string(build.version),
+                                 .git_commit = std::string(build.git_commit),
+                                 .build_type = std::string(build.build_type),
+                                 .device = o.device});
+      std::shared_ptr<const server::security::TlsCredentials> tls;
+      if (!o.tls.cert.empty())
+        tls = std::make_shared<const server::security::TlsCredentials>(
+            server::security::load_tls_credentials(o.tls));
+      if (tls && !tls->warning.empty()) spdlog::warn("capserve: {}", tls->warning);
+      start_metrics_port(o, tls);
+      const runtime::Tokenizer* tokenizer = tokenizer_ ? &*tokenizer_ : nullptr;
+      scheduler_ = std::make_unique<server::Scheduler>(o.scheduler, world.size(), tokenizer, &predictor,
+                                                       metrics_.get(), &g_stop_requested);
+      // Its size is known now; the gauge would otherwise read 0 until the first step.
+      metrics_->set_kv_cache_usage(std::vector<std::int64_t>(static_cast<std::size_t>(world.size()), 0),
+                                   o.engine.kv_blocks);
+      intake_ =
+          std::make_unique<server::RequestIntake>(*scheduler_, tokenizer, chat_, o.limits, metrics_.get());
+      service_ = std::make_unique<server::InferenceService>(*intake_, info, o.key);
+      if (o.http_port >= 0) start_http_api(o, info, tls);
+      return start_grpc(o, tls);
+    } catch (const std::exception& e) {
+      return e.what();
     }
-    const runtime::BuildInfo& build = runtime::build_info();
-    metrics = std::make_unique<server::ServerMetrics>(
-        model.moe_layers(), config.num_experts, world.size(),
-        server::MetricsOptions{.model_name = o.limits.model_id,
-                               .per_expert = o.metrics_per_expert,
-                               .max_context = o.scheduler.max_context,
-                               .speculative_tokens = o.scheduler.speculative_tokens,
-                               .version = std::string(build.version),
-                               .git_commit = std::string(build.git_commit),
-                               .build_type = std::string(build.build_type),
-                               .device = o.device});
-    std::shared_ptr<const server::security::TlsCredentials> tls;
-    if (!o.tls.cert.empty())
-      tls = std::make_shared<const server::security::TlsCredentials>(
-          server::security::load_tls_credentials(o.tls));
-    if (tls && !tls->warning.empty()) spdlog::warn("capserve: {}", tls->warning);
-    const std::optional<server::security::ApiKey>& api_key = o.key;
-    metrics_http = std::make_unique<server::http::Server>(
+  }
+
+  // Once every rank agreed to serve: health reads SERVING for the API's service name too (as for "").
+  void serve_health() { health().SetServingStatus(capserve::v1::Inference::service_full_name(), true); }
+
+  void stop_serving() override {
+    if (api_http_) api_http_->cancel_pending();  // a render in progress would only be refused
+    health().SetServingStatus(false);
+  }
+  void mark_stalled() override {
+    health().SetServingStatus(false);
+    stalled_.store(true);
+  }
+  void shutdown(std::chrono::system_clock::time_point deadline) override { grpc_server_->Shutdown(deadline); }
+
+  [[nodiscard]] server::Scheduler& scheduler() { return *scheduler_; }
+  [[nodiscard]] server::ServerMetrics& metrics() { return *metrics_; }
+  [[nodiscard]] int grpc_port() const { return grpc_port_; }
+  [[nodiscard]] int metrics_port() const { return metrics_http_->port(); }
+  // -1 when the HTTP API is off.
+  [[nodiscard]] int http_port() const { return api_http_ ? api_http_->port() : -1; }
+
+ private:
+  grpc::HealthCheckServiceInterface& health() { return *grpc_server_->GetHealthCheckService(); }
+
+  // The checkpoint's tokenizer and chat template, when it has them (a model served by token ids has none).
+  void load_text(const Options& o) {
+    if (!std::filesystem::exists(std::filesystem::path(o.model_dir) / "tokenizer.json")) return;
+    tokenizer_ = runtime::Tokenizer::load(o.model_dir);
+    std::optional<std::filesystem::path> template_file;
+    if (!o.chat_template.empty()) template_file = o.chat_template;
+    const auto tokenizer_config = std::filesystem::path(o.model_dir) / "tokenizer_config.json";
+    if (!std::filesystem::exists(tokenizer_config)) return;
+    chat_ = runtime::ChatTemplate::load(tokenizer_config, template_file);
+    runtime::jinja::RenderOptions limits = chat_->limits();
+    limits.max_steps = static_cast<std::uint64_t>(o.chat_template_max_steps);
+    chat_->set_limits(limits);
+  }
+
+  [[nodiscard]] server::http::Response exposition() const {
+    return server::http::Response{200, "text/plain; version=0.0.4; charset=utf-8", metrics_->exposition()};
+  }
+
+  void start_metrics_port(const Options& o,
+                          const std::shared_ptr<const server::security::TlsCredentials>& tls) {
+    metrics_http_ = std::make_unique<server::http::Server>(
         server::http::Options{.host = o.metrics_host.empty() ? o.host : o.metrics_host,
                               .port = o.metrics_port,
                               .max_connections_per_peer = o.max_connections_per_peer,
                               .tls = tls},
         std::map<std::string, server::http::Route, std::less<>>{
-            {"/metrics", [&metrics] {
-               return server::http::Response{200, "text/plain; version=0.0.4; charset=utf-8",
-                                             metrics->exposition()};
-             }}});
-    scheduler =
-        std::make_unique<server::Scheduler>(o.scheduler, world.size(), tokenizer ? &*tokenizer : nullptr,
-                                            predictor, metrics.get(), &g_stop_requested);
-    // Its size is known now; the gauge would otherwise read 0 until the first step.
-    metrics->set_kv_cache_usage(std::vector<std::int64_t>(static_cast<std::size_t>(world.size()), 0),
-                                o.engine.kv_blocks);
-    intake = std::make_unique<server::RequestIntake>(*scheduler, tokenizer ? &*tokenizer : nullptr, chat,
-                                                     o.limits, metrics.get());
-    service = std::make_unique<server::InferenceService>(*intake, info, api_key);
-    if (o.http_port >= 0) {
-      openai = std::make_unique<server::http::OpenAiApi>(
-          *intake, server::http::OpenAiOptions{.version = info.version(),
-                                               .stalled = [&stalled] { return stalled.load(); }});
-      auto routes = openai->routes();
-      routes.emplace("/metrics", [&metrics] {
-        return server::http::Response{200, "text/plain; version=0.0.4; charset=utf-8", metrics->exposition()};
-      });
-      // /metrics on the API's port sits on the public address, so it takes the key too; the metrics port
-      // stays open for scrapers (bind it to a private address with --metrics-host).
-      if (api_key)
-        server::http::require_api_key(routes, std::make_shared<const server::security::ApiKey>(*api_key));
-      // Streams hold a connection each but no thread: two I/O threads serve hundreds of them.
-      api_http = std::make_unique<server::http::Server>(
-          server::http::Options{.host = o.host,
-                                .port = o.http_port,
-                                .io_threads = 2,
-                                .max_connections = 1024,
-                                .max_connections_per_peer = o.max_connections_per_peer,
-                                .read_timeout = std::chrono::seconds(10),
-                                .write_timeout = std::chrono::seconds(30),
-                                .max_header_bytes = 16 * 1024,
-                                .max_body_bytes = 4 * 1024 * 1024,
-                                .error_response = server::http::server_error_response,
-                                .tls = tls},
-          std::move(routes));
-    }
+            {"/metrics", [this] { return exposition(); }}});
+  }
+
+  void start_http_api(const Options& o, const capserve::v1::ServerInfo& info,
+                      const std::shared_ptr<const server::security::TlsCredentials>& tls) {
+    openai_ = std::make_unique<server::http::OpenAiApi>(
+        *intake_, server::http::OpenAiOptions{.version = info.version(),
+                                              .stalled = [this] { return stalled_.load(); }});
+    auto routes = openai_->routes();
+    routes.emplace("/metrics", [this] { return exposition(); });
+    // /metrics on the API's port sits on the public address, so it takes the key too; the metrics port
+    // stays open for scrapers (bind it to a private address with --metrics-host).
+    if (o.key)
+      server::http::require_api_key(routes, std::make_shared<const server::security::ApiKey>(*o.key));
+    // Streams hold a connection each but no thread: two I/O threads serve hundreds of them.
+    api_http_ = std::make_unique<server::http::Server>(
+        server::http::Options{.host = o.host,
+                              .port = o.http_port,
+                              .io_threads = 2,
+                              .max_connections = 1024,
+                              .max_connections_per_peer = o.max_connections_per_peer,
+                              .read_timeout = std::chrono::seconds(10),
+                              .write_timeout = std::chrono::seconds(30),
+                              .max_header_bytes = 16 * 1024,
+                              .max_body_bytes = 4 * 1024 * 1024,
+                              .error_response = server::http::server_error_response,
+                              .tls = tls},
+        std::move(routes));
+  }
+
+  // Empty, or why gRPC could not listen.
+  std::string start_grpc(const Options& o,
+                         const std::shared_ptr<const server::security::TlsCredentials>& tls) {
     grpc::EnableDefaultHealthCheckService(true);
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();
     grpc::ServerBuilder builder;
     // gRPC's reflection service takes no part in the API key check (the plugin has no hook for one, and a
     // server interceptor cannot answer UNAUTHENTICATED), so with a key it is not served at all.
-    if (api_key) builder.SetOption(std::make_unique<WithoutReflection>());
+    if (o.key) builder.SetOption(std::make_unique<WithoutReflection>());
     // gRPC sets SO_REUSEPORT by default, so a second server on a busy port would start and take half of the
     // new connections; a port in use must be an error instead.
     builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
@@ -549,131 +585,69 @@ int serve(parallel::MpiWorld& world, Options& o, runtime::Engine& engine, server
       ssl.pem_key_cert_pairs.push_back({tls->private_key_pem, tls->cert_chain_pem});
       credentials = grpc::SslServerCredentials(ssl);
     }
-    builder.AddListeningPort(host_port(o.host, o.port), credentials, &bound_port);
-    builder.RegisterService(service.get());
-    grpc_server = builder.BuildAndStart();
-    if (!grpc_server || bound_port == 0) {
-      const std::string why = bind_error(o.host, o.port);
-      failure = "cannot listen on " + host_port(o.host, o.port) + (why.empty() ? "" : ": " + why);
-    }
-  } catch (const std::exception& e) {
-    failure = e.what();
+    builder.AddListeningPort(host_port(o.host, o.port), credentials, &grpc_port_);
+    builder.RegisterService(service_.get());
+    grpc_server_ = builder.BuildAndStart();
+    if (grpc_server_ && grpc_port_ != 0) return {};
+    const std::string why = bind_error(o.host, o.port);
+    return "cannot listen on " + host_port(o.host, o.port) + (why.empty() ? "" : ": " + why);
   }
+
+  std::atomic<bool> stalled_{false};  // the step watchdog fired: /health answers 503
+  std::optional<runtime::Tokenizer> tokenizer_;
+  std::optional<runtime::ChatTemplate> chat_;
+  std::unique_ptr<server::ServerMetrics> metrics_;
+  std::unique_ptr<server::http::Server> metrics_http_;
+  std::unique_ptr<server::Scheduler> scheduler_;
+  std::unique_ptr<server::RequestIntake> intake_;
+  std::unique_ptr<server::InferenceService> service_;
+  std::unique_ptr<grpc::Server> grpc_server_;
+  std::unique_ptr<server::http::OpenAiApi> openai_;
+  std::unique_ptr<server::http::Server> api_http_;
+  int grpc_port_ = 0;
+};
+
+// Rank 0: the front ends, the scheduler and the step loop's driving side. Every rank learns whether the front
+// ends started (the one collective before the step loop): on failure all of them exit 1 cleanly, rank 0 with
+// the reason as its last line.
+int serve(parallel::MpiWorld& world, const Options& o, runtime::Engine& engine, server::RankWorker& worker,
+          parallel::RankHeartbeat* heartbeat, std::span<const RankMemory> memory) {
+  const runtime::Model& model = engine.model();
+  runtime::RouterLoadPredictor predictor(engine, model.placement(), o.scheduler.dry_run_layers);
+  const capserve::v1::ServerInfo info = describe_server(world, o, model, predictor.layers());
+  FrontEnds front_ends;
+  const std::string failure = front_ends.start(world, o, model, info, predictor);
   if (!world.all_agree(failure.empty())) {
     std::fprintf(stderr, "capserve: %s\n", failure.c_str());
     return 1;
   }
-  grpc::HealthCheckServiceInterface& health = *grpc_server->GetHealthCheckService();
-  // Health answers for the API's service name too, and follows the server's state like "" does.
-  health.SetServingStatus(capserve::v1::Inference::service_full_name(), true);
-
-  server::StepWatchdog watchdog(step_bound(o), heartbeat, [&](const std::string& why) {
-    spdlog::error("capserve: {}; failing every request and stopping the job", why);
-    health.SetServingStatus(false);
-    stalled.store(true);
-    scheduler->fail_all(server::Terminal::unavailable, why);
-    // The handlers deliver those statuses within milliseconds; health reads NOT_SERVING meanwhile.
-    constexpr auto kGrace = std::chrono::seconds(1);
-    std::this_thread::sleep_for(kGrace);
-    grpc_server->Shutdown(std::chrono::system_clock::now() + kGrace);
-    std::fprintf(stderr, "capserve: %s\n", why.c_str());
-    std::fflush(stderr);
-    world.abort(1);  // the stalled rank cannot take part in an orderly shutdown
-  });
+  front_ends.serve_health();
+  server::StepLoop loop(world, worker, engine, front_ends.scheduler(), front_ends.metrics(), front_ends,
+                        {g_stop_requested, g_sigusr2_received}, step_bound(o), heartbeat);
 
   // Machine-readable start line: tests and scripts wait for it.
-  const std::string http_api = api_http ? "on port " + std::to_string(api_http->port()) : "off";
+  const std::string grpc_address = host_port(o.host, front_ends.grpc_port());
+  const bool http_on = front_ends.http_port() >= 0;
+  const std::string http_api = http_on ? "on port " + std::to_string(front_ends.http_port()) : "off";
   std::printf("capserve: serving %s on %s, metrics on port %d, %d ranks on %s, HTTP API %s\n",
-              o.limits.model_id.c_str(), host_port(o.host, bound_port).c_str(), metrics_http->port(),
-              world.size(), kernels::to_string(model.backend().device()).c_str(), http_api.c_str());
+              o.limits.model_id.c_str(), grpc_address.c_str(), front_ends.metrics_port(), world.size(),
+              kernels::to_string(model.backend().device()).c_str(), http_api.c_str());
   std::fflush(stdout);
-  log_startup_summary(o, model, info, memory, host_port(o.host, bound_port),
-                      api_http ? host_port(o.host, api_http->port()) : "off", metrics_http->port());
-
-  bool draining = false;
-  server::Clock::time_point drain_started{};
-  // After the drain, requests already on the wire still reach a handler and get UNAVAILABLE from intake;
-  // gRPC's shutdown would cancel them instead (CANCELLED), which a client cannot tell from its own
-  // cancellation.
-  constexpr auto kDrainLinger = std::chrono::milliseconds(300);
-  try {
-    for (;;) {
-      if (const int n = g_sigusr2_received.exchange(0); n > 0)
-        spdlog::warn("capserve: SIGUSR2 received ({}x) and ignored (SIGTERM, SIGINT or SIGHUP drains)", n);
-      if (!draining && g_stop_requested.load()) {
-        // The scheduler refuses new requests since the signal; this ends admission for good and health.
-        spdlog::info("capserve: draining (no new requests; running ones finish)");
-        scheduler->drain();
-        if (api_http) api_http->cancel_pending();  // a render in progress would only be refused
-        health.SetServingStatus(false);
-        draining = true;
-        drain_started = server::Clock::now();
-      }
-      if (scheduler->idle()) {
-        if (draining && server::Clock::now() - drain_started >= kDrainLinger) break;
-        scheduler->wait_for_work(std::chrono::milliseconds(draining ? 10 : 50));
-        continue;
-      }
-      const auto now = server::Clock::now();
-      server::StepPlan plan = scheduler->plan(now);
-      std::vector<std::byte> bytes = server::serialize(plan);
-      watchdog.begin_step();
-      world.broadcast(bytes, 0);
-      const server::StepResult mine = worker.run(plan);
-      const auto gathered = world.gather(server::serialize(mine), 0);
-      if (!watchdog.end_step()) wait_for_stall_handler();
-      std::vector<server::StepResult> results;
-      results.reserve(gathered.size());
-      for (const auto& g : gathered) results.push_back(server::deserialize_result(g));
-      // The step's statistics first: once a request's end is visible (to its client, or in
-      // capserve_requests_total), the work of its last step is already in /metrics.
-      if (plan.has_work()) metrics->record_step(engine.last_moe_stats());
-      scheduler->complete(results, engine.last_moe_stats(), server::Clock::now());
-    }
-  } catch (const std::exception& e) {
-    if (!watchdog.end_step()) wait_for_stall_handler();
-    spdlog::error("capserve: step loop failed: {}", e.what());
-    scheduler->fail_all(server::Terminal::internal, std::string("server failure: ") + e.what());
-    grpc_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
-    world.abort(1);
-  }
-  server::StepPlan shutdown;
-  shutdown.shutdown = true;
-  std::vector<std::byte> bytes = server::serialize(shutdown);
-  watchdog.begin_step();
-  world.broadcast(bytes, 0);
-  if (!watchdog.end_step()) wait_for_stall_handler();
-  grpc_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  spdlog::info("capserve: drained, exiting");
-  return 0;
+  log_startup_summary(o, model, info, memory, grpc_address,
+                      http_on ? host_port(o.host, front_ends.http_port()) : "off", front_ends.metrics_port());
+  return loop.run();
 }
 
-// Other ranks: learn whether rank 0's front end started, then follow rank 0's plans until the shutdown plan.
-int follow(parallel::MpiWorld& world, server::RankWorker& worker) {
-  if (!world.all_agree(true)) return 1;
-  for (;;) {
-    std::vector<std::byte> bytes;
-    world.broadcast(bytes, 0);
-    const server::StepPlan plan = server::deserialize_plan(bytes);
-    if (plan.shutdown) return 0;
-    const server::StepResult result = worker.run(plan);
-    world.gather(server::serialize(result), 0);
-  }
-}
-
-}  // namespace
-
-int main(int argc, char** argv) {
-  capserve::runtime::log_to_stderr();
-  // deploy/launch.sh starts mpirun with SIGTERM, SIGINT and SIGHUP blocked (so that they cannot abort the
-  // job); this process must receive them. Before MPI starts its threads, which inherit the mask.
+// deploy/launch.sh starts mpirun with SIGTERM, SIGINT and SIGHUP blocked (so that they cannot abort the job);
+// this process must receive them. Before MPI starts its threads, which inherit the mask.
+void unblock_signals() {
   sigset_t stop_signals;
   sigemptyset(&stop_signals);
   for (const int signal : {SIGTERM, SIGINT, SIGHUP, SIGUSR2}) sigaddset(&stop_signals, signal);
   pthread_sigmask(SIG_UNBLOCK, &stop_signals, nullptr);
-  std::optional<parallel::MpiWorld> world;
-  if (!parallel::start_mpi(world, argc, argv, "capserve")) return 1;
-  const int rank = world->rank();
+}
+
+void install_signal_handlers(int rank) {
   // Only rank 0 acts on a stop signal (it drains and then tells the others); the others ignore theirs. SIGHUP
   // (the terminal or session went away) drains too: its default would kill rank 0 and reset every stream.
   for (const int signal : {SIGTERM, SIGINT, SIGHUP}) handle_signal(signal, on_stop_signal);
@@ -686,105 +660,161 @@ int main(int argc, char** argv) {
       rank == 0 && pid_file != nullptr && *pid_file != 0) {
     std::ofstream(pid_file) << ::getpid() << "\n";
   }
+}
 
+// Every rank parses the same flags; rank 0 alone prints. The exit code when the process ends here (--help,
+// --version, a refused flag: 2).
+std::optional<int> parse_options(int argc, char** argv, int rank, Options& o) {
   CLI::App app{"CapServe: expert-parallel MoE inference server (run under mpirun; rank 0 serves gRPC)"};
   capserve::runtime::add_common_flags(app, "capserve");
-  Options o;
   add_flags(app, o);
-  // Every rank parses the same flags; rank 0 alone prints.
   if (const std::optional<int> exit_code = runtime::parse_flags(app, argc, argv, "capserve", rank == 0))
-    return *exit_code;
+    return exit_code;
   std::string bad = read_api_key(app, o);
   if (bad.empty()) bad = cross_check(o);
+  if (bad.empty()) bad = resolve_prefix_cache(app, o);
   if (!bad.empty()) {
     if (rank == 0) std::fprintf(stderr, "capserve: %s\n", bad.c_str());
     return 2;
   }
   if (!server::parse_strategy(o.strategy, o.scheduler.selector.strategy)) return 2;
-  server::configure_logging(o.log_level,
-                            o.log_format == "json" ? server::LogFormat::json : server::LogFormat::text, rank);
-  // Where each rank runs, before anything can fail on one of them: a job may span hosts (deploy/launch.sh
-  // --hosts).
-  const std::vector<parallel::RankHost> hosts = parallel::gather_rank_hosts(*world);
-  if (rank == 0) {
+  return std::nullopt;
+}
+
+// Where each rank runs, before anything can fail on one of them (a job may span hosts: deploy/launch.sh
+// --hosts); the CPU threads of this rank, with a warning per host that oversubscribes its cores.
+int rank_threads(parallel::MpiWorld& world, const Options& o) {
+  const std::vector<parallel::RankHost> hosts = parallel::gather_rank_hosts(world);
+  if (world.rank() == 0) {
     for (std::size_t r = 0; r < hosts.size(); ++r)
       std::printf("capserve: rank %zu runs on host %s (local rank %d of %d)\n", r, hosts[r].host.c_str(),
                   hosts[r].local_rank, hosts[r].local_size);
     std::printf("capserve: MPI transport: %s\n", parallel::mpi_transport().c_str());
   }
-
-  const int threads = o.threads > 0 ? o.threads : runtime::default_threads(world->local_size());
-  if (world->local_rank() == 0) {
+  const int threads = o.threads > 0 ? o.threads : runtime::default_threads(world.local_size());
+  if (world.local_rank() == 0) {
     if (const std::string w =
-            runtime::oversubscription_warning(threads, world->local_size(), runtime::available_cores());
+            runtime::oversubscription_warning(threads, world.local_size(), runtime::available_cores());
         !w.empty())
-      spdlog::warn("capserve: host {}: {}", hosts[static_cast<std::size_t>(rank)].host, w);
+      spdlog::warn("capserve: host {}: {}", hosts[static_cast<std::size_t>(world.rank())].host, w);
   }
+  return threads;
+}
+
+// Whether every rank succeeded at a start-up stage (`failure` empty on this one). The other ranks report
+// first and rank 0 after the collective, so that its line comes last.
+bool all_succeeded(parallel::MpiWorld& world, const std::string& failure) {
+  const int rank = world.rank();
+  if (rank != 0 && !failure.empty()) std::fprintf(stderr, "capserve: rank %d: %s\n", rank, failure.c_str());
+  const bool ok = world.all_agree(failure.empty());
+  if (rank == 0 && !failure.empty()) std::fprintf(stderr, "capserve: %s\n", failure.c_str());
+  return ok;
+}
+
+// This rank's device, model (the replicated weights and its own experts) and engine (its KV cache).
+struct RankEngine {
   runtime::RankDevices devices;
   std::unique_ptr<runtime::Model> model;
-  std::unique_ptr<runtime::Engine> engine_storage;
-  // Each rank's memory: its weights (device copies; on the CPU, mapped from the checkpoint) and the KV cache
-  // its backend allocated.
+  std::unique_ptr<runtime::Engine> engine;
+  // Its weights (device copies; on the CPU, mapped from the checkpoint) and the KV cache its backend
+  // allocated.
   RankMemory memory;
+};
+
+// Loads every rank's engine: false (the reasons printed) when one rank failed.
+bool load_engine(parallel::MpiWorld& world, Options& o, int threads, RankEngine& out) {
   std::string failure;
   try {
-    devices = runtime::make_rank_devices(o.device, threads, *world);
+    out.devices = runtime::make_rank_devices(o.device, threads, world);
     runtime::ParallelOptions options = runtime::finish_parallel_flags(o.parallel);
     options.mtp = runtime::loads_mtp_layers(o.speculation);
-    model = devices.load(o.model_dir, options);
-    memory.weights = model->weights().bytes;
-    o.engine.kv_dtype = runtime::kv_dtype_for(o.kv_dtype, devices.backend->device());
-    engine_storage = std::make_unique<runtime::Engine>(*model, o.engine);
-    memory.kv_cache = engine_storage->cache().bytes();
-    memory.device_index = devices.backend->device().index;
-    memory.resident_kib = runtime::self_status_kib("VmRSS:");
+    out.model = out.devices.load(o.model_dir, options);
+    out.memory.weights = out.model->weights().bytes;
+    o.engine.kv_dtype = runtime::kv_dtype_for(o.kv_dtype, out.devices.backend->device());
+    out.engine = std::make_unique<runtime::Engine>(*out.model, o.engine);
+    out.memory.kv_cache = out.engine->cache().bytes();
+    out.memory.device_index = out.devices.backend->device().index;
+    out.memory.resident_kib = runtime::self_status_kib("VmRSS:");
   } catch (const std::exception& e) {
     failure = e.what();
   }
-  // The other ranks report first and rank 0 after the collective, so that its line comes last.
-  if (rank != 0 && !failure.empty()) std::fprintf(stderr, "capserve: rank %d: %s\n", rank, failure.c_str());
-  const bool loaded = world->all_agree(failure.empty());
-  if (rank == 0 && !failure.empty()) std::fprintf(stderr, "capserve: %s\n", failure.c_str());
-  if (!loaded) return 1;
+  if (!all_succeeded(world, failure)) return false;
   // On a GPU every step buffer is sized now, for the largest step the scheduler forms (one step, every rank
   // together, once all have built their engines): a step that grew one would free and allocate device memory,
   // a device-wide wait behind queued NCCL work (runtime/README.md, "Step memory").
-  if (devices.backend->device().kind == kernels::DeviceKind::cuda) {
-    try {
-      engine_storage->reserve_step_memory(o.scheduler.max_batched_tokens);
-    } catch (const std::exception& e) {
-      failure = std::string("sizing the step buffers for --max-batched-tokens: ") + e.what();
-    }
-    if (rank != 0 && !failure.empty()) std::fprintf(stderr, "capserve: rank %d: %s\n", rank, failure.c_str());
-    const bool reserved = world->all_agree(failure.empty());
-    if (rank == 0 && !failure.empty()) std::fprintf(stderr, "capserve: %s\n", failure.c_str());
-    if (!reserved) return 1;
+  if (out.devices.backend->device().kind != kernels::DeviceKind::cuda) return true;
+  try {
+    out.engine->reserve_step_memory(o.scheduler.max_batched_tokens);
+  } catch (const std::exception& e) {
+    failure = std::string("sizing the step buffers for --max-batched-tokens: ") + e.what();
   }
-  const auto gathered = world->gather(std::as_bytes(std::span(&memory, 1)), 0);
-  std::vector<RankMemory> rank_memory(gathered.size());
-  if (rank == 0) {
-    for (std::size_t r = 0; r < gathered.size(); ++r) {
-      RankMemory& m = rank_memory[r];
-      std::memcpy(&m, gathered[r].data(), sizeof m);
-      const kernels::Device device{model->backend().device().kind, static_cast<int>(m.device_index)};
-      std::printf("capserve: rank %zu on %s: %s of weights, %s of KV cache\n", r,
-                  kernels::to_string(device).c_str(), megabytes(m.weights).c_str(),
-                  megabytes(m.kv_cache).c_str());
-    }
-  }
+  return all_succeeded(world, failure);
+}
 
-  const runtime::ModelConfig& config = model->config();
+// Every rank's memory, gathered to rank 0, which prints a line per rank (the others get an empty list).
+std::vector<RankMemory> gather_memory(parallel::MpiWorld& world, const runtime::Model& model,
+                                      const RankMemory& memory) {
+  const auto gathered = world.gather(std::as_bytes(std::span(&memory, 1)), 0);
+  std::vector<RankMemory> rank_memory(gathered.size());
+  for (std::size_t r = 0; r < gathered.size(); ++r) {
+    RankMemory& m = rank_memory[r];
+    std::memcpy(&m, gathered[r].data(), sizeof m);
+    const kernels::Device device{model.backend().device().kind, static_cast<int>(m.device_index)};
+    std::printf("capserve: rank %zu on %s: %s of weights, %s of KV cache\n", r,
+                kernels::to_string(device).c_str(), megabytes(m.weights).c_str(),
+                megabytes(m.kv_cache).c_str());
+  }
+  return rank_memory;
+}
+
+// The limits the model sets: its context, its KV blocks, its expert assignments per token, its vocabulary,
+// stop tokens, generation defaults and name.
+void fit_to_model(Options& o, const runtime::Model& model) {
+  const runtime::ModelConfig& config = model.config();
   o.scheduler.max_context = std::min<std::int64_t>(o.scheduler.max_context, config.max_context_length());
   o.scheduler.kv_blocks_per_rank = o.engine.kv_blocks;
   o.scheduler.kv_block_size = o.engine.kv_block_size;
-  o.scheduler.assignments_per_token = config.top_k * static_cast<std::int64_t>(model->moe_layers().size());
+  o.scheduler.assignments_per_token = config.top_k * static_cast<std::int64_t>(model.moe_layers().size());
+  // Dynamic NTK rope turns a step's keys with frequencies of the sequence's length past
+  // max_position_embeddings: such prompts are prefilled whole, and cached keys would carry another length's
+  // frequencies.
+  if (config.rope_scaling.type == runtime::RopeScaling::Type::dynamic) {
+    o.scheduler.whole_prefill_above = config.max_position_embeddings;
+    if (o.scheduler.prefix_cache)
+      spdlog::info(
+          "capserve: prefix cache off: the model's dynamic rope scaling makes cached keys depend on the "
+          "length of the sequence that wrote them");
+    o.scheduler.prefix_cache = false;
+  }
   o.limits.max_context = o.scheduler.max_context;
   o.limits.vocab_size = config.vocab_size;
   o.limits.eos_token_ids = config.eos_token_ids;
   if (o.generation_defaults == "model") o.limits.generation_defaults = config.generation;
   o.limits.model_id =
       o.model_id.empty() ? std::filesystem::path(o.model_dir).filename().string() : o.model_id;
-  runtime::Engine& engine = *engine_storage;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  capserve::runtime::log_to_stderr();
+  unblock_signals();
+  std::optional<parallel::MpiWorld> world;
+  if (!parallel::start_mpi(world, argc, argv, "capserve")) return 1;
+  const int rank = world->rank();
+  install_signal_handlers(rank);
+
+  Options o;
+  if (const std::optional<int> exit_code = parse_options(argc, argv, rank, o)) return *exit_code;
+  server::configure_logging(o.log_level,
+                            o.log_format == "json" ? server::LogFormat::json : server::LogFormat::text, rank);
+  const int threads = rank_threads(*world, o);
+
+  RankEngine loaded;
+  if (!load_engine(*world, o, threads, loaded)) return 1;
+  const std::vector<RankMemory> rank_memory = gather_memory(*world, *loaded.model, loaded.memory);
+  fit_to_model(o, *loaded.model);
+  runtime::Engine& engine = *loaded.engine;
   // Every rank drafts for its own sequences (MTP drafting is a collective; the n-gram drafter needs no
   // model). The flags were checked and the MTP layers loaded.
   const std::unique_ptr<runtime::Drafter> drafter = runtime::make_drafter(o.speculation, engine);
@@ -795,7 +825,9 @@ int main(int argc, char** argv) {
   if (world->size() > 1 && world->thread_level() == MPI_THREAD_MULTIPLE) {
     heartbeat.emplace(*world, server::StepWatchdog::beat_interval(step_bound(o)));
   }
-  if (rank != 0) return follow(*world, worker);
+
+  // The other ranks learn whether rank 0's front ends started, then follow its plans.
+  if (rank != 0) return world->all_agree(true) ? server::StepLoop::follow(*world, worker) : 1;
   try {
     return serve(*world, o, engine, worker, heartbeat ? &*heartbeat : nullptr, rank_memory);
   } catch (const std::exception& e) {

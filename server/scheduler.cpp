@@ -14,10 +14,11 @@ double seconds(Clock::duration d) {
 }  // namespace
 
 Scheduler::Scheduler(SchedulerConfig config, int ranks, const runtime::Tokenizer* tokenizer,
-                     LoadPredictor predictor, ServerMetrics* metrics, const std::atomic<bool>* stop_requested)
+                     runtime::LoadPredictor* predictor, ServerMetrics* metrics,
+                     const std::atomic<bool>* stop_requested)
     : config_(config),
       ranks_(ranks),
-      predictor_(std::move(predictor)),
+      predictor_(predictor),
       metrics_(metrics),
       selector_(config.selector, ranks),
       outputs_(tokenizer, metrics,
@@ -168,7 +169,7 @@ std::int64_t Scheduler::admit(Clock::time_point now, StepPlan& plan, std::int64_
     Waiting& w = waiting_[i];
     if (!w.predicted) {
       w.load.assign(static_cast<std::size_t>(ranks_), 0.0F);
-      if (predictor_) predictor_(w.request->prompt(), w.load);
+      if (predictor_ != nullptr) predictor_->predict(w.request->prompt(), w.load);
       w.predicted = true;
     }
     // Its first chunk: what the selector weighs this step.

@@ -10,7 +10,6 @@
 #include <atomic>
 #include <cstdint>
 #include <deque>
-#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -18,6 +17,7 @@
 #include <vector>
 
 #include "parallel/moe_stats.h"
+#include "runtime/load_predictor.h"
 #include "runtime/tokenizer/tokenizer.h"
 #include "server/batch_selector.h"
 #include "server/kv_ledger.h"
@@ -54,16 +54,16 @@ struct SchedulerConfig {
   SelectorConfig selector;
 };
 
-// Fills `rank_load` (one entry per rank) with the predicted expert load of a prompt on each rank.
-using LoadPredictor = std::function<void(std::span<const std::int32_t> prompt, std::span<float> rank_load)>;
-
 class Scheduler {
  public:
   // `stop_requested` (optional) is the stop signal's flag: once it reads true the scheduler admits nothing,
   // as after drain(), so that no request is accepted after the signal, even before the engine loop calls
   // drain().
-  Scheduler(SchedulerConfig config, int ranks, const runtime::Tokenizer* tokenizer, LoadPredictor predictor,
-            ServerMetrics* metrics, const std::atomic<bool>* stop_requested = nullptr);
+  // `predictor` (optional, outliving the scheduler) predicts each waiting request's per-rank load for the
+  // batch selector.
+  Scheduler(SchedulerConfig config, int ranks, const runtime::Tokenizer* tokenizer,
+            runtime::LoadPredictor* predictor, ServerMetrics* metrics,
+            const std::atomic<bool>* stop_requested = nullptr);
 
   // Handler threads. Empty on success, else why the request is refused now (queue full: RESOURCE_EXHAUSTED;
   // draining: UNAVAILABLE; never_fits: INVALID_ARGUMENT, see why_never_fits) — the handler reports it;
@@ -140,7 +140,7 @@ class Scheduler {
 
   SchedulerConfig config_;
   int ranks_;
-  LoadPredictor predictor_;
+  runtime::LoadPredictor* predictor_;
   ServerMetrics* metrics_;
   BatchSelector selector_;
   OutputProcessor outputs_;
