@@ -132,9 +132,9 @@ Status check_no_special_tokens(const runtime::Tokenizer& tokenizer, const nlohma
 // A prompt longer than a step's batched tokens can never be prefilled: refused naming the field that holds it
 // (the scheduler would refuse it too, but without knowing which field the client sent).
 Status fits_one_step(const Scheduler& scheduler, std::size_t tokens, const std::string& field) {
-  std::string why = scheduler.why_prompt_too_long(static_cast<std::int64_t>(tokens));
-  if (why.empty()) return {};
-  return invalid(field + ": " + why, field);
+  const Status s = scheduler.check_prompt_length(static_cast<std::int64_t>(tokens));
+  if (s.ok()) return s;
+  return invalid(field + ": " + s.message(), field);
 }
 
 }  // namespace
@@ -468,7 +468,7 @@ Status RequestIntake::submit(const std::shared_ptr<Request>& request) {
     case Scheduler::Refusal::draining:
       return refuse({StatusCode::unavailable, "the server is shutting down"});
     case Scheduler::Refusal::never_fits:
-      return refuse(invalid(scheduler_.why_never_fits(*request), "max_tokens"));
+      return refuse(scheduler_.check_fits(*request));
   }
   return refuse(Status::internal("unknown refusal"));
 }

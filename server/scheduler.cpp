@@ -40,31 +40,36 @@ bool Scheduler::prefilled_whole(const Request& request) const {
          static_cast<std::int64_t>(request.prompt().size()) > config_.whole_prefill_above;
 }
 
-std::string Scheduler::why_prompt_too_long(std::int64_t tokens) const {
+runtime::Status Scheduler::check_prompt_length(std::int64_t tokens) const {
   if (config_.whole_prefill_above <= 0 || tokens <= config_.whole_prefill_above ||
       tokens <= config_.max_batched_tokens)
     return {};
-  return std::to_string(tokens) + " tokens exceed the " + std::to_string(config_.max_batched_tokens) +
-         " batched tokens of a step (--max-batched-tokens); the model's dynamic rope scaling needs a prompt "
-         "longer than its max_position_embeddings (" +
-         std::to_string(config_.whole_prefill_above) + ") prefilled in one step";
+  return runtime::Status::invalid_argument(
+      std::to_string(tokens) + " tokens exceed the " + std::to_string(config_.max_batched_tokens) +
+      " batched tokens of a step (--max-batched-tokens); the model's dynamic rope scaling needs a prompt "
+      "longer "
+      "than its max_position_embeddings (" +
+      std::to_string(config_.whole_prefill_above) + ") prefilled in one step");
 }
 
-std::string Scheduler::why_never_fits(const Request& request) const {
-  if (std::string why = why_prompt_too_long(static_cast<std::int64_t>(request.prompt().size())); !why.empty())
-    return "prompt: " + why;
+runtime::Status Scheduler::check_fits(const Request& request) const {
+  if (runtime::Status s = check_prompt_length(static_cast<std::int64_t>(request.prompt().size())); !s.ok())
+    return runtime::Status::invalid_argument("prompt: " + s.message(), "prompt");
   const std::int64_t blocks = kv_.blocks_for(context_tokens(request));
   if (blocks <= config_.kv_blocks_per_rank) return {};
   const auto prompt = static_cast<std::int64_t>(request.prompt().size());
-  return "prompt + sampling.max_tokens: " + std::to_string(prompt + request.params().max_new_tokens) +
-         " tokens need " + std::to_string(blocks) + " KV blocks of " + std::to_string(config_.kv_block_size) +
-         " tokens, more than the " + std::to_string(config_.kv_blocks_per_rank) +
-         " blocks of a rank (--kv-blocks); lower max_tokens or shorten the prompt";
+  return runtime::Status::invalid_argument(
+      "prompt + sampling.max_tokens: " + std::to_string(prompt + request.params().max_new_tokens) +
+          " tokens need " + std::to_string(blocks) + " KV blocks of " +
+          std::to_string(config_.kv_block_size) + " tokens, more than the " +
+          std::to_string(config_.kv_blocks_per_rank) +
+          " blocks of a rank (--kv-blocks); lower max_tokens or shorten the prompt",
+      "max_tokens");
 }
 
 Scheduler::Refusal Scheduler::submit(std::shared_ptr<Request> request) {
   Refusal refusal = Refusal::never_fits;
-  if (why_never_fits(*request).empty()) {
+  if (check_fits(*request).ok()) {
     switch (queue_.push(request)) {
       case RequestQueue::Refusal::none:
         return Refusal::none;

@@ -18,6 +18,7 @@
 
 #include "parallel/moe_stats.h"
 #include "runtime/load_predictor.h"
+#include "runtime/status.h"
 #include "runtime/tokenizer/tokenizer.h"
 #include "server/batch_selector.h"
 #include "server/kv_ledger.h"
@@ -66,18 +67,19 @@ class Scheduler {
             const std::atomic<bool>* stop_requested = nullptr);
 
   // Handler threads. Empty on success, else why the request is refused now (queue full: RESOURCE_EXHAUSTED;
-  // draining: UNAVAILABLE; never_fits: INVALID_ARGUMENT, see why_never_fits) — the handler reports it;
+  // draining: UNAVAILABLE; never_fits: INVALID_ARGUMENT, see check_fits) — the handler reports it;
   // nothing is queued.
   enum class Refusal { none, queue_full, draining, never_fits };
   Refusal submit(std::shared_ptr<Request> request);
-  // Empty when the request fits an idle server, else which limit it exceeds: prompt + max tokens needing more
-  // KV blocks than a rank has, or a prompt that must be prefilled whole (whole_prefill_above) longer than a
-  // step's tokens. Such a request would wait forever at the head of the queue. (Any other prompt longer than
-  // a step's token budget fits: it is prefilled in chunks.)
-  [[nodiscard]] std::string why_never_fits(const Request& request) const;
-  // Empty when a prompt of `tokens` tokens can be prefilled, else why not (after the field that holds the
-  // prompt: "N tokens exceed ...").
-  [[nodiscard]] std::string why_prompt_too_long(std::int64_t tokens) const;
+  // OK when the request fits an idle server, else INVALID_ARGUMENT naming the limit it exceeds: prompt + max
+  // tokens needing more KV blocks than a rank has (field max_tokens), or a prompt that must be prefilled
+  // whole (whole_prefill_above) longer than a step's tokens (field prompt). Such a request would wait forever
+  // at the head of the queue. (Any other prompt longer than a step's token budget fits: it is prefilled in
+  // chunks.)
+  [[nodiscard]] runtime::Status check_fits(const Request& request) const;
+  // OK when a prompt of `tokens` tokens can be prefilled, else INVALID_ARGUMENT whose message starts
+  // "N tokens exceed ..." (the caller names the field that holds the prompt).
+  [[nodiscard]] runtime::Status check_prompt_length(std::int64_t tokens) const;
   // Stop admitting; running and waiting requests still finish.
   void drain() { queue_.drain(); }
   // After drain(), or once `stop_requested` reads true.

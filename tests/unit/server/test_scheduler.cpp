@@ -169,13 +169,13 @@ TEST_F(SchedulerTest, RequestsThatCanNeverFitAreRefusedAtSubmission) {
   config.kv_blocks_per_rank = 4;  // 64 tokens of 16
   Scheduler scheduler(config, 2, &tokenizer_, nullptr, nullptr);
   const auto long_prompt = chat_request({}, 1, 60);
-  EXPECT_EQ(scheduler.why_never_fits(*long_prompt), "");
+  EXPECT_TRUE(scheduler.check_fits(*long_prompt).ok());
   const auto many_tokens = chat_request({}, 100);
   EXPECT_EQ(scheduler.submit(many_tokens), Scheduler::Refusal::never_fits);
-  EXPECT_NE(scheduler.why_never_fits(*many_tokens).find("--kv-blocks"), std::string::npos)
-      << scheduler.why_never_fits(*many_tokens);
+  EXPECT_NE(scheduler.check_fits(*many_tokens).message().find("--kv-blocks"), std::string::npos)
+      << scheduler.check_fits(*many_tokens).message();
   const auto fits = chat_request({}, 61);  // 3 + 61 tokens: exactly the 4 blocks of a rank
-  EXPECT_EQ(scheduler.why_never_fits(*fits), "");
+  EXPECT_TRUE(scheduler.check_fits(*fits).ok());
   ASSERT_EQ(scheduler.submit(fits), Scheduler::Refusal::none);
   EXPECT_EQ(scheduler.plan(Clock::now()).starts.size(), 1U);
   EXPECT_EQ(scheduler.submit(long_prompt), Scheduler::Refusal::none);
@@ -634,7 +634,7 @@ TEST_F(SchedulerTest, PromptsPastAWholePrefillLengthAreNeverChunked) {
   ChunkedRun run(scheduler);
   const auto too_long = chat_request({}, 1, 17);
   EXPECT_EQ(scheduler.submit(too_long), Scheduler::Refusal::never_fits);
-  EXPECT_NE(scheduler.why_never_fits(*too_long).find("--max-batched-tokens"), std::string::npos);
+  EXPECT_NE(scheduler.check_fits(*too_long).message().find("--max-batched-tokens"), std::string::npos);
   const auto running = chat_request({}, 10, 3);
   ASSERT_EQ(scheduler.submit(running), Scheduler::Refusal::none);
   run.step(1);
