@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/unit/server/scheduler_steps.h"
 #include "tests/unit/server/tiny_tokenizer.h"
 
 namespace capserve::server {
@@ -115,23 +116,11 @@ class InferenceServiceTest : public testing::Test {
   }
 
   // Runs one step in which every running sequence samples `token`; returns the sequences it started.
-  std::size_t step(std::int32_t token) {
-    const StepPlan plan = scheduler_.plan(Clock::now());
-    StepResult result;
-    for (const SequenceStart& s : plan.starts) {
-      result.sequences.push_back({s.id, 1, 0, 0});
-      result.tokens.push_back(token);
-    }
-    for (const std::uint64_t id : plan.decodes) {
-      result.sequences.push_back({id, 1, 0, 0});
-      result.tokens.push_back(token);
-    }
-    scheduler_.complete(std::span<const StepResult>(&result, 1), {}, Clock::now());
-    return plan.starts.size();
-  }
+  std::size_t step(std::int32_t token) { return steps_.step(token).starts.size(); }
 
   runtime::Tokenizer tokenizer_;
   Scheduler scheduler_;
+  SchedulerSteps steps_{scheduler_};
   RequestIntake intake_;
   InferenceService service_;
   int port_ = 0;

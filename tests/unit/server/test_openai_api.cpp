@@ -10,6 +10,7 @@
 #include <stop_token>
 #include <string>
 
+#include "tests/unit/server/scheduler_steps.h"
 #include "tests/unit/server/tiny_tokenizer.h"
 
 namespace capserve::server::http {
@@ -46,19 +47,7 @@ class OpenAiApiTest : public testing::Test {
   }
 
   // Runs one step in which every sequence samples `token`.
-  void step(std::int32_t token) {
-    const StepPlan plan = scheduler_.plan(Clock::now());
-    StepResult result;
-    for (const SequenceStart& s : plan.starts) {
-      result.sequences.push_back({s.id, 1, 0, 0});
-      result.tokens.push_back(token);
-    }
-    for (const std::uint64_t id : plan.decodes) {
-      result.sequences.push_back({id, 1, 0, 0});
-      result.tokens.push_back(token);
-    }
-    scheduler_.complete(std::span<const StepResult>(&result, 1), {}, Clock::now());
-  }
+  void step(std::int32_t token) { steps_.step(token); }
 
   // Steps the scheduler until the producer's body is complete; returns it.
   std::string run(Producer& producer, int& wakes) {
@@ -80,6 +69,7 @@ class OpenAiApiTest : public testing::Test {
 
   runtime::Tokenizer tokenizer_;
   Scheduler scheduler_;
+  SchedulerSteps steps_{scheduler_};
   RequestIntake intake_;
   OpenAiApi api_;
   std::map<std::string, Route, std::less<>> routes_;

@@ -7,6 +7,7 @@
 #include <atomic>
 
 #include "runtime/tokenizer/utf8.h"
+#include "tests/unit/server/scheduler_steps.h"
 #include "tests/unit/server/tiny_tokenizer.h"
 
 namespace capserve::server {
@@ -27,24 +28,12 @@ std::vector<RequestEvent> drain_events(Request& request) {
   return events;
 }
 
-// Appends sequence `id`'s one kept token to a step result.
-void add_token(StepResult& result, std::uint64_t id, std::int32_t token) {
-  result.sequences.push_back({id, 1, 0, 0});
-  result.tokens.push_back(token);
-}
-
 class SchedulerTest : public testing::Test {
  protected:
   SchedulerTest() : tokenizer_(load_tiny_tokenizer()) {}
 
   // Runs one step in which every sequence of the plan samples `token`.
-  void step(Scheduler& scheduler, std::int32_t token) {
-    const StepPlan plan = scheduler.plan(Clock::now());
-    StepResult result;
-    for (const SequenceStart& s : plan.starts) add_token(result, s.id, token);
-    for (const std::uint64_t id : plan.decodes) add_token(result, id, token);
-    scheduler.complete(std::span<const StepResult>(&result, 1), {}, Clock::now());
-  }
+  static void step(Scheduler& scheduler, std::int32_t token) { SchedulerSteps(scheduler).step(token); }
 
   runtime::Tokenizer tokenizer_;
 };
@@ -451,40 +440,6 @@ TEST_F(SchedulerTest, VerifiedDraftsFeedTheSpeculationMetrics) {
   EXPECT_TRUE(has("capserve_generation_tokens_total{model_name=\"m\"} 6\n")) << text;
 }
 
-// Runs plans the way the ranks would: every prefill chunk that ends its prompt and every decode samples
-// `token`; earlier chunks sample nothing. Returns the plans.
-class ChunkedRun {
- public:
-  explicit ChunkedRun(Scheduler& scheduler) : scheduler_(scheduler) {}
-
-  StepPlan step(std::int32_t token) {
-    StepPlan plan = scheduler_.plan(Clock::now());
-    for (const SequenceStart& s : plan.starts) {
-      left_[s.id] = static_cast<std::int64_t>(s.prompt.size()) - s.cached;
-      rank_[s.id] = s.rank;
-    }
-    StepResult result;
-    for (const PrefillChunk& c : plan.prefills) {
-      left_[c.id] -= c.tokens;
-      EXPECT_GE(left_[c.id], 0) << "a chunk past its prompt";
-      if (left_[c.id] == 0) {
-        add_token(result, c.id, token);
-      } else {
-        result.sequences.push_back({c.id, 0, 0, 0});
-      }
-    }
-    for (const std::uint64_t id : plan.decodes) add_token(result, id, token);
-    scheduler_.complete(std::span<const StepResult>(&result, 1), {}, Clock::now());
-    return plan;
-  }
-  [[nodiscard]] std::int32_t rank_of(std::uint64_t id) const { return rank_.at(id); }
-
- private:
-  Scheduler& scheduler_;
-  std::unordered_map<std::uint64_t, std::int64_t> left_;
-  std::unordered_map<std::uint64_t, std::int32_t> rank_;
-};
-
 std::int64_t step_tokens(const StepPlan& plan) {
   std::int64_t tokens = static_cast<std::int64_t>(plan.decodes.size());
   for (const PrefillChunk& c : plan.prefills) tokens += c.tokens;
@@ -498,7 +453,7 @@ TEST_F(SchedulerTest, ALongPromptIsPrefilledInChunksWhileTheDecodesGoOn) {
   SchedulerConfig config;
   config.max_batched_tokens = 16;
   Scheduler scheduler(config, 1, &tokenizer_, nullptr, nullptr);
-  ChunkedRun run(scheduler);
+  SchedulerSteps run(scheduler);
   const std::int32_t a = single_token(tokenizer_, "a");
   const auto running = chat_request({}, 100);
   ASSERT_EQ(scheduler.submit(running), Scheduler::Refusal::none);
@@ -531,7 +486,7 @@ TEST_F(SchedulerTest, CancellationMidPrefillStopsTheChunksAndFreesTheSequence) {
   SchedulerConfig config;
   config.max_batched_tokens = 16;
   Scheduler scheduler(config, 1, &tokenizer_, nullptr, nullptr);
-  ChunkedRun run(scheduler);
+  SchedulerSteps run(scheduler);
   const auto request = chat_request({}, 4, 100);
   ASSERT_EQ(scheduler.submit(request), Scheduler::Refusal::none);
   const StepPlan first = run.step(1);
@@ -568,7 +523,7 @@ TEST_F(SchedulerTest, APromptStartsAfterItsCachedPrefixOnTheRankThatHoldsIt) {
   config.prefix_cache = true;
   config.kv_block_size = 16;
   Scheduler scheduler(config, 2, &tokenizer_, nullptr, nullptr);
-  ChunkedRun run(scheduler);
+  SchedulerSteps run(scheduler);
   // Two requests occupy rank 0 and rank 1; the first one's prompt spans two whole blocks and a part.
   const std::vector<std::int32_t> shared = iota_prompt(100, 40);
   ASSERT_EQ(scheduler.submit(prompt_request(shared, 30)), Scheduler::Refusal::none);
@@ -613,7 +568,7 @@ TEST_F(SchedulerTest, CacheAffinityYieldsWhenItsRankIsTooBusy) {
   config.prefix_cache = true;
   config.cache_affinity_slack = 0;
   Scheduler scheduler(config, 2, &tokenizer_, nullptr, nullptr);
-  ChunkedRun run(scheduler);
+  SchedulerSteps run(scheduler);
   const std::vector<std::int32_t> shared = iota_prompt(100, 40);
   ASSERT_EQ(scheduler.submit(prompt_request(shared, 30)), Scheduler::Refusal::none);
   run.step(1);  // rank 0 now runs one sequence, rank 1 none
@@ -631,7 +586,7 @@ TEST_F(SchedulerTest, PromptsPastAWholePrefillLengthAreNeverChunked) {
   config.max_batched_tokens = 16;
   config.whole_prefill_above = 8;
   Scheduler scheduler(config, 1, &tokenizer_, nullptr, nullptr);
-  ChunkedRun run(scheduler);
+  SchedulerSteps run(scheduler);
   const auto too_long = chat_request({}, 1, 17);
   EXPECT_EQ(scheduler.submit(too_long), Scheduler::Refusal::never_fits);
   EXPECT_NE(scheduler.check_fits(*too_long).message().find("--max-batched-tokens"), std::string::npos);
