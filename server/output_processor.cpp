@@ -1,6 +1,7 @@
 #include "server/output_processor.h"
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <utility>
 
@@ -139,9 +140,10 @@ void OutputProcessor::finish(Output& o, Terminal terminal, const std::string& me
   e.prompt_tokens = static_cast<std::uint32_t>(prompt);
   e.completion_tokens = static_cast<std::uint32_t>(o.completion);
   e.cached_tokens = static_cast<std::uint32_t>(o.cached_tokens);
-  // Fed tokens: the prompt, each later token, and the drafts the verification rejected.
+  // Computed tokens: the prompt but what the prefix cache served, each later token, and the drafts the
+  // verification rejected.
   e.moe_assignments = static_cast<std::uint64_t>(
-      (prompt + std::max<std::int64_t>(0, o.completion - 1) + o.drafted - o.accepted) *
+      (prompt - o.cached_tokens + std::max<std::int64_t>(0, o.completion - 1) + o.drafted - o.accepted) *
       options_.assignments_per_token);
   e.moe_dropped = static_cast<std::uint64_t>(o.dropped);
   e.moe_rerouted = static_cast<std::uint64_t>(o.rerouted);
@@ -175,7 +177,10 @@ void OutputProcessor::finish(Output& o, Terminal terminal, const std::string& me
   o.request->push(std::move(e));
 }
 
-void OutputProcessor::refused(const Request& request, std::string_view reason) const {
+void OutputProcessor::refused(const Request& request, runtime::StatusCode code) const {
+  std::string reason = runtime::code_name(code);
+  std::transform(reason.begin(), reason.end(), reason.begin(),
+                 [](char c) { return static_cast<char>(std::tolower(static_cast<unsigned char>(c))); });
   log_unadmitted(request, reason, std::nullopt, seconds(Clock::now() - request.arrival()));
 }
 

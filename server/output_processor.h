@@ -14,6 +14,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "runtime/status.h"
 #include "runtime/tokenizer/tokenizer.h"
 #include "server/logprob_entries.h"
 #include "server/output_stream.h"
@@ -55,8 +56,8 @@ class OutputProcessor {
   [[nodiscard]] std::int64_t completion(std::uint64_t id) const { return outputs_.at(id).completion; }
 
   // A request the scheduler refused at submission (the front end answers it): its access line, named as its
-  // gRPC status ("resource_exhausted", ...).
-  void refused(const Request& request, std::string_view reason) const;
+  // status in lower case ("resource_exhausted", ...).
+  void refused(const Request& request, runtime::StatusCode code) const;
   // A request that leaves the queue without having run: its terminal event and access line.
   void end_waiting(Request& request, Terminal terminal, const std::string& message,
                    Clock::time_point now) const;

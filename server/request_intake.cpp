@@ -460,17 +460,9 @@ StatusOr<RequestIntake::Admitted> RequestIntake::admit(const IntakeRequest& requ
 }
 
 Status RequestIntake::submit(const std::shared_ptr<Request>& request) {
-  switch (scheduler_.submit(request)) {
-    case Scheduler::Refusal::none:
-      return {};
-    case Scheduler::Refusal::queue_full:
-      return refuse({StatusCode::resource_exhausted, "queue full: too many waiting requests; retry later"});
-    case Scheduler::Refusal::draining:
-      return refuse({StatusCode::unavailable, "the server is shutting down"});
-    case Scheduler::Refusal::never_fits:
-      return refuse(scheduler_.check_fits(*request));
-  }
-  return refuse(Status::internal("unknown refusal"));
+  Status status = scheduler_.submit(request);
+  if (status.ok()) return status;
+  return refuse(std::move(status));
 }
 
 RequestIntake::PeerSlot::~PeerSlot() {

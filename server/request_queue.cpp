@@ -2,16 +2,18 @@
 
 namespace capserve::server {
 
-RequestQueue::Refusal RequestQueue::push(std::shared_ptr<Request> request) {
+runtime::Status RequestQueue::push(std::shared_ptr<Request> request) {
   {
     std::lock_guard lock(mutex_);
-    if (draining_ || (stop_requested_ != nullptr && stop_requested_->load())) return Refusal::draining;
-    if (queued_ >= max_queue_) return Refusal::queue_full;
+    if (draining_ || (stop_requested_ != nullptr && stop_requested_->load()))
+      return {runtime::StatusCode::unavailable, "the server is shutting down"};
+    if (queued_ >= max_queue_)
+      return {runtime::StatusCode::resource_exhausted, "queue full: too many waiting requests; retry later"};
     ++queued_;
     inbox_.push_back(std::move(request));
   }
   ready_.notify_one();
-  return Refusal::none;
+  return {};
 }
 
 void RequestQueue::drain() {

@@ -11,6 +11,7 @@
 #include <mutex>
 #include <vector>
 
+#include "runtime/status.h"
 #include "server/request.h"
 
 namespace capserve::server {
@@ -20,9 +21,8 @@ class RequestQueue {
   RequestQueue(std::int64_t max_queue, const std::atomic<bool>* stop_requested)
       : max_queue_(max_queue), stop_requested_(stop_requested) {}
 
-  enum class Refusal { none, queue_full, draining };
-  // Handler threads.
-  Refusal push(std::shared_ptr<Request> request);
+  // Handler threads. OK, or why it is refused now: UNAVAILABLE (draining), RESOURCE_EXHAUSTED (queue full).
+  runtime::Status push(std::shared_ptr<Request> request);
   void drain();
   [[nodiscard]] bool draining() const;
   void wait_for_work(std::chrono::milliseconds timeout);

@@ -67,25 +67,12 @@ runtime::Status Scheduler::check_fits(const Request& request) const {
       "max_tokens");
 }
 
-Scheduler::Refusal Scheduler::submit(std::shared_ptr<Request> request) {
-  Refusal refusal = Refusal::never_fits;
-  if (check_fits(*request).ok()) {
-    switch (queue_.push(request)) {
-      case RequestQueue::Refusal::none:
-        return Refusal::none;
-      case RequestQueue::Refusal::queue_full:
-        refusal = Refusal::queue_full;
-        break;
-      case RequestQueue::Refusal::draining:
-        refusal = Refusal::draining;
-        break;
-    }
-  }
+runtime::Status Scheduler::submit(std::shared_ptr<Request> request) {
+  runtime::Status status = check_fits(*request);
+  if (status.ok()) status = queue_.push(request);
   // Refused requests end here, so the access log has their line too (named as their gRPC status).
-  outputs_.refused(*request, refusal == Refusal::never_fits ? "invalid_argument"
-                             : refusal == Refusal::draining ? "unavailable"
-                                                            : "resource_exhausted");
-  return refusal;
+  if (!status.ok()) outputs_.refused(*request, status.code());
+  return status;
 }
 
 bool Scheduler::idle() const {

@@ -66,11 +66,10 @@ class Scheduler {
             runtime::LoadPredictor* predictor, ServerMetrics* metrics,
             const std::atomic<bool>* stop_requested = nullptr);
 
-  // Handler threads. Empty on success, else why the request is refused now (queue full: RESOURCE_EXHAUSTED;
-  // draining: UNAVAILABLE; never_fits: INVALID_ARGUMENT, see check_fits) — the handler reports it;
-  // nothing is queued.
-  enum class Refusal { none, queue_full, draining, never_fits };
-  Refusal submit(std::shared_ptr<Request> request);
+  // Handler threads. OK when queued, else why the request is refused now (the handler reports it; nothing
+  // is queued): RESOURCE_EXHAUSTED (queue full), UNAVAILABLE (draining), INVALID_ARGUMENT (it never fits,
+  // check_fits, naming the field).
+  runtime::Status submit(std::shared_ptr<Request> request);
   // OK when the request fits an idle server, else INVALID_ARGUMENT naming the limit it exceeds: prompt + max
   // tokens needing more KV blocks than a rank has (field max_tokens), or a prompt that must be prefilled
   // whole (whole_prefill_above) longer than a step's tokens (field prompt). Such a request would wait forever

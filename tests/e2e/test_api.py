@@ -62,8 +62,15 @@ class ApiTest(ServerTestCase):
         # finish_reason, usage and MoE statistics come on the last chunk only.
         self.assertEqual([c.finish_reason for c in chunks[:-1]], [pb.FINISH_REASON_UNSPECIFIED] * (len(chunks) - 1))
         self.assertEqual(chunks[-1].finish_reason, reply.finish_reason)
-        self.assertEqual(chunks[-1].usage, reply.usage)
-        self.assertEqual(chunks[-1].moe, reply.moe)
+        # The same prompt again: its whole blocks come from the prefix cache, so fewer assignments are routed.
+        usage = chunks[-1].usage
+        self.assertEqual((usage.prompt_tokens, usage.completion_tokens),
+                         (reply.usage.prompt_tokens, reply.usage.completion_tokens))
+        self.assertEqual(reply.usage.cached_prompt_tokens, 0)
+        self.assertEqual(usage.cached_prompt_tokens, (usage.prompt_tokens - 1) // 16 * 16)
+        per_token = reply.moe.assignments // (reply.usage.prompt_tokens + reply.usage.completion_tokens - 1)
+        self.assertEqual(chunks[-1].moe.assignments, reply.moe.assignments - usage.cached_prompt_tokens * per_token)
+        self.assertEqual((chunks[-1].moe.dropped, chunks[-1].moe.rerouted), (reply.moe.dropped, reply.moe.rerouted))
         # Without a client id the server makes one that does not repeat across restarts (not a counter).
         ids = {self.stub.Chat(chat_request("Hi", max_tokens=1), timeout=120).request_id for _ in range(3)}
         self.assertEqual(len(ids), 3)

@@ -41,7 +41,7 @@ class SchedulerTest : public testing::Test {
 TEST_F(SchedulerTest, StopStringHoldBackCutsOnCharacterBoundaries) {
   Scheduler scheduler({}, 1, &tokenizer_, nullptr, nullptr);
   const auto request = chat_request({"QQ"}, 4);
-  ASSERT_EQ(scheduler.submit(request), Scheduler::Refusal::none);
+  ASSERT_TRUE(scheduler.submit(request).ok());
   // "a" then the 3-byte "に": holding back one byte for "QQ" must not split the character.
   const std::int32_t a = single_token(tokenizer_, "a");
   const std::int32_t ni = single_token(tokenizer_, "\xE3\x81\xAB");
@@ -77,7 +77,7 @@ TEST_F(SchedulerTest, LogprobEntriesGoWithTheTextThatCoversTheirTokens) {
   const auto request =
       std::make_shared<Request>("r", std::vector<std::int32_t>{5, 6, 7}, params,
                                 std::vector<std::string>{"QQ"}, true, Clock::time_point::max());
-  ASSERT_EQ(scheduler.submit(request), Scheduler::Refusal::none);
+  ASSERT_TRUE(scheduler.submit(request).ok());
   float logprob = -1.0F;
   for (const std::int32_t token : {a, a, a, q}) {
     const StepPlan plan = scheduler.plan(Clock::now());
@@ -126,8 +126,8 @@ TEST_F(SchedulerTest, ASequenceWithoutATokenFailsAloneWithAnError) {
   Scheduler scheduler({}, 1, &tokenizer_, nullptr, nullptr);
   const auto bad = chat_request({}, 3);
   const auto good = chat_request({}, 3);
-  ASSERT_EQ(scheduler.submit(bad), Scheduler::Refusal::none);
-  ASSERT_EQ(scheduler.submit(good), Scheduler::Refusal::none);
+  ASSERT_TRUE(scheduler.submit(bad).ok());
+  ASSERT_TRUE(scheduler.submit(good).ok());
   const std::int32_t a = single_token(tokenizer_, "a");
   StepPlan plan = scheduler.plan(Clock::now());
   ASSERT_EQ(plan.starts.size(), 2U);
@@ -160,27 +160,27 @@ TEST_F(SchedulerTest, RequestsThatCanNeverFitAreRefusedAtSubmission) {
   const auto long_prompt = chat_request({}, 1, 60);
   EXPECT_TRUE(scheduler.check_fits(*long_prompt).ok());
   const auto many_tokens = chat_request({}, 100);
-  EXPECT_EQ(scheduler.submit(many_tokens), Scheduler::Refusal::never_fits);
+  EXPECT_EQ(scheduler.submit(many_tokens).code(), runtime::StatusCode::invalid_argument);
   EXPECT_NE(scheduler.check_fits(*many_tokens).message().find("--kv-blocks"), std::string::npos)
       << scheduler.check_fits(*many_tokens).message();
   const auto fits = chat_request({}, 61);  // 3 + 61 tokens: exactly the 4 blocks of a rank
   EXPECT_TRUE(scheduler.check_fits(*fits).ok());
-  ASSERT_EQ(scheduler.submit(fits), Scheduler::Refusal::none);
+  ASSERT_TRUE(scheduler.submit(fits).ok());
   EXPECT_EQ(scheduler.plan(Clock::now()).starts.size(), 1U);
-  EXPECT_EQ(scheduler.submit(long_prompt), Scheduler::Refusal::none);
+  EXPECT_TRUE(scheduler.submit(long_prompt).ok());
 }
 
 TEST_F(SchedulerTest, AFullQueueAndADrainingServerRefuse) {
   SchedulerConfig config;
   config.max_queue = 2;
   Scheduler scheduler(config, 1, &tokenizer_, nullptr, nullptr);
-  EXPECT_EQ(scheduler.submit(chat_request({})), Scheduler::Refusal::none);
-  EXPECT_EQ(scheduler.submit(chat_request({})), Scheduler::Refusal::none);
-  EXPECT_EQ(scheduler.submit(chat_request({})), Scheduler::Refusal::queue_full);
+  EXPECT_TRUE(scheduler.submit(chat_request({})).ok());
+  EXPECT_TRUE(scheduler.submit(chat_request({})).ok());
+  EXPECT_EQ(scheduler.submit(chat_request({})).code(), runtime::StatusCode::resource_exhausted);
   EXPECT_FALSE(scheduler.draining());
   scheduler.drain();
   EXPECT_TRUE(scheduler.draining());
-  EXPECT_EQ(scheduler.submit(chat_request({})), Scheduler::Refusal::draining);
+  EXPECT_EQ(scheduler.submit(chat_request({})).code(), runtime::StatusCode::unavailable);
 }
 
 // The stop signal's flag refuses at once, before the engine loop has seen it and called drain(): a request
@@ -188,11 +188,11 @@ TEST_F(SchedulerTest, AFullQueueAndADrainingServerRefuse) {
 TEST_F(SchedulerTest, TheStopFlagRefusesBeforeDrain) {
   std::atomic<bool> stop_requested{false};
   Scheduler scheduler({}, 1, &tokenizer_, nullptr, nullptr, &stop_requested);
-  EXPECT_EQ(scheduler.submit(chat_request({})), Scheduler::Refusal::none);
+  EXPECT_TRUE(scheduler.submit(chat_request({})).ok());
   EXPECT_FALSE(scheduler.draining());
   stop_requested.store(true);
   EXPECT_TRUE(scheduler.draining());
-  EXPECT_EQ(scheduler.submit(chat_request({})), Scheduler::Refusal::draining);
+  EXPECT_EQ(scheduler.submit(chat_request({})).code(), runtime::StatusCode::unavailable);
 }
 
 // A cancelled waiting request leaves the queue with one CANCELLED event; a cancelled running one is freed on
@@ -200,7 +200,7 @@ TEST_F(SchedulerTest, TheStopFlagRefusesBeforeDrain) {
 TEST_F(SchedulerTest, CancelledRequestsEndOnceAndAreFreed) {
   Scheduler scheduler({}, 1, &tokenizer_, nullptr, nullptr);
   const auto waiting = chat_request({});
-  ASSERT_EQ(scheduler.submit(waiting), Scheduler::Refusal::none);
+  ASSERT_TRUE(scheduler.submit(waiting).ok());
   waiting->cancel();
   EXPECT_TRUE(scheduler.plan(Clock::now()).starts.empty());
   std::vector<RequestEvent> events = drain_events(*waiting);
@@ -209,7 +209,7 @@ TEST_F(SchedulerTest, CancelledRequestsEndOnceAndAreFreed) {
   EXPECT_EQ(events[0].prompt_tokens, 3U);
 
   const auto running = chat_request({});
-  ASSERT_EQ(scheduler.submit(running), Scheduler::Refusal::none);
+  ASSERT_TRUE(scheduler.submit(running).ok());
   const StepPlan first = scheduler.plan(Clock::now());
   ASSERT_EQ(first.starts.size(), 1U);
   running->cancel();
@@ -230,7 +230,7 @@ TEST_F(SchedulerTest, ARequestWaitsForKvBlocksAndJoinsWhenTheyAreFreed) {
   std::vector<std::shared_ptr<Request>> requests;
   for (int i = 0; i < 3; ++i) {
     requests.push_back(chat_request({}, 29));  // 3 + 29 tokens: 2 blocks of 16
-    ASSERT_EQ(scheduler.submit(requests.back()), Scheduler::Refusal::none);
+    ASSERT_TRUE(scheduler.submit(requests.back()).ok());
   }
   const StepPlan first = scheduler.plan(Clock::now());
   ASSERT_EQ(first.starts.size(), 2U);
@@ -245,7 +245,7 @@ TEST_F(SchedulerTest, ARequestWaitsForKvBlocksAndJoinsWhenTheyAreFreed) {
 TEST_F(SchedulerTest, ARefusedStepFailsTheRanksSequencesWithItsReason) {
   Scheduler scheduler({}, 1, &tokenizer_, nullptr, nullptr);
   const auto request = chat_request({});
-  ASSERT_EQ(scheduler.submit(request), Scheduler::Refusal::none);
+  ASSERT_TRUE(scheduler.submit(request).ok());
   const StepPlan plan = scheduler.plan(Clock::now());
   ASSERT_EQ(plan.starts.size(), 1U);
   StepResult result;
@@ -274,7 +274,7 @@ TEST_F(SchedulerTest, AFinishedRequestFeedsTheKvAndRequestMetrics) {
   SchedulerConfig config;
   config.kv_blocks_per_rank = 8;
   Scheduler scheduler(config, 2, &tokenizer_, nullptr, &metrics);
-  ASSERT_EQ(scheduler.submit(chat_request({}, 3, 20)), Scheduler::Refusal::none);  // 23 tokens: 2 blocks
+  ASSERT_TRUE(scheduler.submit(chat_request({}, 3, 20)).ok());  // 23 tokens: 2 blocks
   const auto has = [&](const std::string& sample) {
     return metrics.exposition().find(sample) != std::string::npos;
   };
@@ -304,7 +304,7 @@ TEST_F(SchedulerTest, AStopTokenInsideAMultiTokenResultEndsTheRequestThere) {
   params.stop_token_ids = {q};
   const auto request = std::make_shared<Request>("r", std::vector<std::int32_t>{5, 6, 7}, params,
                                                  std::vector<std::string>{}, true, Clock::time_point::max());
-  ASSERT_EQ(scheduler.submit(request), Scheduler::Refusal::none);
+  ASSERT_TRUE(scheduler.submit(request).ok());
   step(scheduler, a);
   const StepPlan plan = scheduler.plan(Clock::now());
   ASSERT_EQ(plan.decodes.size(), 1U);
@@ -335,8 +335,8 @@ TEST_F(SchedulerTest, DraftsStayWithinMaxTokensTheContextAndTheBatchedTokens) {
   const std::int32_t a = single_token(tokenizer_, "a");
   const auto near_max_tokens = chat_request({}, 3, 2);  // after its first token: 2 left, so 1 draft
   const auto near_context = chat_request({}, 16, 5);    // after its first token: 6 of 8, so 1 draft
-  ASSERT_EQ(scheduler.submit(near_max_tokens), Scheduler::Refusal::none);
-  ASSERT_EQ(scheduler.submit(near_context), Scheduler::Refusal::none);
+  ASSERT_TRUE(scheduler.submit(near_max_tokens).ok());
+  ASSERT_TRUE(scheduler.submit(near_context).ok());
   StepPlan plan = scheduler.plan(Clock::now());
   ASSERT_EQ(plan.starts.size(), 1U) << "the second prompt does not fit the step's 6 tokens beside the first";
   EXPECT_TRUE(plan.max_drafts.empty()) << "no decode yet";
@@ -379,7 +379,7 @@ TEST_F(SchedulerTest, TokensKeptBeforeANonFiniteRowAreSentBeforeTheError) {
   config.speculative_tokens = 3;
   Scheduler scheduler(config, 1, &tokenizer_, nullptr, nullptr);
   const auto request = chat_request({}, 16);
-  ASSERT_EQ(scheduler.submit(request), Scheduler::Refusal::none);
+  ASSERT_TRUE(scheduler.submit(request).ok());
   const std::int32_t a = single_token(tokenizer_, "a");
   const std::int32_t b = single_token(tokenizer_, "b");
   step(scheduler, a);
@@ -414,7 +414,7 @@ TEST_F(SchedulerTest, VerifiedDraftsFeedTheSpeculationMetrics) {
   SchedulerConfig config;
   config.speculative_tokens = 3;
   Scheduler scheduler(config, 1, &tokenizer_, nullptr, &metrics);
-  ASSERT_EQ(scheduler.submit(chat_request({}, 16)), Scheduler::Refusal::none);
+  ASSERT_TRUE(scheduler.submit(chat_request({}, 16)).ok());
   const std::int32_t a = single_token(tokenizer_, "a");
   step(scheduler, a);
   for (const auto& [drafted, accepted] : {std::pair{3, 1}, std::pair{2, 2}}) {
@@ -456,10 +456,10 @@ TEST_F(SchedulerTest, ALongPromptIsPrefilledInChunksWhileTheDecodesGoOn) {
   SchedulerSteps run(scheduler);
   const std::int32_t a = single_token(tokenizer_, "a");
   const auto running = chat_request({}, 100);
-  ASSERT_EQ(scheduler.submit(running), Scheduler::Refusal::none);
+  ASSERT_TRUE(scheduler.submit(running).ok());
   run.step(a);
   const auto long_prompt = chat_request({}, 2, 64);
-  ASSERT_EQ(scheduler.submit(long_prompt), Scheduler::Refusal::none);
+  ASSERT_TRUE(scheduler.submit(long_prompt).ok());
   std::int64_t prefilled = 0;
   int steps = 0;
   while (prefilled < 64) {
@@ -488,7 +488,7 @@ TEST_F(SchedulerTest, CancellationMidPrefillStopsTheChunksAndFreesTheSequence) {
   Scheduler scheduler(config, 1, &tokenizer_, nullptr, nullptr);
   SchedulerSteps run(scheduler);
   const auto request = chat_request({}, 4, 100);
-  ASSERT_EQ(scheduler.submit(request), Scheduler::Refusal::none);
+  ASSERT_TRUE(scheduler.submit(request).ok());
   const StepPlan first = run.step(1);
   ASSERT_EQ(first.starts.size(), 1U);
   run.step(1);
@@ -526,8 +526,8 @@ TEST_F(SchedulerTest, APromptStartsAfterItsCachedPrefixOnTheRankThatHoldsIt) {
   SchedulerSteps run(scheduler);
   // Two requests occupy rank 0 and rank 1; the first one's prompt spans two whole blocks and a part.
   const std::vector<std::int32_t> shared = iota_prompt(100, 40);
-  ASSERT_EQ(scheduler.submit(prompt_request(shared, 30)), Scheduler::Refusal::none);
-  ASSERT_EQ(scheduler.submit(prompt_request(iota_prompt(500, 20), 30)), Scheduler::Refusal::none);
+  ASSERT_TRUE(scheduler.submit(prompt_request(shared, 30)).ok());
+  ASSERT_TRUE(scheduler.submit(prompt_request(iota_prompt(500, 20), 30)).ok());
   const StepPlan first = run.step(1);
   ASSERT_EQ(first.starts.size(), 2U);
   EXPECT_EQ(first.starts[0].rank, 0);
@@ -537,16 +537,17 @@ TEST_F(SchedulerTest, APromptStartsAfterItsCachedPrefixOnTheRankThatHoldsIt) {
   // The same 32 leading tokens, another tail: 32 cached tokens on rank 0, 13 to compute.
   std::vector<std::int32_t> follow_up(shared.begin(), shared.begin() + 32);
   for (std::int32_t t = 900; t < 913; ++t) follow_up.push_back(t);
-  ASSERT_EQ(scheduler.submit(prompt_request(follow_up)), Scheduler::Refusal::none);
+  ASSERT_TRUE(scheduler.submit(prompt_request(follow_up)).ok());
   // Exactly the two cached blocks: one block is computed again, for the prompt's last logits.
-  ASSERT_EQ(scheduler.submit(prompt_request(std::vector<std::int32_t>(shared.begin(), shared.begin() + 32))),
-            Scheduler::Refusal::none);
+  ASSERT_TRUE(
+      scheduler.submit(prompt_request(std::vector<std::int32_t>(shared.begin(), shared.begin() + 32))).ok());
   runtime::SamplingParams scoring;
   scoring.max_new_tokens = 1;
   scoring.prompt_logprobs = true;
-  ASSERT_EQ(scheduler.submit(std::make_shared<Request>("r", shared, scoring, std::vector<std::string>{},
-                                                       false, Clock::time_point::max())),
-            Scheduler::Refusal::none);
+  ASSERT_TRUE(scheduler
+                  .submit(std::make_shared<Request>("r", shared, scoring, std::vector<std::string>{}, false,
+                                                    Clock::time_point::max()))
+                  .ok());
   const StepPlan second = run.step(1);
   ASSERT_EQ(second.starts.size(), 3U);
   EXPECT_EQ(second.starts[0].rank, 0);
@@ -570,9 +571,9 @@ TEST_F(SchedulerTest, CacheAffinityYieldsWhenItsRankIsTooBusy) {
   Scheduler scheduler(config, 2, &tokenizer_, nullptr, nullptr);
   SchedulerSteps run(scheduler);
   const std::vector<std::int32_t> shared = iota_prompt(100, 40);
-  ASSERT_EQ(scheduler.submit(prompt_request(shared, 30)), Scheduler::Refusal::none);
+  ASSERT_TRUE(scheduler.submit(prompt_request(shared, 30)).ok());
   run.step(1);  // rank 0 now runs one sequence, rank 1 none
-  ASSERT_EQ(scheduler.submit(prompt_request(shared)), Scheduler::Refusal::none);
+  ASSERT_TRUE(scheduler.submit(prompt_request(shared)).ok());
   const StepPlan plan = run.step(1);
   ASSERT_EQ(plan.starts.size(), 1U);
   EXPECT_EQ(plan.starts[0].rank, 1);
@@ -588,14 +589,14 @@ TEST_F(SchedulerTest, PromptsPastAWholePrefillLengthAreNeverChunked) {
   Scheduler scheduler(config, 1, &tokenizer_, nullptr, nullptr);
   SchedulerSteps run(scheduler);
   const auto too_long = chat_request({}, 1, 17);
-  EXPECT_EQ(scheduler.submit(too_long), Scheduler::Refusal::never_fits);
+  EXPECT_EQ(scheduler.submit(too_long).code(), runtime::StatusCode::invalid_argument);
   EXPECT_NE(scheduler.check_fits(*too_long).message().find("--max-batched-tokens"), std::string::npos);
   const auto running = chat_request({}, 10, 3);
-  ASSERT_EQ(scheduler.submit(running), Scheduler::Refusal::none);
+  ASSERT_TRUE(scheduler.submit(running).ok());
   run.step(1);
   // 16 tokens: with the running decode in the step, not all of it fits; it waits, then goes whole.
   const auto whole = chat_request({}, 1, 16);
-  ASSERT_EQ(scheduler.submit(whole), Scheduler::Refusal::none);
+  ASSERT_TRUE(scheduler.submit(whole).ok());
   const StepPlan waiting = run.step(1);
   EXPECT_TRUE(waiting.starts.empty());
   EXPECT_EQ(waiting.decodes.size(), 1U);
