@@ -208,7 +208,7 @@ class Relay : public Reactor, public RelayPumps::Pumped {
       admitted_.emplace(std::move(*admitted));
       on_admitted();
       // A client that left while its request was admitted is not seen by OnCancel, which ran before.
-      if (context_.IsCancelled()) cancel_unless_past_deadline();
+      if (context_.IsCancelled()) client_left();
     }
     pump();
   }
@@ -223,7 +223,7 @@ class Relay : public Reactor, public RelayPumps::Pumped {
 
   void OnCancel() override {
     std::lock_guard lock(mutex_);
-    if (request_) cancel_unless_past_deadline();
+    if (request_) client_left();
   }
 
   void OnDone() override {
@@ -242,9 +242,16 @@ class Relay : public Reactor, public RelayPumps::Pumped {
   bool finished_ = false;             // guarded by mutex_; Finish called or about to be
 
  private:
-  // gRPC cancels the call when its deadline passes too; that one the scheduler ends as DEADLINE_EXCEEDED.
-  void cancel_unless_past_deadline() {
-    if (std::chrono::system_clock::now() < context_.deadline()) request_->cancel();
+  // gRPC cancels the call when its deadline passes too, and the client cancels it at its own deadline, which
+  // comes first by the request's transit time (more on a loaded host): a cancellation that close to the
+  // deadline is the deadline passing, and ends as DEADLINE_EXCEEDED.
+  void client_left() {
+    constexpr auto transit_slack = std::chrono::seconds(1);
+    if (std::chrono::system_clock::now() + transit_slack >= context_.deadline()) {
+      request_->expire();
+    } else {
+      request_->cancel();
+    }
   }
 
   std::optional<RequestIntake::Admitted> admitted_;  // the request and its in-flight slot, until OnDone

@@ -69,7 +69,6 @@ class Request {
   [[nodiscard]] const runtime::SamplingParams& params() const { return params_; }
   [[nodiscard]] const std::vector<std::string>& stop_strings() const { return stop_strings_; }
   [[nodiscard]] bool text_output() const { return text_output_; }
-  [[nodiscard]] Clock::time_point deadline() const { return deadline_; }
   [[nodiscard]] Clock::time_point arrival() const { return arrival_; }
   // The client's address ("ipv4:10.0.0.1:5000"), empty when unknown.
   [[nodiscard]] const std::string& peer() const { return peer_; }
@@ -78,8 +77,15 @@ class Request {
   // must not call back into this request) after each push.
   void set_listener(std::function<void()> listener) { listener_ = std::move(listener); }
 
+  // Front end: the client left. It ends the request as CANCELLED.
   void cancel() { cancelled_.store(true, std::memory_order_relaxed); }
   [[nodiscard]] bool cancelled() const { return cancelled_.load(std::memory_order_relaxed); }
+  // Front end: the client left because its deadline passed by its own clock (which runs out before ours by
+  // the request's transit time). It ends the request as DEADLINE_EXCEEDED, as the deadline passing here does.
+  void expire() { expired_.store(true, std::memory_order_relaxed); }
+  [[nodiscard]] bool expired(Clock::time_point now) const {
+    return now >= deadline_ || expired_.load(std::memory_order_relaxed);
+  }
 
   // Engine loop side.
   void push(RequestEvent event) {
@@ -110,6 +116,7 @@ class Request {
   const std::string peer_;
   std::function<void()> listener_;
   std::atomic<bool> cancelled_{false};
+  std::atomic<bool> expired_{false};
   std::mutex mutex_;
   std::deque<RequestEvent> events_;
 };

@@ -82,7 +82,7 @@ bool Scheduler::idle() const {
 void Scheduler::expire(Clock::time_point now) {
   // A passed deadline wins over cancellation: gRPC cancels the call at its deadline too.
   for (auto it = waiting_.begin(); it != waiting_.end();) {
-    const bool expired = now >= it->request->deadline();
+    const bool expired = it->request->expired(now);
     if (expired || it->request->cancelled()) {
       outputs_.end_waiting(*it->request, expired ? Terminal::deadline_exceeded : Terminal::cancelled,
                            expired ? "deadline exceeded while waiting in the queue" : "", now);
@@ -94,7 +94,7 @@ void Scheduler::expire(Clock::time_point now) {
   }
   std::vector<std::uint64_t> ended;
   for (const auto& [id, run] : running_) {
-    if (now >= run.request->deadline()) {
+    if (run.request->expired(now)) {
       outputs_.close(id, Terminal::deadline_exceeded, "deadline exceeded while generating", now);
       ended.push_back(id);
     } else if (run.request->cancelled()) {

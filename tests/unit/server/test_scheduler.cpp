@@ -221,6 +221,31 @@ TEST_F(SchedulerTest, CancelledRequestsEndOnceAndAreFreed) {
   EXPECT_EQ(events[0].terminal, Terminal::cancelled);
 }
 
+// A client whose own deadline passed (before the server's, by the request's transit time) ends its request as
+// DEADLINE_EXCEEDED, waiting or running, even when it cancelled too.
+TEST_F(SchedulerTest, ARequestWhoseClientDeadlinePassedEndsAsDeadlineExceeded) {
+  Scheduler scheduler({}, 1, &tokenizer_, nullptr, nullptr);
+  const auto waiting = chat_request({});
+  ASSERT_TRUE(scheduler.submit(waiting).ok());
+  waiting->expire();
+  waiting->cancel();
+  EXPECT_TRUE(scheduler.plan(Clock::now()).starts.empty());
+  std::vector<RequestEvent> events = drain_events(*waiting);
+  ASSERT_EQ(events.size(), 1U);
+  EXPECT_EQ(events[0].terminal, Terminal::deadline_exceeded);
+
+  const auto running = chat_request({});
+  ASSERT_TRUE(scheduler.submit(running).ok());
+  const StepPlan first = scheduler.plan(Clock::now());
+  ASSERT_EQ(first.starts.size(), 1U);
+  running->expire();
+  const StepPlan second = scheduler.plan(Clock::now());
+  EXPECT_EQ(second.frees, std::vector<std::uint64_t>{first.starts[0].id});
+  events = drain_events(*running);
+  ASSERT_EQ(events.size(), 1U);
+  EXPECT_EQ(events[0].terminal, Terminal::deadline_exceeded);
+}
+
 // KV blocks are reserved for prompt + max tokens: a request that does not fit waits, and is admitted in the
 // plan that frees the blocks it needs.
 TEST_F(SchedulerTest, ARequestWaitsForKvBlocksAndJoinsWhenTheyAreFreed) {
