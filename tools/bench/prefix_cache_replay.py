@@ -31,60 +31,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from launched_server import LaunchedServer  # noqa: E402  (tools/)
+
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "deploy" / "models" / "capserve-moe-tiny"
 TRACE = ROOT.parent / "shared" / "data" / "traces" / "mooncake_synthetic.jsonl"
 VARIANTS = ("on", "off")
-
-
-class Server:
-    """capserve under deploy/launch.sh; stopped by SIGTERM (graceful drain) on leaving the `with`."""
-
-    def __init__(self, build: Path, np: int, flags: list[str], log: Path, start_timeout_s: float):
-        self.log = log
-        cmd = ["bash", str(ROOT / "deploy" / "launch.sh"), str(np), str(build / "server" / "capserve"),
-               "--model", str(MODEL), "--port", "0", "--metrics-port", "0", *flags]
-        self.command = cmd
-        self.proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + start_timeout_s
-        pattern = re.compile(r"capserve: serving .* on (\S+):(\d+), metrics on port (\d+)")
-        while True:
-            found = pattern.search(log.read_text(errors="replace"))
-            if found:
-                self.target = f"localhost:{found.group(2)}"
-                self.metrics = f"http://localhost:{found.group(3)}/metrics"
-                return
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-15:])
-                raise SystemExit(f"prefix_cache_replay: the server did not start ({' '.join(cmd)}):\n{tail}")
-            time.sleep(0.5)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                return self.proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        return self.proc.wait()
-
-    def __enter__(self) -> "Server":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        code = self.stop()
-        if code != 0 and exc[0] is None:
-            raise SystemExit(f"prefix_cache_replay: the server exited {code} after draining; see {self.log}")
 
 
 def slice_args(a: argparse.Namespace) -> list[str]:
@@ -97,7 +57,7 @@ def slice_args(a: argparse.Namespace) -> list[str]:
     return args
 
 
-def loadgen(a: argparse.Namespace, server: Server, out: Path) -> dict:
+def loadgen(a: argparse.Namespace, server: LaunchedServer, out: Path) -> dict:
     cmd = [str(a.build / "tools" / "capserve-loadgen"), "--target", server.target, "--metrics-url", server.metrics,
            "--mode", "generate", "--tokenizer", str(MODEL), "--ignore-eos", "--per-request", "--progress-s", "0",
            "--drain-timeout-s", str(a.drain_timeout_s), "--json", str(out), *slice_args(a)]
@@ -140,7 +100,7 @@ def run_all(a: argparse.Namespace) -> dict:
     started = time.time()
     for variant in VARIANTS:
         print(f"prefix_cache_replay: cache {variant}: capserve {shlex.join(flags[variant])}", file=sys.stderr)
-        with Server(a.build, a.np, flags[variant], work / f"server_{variant}.log", a.start_timeout_s) as server:
+        with LaunchedServer(a.build, a.np, flags[variant], work / f"server_{variant}.log", a.start_timeout_s) as server:
             data["runs"][variant] = loadgen(a, server, work / f"loadgen_{variant}.json")
             data["runs"][variant]["server_command"] = server.command
     data["elapsed_s"] = time.time() - started

@@ -4,7 +4,7 @@
     /usr/bin/python3 tools/bench/serving_before_after.py --before OLD_BUILD --after build [--rounds 2]
 
 Starts each build's `capserve` (deploy/launch.sh, 2 ranks, the embedded default model, its default flags plus
---server-args) and drives it with the AFTER build's capserve-loadgen in a closed loop (--concurrency streams of
+--server-args, and --before-args / --after-args for one side: the same build twice compares two settings) and drives it with the AFTER build's capserve-loadgen in a closed loop (--concurrency streams of
 chat requests from the corpus, --ignore-eos, --max-tokens each) for --duration-s; the builds alternate
 (before, after, before, after, ...) so that the machine's drift hits both. Prints each run's output tokens/s,
 requests/s and TTFT / ITL p50, the medians per build and the after/before ratio; writes
@@ -18,17 +18,17 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prefix_cache_replay import Server  # noqa: E402  (one way to start a server and find its ports)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from launched_server import LaunchedServer  # noqa: E402  (tools/)
 
 ROOT = Path(__file__).resolve().parents[2]
 CORPUS = ROOT.parent / "shared" / "data" / "corpus"
 
 
-def run(a, build: Path, work: Path, name: str) -> dict:
+def run(a, build: Path, side_args: str, work: Path, name: str) -> dict:
     log = work / f"{name}.log"
-    flags = ["--http-port", "-1", *a.server_args.split()]
-    with Server(build, 2, flags, log, 180) as server:
+    flags = ["--http-port", "-1", *a.server_args.split(), *side_args.split()]
+    with LaunchedServer(build, 2, flags, log, 180) as server:
         out = work / f"{name}.json"
         cmd = [str(a.after / "tools" / "capserve-loadgen"), "--target", server.target, "--metrics-url",
                server.metrics, "--concurrency", str(a.concurrency), "--duration-s", str(a.duration_s),
@@ -52,14 +52,17 @@ def main() -> None:
     p.add_argument("--duration-s", type=float, default=30)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--server-args", default="", help="extra flags for both servers")
+    p.add_argument("--before-args", default="", help="extra flags for the BEFORE server only")
+    p.add_argument("--after-args", default="", help="extra flags for the AFTER server only (e.g. one build, "
+                   "two settings: --before build --after build --after-args=--no-prefix-cache)")
     p.add_argument("--out-dir", type=Path, default=ROOT / "tools" / "results")
     a = p.parse_args()
     a.before, a.after = a.before.resolve(), a.after.resolve()
     runs = {"before": [], "after": []}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.rounds):
-            for side, build in (("before", a.before), ("after", a.after)):
-                figures = run(a, build, Path(tmp), f"{side}{r}")
+            for side, build, side_args in (("before", a.before, a.before_args), ("after", a.after, a.after_args)):
+                figures = run(a, build, side_args, Path(tmp), f"{side}{r}")
                 runs[side].append(figures)
                 print(f"round {r} {side:6}: {figures['output_tokens_per_s']:8.1f} output tokens/s, "
                       f"{figures['requests_per_s']:.2f} requests/s, TTFT p50 {figures['ttft_p50_ms']:.1f} ms, "

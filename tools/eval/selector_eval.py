@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from launched_server import LaunchedServer  # noqa: E402  (tools/)
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "deploy" / "models" / "capserve-moe-tiny"
@@ -58,47 +58,7 @@ def describe_workload(spec: str) -> str:
     return f"code trace {1 / float(value):.3g}x speed"
 
 
-class Server:
-    """capserve under deploy/launch.sh; stopped by SIGTERM (graceful drain) on leaving the `with`."""
-
-    def __init__(self, build: Path, np: int, extra: list[str], log: Path):
-        self.log = log
-        cmd = ["bash", str(ROOT / "deploy" / "launch.sh"), str(np), str(build / "server" / "capserve"),
-               "--model", str(MODEL), "--port", "0", "--metrics-port", "0", *extra]
-        self.proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        deadline = time.monotonic() + 120
-        pattern = re.compile(r"capserve: serving .* on (\S+):(\d+), metrics on port (\d+)")
-        while True:
-            found = pattern.search(log.read_text(errors="replace"))
-            if found:
-                self.target = f"localhost:{found.group(2)}"
-                self.metrics = f"http://localhost:{found.group(3)}/metrics"
-                return
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise SystemExit(f"selector_eval: the server did not start; see {log}")
-            time.sleep(0.5)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                return self.proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        return self.proc.wait()
-
-    def __enter__(self) -> "Server":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        code = self.stop()
-        if code != 0 and exc[0] is None:
-            raise SystemExit(f"selector_eval: the server exited {code} after draining; see {self.log}")
-
-
-def loadgen(build: Path, server: Server, args: list[str], out: Path, seed: int) -> dict:
+def loadgen(build: Path, server: LaunchedServer, args: list[str], out: Path, seed: int) -> dict:
     cmd = [str(build / "tools" / "capserve-loadgen"), "--target", server.target, "--metrics-url",
            server.metrics, "--trace", str(TRACE), "--corpus", str(CORPUS), "--tokenizer", str(MODEL),
            "--prompt-mix", "bursts", "--max-prompt-tokens", "512", "--max-tokens", "64", "--seed", str(seed),
@@ -123,7 +83,7 @@ def run_all(a: argparse.Namespace) -> dict:
             if gamma != "inf":
                 extra += ["--capacity-policy", a.capacity_policy]
             name = f"r{rep}-g{gamma}-{strategy}"
-            with Server(build, a.np, extra, work / f"{name}.server.log") as server:
+            with LaunchedServer(build, a.np, extra, work / f"{name}.server.log") as server:
                 # Warm-up, not recorded: first-touch of weights and caches.
                 loadgen(build, server, ["--concurrency", "4", "--max-requests", "8", "--duration-s", "30"],
                         work / f"{name}.warmup.json", 99)
