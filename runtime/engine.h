@@ -103,6 +103,8 @@ class Engine {
   void set_latent_form(kernels::LatentForm form) { pass_.set_latent_form(form); }
 
   void release(SequenceId seq);
+  // Evicts the prefix cache's blocks no sequence holds (KvBlockManager::drop_idle), after a failed step.
+  void drop_idle_cache() { cache_.blocks().drop_idle(); }
   // Rolls the sequence back to its first `length` tokens (speculative decoding's rejected drafts): later
   // positions are forgotten, their whole KV blocks freed, and the next step appends at `length`.
   // std::invalid_argument unless 0 < length <= length(seq).

@@ -180,6 +180,17 @@ void KvBlockManager::release(SequenceId seq) {
   tables_.erase(it);
 }
 
+void KvBlockManager::drop_idle() {
+  while (lru_head_ != kNone) {
+    const std::int32_t b = lru_head_;
+    idle_remove(b);
+    unindex(b);
+    ++evictions_;
+    blocks_[static_cast<std::size_t>(b)] = Block{};
+    free_.push_back(b);
+  }
+}
+
 std::span<const std::int32_t> KvBlockManager::block_table(SequenceId seq) const {
   const auto it = tables_.find(seq);
   if (it == tables_.end()) throw std::out_of_range("KvBlockManager: unknown sequence");

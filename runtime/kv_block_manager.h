@@ -60,6 +60,10 @@ class KvBlockManager {
   // cached (idle, the most recently used) when it is in the index, plain otherwise.
   void release(SequenceId seq);
   [[nodiscard]] std::span<const std::int32_t> block_table(SequenceId seq) const;
+  // Evicts every cached block no sequence holds (they become plain free blocks; counted as evictions): after
+  // a failed step, whose released sequences may have left blocks whose K/V was never written, this brings
+  // the cache back to the blocks running sequences hold, on the rank and in rank 0's mirror alike.
+  void drop_idle();
 
   // Tokens at the start of `tokens` whose K/V the cache holds: whole blocks, the longest chain from the start
   // whose content equals a cached block's. Can be all of `tokens`; a step must compute at least one token,

@@ -69,6 +69,11 @@ void KvLedger::close(std::uint64_t seq) {
   sequences_.erase(it);
 }
 
+void KvLedger::fail_step(int rank, std::span<const std::uint64_t> seqs) {
+  for (const std::uint64_t seq : seqs) close(seq);
+  ranks_[static_cast<std::size_t>(rank)].drop_idle();
+}
+
 std::vector<std::int64_t> KvLedger::used() const {
   std::vector<std::int64_t> out(ranks_.size());
   for (std::size_t r = 0; r < ranks_.size(); ++r)

@@ -44,6 +44,9 @@ class KvLedger {
   // full blocks by them).
   void record(std::uint64_t seq, std::span<const std::int32_t> tokens);
   void close(std::uint64_t seq);
+  // The rank refused a step: it released that step's sequences (`seqs`, in order) and dropped its idle
+  // cached blocks (RankWorker); the mirror does the same.
+  void fail_step(int rank, std::span<const std::uint64_t> seqs);
 
   // Per rank: blocks held or promised (the cache's idle blocks are free: any reservation may evict them).
   [[nodiscard]] std::vector<std::int64_t> used() const;

@@ -257,6 +257,12 @@ void add_flags(CLI::App& app, Options& o) {
                "after the longest prefix its rank holds (default: on; off with --speculative, which it does "
                "not support yet: the scheduler's per-rank mirror of the KV blocks does not follow draft "
                "blocks)");
+  app.add_option(
+         "--cache-affinity-slack", o.scheduler.cache_affinity_slack,
+         "a newcomer goes to the rank whose prefix cache holds most of its prompt among the ranks that "
+         "run at most this many more sequences than the least busy one (0: among the least busy only)")
+      ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 20))
+      ->capture_default_str();
   runtime::add_speculation_flags(app, o.speculation);
   runtime::add_parallel_flags(app, o.parallel);
   app.add_flag("--metrics-per-expert", o.metrics_per_expert,

@@ -19,6 +19,7 @@
 #include "server/logprob_entries.h"
 #include "server/output_stream.h"
 #include "server/request.h"
+#include "server/sequence_output.h"
 #include "server/server_metrics.h"
 #include "server/step_plan.h"
 
@@ -28,16 +29,6 @@ struct OutputOptions {
   std::int64_t max_context = 4096;         // prompt + generated tokens
   std::int64_t assignments_per_token = 0;  // top_k * MoE layers, for the per-request statistics
   bool speculative = false;                // access lines name drafted / accepted counts
-};
-
-// One sequence's outcome of a step, typed: what the scheduler hands over after reading the ranks' results.
-struct SequenceOutput {
-  std::uint64_t id = 0;
-  std::span<const std::int32_t> tokens;    // kept, in order (none for a prefill chunk that is not the last)
-  std::span<const LogprobRecord> records;  // this sequence's scored tokens: prompt ones, then kept ones
-  std::span<const TopLogprob> top;         // their alternatives, in the same order
-  const SequenceResult* result = nullptr;  // MoE counts, drafts, failure
-  bool prefill = false;                    // the step computed a chunk of its prompt
 };
 
 class OutputProcessor {

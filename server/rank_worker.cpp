@@ -23,6 +23,9 @@ StepResult RankWorker::run(const StepPlan& plan) {
     for (const Item& item : items_) {
       if (sequences_.erase(item.id) > 0) engine_.release(item.id);
     }
+    // Their blocks may hold K/V the step never wrote: the cache keeps only what running sequences hold, as
+    // rank 0's mirror does on reading this result.
+    engine_.drop_idle_cache();
     result.ok = false;
     result.error = status.message();
     return result;

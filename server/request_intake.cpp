@@ -129,10 +129,11 @@ Status check_no_special_tokens(const runtime::Tokenizer& tokenizer, const nlohma
   return {};
 }
 
-// A prompt longer than a step's batched tokens can never be prefilled: refused naming the field that holds it
-// (the scheduler would refuse it too, but without knowing which field the client sent).
+// A prompt that must be prefilled whole (RequestLimits::check_prompt_length) and is longer than a step can
+// never be: refused naming the field that holds it (the scheduler would refuse it too, but without knowing
+// which field the client sent).
 Status fits_one_step(const Scheduler& scheduler, std::size_t tokens, const std::string& field) {
-  const Status s = scheduler.check_prompt_length(static_cast<std::int64_t>(tokens));
+  const Status s = scheduler.limits().check_prompt_length(static_cast<std::int64_t>(tokens));
   if (s.ok()) return s;
   return invalid(field + ": " + s.message(), field);
 }

@@ -5,14 +5,6 @@
 #include <utility>
 
 namespace capserve::server {
-namespace {
-
-double seconds(Clock::duration d) {
-  return std::chrono::duration<double>(d).count();
-}
-
-}  // namespace
-
 Scheduler::Scheduler(SchedulerConfig config, int ranks, const runtime::Tokenizer* tokenizer,
                      runtime::LoadPredictor* predictor, ServerMetrics* metrics,
                      const std::atomic<bool>* stop_requested)
@@ -27,48 +19,16 @@ Scheduler::Scheduler(SchedulerConfig config, int ranks, const runtime::Tokenizer
                 .speculative = config.speculative_tokens > 0}),
       kv_(ranks, config.kv_blocks_per_rank, config.kv_block_size, config.prefix_cache),
       load_(ranks, config.dry_run_layers, metrics),
+      limits_({.max_context = config.max_context,
+               .max_batched_tokens = config.max_batched_tokens,
+               .kv_blocks_per_rank = config.kv_blocks_per_rank,
+               .kv_block_size = config.kv_block_size,
+               .whole_prefill_above = config.whole_prefill_above}),
       queue_(config.max_queue, stop_requested),
       rank_sequences_(static_cast<std::size_t>(ranks), 0) {}
 
-std::int64_t Scheduler::context_tokens(const Request& request) const {
-  const auto prompt = static_cast<std::int64_t>(request.prompt().size());
-  return std::min(config_.max_context, prompt + request.params().max_new_tokens);
-}
-
-bool Scheduler::prefilled_whole(const Request& request) const {
-  return config_.whole_prefill_above > 0 &&
-         static_cast<std::int64_t>(request.prompt().size()) > config_.whole_prefill_above;
-}
-
-runtime::Status Scheduler::check_prompt_length(std::int64_t tokens) const {
-  if (config_.whole_prefill_above <= 0 || tokens <= config_.whole_prefill_above ||
-      tokens <= config_.max_batched_tokens)
-    return {};
-  return runtime::Status::invalid_argument(
-      std::to_string(tokens) + " tokens exceed the " + std::to_string(config_.max_batched_tokens) +
-      " batched tokens of a step (--max-batched-tokens); the model's dynamic rope scaling needs a prompt "
-      "longer "
-      "than its max_position_embeddings (" +
-      std::to_string(config_.whole_prefill_above) + ") prefilled in one step");
-}
-
-runtime::Status Scheduler::check_fits(const Request& request) const {
-  if (runtime::Status s = check_prompt_length(static_cast<std::int64_t>(request.prompt().size())); !s.ok())
-    return runtime::Status::invalid_argument("prompt: " + s.message(), "prompt");
-  const std::int64_t blocks = kv_.blocks_for(context_tokens(request));
-  if (blocks <= config_.kv_blocks_per_rank) return {};
-  const auto prompt = static_cast<std::int64_t>(request.prompt().size());
-  return runtime::Status::invalid_argument(
-      "prompt + sampling.max_tokens: " + std::to_string(prompt + request.params().max_new_tokens) +
-          " tokens need " + std::to_string(blocks) + " KV blocks of " +
-          std::to_string(config_.kv_block_size) + " tokens, more than the " +
-          std::to_string(config_.kv_blocks_per_rank) +
-          " blocks of a rank (--kv-blocks); lower max_tokens or shorten the prompt",
-      "max_tokens");
-}
-
 runtime::Status Scheduler::submit(std::shared_ptr<Request> request) {
-  runtime::Status status = check_fits(*request);
+  runtime::Status status = limits_.check_fits(*request);
   if (status.ok()) status = queue_.push(request);
   // Refused requests end here, so the access log has their line too (named as their gRPC status).
   if (!status.ok()) outputs_.refused(*request, status.code());
@@ -167,13 +127,13 @@ std::int64_t Scheduler::admit(Clock::time_point now, StepPlan& plan, std::int64_
     // Its first chunk: what the selector weighs this step.
     const auto prompt = static_cast<std::int64_t>(w.request->prompt().size());
     // A prompt prefilled whole asks for all of it (and waits for a step with the room).
-    const std::int64_t chunk = prefilled_whole(*w.request) ? prompt : std::min(prompt, budget);
+    const std::int64_t chunk = limits_.prefilled_whole(*w.request) ? prompt : std::min(prompt, budget);
     const double share = static_cast<double>(chunk) / static_cast<double>(std::max<std::int64_t>(prompt, 1));
     std::vector<float>& load = chunk_loads_[i];
     load.resize(w.load.size());
     for (std::size_t r = 0; r < load.size(); ++r)
       load[r] = static_cast<float>(static_cast<double>(w.load[r]) * share);
-    candidates_.push_back({chunk, kv_.blocks_for(context_tokens(*w.request)),
+    candidates_.push_back({chunk, kv_.blocks_for(limits_.context_tokens(*w.request)),
                            std::chrono::duration<double, std::milli>(now - w.request->arrival()).count(),
                            load});
   }
@@ -182,22 +142,28 @@ std::int64_t Scheduler::admit(Clock::time_point now, StepPlan& plan, std::int64_
   const auto started = Clock::now();
   const Selection selection = selector_.select(candidates_, load_.predicted(), room, now);
   if (metrics_ != nullptr && selection.selected)
-    metrics_->observe_selector_decision(seconds(Clock::now() - started));
+    metrics_->observe_selector_decision(std::chrono::duration<double>(Clock::now() - started).count());
 
   std::vector<std::size_t> taken;
   for (const std::int64_t index : selection.admitted) {
     const auto i = static_cast<std::size_t>(index);
     Waiting& w = waiting_[i];
     const Request& request = *w.request;
-    const Placement at = place(request);
+    // Prompt log-probabilities need the logits of every prompt position: such a prompt is computed whole.
+    const Placement at =
+        choose_rank(kv_, rank_sequences_,
+                    {.prompt = request.prompt(),
+                     .context_tokens = limits_.context_tokens(request),
+                     .reuse_cache = !request.params().prompt_logprobs && !limits_.prefilled_whole(request)},
+                    {.slack = config_.cache_affinity_slack, .min_share = config_.cache_affinity_min_share});
     if (at.rank < 0) continue;  // no single rank has the room: it waits
     const auto prompt = static_cast<std::int64_t>(request.prompt().size());
     const std::int64_t chunk = std::min(prompt - at.cached, budget);
     if (chunk <= 0) break;
-    if (chunk < prompt - at.cached && prefilled_whole(request)) continue;
+    if (chunk < prompt - at.cached && limits_.prefilled_whole(request)) continue;
     budget -= chunk;
     const std::uint64_t id = next_id_++;
-    kv_.open(at.rank, id, request.prompt(), at.cached, context_tokens(request));
+    kv_.open(at.rank, id, request.prompt(), at.cached, limits_.context_tokens(request));
     kv_.grow(id, at.cached + chunk);
     ++rank_sequences_[static_cast<std::size_t>(at.rank)];
     load_.add(w.load, static_cast<double>(chunk) / static_cast<double>(prompt));
@@ -217,33 +183,6 @@ std::int64_t Scheduler::admit(Clock::time_point now, StepPlan& plan, std::int64_
   for (const std::size_t i : taken) waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
   queue_.left(static_cast<std::int64_t>(taken.size()));
   return budget;
-}
-
-Scheduler::Placement Scheduler::place(const Request& request) const {
-  // Prompt log-probabilities need the logits of every prompt position: such a prompt is computed whole.
-  const bool reuse = !request.params().prompt_logprobs && !prefilled_whole(request);
-  const std::int64_t total = context_tokens(request);
-  std::int64_t least_busy = -1;
-  for (int r = 0; r < ranks_; ++r) {
-    const std::int64_t cached = reuse ? kv_.cached_tokens(r, request.prompt()) : 0;
-    if (kv_.blocks_needed(r, request.prompt(), cached, total) > kv_.room(r)) continue;
-    const std::int64_t busy = rank_sequences_[static_cast<std::size_t>(r)];
-    if (least_busy < 0 || busy < least_busy) least_busy = busy;
-  }
-  Placement best;
-  for (int r = 0; r < ranks_; ++r) {
-    const std::int64_t cached = reuse ? kv_.cached_tokens(r, request.prompt()) : 0;
-    if (kv_.blocks_needed(r, request.prompt(), cached, total) > kv_.room(r)) continue;
-    const std::int64_t busy = rank_sequences_[static_cast<std::size_t>(r)];
-    // Affinity within the slack; then the least busy (the lowest rank on a tie).
-    const bool affine = busy <= least_busy + config_.cache_affinity_slack;
-    if (!affine) continue;
-    const bool better =
-        best.rank < 0 || cached > best.cached ||
-        (cached == best.cached && busy < rank_sequences_[static_cast<std::size_t>(best.rank)]);
-    if (better) best = {r, cached};
-  }
-  return best;
 }
 
 void Scheduler::plan_drafts(StepPlan& plan, std::int64_t budget) const {
@@ -324,32 +263,21 @@ void Scheduler::complete(std::span<const StepResult> results, const parallel::Mo
   for (std::size_t r = 0; r < results.size(); ++r) {
     const StepResult& result = results[r];
     if (!result.ok) {
+      failed_.clear();
       for (const Item& item : in_step_) {
         if (item.rank != static_cast<std::int32_t>(r) || !running_.contains(item.id)) continue;
         outputs_.close(item.id, Terminal::internal,
                        "rank " + std::to_string(r) + " refused the step: " + result.error, now);
         release(item.id);
+        failed_.push_back(item.id);
       }
+      kv_.fail_step(static_cast<int>(r), failed_);
       continue;
     }
-    std::size_t token = 0, record = 0, top = 0;
-    for (const SequenceResult& s : result.sequences) {
-      // This sequence's tokens, records and alternatives: consecutive in the result.
-      SequenceOutput out;
-      out.id = s.id;
-      out.result = &s;
-      out.tokens = std::span(result.tokens)
-                       .subspan(token, std::min(static_cast<std::size_t>(std::max(0, s.tokens)),
-                                                result.tokens.size() - token));
-      token += out.tokens.size();
-      const std::size_t first_record = record, first_top = top;
-      for (; record < result.logprobs.size() && result.logprobs[record].id == s.id; ++record) {
-        const auto count = static_cast<std::size_t>(std::max(0, result.logprobs[record].top_count));
-        if (count > result.top_logprobs.size() - top) break;  // malformed: no more entries from this rank
-        top += count;
-      }
-      out.records = std::span(result.logprobs).subspan(first_record, record - first_record);
-      out.top = std::span(result.top_logprobs).subspan(first_top, top - first_top);
+    SequenceOutputReader reader(result);
+    while (std::optional<SequenceOutput> read = reader.next()) {
+      SequenceOutput& out = *read;
+      const SequenceResult& s = *out.result;
       const auto it = running_.find(s.id);
       if (it == running_.end()) continue;
       Running& run = it->second;

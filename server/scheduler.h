@@ -23,7 +23,9 @@
 #include "server/batch_selector.h"
 #include "server/kv_ledger.h"
 #include "server/output_processor.h"
+#include "server/rank_choice.h"
 #include "server/request.h"
+#include "server/request_limits.h"
 #include "server/request_queue.h"
 #include "server/server_metrics.h"
 #include "server/step_load.h"
@@ -52,6 +54,8 @@ struct SchedulerConfig {
   // A newcomer may go to the rank holding its longest cached prefix while that rank runs at most this many
   // more sequences than the least busy rank with room; beyond, the least busy rank takes it.
   std::int64_t cache_affinity_slack = 4;
+  // ... and while that prefix covers at least this share of its prompt (rank_choice.h).
+  double cache_affinity_min_share = 0.5;
   SelectorConfig selector;
 };
 
@@ -68,17 +72,10 @@ class Scheduler {
 
   // Handler threads. OK when queued, else why the request is refused now (the handler reports it; nothing
   // is queued): RESOURCE_EXHAUSTED (queue full), UNAVAILABLE (draining), INVALID_ARGUMENT (it never fits,
-  // check_fits, naming the field).
+  // RequestLimits::check_fits, naming the field).
   runtime::Status submit(std::shared_ptr<Request> request);
-  // OK when the request fits an idle server, else INVALID_ARGUMENT naming the limit it exceeds: prompt + max
-  // tokens needing more KV blocks than a rank has (field max_tokens), or a prompt that must be prefilled
-  // whole (whole_prefill_above) longer than a step's tokens (field prompt). Such a request would wait forever
-  // at the head of the queue. (Any other prompt longer than a step's token budget fits: it is prefilled in
-  // chunks.)
-  [[nodiscard]] runtime::Status check_fits(const Request& request) const;
-  // OK when a prompt of `tokens` tokens can be prefilled, else INVALID_ARGUMENT whose message starts
-  // "N tokens exceed ..." (the caller names the field that holds the prompt).
-  [[nodiscard]] runtime::Status check_prompt_length(std::int64_t tokens) const;
+  // The limits every request is checked against (check_fits at submission).
+  [[nodiscard]] const RequestLimits& limits() const { return limits_; }
   // Stop admitting; running and waiting requests still finish.
   void drain() { queue_.drain(); }
   // After drain(), or once `stop_requested` reads true.
@@ -117,19 +114,11 @@ class Scheduler {
     std::int64_t chunk = 0;  // prompt tokens computed; 0: a decode
   };
 
-  [[nodiscard]] std::int64_t context_tokens(const Request& request) const;
-  [[nodiscard]] bool prefilled_whole(const Request& request) const;
   void expire(Clock::time_point now);
   // Spends `budget` on the prompts being prefilled, oldest first; returns what is left.
   std::int64_t plan_chunks(StepPlan& plan, std::int64_t budget);
   // Admits waiting requests with their first chunks from what is left of `budget`; returns what remains.
   std::int64_t admit(Clock::time_point now, StepPlan& plan, std::int64_t budget);
-  // The rank a newcomer goes to (-1: none has room) and the prompt tokens its cache holds there.
-  struct Placement {
-    int rank = -1;
-    std::int64_t cached = 0;
-  };
-  [[nodiscard]] Placement place(const Request& request) const;
   // The plan's max_drafts: each decode's room within its max_tokens and the context, from the batched tokens
   // the decodes and the prefill chunks leave.
   void plan_drafts(StepPlan& plan, std::int64_t budget) const;
@@ -147,6 +136,7 @@ class Scheduler {
   OutputProcessor outputs_;
   KvLedger kv_;
   StepLoad load_;
+  RequestLimits limits_;
 
   RequestQueue queue_;
 
@@ -161,6 +151,7 @@ class Scheduler {
   std::vector<Candidate> candidates_;
   std::vector<std::vector<float>> chunk_loads_;  // [candidate]: its predicted load of this step's chunk
   std::vector<std::uint64_t> prefilling_;
+  std::vector<std::uint64_t> failed_;  // a refused step's sequences on one rank
 };
 
 }  // namespace capserve::server

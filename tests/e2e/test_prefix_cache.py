@@ -4,6 +4,7 @@ served from the cache with the same greedy output as when it is computed whole; 
 cache holds its prefix; the access line and the metrics say so."""
 
 import json
+import re
 import threading
 import time
 import urllib.request
@@ -91,6 +92,29 @@ class PrefixCacheTest(ServerTestCase):
                 headers={"Content-Type": "application/json"}), timeout=120) as response:
             usage = json.load(response)["usage"]
         self.assertEqual(usage["prompt_tokens_details"], {"cached_tokens": 4 * BLOCK})
+
+    def test_a_client_that_leaves_mid_prefill_leaves_a_cache_that_serves_the_prompt_right(self):
+        # A client gives up on a long prompt (14 chunks) as soon as the server has computed its first chunk: the
+        # request ends cancelled and is freed, and the blocks its chunks left in the cache serve the same prompt
+        # later with the output of a whole prefill. (/metrics is read back to back, so the cancel lands a chunk
+        # or two in, unless the machine stalls the client that long; the count is printed.)
+        long_ids = [(11 * i) % 850 + 60 for i in range(14 * BUDGET)]
+        before = self.server.metrics()
+        call = self.stub.Generate(generate(long_ids, 200, "leave-mid-prefill"), timeout=300)
+        deadline = time.monotonic() + 60
+        while delta(self.server.metrics(), before, "capserve_prefill_chunks_total") < 1:
+            self.assertLess(time.monotonic(), deadline, "the long prompt's first chunk was never computed")
+        call.cancel()
+        line = self.wait_for(lambda: next((x for x in self.server.log if "id=leave-mid-prefill " in x), None), 60,
+                             "the cancelled request's access line")
+        chunks = re.search(r" prefill_chunks=(\d+)", line)
+        print(f"cancelled after {chunks.group(1) if chunks else 1} of 14 chunks", flush=True)
+        self.assertIn("finish_reason=cancelled", line)
+        self.wait_for(lambda: metric(self.server.metrics(), "capserve_requests_running") == 0, 60,
+                      "the server to free the cancelled request")
+        again = self.tokens(generate(long_ids, 4, "after-leave"))
+        whole = self.tokens(generate(long_ids, 4, "after-leave-whole", prompt_logprobs=True))
+        self.assertEqual(again, whole)
 
     def test_a_request_goes_to_the_rank_that_holds_its_prefix(self):
         shared = [(17 * i) % 800 + 40 for i in range(3 * BLOCK + 5)]

@@ -113,6 +113,29 @@ TEST(KvBlockManagerPrefixCache, SharesFullBlocksWithReferenceCountsAndKeepsThemF
   EXPECT_EQ(m.evictions(), 0);
 }
 
+// After a failed step: every cached block no sequence holds is evicted; the ones a sequence holds stay
+// cached and shareable.
+TEST(KvBlockManagerPrefixCache, DropIdleEvictsExactlyTheBlocksNoSequenceHolds) {
+  KvBlockManager m(8, 4, true);
+  const std::vector<std::int32_t> held = {1, 2, 3, 4, 5, 6, 7, 8};
+  const std::vector<std::int32_t> idle = {11, 12, 13, 14, 15, 16, 17, 18, 19};
+  compute(m, 1, held);
+  compute(m, 2, idle);
+  m.release(2);
+  EXPECT_EQ(m.cached_blocks(), 4);
+  EXPECT_EQ(m.free_blocks(), 6);
+  m.drop_idle();
+  EXPECT_EQ(m.cached_blocks(), 2);
+  EXPECT_EQ(m.evictions(), 2);
+  EXPECT_EQ(m.free_blocks(), 6);  // the dropped blocks are free, plain ones now
+  EXPECT_EQ(m.cached_prefix(idle), 0);
+  EXPECT_EQ(m.cached_prefix(held), 8);
+  ASSERT_TRUE(m.adopt_prefix(3, held, 8));
+  m.drop_idle();  // nothing idle: nothing changes
+  EXPECT_EQ(m.cached_blocks(), 2);
+  EXPECT_EQ(m.evictions(), 2);
+}
+
 TEST(KvBlockManagerPrefixCache, EvictsTheLeastRecentlyReleasedIdleBlockTailFirstUnderMemoryPressure) {
   KvBlockManager m(6, 2, true);
   const std::vector<std::int32_t> x = {1, 2, 3, 4};

@@ -158,13 +158,13 @@ TEST_F(SchedulerTest, RequestsThatCanNeverFitAreRefusedAtSubmission) {
   config.kv_blocks_per_rank = 4;  // 64 tokens of 16
   Scheduler scheduler(config, 2, &tokenizer_, nullptr, nullptr);
   const auto long_prompt = chat_request({}, 1, 60);
-  EXPECT_TRUE(scheduler.check_fits(*long_prompt).ok());
+  EXPECT_TRUE(scheduler.limits().check_fits(*long_prompt).ok());
   const auto many_tokens = chat_request({}, 100);
   EXPECT_EQ(scheduler.submit(many_tokens).code(), runtime::StatusCode::invalid_argument);
-  EXPECT_NE(scheduler.check_fits(*many_tokens).message().find("--kv-blocks"), std::string::npos)
-      << scheduler.check_fits(*many_tokens).message();
+  EXPECT_NE(scheduler.limits().check_fits(*many_tokens).message().find("--kv-blocks"), std::string::npos)
+      << scheduler.limits().check_fits(*many_tokens).message();
   const auto fits = chat_request({}, 61);  // 3 + 61 tokens: exactly the 4 blocks of a rank
-  EXPECT_TRUE(scheduler.check_fits(*fits).ok());
+  EXPECT_TRUE(scheduler.limits().check_fits(*fits).ok());
   ASSERT_TRUE(scheduler.submit(fits).ok());
   EXPECT_EQ(scheduler.plan(Clock::now()).starts.size(), 1U);
   EXPECT_TRUE(scheduler.submit(long_prompt).ok());
@@ -540,6 +540,29 @@ std::vector<std::int32_t> iota_prompt(std::int32_t first, std::size_t n) {
   return ids;
 }
 
+// A refused step may have left its sequences' blocks unwritten: the rank drops its idle cached blocks
+// (RankWorker), and the scheduler's mirror does too, so no later prompt is planned onto them.
+TEST_F(SchedulerTest, ARefusedStepLeavesNothingInThePrefixCache) {
+  SchedulerConfig config;
+  config.prefix_cache = true;
+  config.kv_block_size = 16;
+  Scheduler scheduler(config, 1, &tokenizer_, nullptr, nullptr);
+  std::vector<std::int32_t> prompt(48);
+  for (std::size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<std::int32_t>(100 + i);
+  ASSERT_TRUE(scheduler.submit(prompt_request(prompt)).ok());
+  const StepPlan plan = scheduler.plan(Clock::now());
+  ASSERT_EQ(plan.starts.size(), 1U);
+  StepResult result;
+  result.ok = false;
+  result.error = "boom";
+  scheduler.complete(std::span<const StepResult>(&result, 1), {}, Clock::now());
+  prompt.push_back(7);
+  ASSERT_TRUE(scheduler.submit(prompt_request(prompt)).ok());
+  const StepPlan next = scheduler.plan(Clock::now());
+  ASSERT_EQ(next.starts.size(), 1U);
+  EXPECT_EQ(next.starts[0].cached, 0);
+}
+
 // With the prefix cache, a prompt starts after the whole blocks of it that a rank's cache holds — from a
 // finished request or a running one — leaving at least one token to compute, and goes to that rank even
 // when another is idle; a prompt asking for prompt log-probabilities is computed whole.
@@ -605,6 +628,37 @@ TEST_F(SchedulerTest, CacheAffinityYieldsWhenItsRankIsTooBusy) {
   EXPECT_EQ(plan.starts[0].cached, 0);
 }
 
+// A cached prefix covering less than cache_affinity_min_share of the prompt (a shared system prompt) does not
+// pull a request to a busier rank; one covering more does.
+TEST_F(SchedulerTest, AShortCachedPrefixDoesNotPullARequestToABusierRank) {
+  SchedulerConfig config;
+  config.prefix_cache = true;
+  config.kv_block_size = 16;
+  config.cache_affinity_min_share = 0.5;
+  Scheduler scheduler(config, 2, &tokenizer_, nullptr, nullptr);
+  SchedulerSteps run(scheduler);
+  const std::vector<std::int32_t> system = iota_prompt(100, 49);
+  ASSERT_TRUE(scheduler.submit(prompt_request(system, 30)).ok());
+  run.step(1);  // rank 0 runs it and caches its three full blocks; rank 1 runs nothing
+  const auto with_tail = [&](std::size_t shared, std::int32_t first, std::int32_t length) {
+    std::vector<std::int32_t> prompt(system.begin(), system.begin() + static_cast<std::ptrdiff_t>(shared));
+    for (std::int32_t t = first; t < first + length; ++t) prompt.push_back(t);
+    return prompt;
+  };
+  ASSERT_TRUE(scheduler.submit(prompt_request(with_tail(32, 1000, 40))).ok());  // 32 of 72 cached: 44%
+  StepPlan plan = run.step(1);
+  ASSERT_EQ(plan.starts.size(), 1U);
+  EXPECT_EQ(plan.starts[0].rank, 1);
+  EXPECT_EQ(plan.starts[0].cached, 0);
+  // That one ended (one token) and left its first 32 tokens cached on rank 1 too; rank 0 still runs the
+  // first request and holds 48 tokens of the next one: 86% of it, against 57% on the idle rank 1.
+  ASSERT_TRUE(scheduler.submit(prompt_request(with_tail(48, 2000, 8))).ok());
+  plan = run.step(1);
+  ASSERT_EQ(plan.starts.size(), 1U);
+  EXPECT_EQ(plan.starts[0].rank, 0);
+  EXPECT_EQ(plan.starts[0].cached, 48);
+}
+
 // A model whose rope depends on the sequence's length (dynamic NTK) prefills a prompt past that length whole:
 // it waits for a step with room for all of it, and one longer than a step is refused naming the flag.
 TEST_F(SchedulerTest, PromptsPastAWholePrefillLengthAreNeverChunked) {
@@ -615,7 +669,8 @@ TEST_F(SchedulerTest, PromptsPastAWholePrefillLengthAreNeverChunked) {
   SchedulerSteps run(scheduler);
   const auto too_long = chat_request({}, 1, 17);
   EXPECT_EQ(scheduler.submit(too_long).code(), runtime::StatusCode::invalid_argument);
-  EXPECT_NE(scheduler.check_fits(*too_long).message().find("--max-batched-tokens"), std::string::npos);
+  EXPECT_NE(scheduler.limits().check_fits(*too_long).message().find("--max-batched-tokens"),
+            std::string::npos);
   const auto running = chat_request({}, 10, 3);
   ASSERT_TRUE(scheduler.submit(running).ok());
   run.step(1);
