@@ -314,6 +314,20 @@ std::string cross_check(const Options& o) {
   return runtime::why_speculation_invalid(o.speculation);
 }
 
+// The startup line's speculation: the method and its settings.
+std::string speculation_summary(const runtime::SpeculationConfig& s) {
+  using Method = runtime::SpeculationConfig::Method;
+  switch (s.method) {
+    case Method::none:
+      return "none";
+    case Method::ngram:
+      return fmt::format("ngram (k={}, n={}..{})", s.num_tokens, s.ngram_min, s.ngram_max);
+    case Method::mtp:
+      return fmt::format("mtp (k={})", s.num_tokens);
+  }
+  return "unknown";
+}
+
 // --prefix-cache's value: on unless --speculative, which refuses it (the scheduler's per-rank mirror of the
 // KV blocks does not follow draft blocks yet). Empty, or why the combination is refused.
 std::string resolve_prefix_cache(const CLI::App& app, Options& o) {
@@ -401,11 +415,7 @@ void log_startup_summary(const Options& o, const runtime::Model& model, const ca
       "selector "
       "{}; speculative {}",
       o.scheduler.max_running, o.scheduler.max_batched_tokens, o.scheduler.max_queue, o.scheduler.max_context,
-      o.scheduler.prefix_cache ? "on" : "off", info.batch_selector(),
-      o.speculation.method == runtime::SpeculationConfig::Method::none
-          ? std::string("none")
-          : fmt::format("ngram (k={}, n={}..{})", o.speculation.num_tokens, o.speculation.ngram_min,
-                        o.speculation.ngram_max));
+      o.scheduler.prefix_cache ? "on" : "off", info.batch_selector(), speculation_summary(o.speculation));
   spdlog::info("listening: gRPC at {}; HTTP API at {}; metrics (/metrics) at {}; {}; {}{}", grpc_address,
                http_address, host_port(o.metrics_host.empty() ? o.host : o.metrics_host, metrics_port),
                o.tls.cert.empty()        ? "plain TCP (no TLS)"

@@ -144,7 +144,7 @@ std::int64_t Scheduler::admit(Clock::time_point now, StepPlan& plan, std::int64_
   if (metrics_ != nullptr && selection.selected)
     metrics_->observe_selector_decision(std::chrono::duration<double>(Clock::now() - started).count());
 
-  std::vector<std::size_t> taken;
+  taken_.clear();
   for (const std::int64_t index : selection.admitted) {
     const auto i = static_cast<std::size_t>(index);
     Waiting& w = waiting_[i];
@@ -177,11 +177,11 @@ std::int64_t Scheduler::admit(Clock::time_point now, StepPlan& plan, std::int64_
                                  .prompt_done = at.cached,
                                  .length = at.cached,
                                  .load = std::move(w.load)});
-    taken.push_back(i);
+    taken_.push_back(i);
   }
-  std::sort(taken.rbegin(), taken.rend());
-  for (const std::size_t i : taken) waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
-  queue_.left(static_cast<std::int64_t>(taken.size()));
+  std::sort(taken_.rbegin(), taken_.rend());
+  for (const std::size_t i : taken_) waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
+  queue_.left(static_cast<std::int64_t>(taken_.size()));
   return budget;
 }
 

@@ -152,6 +152,7 @@ class Scheduler {
   std::vector<std::vector<float>> chunk_loads_;  // [candidate]: its predicted load of this step's chunk
   std::vector<std::uint64_t> prefilling_;
   std::vector<std::uint64_t> failed_;  // a refused step's sequences on one rank
+  std::vector<std::size_t> taken_;     // waiting_ indices admitted this step
 };
 
 }  // namespace capserve::server
