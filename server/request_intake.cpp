@@ -276,6 +276,8 @@ StatusOr<std::vector<std::int32_t>> RequestIntake::chat_prompt(const ChatPrompt&
   if (Status s = chat_template_->render(messages, inputs, prompt, stop); !s.ok()) {
     if (stop.stop_requested())
       return Status{StatusCode::cancelled, "the request was cancelled while its prompt was rendered"};
+    // A render error of a named input (chat_template_kwargs, tools) names it; any other is the messages'.
+    if (!s.field().empty()) return invalid(s.message(), s.field());
     return invalid(field + ": " + s.message(), field);
   }
   // Only the template's markup yields special tokens, unless the server allows them in content too.

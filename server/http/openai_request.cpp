@@ -1,7 +1,10 @@
 #include "server/http/openai_request.h"
 
+#include <algorithm>
 #include <climits>
 #include <optional>
+#include <span>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -50,6 +53,72 @@ StatusOr<std::optional<bool>> bool_field(const json& body, const char* name) {
   const json& v = body[name];
   if (!v.is_boolean()) return bad(std::string(name) + ": must be true or false", name);
   return std::optional(v.get<bool>());
+}
+
+// The top-level fields each endpoint accepts: those this file reads (a few only to refuse values the server
+// does not act on, e.g. a non-zero presence_penalty), and kNoOpFields. Anything else is refused naming it, so
+// that no field the server does not act on is silently ignored. server/README.md lists the same.
+constexpr std::string_view kBothEndpoints[] = {"model",
+                                               "temperature",
+                                               "top_p",
+                                               "top_k",
+                                               "max_tokens",
+                                               "seed",
+                                               "ignore_eos",
+                                               "stop",
+                                               "n",
+                                               "presence_penalty",
+                                               "frequency_penalty",
+                                               "repetition_penalty",
+                                               "logprobs",
+                                               "top_logprobs",
+                                               "echo",
+                                               "stream",
+                                               "stream_options"};
+constexpr std::string_view kChatOnly[] = {"messages",
+                                          "max_completion_tokens",
+                                          "tools",
+                                          "tool_choice",
+                                          "chat_template_kwargs",
+                                          "add_generation_prompt",
+                                          "continue_final_message"};
+constexpr std::string_view kCompletionsOnly[] = {"prompt"};
+// Accepted and without effect by their nature: they serve OpenAI's own platform (end-user ids for abuse
+// monitoring, stored completions and their tags, service tiers, prompt-cache routing hints); this server
+// has no such services, and its prefix cache needs no hint.
+constexpr std::string_view kNoOpFields[] = {"user",
+                                            "metadata",
+                                            "store",
+                                            "service_tier",
+                                            "safety_identifier",
+                                            "prompt_cache_key",
+                                            "prompt_cache_retention"};
+// Fields the server will act on but does not yet: refused, so that a client never believes them applied.
+constexpr std::string_view kNotYetFields[] = {"response_format", "logit_bias",     "min_p",
+                                              "min_tokens",      "stop_token_ids", "parallel_tool_calls"};
+
+bool listed(std::span<const std::string_view> names, std::string_view name) {
+  return std::ranges::find(names, name) != names.end();
+}
+
+// The first field of `body` the endpoint does not accept, as an error naming it.
+Status check_fields(const json& body, Endpoint endpoint) {
+  const std::span<const std::string_view> own =
+      endpoint == Endpoint::chat ? std::span<const std::string_view>(kChatOnly) : kCompletionsOnly;
+  const char* path = endpoint == Endpoint::chat ? "/v1/chat/completions" : "/v1/completions";
+  for (const auto& [name, value] : body.items()) {
+    if (listed(kBothEndpoints, name) || listed(own, name) || listed(kNoOpFields, name)) continue;
+    if (listed(kNotYetFields, name)) return bad(name + ": not supported yet by this server", name);
+    return bad(name + ": not a field this server's " + path + " accepts (server/README.md lists them)", name);
+  }
+  if (present(body, "stream_options") && body["stream_options"].is_object()) {
+    for (const auto& [name, value] : body["stream_options"].items()) {
+      if (name != "include_usage")
+        return bad("stream_options." + name + ": not supported by this server (only include_usage)",
+                   "stream_options");
+    }
+  }
+  return Status();
 }
 
 // The sampling fields common to both endpoints (log-probabilities apart).
@@ -171,8 +240,8 @@ StatusOr<std::vector<runtime::ChatMessage>> read_messages(const ordered_json& bo
 }
 
 // What the chat template sees besides the messages: tools, chat_template_kwargs (vLLM), add_generation_prompt
-// and continue_final_message (vLLM's top-level fields). tool_choice is accepted and checked only: the server
-// does not constrain generation to a tool call.
+// and continue_final_message (vLLM's top-level fields). tool_choice is checked only: "none" and "auto" leave
+// the output as it is (the server does not parse tool calls out of it), the rest are refused.
 StatusOr<runtime::ChatInputs> read_chat_inputs(const json& body, const ordered_json& ordered) {
   runtime::ChatInputs inputs;
   if (const auto it = ordered.find("tools"); it != ordered.end() && !it->is_null()) {
@@ -184,6 +253,12 @@ StatusOr<runtime::ChatInputs> read_chat_inputs(const json& body, const ordered_j
     const bool mode = it->is_string() && (*it == "none" || *it == "auto" || *it == "required");
     if (!named && !mode)
       return bad("tool_choice: must be \"none\", \"auto\", \"required\" or a named function", "tool_choice");
+    // Both need generation held to a tool call, which the server cannot do yet.
+    if (named || *it == "required")
+      return bad(
+          "tool_choice: \"required\" and named functions are not supported yet (only \"none\" and "
+          "\"auto\")",
+          "tool_choice");
   }
   if (const auto it = ordered.find("chat_template_kwargs"); it != ordered.end() && !it->is_null()) {
     if (!it->is_object()) return bad("chat_template_kwargs: must be an object", "chat_template_kwargs");
@@ -263,6 +338,7 @@ StatusOr<CompletionCall> parse_completion(std::string_view text, Endpoint endpoi
   if (!parsed.ok()) return std::move(parsed).take_status();
   const json& body = *parsed;
   if (!body.is_object()) return bad("the request body must be a JSON object", "");
+  if (Status refused = check_fields(body, endpoint); !refused.ok()) return refused;
 
   CompletionCall call;
   IntakeRequest& r = call.intake;
