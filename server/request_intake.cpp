@@ -324,7 +324,7 @@ StatusOr<RequestIntake::Sampling> RequestIntake::sampling(const IntakeRequest& r
   const SamplingInput& s = request.sampling;
   const std::string& prefix = request.fields.sampling_prefix;
   const runtime::GenerationDefaults& defaults = limits_.generation_defaults;
-  const double temperature = s.temperature.value_or(defaults.temperature.value_or(0.0F));
+  const double temperature = s.temperature.value_or(defaults.temperature.value_or(request.unset_temperature));
   const double top_p = s.top_p.value_or(defaults.top_p.value_or(1.0F));
   const std::int64_t top_k = s.top_k.value_or(defaults.top_k.value_or(0));
   if (!std::isfinite(temperature) || temperature < 0)

@@ -360,6 +360,7 @@ StatusOr<CompletionCall> parse_completion(std::string_view text, Endpoint endpoi
   if (!sampling.ok()) return std::move(sampling).take_status();
   r.sampling = std::move(*sampling);
   r.seeding = present(body, "seed") ? Seeding::client : Seeding::random;
+  r.unset_temperature = 1.0;  // OpenAI's default, and vLLM's
   const StatusOr<Logprobs> logprobs = read_logprobs(body, endpoint);
   if (!logprobs.ok()) return logprobs.status();
   r.sampling.logprobs = logprobs->logprobs;

@@ -379,6 +379,21 @@ TEST_F(OpenAiApiTest, FieldsTheServerDoesNotActOnAreRefusedByName) {
   EXPECT_EQ(json::parse(chat_no_ops.body)["error"]["param"], "messages") << chat_no_ops.body;
 }
 
+// OpenAI and vLLM sample at temperature 1 when neither the request nor the checkpoint sets one.
+TEST_F(OpenAiApiTest, AnUnsetTemperatureIsOne) {
+  for (const Endpoint endpoint : {Endpoint::chat, Endpoint::completions}) {
+    const auto call = parse_completion(R"({"prompt": [1], "messages": []})", endpoint, "id", {});
+    ASSERT_FALSE(call.ok());  // each endpoint refuses the other's prompt field
+    const auto parsed =
+        parse_completion(endpoint == Endpoint::chat ? R"({"messages": [{"role": "user", "content": "hi"}]})"
+                                                    : R"({"prompt": [1]})",
+                         endpoint, "id", {});
+    ASSERT_TRUE(parsed.ok()) << parsed.status().message();
+    EXPECT_EQ(parsed->intake.unset_temperature, 1.0);
+    EXPECT_FALSE(parsed->intake.sampling.temperature);
+  }
+}
+
 TEST_F(OpenAiApiTest, CreatedIsTheResponsesOwnTime) {
   const auto now = [] {
     return std::chrono::duration_cast<std::chrono::seconds>(
