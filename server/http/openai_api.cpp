@@ -80,6 +80,8 @@ std::map<std::string, Route, std::less<>> OpenAiApi::routes() {
              [this](const IncomingRequest& in) { return completions(in, Endpoint::completions); })},
       {"/v1/models", [this] { return models(); }},
       {"/v1/models/", Route(Method::get, [this](const IncomingRequest& in) { return model(in); })},
+      {"/tokenize", Route(Method::post, [this](const IncomingRequest& in) { return tokenize(in); })},
+      {"/detokenize", Route(Method::post, [this](const IncomingRequest& in) { return detokenize(in); })},
       {"/health", [this] { return health(); }},
       {"/version",
        [this] {
@@ -111,6 +113,44 @@ Response OpenAiApi::model(const IncomingRequest& in) const {
                             excerpt(id.value_or(std::string(in.path.substr(kPrefix.size())))) +
                             "; this server serves '" + intake_.limits().model_id + "'",
                         "invalid_request_error", "model", "model_not_found");
+}
+
+Status OpenAiApi::check_model(const std::string& model) const {
+  if (model.empty() || model == intake_.limits().model_id) return {};
+  return Status::invalid_argument(
+      "model: unknown model " + excerpt(model) + "; this server serves '" + intake_.limits().model_id + "'",
+      "model");
+}
+
+Response OpenAiApi::tokenize(const IncomingRequest& in) {
+  StatusOr<TokenizeCall> call = parse_tokenize(in.body);
+  if (!call.ok()) return status_response(intake_.refuse(std::move(call).take_status()));
+  if (Status bad = check_model(call->model); !bad.ok()) return status_response(intake_.refuse(bad));
+  StatusOr<std::vector<std::int32_t>> ids = intake_.tokenize(call->prompt, call->add_special_tokens, in.stop);
+  if (!ids.ok()) return status_response(intake_.refuse(std::move(ids).take_status()));
+  json body{{"count", ids->size()}, {"max_model_len", intake_.limits().max_context}, {"tokens", *ids}};
+  if (call->return_token_strs) {
+    json strs = json::array();
+    for (const std::int32_t id : *ids) strs.push_back(intake_.tokenizer()->id_to_token(id).value_or(""));
+    body["token_strs"] = std::move(strs);
+  }
+  return {200, std::string(kJson), body.dump(-1, ' ', false, json::error_handler_t::replace)};
+}
+
+Response OpenAiApi::detokenize(const IncomingRequest& in) {
+  StatusOr<DetokenizeCall> call = parse_detokenize(in.body);
+  if (!call.ok()) return status_response(intake_.refuse(std::move(call).take_status()));
+  if (Status bad = check_model(call->model); !bad.ok()) return status_response(intake_.refuse(bad));
+  if (intake_.tokenizer() == nullptr)
+    return status_response(intake_.refuse(
+        Status{runtime::StatusCode::failed_precondition, "this model has no tokenizer", "tokens"}));
+  // The same vocabulary check as a prompt of token ids.
+  const PromptInput ids{TokenPrompt{std::move(call->tokens)}, "tokens"};
+  if (StatusOr<std::vector<std::int32_t>> checked = intake_.tokenize(ids, std::nullopt, in.stop);
+      !checked.ok())
+    return status_response(intake_.refuse(std::move(checked).take_status()));
+  const json body{{"prompt", intake_.tokenizer()->decode(std::get<TokenPrompt>(ids.content).ids, false)}};
+  return {200, std::string(kJson), body.dump(-1, ' ', false, json::error_handler_t::replace)};
 }
 
 Response OpenAiApi::health() const {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <initializer_list>
 #include <optional>
 #include <span>
 #include <string_view>
@@ -97,20 +98,32 @@ constexpr std::string_view kNoOpFields[] = {"user",
 constexpr std::string_view kNotYetFields[] = {"response_format", "logit_bias",     "min_p",
                                               "min_tokens",      "stop_token_ids", "parallel_tool_calls"};
 
-bool listed(std::span<const std::string_view> names, std::string_view name) {
+using Names = std::span<const std::string_view>;
+
+bool listed(Names names, std::string_view name) {
   return std::ranges::find(names, name) != names.end();
+}
+
+// The first field of `body` on none of `accepted`, as an error naming it.
+Status refuse_unlisted(const json& body, std::initializer_list<Names> accepted, std::string_view path) {
+  for (const auto& [name, value] : body.items()) {
+    if (std::ranges::any_of(accepted, [&](auto names) { return listed(names, name); })) continue;
+    if (listed(kNotYetFields, name)) return bad(name + ": not supported yet by this server", name);
+    return bad(
+        name + ": not a field this server's " + std::string(path) + " accepts (server/README.md lists them)",
+        name);
+  }
+  return Status();
 }
 
 // The first field of `body` the endpoint does not accept, as an error naming it.
 Status check_fields(const json& body, Endpoint endpoint) {
-  const std::span<const std::string_view> own =
-      endpoint == Endpoint::chat ? std::span<const std::string_view>(kChatOnly) : kCompletionsOnly;
-  const char* path = endpoint == Endpoint::chat ? "/v1/chat/completions" : "/v1/completions";
-  for (const auto& [name, value] : body.items()) {
-    if (listed(kBothEndpoints, name) || listed(own, name) || listed(kNoOpFields, name)) continue;
-    if (listed(kNotYetFields, name)) return bad(name + ": not supported yet by this server", name);
-    return bad(name + ": not a field this server's " + path + " accepts (server/README.md lists them)", name);
-  }
+  const bool chat = endpoint == Endpoint::chat;
+  if (Status refused = refuse_unlisted(
+          body, {kBothEndpoints, chat ? Names(kChatOnly) : Names(kCompletionsOnly), kNoOpFields},
+          chat ? "/v1/chat/completions" : "/v1/completions");
+      !refused.ok())
+    return refused;
   if (present(body, "stream_options") && body["stream_options"].is_object()) {
     for (const auto& [name, value] : body["stream_options"].items()) {
       if (name != "include_usage")
@@ -318,7 +331,75 @@ StatusOr<std::vector<PromptInput>> read_prompts(const json& body) {
   return prompts;
 }
 
+// vLLM's /tokenize takes a text prompt or chat messages with the chat fields its templates read.
+constexpr std::string_view kTokenizeFields[] = {"model", "add_special_tokens", "return_token_strs"};
+constexpr std::string_view kTokenizeTextFields[] = {"prompt"};
+constexpr std::string_view kTokenizeChatFields[] = {"messages", "tools", "chat_template_kwargs",
+                                                    "add_generation_prompt", "continue_final_message"};
+
+StatusOr<std::string> model_field(const json& body) {
+  if (!present(body, "model")) return std::string();
+  if (!body["model"].is_string()) return bad("model: must be a string", "model");
+  return body["model"].get<std::string>();
+}
+
 }  // namespace
+
+StatusOr<TokenizeCall> parse_tokenize(std::string_view text) {
+  StatusOr<ordered_json> ordered = parse_client_json<ordered_json>(text, "");
+  if (!ordered.ok()) return std::move(ordered).take_status();
+  if (!ordered->is_object()) return bad("the request body must be a JSON object", "");
+  const json body = *ordered;
+  const bool chat = body.contains("messages");
+  if (Status refused = refuse_unlisted(
+          body, {kTokenizeFields, chat ? Names(kTokenizeChatFields) : Names(kTokenizeTextFields)},
+          chat ? "/tokenize (with messages)" : "/tokenize (with a prompt)");
+      !refused.ok())
+    return refused;
+  TokenizeCall call;
+  StatusOr<std::string> model = model_field(body);
+  if (!model.ok()) return model.status();
+  call.model = std::move(*model);
+  const auto add_special = bool_field(body, "add_special_tokens");
+  if (!add_special.ok()) return add_special.status();
+  call.add_special_tokens = *add_special;
+  const auto token_strs = bool_field(body, "return_token_strs");
+  if (!token_strs.ok()) return token_strs.status();
+  call.return_token_strs = token_strs->value_or(false);
+  if (chat) {
+    StatusOr<std::vector<runtime::ChatMessage>> messages = read_messages(*ordered);
+    if (!messages.ok()) return std::move(messages).take_status();
+    StatusOr<runtime::ChatInputs> inputs = read_chat_inputs(body, *ordered);
+    if (!inputs.ok()) return std::move(inputs).take_status();
+    call.prompt = {ChatPrompt{std::move(*messages), std::move(*inputs)}, "messages"};
+    return call;
+  }
+  if (!present(body, "prompt") || !body["prompt"].is_string())
+    return bad("prompt: required, a string (or send messages)", "prompt");
+  call.prompt = {TextPrompt{body["prompt"].get<std::string>()}, "prompt"};
+  return call;
+}
+
+StatusOr<DetokenizeCall> parse_detokenize(std::string_view text) {
+  StatusOr<json> parsed = parse_client_json<json>(text, "");
+  if (!parsed.ok()) return std::move(parsed).take_status();
+  const json& body = *parsed;
+  if (!body.is_object()) return bad("the request body must be a JSON object", "");
+  constexpr std::string_view kFields[] = {"model", "tokens"};
+  if (Status refused = refuse_unlisted(body, {kFields}, "/detokenize"); !refused.ok()) return refused;
+  DetokenizeCall call;
+  StatusOr<std::string> model = model_field(body);
+  if (!model.ok()) return model.status();
+  call.model = std::move(*model);
+  const Status shape = bad("tokens: required, a list of token ids", "tokens");
+  if (!present(body, "tokens") || !body["tokens"].is_array()) return shape;
+  for (const json& id : body["tokens"]) {
+    if (!id.is_number_integer()) return shape;
+    const auto v = id.get<std::int64_t>();
+    call.tokens.push_back(v < INT32_MIN || v > INT32_MAX ? -1 : static_cast<std::int32_t>(v));
+  }
+  return call;
+}
 
 StatusOr<std::string> response_id(std::string_view header, Endpoint endpoint) {
   if (header.size() > 128)

@@ -394,6 +394,46 @@ TEST_F(OpenAiApiTest, AnUnsetTemperatureIsOne) {
   }
 }
 
+// vLLM's /tokenize and /detokenize: the same tokenizer and checks as a prompt, the response shapes vLLM's.
+TEST_F(OpenAiApiTest, TokenizeAndDetokenizeRoundTrip) {
+  std::vector<std::int32_t> want;
+  ASSERT_TRUE(tokenizer_.encode("ab a", true, want).ok());
+  const Response r = call("/tokenize", R"({"model": "tiny", "prompt": "ab a", "return_token_strs": true})");
+  ASSERT_EQ(r.status, 200U) << r.body;
+  const json body = json::parse(r.body);
+  EXPECT_EQ(body["tokens"].get<std::vector<std::int32_t>>(), want);
+  EXPECT_EQ(body["count"], want.size());
+  EXPECT_EQ(body["max_model_len"], 64);
+  ASSERT_EQ(body["token_strs"].size(), want.size());
+  EXPECT_EQ(body["token_strs"][0], std::string(*tokenizer_.id_to_token(want[0])));
+  EXPECT_FALSE(json::parse(call("/tokenize", R"({"prompt": "ab a"})").body).contains("token_strs"));
+
+  const Response back = call("/detokenize", json{{"tokens", want}}.dump());
+  ASSERT_EQ(back.status, 200U) << back.body;
+  EXPECT_EQ(json::parse(back.body)["prompt"], tokenizer_.decode(want, false));
+
+  struct Case {
+    std::string path, body;
+    unsigned status;
+    std::string param;
+  };
+  for (const Case& c : std::vector<Case>{
+           {"/tokenize", R"({"prompt": "a", "max_tokens": 3})", 400, "max_tokens"},
+           {"/tokenize", R"({"prompt": 5})", 400, "prompt"},
+           {"/tokenize", R"({"prompt": "a", "model": "other"})", 404, "model"},
+           {"/tokenize", R"({"prompt": "a", "add_special_tokens": 1})", 400, "add_special_tokens"},
+           {"/tokenize", R"({"messages": [{"role": "user", "content": "hi"}], "prompt": "a"})", 400,
+            "prompt"},
+           {"/detokenize", R"({"tokens": [1, "x"]})", 400, "tokens"},
+           {"/detokenize", R"({"tokens": [99999]})", 400, "tokens"},
+           {"/detokenize", R"({"tokens": [1], "skip_special_tokens": true})", 400, "skip_special_tokens"},
+       }) {
+    const Response bad = call(c.path, c.body);
+    EXPECT_EQ(bad.status, c.status) << c.body << " -> " << bad.body;
+    EXPECT_EQ(json::parse(bad.body)["error"]["param"], c.param) << c.body << " -> " << bad.body;
+  }
+}
+
 TEST_F(OpenAiApiTest, CreatedIsTheResponsesOwnTime) {
   const auto now = [] {
     return std::chrono::duration_cast<std::chrono::seconds>(
