@@ -109,9 +109,11 @@ Status refuse_unlisted(const json& body, std::initializer_list<Names> accepted, 
   for (const auto& [name, value] : body.items()) {
     if (std::ranges::any_of(accepted, [&](auto names) { return listed(names, name); })) continue;
     if (listed(kNotYetFields, name)) return bad(name + ": not supported yet by this server", name);
-    return bad(
-        name + ": not a field this server's " + std::string(path) + " accepts (server/README.md lists them)",
-        name);
+    // The name is client text: quoted and cut in the message, and not echoed as param when long.
+    constexpr std::size_t kLongest = 64;
+    return bad(excerpt(name, kLongest) + ": not a field this server's " + std::string(path) +
+                   " accepts (server/README.md lists them)",
+               name.size() <= kLongest ? name : std::string());
   }
   return Status();
 }
