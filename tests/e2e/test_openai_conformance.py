@@ -183,7 +183,16 @@ class OpenAiConformance(ServerTestCase):
 
     # 1. OpenAI's schemas.
 
+    validated = {}  # schema name -> documents validated, printed at the end
+
+    @classmethod
+    def tearDownClass(cls):
+        print("openapi: validated", ", ".join(f"{n} {name}" for name, n in sorted(cls.validated.items())),
+              file=sys.stderr)
+        super().tearDownClass()
+
     def assert_valid(self, name, instance):
+        self.validated[name] = self.validated.get(name, 0) + 1
         errors = self.schemas.errors(name, instance)
         self.assertEqual(errors, [], f"{name}: {json.dumps(instance)[:2000]}")
 
