@@ -18,7 +18,7 @@ namespace capserve::server {
 
 // The sampling fields of a request, whatever its wire format.
 // Unset temperature / top_p / top_k take the checkpoint's generation_config.json defaults
-// (ServiceLimits::generation_defaults), else greedy and no filter.
+// (ServiceLimits::generation_defaults), else IntakeRequest::unset_temperature and no filter.
 struct SamplingInput {
   std::optional<double> temperature;
   std::optional<double> top_p;        // 0 or 1: off
@@ -74,6 +74,9 @@ struct IntakeRequest {
   std::int64_t n = 1;                // choices per prompt: each is one Request
   SamplingInput sampling;
   Seeding seeding = Seeding::client;
+  // The temperature of a request that sets none when the checkpoint's generation_config.json sets none
+  // either: 1 on the OpenAI API (as OpenAI and vLLM), greedy on the gRPC API (proto/README.md).
+  double unset_temperature = 0.0;
   bool text_output = true;  // text deltas (chat, completions); false: token ids (Generate)
   FieldNames fields;
   std::string peer;  // the client's address in gRPC notation ("ipv4:10.0.0.1:5000"), for limits and logs

@@ -218,9 +218,11 @@ void add_flags(CLI::App& app, Options& o) {
          "built); a render past it is the request's error (400). Raise it only for a trusted template "
          "that needs more")
       ->check(runtime::at_least(1));
-  app.add_option("--generation-defaults", o.generation_defaults,
-                 "what a request's unset temperature / top_p / top_k take: model (the checkpoint's "
-                 "generation_config.json, as vLLM) or none (greedy, no filter)")
+  app.add_option(
+         "--generation-defaults", o.generation_defaults,
+         "what a request's unset temperature / top_p / top_k take: model (the checkpoint's "
+         "generation_config.json, as vLLM) or none (the API's own: temperature 1 on the OpenAI API as OpenAI "
+         "and vLLM, greedy on gRPC; no filter)")
       ->check(CLI::IsMember({"model", "none"}))
       ->capture_default_str();
   app.add_option("--batch-selector", o.strategy, "fcfs | greedy | power_of_d | lpt_balanced | random")

@@ -230,19 +230,29 @@ Status RequestIntake::check_request_id(std::string_view id, const std::string& f
   return check_utf8(id, field);
 }
 
-StatusOr<std::vector<std::int32_t>> RequestIntake::prompt_ids(const PromptInput& prompt,
-                                                              std::stop_token stop) const {
+StatusOr<std::vector<std::int32_t>> RequestIntake::tokenize(const PromptInput& prompt,
+                                                            std::optional<bool> add_special_tokens,
+                                                            std::stop_token stop) const {
   if (const auto* chat = std::get_if<ChatPrompt>(&prompt.content))
-    return chat_prompt(*chat, prompt.field, std::move(stop));
+    return chat_prompt(*chat, prompt.field, add_special_tokens.value_or(false), std::move(stop));
   if (const auto* text = std::get_if<TextPrompt>(&prompt.content))
-    return text_prompt(text->text, prompt.field);
+    return text_prompt(text->text, prompt.field, add_special_tokens.value_or(true));
   const std::vector<std::int32_t>& ids = std::get<TokenPrompt>(prompt.content).ids;
   if (Status bad = token_prompt(ids, prompt.field); !bad.ok()) return bad;
   return ids;
 }
 
+StatusOr<std::vector<std::int32_t>> RequestIntake::prompt_ids(const PromptInput& prompt,
+                                                              std::stop_token stop) const {
+  StatusOr<std::vector<std::int32_t>> ids = tokenize(prompt, std::nullopt, std::move(stop));
+  if (!ids.ok()) return ids;
+  if (Status bad = fits_one_step(scheduler_, ids->size(), prompt.field); !bad.ok()) return bad;
+  return ids;
+}
+
 StatusOr<std::vector<std::int32_t>> RequestIntake::chat_prompt(const ChatPrompt& chat,
                                                                const std::string& field,
+                                                               bool add_special_tokens,
                                                                std::stop_token stop) const {
   const std::vector<runtime::ChatMessage>& messages = chat.messages;
   const runtime::ChatInputs& inputs = chat.inputs;
@@ -277,20 +287,22 @@ StatusOr<std::vector<std::int32_t>> RequestIntake::chat_prompt(const ChatPrompt&
   if (Status s = chat_template_->render(messages, inputs, prompt, stop); !s.ok()) {
     if (stop.stop_requested())
       return Status{StatusCode::cancelled, "the request was cancelled while its prompt was rendered"};
+    // A render error of a named input (chat_template_kwargs, tools) names it; any other is the messages'.
+    if (!s.field().empty()) return invalid(s.message(), s.field());
     return invalid(field + ": " + s.message(), field);
   }
   // Only the template's markup yields special tokens, unless the server allows them in content too.
   const std::span<const runtime::TextRange> plain_text =
       limits_.special_tokens_in_content ? std::span<const runtime::TextRange>() : prompt.content;
   std::vector<std::int32_t> ids;
-  if (Status s = tokenizer_->encode(prompt.text, false, ids, plain_text); !s.ok())
+  if (Status s = tokenizer_->encode(prompt.text, add_special_tokens, ids, plain_text); !s.ok())
     return invalid(field + ": " + s.message(), field);
-  if (Status bad = fits_one_step(scheduler_, ids.size(), field); !bad.ok()) return bad;
   return ids;
 }
 
 StatusOr<std::vector<std::int32_t>> RequestIntake::text_prompt(std::string_view text,
-                                                               const std::string& field) const {
+                                                               const std::string& field,
+                                                               bool add_special_tokens) const {
   if (tokenizer_ == nullptr)
     return Status{StatusCode::failed_precondition, "this model has no tokenizer; send token ids instead",
                   field};
@@ -300,10 +312,9 @@ StatusOr<std::vector<std::int32_t>> RequestIntake::text_prompt(std::string_view 
   const std::span<const runtime::TextRange> plain_text =
       limits_.special_tokens_in_content ? std::span<const runtime::TextRange>() : std::span(&all, 1);
   std::vector<std::int32_t> ids;
-  if (Status s = tokenizer_->encode(text, true, ids, plain_text); !s.ok())
+  if (Status s = tokenizer_->encode(text, add_special_tokens, ids, plain_text); !s.ok())
     return invalid(field + ": " + s.message(), field);
   if (ids.empty()) return invalid(field + ": the prompt is empty", field);
-  if (Status bad = fits_one_step(scheduler_, ids.size(), field); !bad.ok()) return bad;
   return ids;
 }
 
@@ -315,7 +326,7 @@ Status RequestIntake::token_prompt(std::span<const std::int32_t> ids, const std:
                          " is outside the vocabulary [0, " + std::to_string(limits_.vocab_size) + ")",
                      field);
   }
-  return fits_one_step(scheduler_, ids.size(), field);
+  return {};
 }
 
 StatusOr<RequestIntake::Sampling> RequestIntake::sampling(const IntakeRequest& request,
@@ -323,7 +334,7 @@ StatusOr<RequestIntake::Sampling> RequestIntake::sampling(const IntakeRequest& r
   const SamplingInput& s = request.sampling;
   const std::string& prefix = request.fields.sampling_prefix;
   const runtime::GenerationDefaults& defaults = limits_.generation_defaults;
-  const double temperature = s.temperature.value_or(defaults.temperature.value_or(0.0F));
+  const double temperature = s.temperature.value_or(defaults.temperature.value_or(request.unset_temperature));
   const double top_p = s.top_p.value_or(defaults.top_p.value_or(1.0F));
   const std::int64_t top_k = s.top_k.value_or(defaults.top_k.value_or(0));
   if (!std::isfinite(temperature) || temperature < 0)

@@ -122,6 +122,14 @@ class RequestIntake {
   [[nodiscard]] runtime::StatusOr<Admitted> admit(const IntakeRequest& request,
                                                   const std::function<void()>& listener);
 
+  // A prompt as token ids (the /tokenize route), with every check a generation request's prompt gets but the
+  // engine's bound on one step's tokens: chat messages through the template, text through the tokenizer, ids
+  // against the vocabulary. `add_special_tokens` (e.g. BOS) defaults as vLLM's: false for chat messages (the
+  // template writes them), true for text.
+  [[nodiscard]] runtime::StatusOr<std::vector<std::int32_t>> tokenize(const PromptInput& prompt,
+                                                                      std::optional<bool> add_special_tokens,
+                                                                      std::stop_token stop) const;
+
   // Counts a refusal the front end found in the wire format itself (a malformed body, a bad header) in the
   // error metrics, logs it (rate-limited) and returns it.
   runtime::Status refuse(runtime::Status error);
@@ -142,16 +150,18 @@ class RequestIntake {
       const IntakeRequest& request);
   [[nodiscard]] runtime::Status check_model(std::string_view model) const;
   [[nodiscard]] runtime::Status check_request_id(std::string_view id, const std::string& field) const;
-  // A prompt as token ids, its checks passed.
+  // A prompt as token ids, its checks passed, within one step's batched tokens.
   [[nodiscard]] runtime::StatusOr<std::vector<std::int32_t>> prompt_ids(const PromptInput& prompt,
                                                                         std::stop_token stop) const;
   // Checks the messages and inputs (roles, UTF-8, tool_calls / tool_call_id / name, the tools list, kwargs),
   // renders them through the chat template and tokenizes them. A requested `stop` cancels the render.
   [[nodiscard]] runtime::StatusOr<std::vector<std::int32_t>> chat_prompt(const ChatPrompt& chat,
                                                                          const std::string& field,
+                                                                         bool add_special_tokens,
                                                                          std::stop_token stop) const;
   [[nodiscard]] runtime::StatusOr<std::vector<std::int32_t>> text_prompt(std::string_view text,
-                                                                         const std::string& field) const;
+                                                                         const std::string& field,
+                                                                         bool add_special_tokens) const;
   [[nodiscard]] runtime::Status token_prompt(std::span<const std::int32_t> ids,
                                              const std::string& field) const;
   [[nodiscard]] runtime::StatusOr<Sampling> sampling(const IntakeRequest& request,

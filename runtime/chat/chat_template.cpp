@@ -104,12 +104,14 @@ std::optional<std::string> message_from_json(const nlohmann::ordered_json& json,
     } else if (value.is_string()) {
       out.content = value.get<std::string>();
     } else if (value.is_array()) {
+      // vLLM's string content format: the text parts, one per line.
       std::string text;
       for (const nlohmann::ordered_json& part : value) {
         const auto part_text = part.is_object() ? part.find("text") : part.end();
         if (!part.is_object() || part.value("type", "") != "text" || part_text == part.end() ||
             !part_text->is_string())
           return R"(.content: only text parts ({"type": "text", "text": ...}) are supported)";
+        if (&part != &value.front()) text += '\n';
         text += part_text->get<std::string>();
       }
       out.content = std::move(text);
@@ -175,15 +177,18 @@ Status ChatTemplate::render(std::span<const ChatMessage> messages, const ChatInp
   out = {};
   if (messages.empty()) return Status::invalid_argument("chat template: no messages to render");
   if (!inputs.kwargs.is_object())
-    return Status::invalid_argument("chat template kwargs: must be an object, got " +
-                                    std::string(inputs.kwargs.type_name()));
+    return Status::invalid_argument(
+        "chat_template_kwargs: must be an object, got " + std::string(inputs.kwargs.type_name()),
+        "chat_template_kwargs");
   if (!inputs.tools.is_null() && !inputs.tools.is_array())
-    return Status::invalid_argument("tools: must be a list, got " + std::string(inputs.tools.type_name()));
+    return Status::invalid_argument("tools: must be a list, got " + std::string(inputs.tools.type_name()),
+                                    "tools");
   // apply_chat_template passes these itself; Python refuses a second value for them.
   for (const char* reserved : kReservedVariables) {
     if (inputs.kwargs.contains(reserved))
-      return Status::invalid_argument(std::string("chat template kwargs: ") + reserved +
-                                      " cannot be set as a template kwarg");
+      return Status::invalid_argument(
+          std::string("chat_template_kwargs: ") + reserved + " cannot be set as a template kwarg",
+          "chat_template_kwargs");
   }
   jinja::Dict context = special_tokens_;
   for (const auto& [key, value] : inputs.kwargs.items()) context.set(key, jinja::from_json(value));

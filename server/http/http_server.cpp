@@ -133,6 +133,27 @@ struct Shared {
   }
 };
 
+// The request target without its query string.
+std::string_view target_path(const bhttp::request_header<>& head) {
+  const auto target = head.target();
+  const std::string_view path(target.data(), target.size());
+  return path.substr(0, path.find('?'));
+}
+
+// The route of `path`: its own, else the longest subtree route (a key ending in '/') it lies strictly under.
+const Route* find_route(const Routes& routes, std::string_view path) {
+  if (const auto exact = routes.find(path); exact != routes.end()) return &exact->second;
+  const Route* found = nullptr;
+  std::size_t longest = 0;
+  for (const auto& [key, route] : routes) {
+    if (key.ends_with('/') && path.size() > key.size() && path.starts_with(key) && key.size() > longest) {
+      found = &route;
+      longest = key.size();
+    }
+  }
+  return found;
+}
+
 // RFC 7230 §3.3.3: a request body is framed by Content-Length, or by Transfer-Encoding whose last coding is
 // chunked. Any other Transfer-Encoding (xchunked, identity, gzip, "chunked, identity") would leave the body
 // to be parsed as the next request, a request-smuggling shape, and both headers together are ambiguous;
@@ -250,12 +271,8 @@ class Session : public std::enable_shared_from_this<Session<Stream>> {
     // A refusal before the body is read keeps the connection only when there is no body to skip.
     const bool keep_alive = request.keep_alive() && parser_->is_done();
     if (const auto refused = framing_error(request)) return answer(refused->first, refused->second, false);
-    const auto target = request.target();
-    std::string_view path(target.data(), target.size());
-    path = path.substr(0, path.find('?'));
-    const auto route = shared_.routes.find(path);
-    if (route == shared_.routes.end()) return answer(404, "not found", keep_alive);
-    route_ = &route->second;
+    route_ = find_route(shared_.routes, target_path(request));
+    if (route_ == nullptr) return answer(404, "not found", keep_alive);
     const bool get = route_->method == Method::get;
     head_ = get && request.method() == bhttp::verb::head;
     if (!head_ && request.method() != (get ? bhttp::verb::get : bhttp::verb::post))
@@ -306,7 +323,7 @@ class Session : public std::enable_shared_from_this<Session<Stream>> {
               return it == request.end() ? std::string_view()
                                          : std::string_view(it->value().data(), it->value().size());
             },
-            stop_.get_token()};
+            stop_.get_token(), target_path(request)};
   }
 
   Response call(const IncomingRequest& in) {

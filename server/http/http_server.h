@@ -4,9 +4,10 @@
 // (Debian civetweb 1.15) and let two idle or slowloris sockets block every scrape. Here each connection is an
 // asynchronous state machine on a fixed number of I/O threads, so an idle socket holds no thread; a request
 // must arrive whole within a deadline, headers and bodies are bounded, paths match exactly (the query string
-// aside), and anything else gets a clean 4xx answer. A response that waits on the engine (a completion, whole
-// or streamed as Server-Sent Events) is a Producer: it wakes its connection when it has news instead of
-// holding a thread, so hundreds of open streams need no more than the fixed I/O threads.
+// aside) or lie under a subtree route, and anything else gets a clean 4xx answer. A response that waits on
+// the engine (a completion, whole or streamed as Server-Sent Events) is a Producer: it wakes its connection
+// when it has news instead of holding a thread, so hundreds of open streams need no more than the fixed I/O
+// threads.
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -58,6 +59,7 @@ struct IncomingRequest {
   std::function<std::string_view(std::string_view name)> header;  // empty when absent
   // Requested when the client has gone or the server drains or stops: long work should end early.
   std::stop_token stop = {};
+  std::string_view path = {};  // the target without its query string: what a subtree route matched
 };
 
 enum class Method { get, post };
@@ -114,8 +116,9 @@ struct Options {
 
 class Server {
  public:
-  // Binds and starts serving `routes` (exact paths, e.g. "/metrics"). Throws std::runtime_error naming the
-  // address when it cannot listen (in use, malformed, not local).
+  // Binds and starts serving `routes`: exact paths (e.g. "/metrics"), and subtrees (a key ending in '/', e.g.
+  // "/v1/models/", serves every longer path under it that has no route of its own). Throws std::runtime_error
+  // naming the address when it cannot listen (in use, malformed, not local).
   Server(Options options, std::map<std::string, Route, std::less<>> routes);
   // Stops accepting, cancels the POST handlers, closes every connection and joins the threads.
   ~Server();

@@ -1,9 +1,9 @@
 #pragma once
 // The OpenAI-compatible HTTP API on rank 0, beside gRPC and from the same scheduler: POST
-// /v1/chat/completions and /v1/completions (whole, or streamed as Server-Sent Events), GET /v1/models,
-// /health and /version. The routes' glue: a body becomes an IntakeRequest (openai_request.h), which the
-// shared RequestIntake admits (so both APIs refuse alike), and the requests' events become OpenAI's responses
-// and chunks (openai_response.h).
+// /v1/chat/completions and /v1/completions (whole, or streamed as Server-Sent Events), GET /v1/models and
+// /v1/models/{id}, vLLM's POST /tokenize and /detokenize, /health and /version. The routes' glue: a body
+// becomes an IntakeRequest (openai_request.h), which the shared RequestIntake admits (so both APIs refuse
+// alike), and the requests' events become OpenAI's responses and chunks (openai_response.h).
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -44,8 +44,17 @@ class OpenAiApi {
 
  private:
   Response completions(const IncomingRequest& in, Endpoint endpoint);
+  nlohmann::json model_card() const;
   Response models() const;
+  // GET /v1/models/{id}: the served model's card, or 404 in OpenAI's shape.
+  Response model(const IncomingRequest& in) const;
   Response health() const;
+  // vLLM's POST /tokenize and /detokenize: a prompt (text, or chat messages through the template) into token
+  // ids, and token ids into text.
+  Response tokenize(const IncomingRequest& in);
+  Response detokenize(const IncomingRequest& in);
+  // An unset model (empty) or the served one.
+  runtime::Status check_model(const std::string& model) const;
 
   RequestIntake& intake_;
   OpenAiOptions options_;

@@ -1,7 +1,11 @@
 #include "server/http/openai_request.h"
 
+#include <algorithm>
 #include <climits>
+#include <initializer_list>
 #include <optional>
+#include <span>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -50,6 +54,86 @@ StatusOr<std::optional<bool>> bool_field(const json& body, const char* name) {
   const json& v = body[name];
   if (!v.is_boolean()) return bad(std::string(name) + ": must be true or false", name);
   return std::optional(v.get<bool>());
+}
+
+// The top-level fields each endpoint accepts: those this file reads (a few only to refuse values the server
+// does not act on, e.g. a non-zero presence_penalty), and kNoOpFields. Anything else is refused naming it, so
+// that no field the server does not act on is silently ignored. server/README.md lists the same.
+constexpr std::string_view kBothEndpoints[] = {"model",
+                                               "temperature",
+                                               "top_p",
+                                               "top_k",
+                                               "max_tokens",
+                                               "seed",
+                                               "ignore_eos",
+                                               "stop",
+                                               "n",
+                                               "presence_penalty",
+                                               "frequency_penalty",
+                                               "repetition_penalty",
+                                               "logprobs",
+                                               "top_logprobs",
+                                               "echo",
+                                               "stream",
+                                               "stream_options"};
+constexpr std::string_view kChatOnly[] = {"messages",
+                                          "max_completion_tokens",
+                                          "tools",
+                                          "tool_choice",
+                                          "chat_template_kwargs",
+                                          "add_generation_prompt",
+                                          "continue_final_message"};
+constexpr std::string_view kCompletionsOnly[] = {"prompt"};
+// Accepted and without effect by their nature: they serve OpenAI's own platform (end-user ids for abuse
+// monitoring, stored completions and their tags, service tiers, prompt-cache routing hints); this server
+// has no such services, and its prefix cache needs no hint.
+constexpr std::string_view kNoOpFields[] = {"user",
+                                            "metadata",
+                                            "store",
+                                            "service_tier",
+                                            "safety_identifier",
+                                            "prompt_cache_key",
+                                            "prompt_cache_retention"};
+// Fields the server will act on but does not yet: refused, so that a client never believes them applied.
+constexpr std::string_view kNotYetFields[] = {"response_format", "logit_bias",     "min_p",
+                                              "min_tokens",      "stop_token_ids", "parallel_tool_calls"};
+
+using Names = std::span<const std::string_view>;
+
+bool listed(Names names, std::string_view name) {
+  return std::ranges::find(names, name) != names.end();
+}
+
+// The first field of `body` on none of `accepted`, as an error naming it.
+Status refuse_unlisted(const json& body, std::initializer_list<Names> accepted, std::string_view path) {
+  for (const auto& [name, value] : body.items()) {
+    if (std::ranges::any_of(accepted, [&](auto names) { return listed(names, name); })) continue;
+    if (listed(kNotYetFields, name)) return bad(name + ": not supported yet by this server", name);
+    // The name is client text: quoted and cut in the message, and not echoed as param when long.
+    constexpr std::size_t kLongest = 64;
+    return bad(excerpt(name, kLongest) + ": not a field this server's " + std::string(path) +
+                   " accepts (server/README.md lists them)",
+               name.size() <= kLongest ? name : std::string());
+  }
+  return Status();
+}
+
+// The first field of `body` the endpoint does not accept, as an error naming it.
+Status check_fields(const json& body, Endpoint endpoint) {
+  const bool chat = endpoint == Endpoint::chat;
+  if (Status refused = refuse_unlisted(
+          body, {kBothEndpoints, chat ? Names(kChatOnly) : Names(kCompletionsOnly), kNoOpFields},
+          chat ? "/v1/chat/completions" : "/v1/completions");
+      !refused.ok())
+    return refused;
+  if (present(body, "stream_options") && body["stream_options"].is_object()) {
+    for (const auto& [name, value] : body["stream_options"].items()) {
+      if (name != "include_usage")
+        return bad("stream_options." + name + ": not supported by this server (only include_usage)",
+                   "stream_options");
+    }
+  }
+  return Status();
 }
 
 // The sampling fields common to both endpoints (log-probabilities apart).
@@ -171,8 +255,8 @@ StatusOr<std::vector<runtime::ChatMessage>> read_messages(const ordered_json& bo
 }
 
 // What the chat template sees besides the messages: tools, chat_template_kwargs (vLLM), add_generation_prompt
-// and continue_final_message (vLLM's top-level fields). tool_choice is accepted and checked only: the server
-// does not constrain generation to a tool call.
+// and continue_final_message (vLLM's top-level fields). tool_choice is checked only: "none" and "auto" leave
+// the output as it is (the server does not parse tool calls out of it), the rest are refused.
 StatusOr<runtime::ChatInputs> read_chat_inputs(const json& body, const ordered_json& ordered) {
   runtime::ChatInputs inputs;
   if (const auto it = ordered.find("tools"); it != ordered.end() && !it->is_null()) {
@@ -184,6 +268,12 @@ StatusOr<runtime::ChatInputs> read_chat_inputs(const json& body, const ordered_j
     const bool mode = it->is_string() && (*it == "none" || *it == "auto" || *it == "required");
     if (!named && !mode)
       return bad("tool_choice: must be \"none\", \"auto\", \"required\" or a named function", "tool_choice");
+    // Both need generation held to a tool call, which the server cannot do yet.
+    if (named || *it == "required")
+      return bad(
+          "tool_choice: \"required\" and named functions are not supported yet (only \"none\" and "
+          "\"auto\")",
+          "tool_choice");
   }
   if (const auto it = ordered.find("chat_template_kwargs"); it != ordered.end() && !it->is_null()) {
     if (!it->is_object()) return bad("chat_template_kwargs: must be an object", "chat_template_kwargs");
@@ -243,7 +333,75 @@ StatusOr<std::vector<PromptInput>> read_prompts(const json& body) {
   return prompts;
 }
 
+// vLLM's /tokenize takes a text prompt or chat messages with the chat fields its templates read.
+constexpr std::string_view kTokenizeFields[] = {"model", "add_special_tokens", "return_token_strs"};
+constexpr std::string_view kTokenizeTextFields[] = {"prompt"};
+constexpr std::string_view kTokenizeChatFields[] = {"messages", "tools", "chat_template_kwargs",
+                                                    "add_generation_prompt", "continue_final_message"};
+
+StatusOr<std::string> model_field(const json& body) {
+  if (!present(body, "model")) return std::string();
+  if (!body["model"].is_string()) return bad("model: must be a string", "model");
+  return body["model"].get<std::string>();
+}
+
 }  // namespace
+
+StatusOr<TokenizeCall> parse_tokenize(std::string_view text) {
+  StatusOr<ordered_json> ordered = parse_client_json<ordered_json>(text, "");
+  if (!ordered.ok()) return std::move(ordered).take_status();
+  if (!ordered->is_object()) return bad("the request body must be a JSON object", "");
+  const json body = *ordered;
+  const bool chat = body.contains("messages");
+  if (Status refused = refuse_unlisted(
+          body, {kTokenizeFields, chat ? Names(kTokenizeChatFields) : Names(kTokenizeTextFields)},
+          chat ? "/tokenize (with messages)" : "/tokenize (with a prompt)");
+      !refused.ok())
+    return refused;
+  TokenizeCall call;
+  StatusOr<std::string> model = model_field(body);
+  if (!model.ok()) return model.status();
+  call.model = std::move(*model);
+  const auto add_special = bool_field(body, "add_special_tokens");
+  if (!add_special.ok()) return add_special.status();
+  call.add_special_tokens = *add_special;
+  const auto token_strs = bool_field(body, "return_token_strs");
+  if (!token_strs.ok()) return token_strs.status();
+  call.return_token_strs = token_strs->value_or(false);
+  if (chat) {
+    StatusOr<std::vector<runtime::ChatMessage>> messages = read_messages(*ordered);
+    if (!messages.ok()) return std::move(messages).take_status();
+    StatusOr<runtime::ChatInputs> inputs = read_chat_inputs(body, *ordered);
+    if (!inputs.ok()) return std::move(inputs).take_status();
+    call.prompt = {ChatPrompt{std::move(*messages), std::move(*inputs)}, "messages"};
+    return call;
+  }
+  if (!present(body, "prompt") || !body["prompt"].is_string())
+    return bad("prompt: required, a string (or send messages)", "prompt");
+  call.prompt = {TextPrompt{body["prompt"].get<std::string>()}, "prompt"};
+  return call;
+}
+
+StatusOr<DetokenizeCall> parse_detokenize(std::string_view text) {
+  StatusOr<json> parsed = parse_client_json<json>(text, "");
+  if (!parsed.ok()) return std::move(parsed).take_status();
+  const json& body = *parsed;
+  if (!body.is_object()) return bad("the request body must be a JSON object", "");
+  constexpr std::string_view kFields[] = {"model", "tokens"};
+  if (Status refused = refuse_unlisted(body, {kFields}, "/detokenize"); !refused.ok()) return refused;
+  DetokenizeCall call;
+  StatusOr<std::string> model = model_field(body);
+  if (!model.ok()) return model.status();
+  call.model = std::move(*model);
+  const Status shape = bad("tokens: required, a list of token ids", "tokens");
+  if (!present(body, "tokens") || !body["tokens"].is_array()) return shape;
+  for (const json& id : body["tokens"]) {
+    if (!id.is_number_integer()) return shape;
+    const auto v = id.get<std::int64_t>();
+    call.tokens.push_back(v < INT32_MIN || v > INT32_MAX ? -1 : static_cast<std::int32_t>(v));
+  }
+  return call;
+}
 
 StatusOr<std::string> response_id(std::string_view header, Endpoint endpoint) {
   if (header.size() > 128)
@@ -263,6 +421,7 @@ StatusOr<CompletionCall> parse_completion(std::string_view text, Endpoint endpoi
   if (!parsed.ok()) return std::move(parsed).take_status();
   const json& body = *parsed;
   if (!body.is_object()) return bad("the request body must be a JSON object", "");
+  if (Status refused = check_fields(body, endpoint); !refused.ok()) return refused;
 
   CompletionCall call;
   IntakeRequest& r = call.intake;
@@ -284,6 +443,7 @@ StatusOr<CompletionCall> parse_completion(std::string_view text, Endpoint endpoi
   if (!sampling.ok()) return std::move(sampling).take_status();
   r.sampling = std::move(*sampling);
   r.seeding = present(body, "seed") ? Seeding::client : Seeding::random;
+  r.unset_temperature = 1.0;  // OpenAI's default, and vLLM's
   const StatusOr<Logprobs> logprobs = read_logprobs(body, endpoint);
   if (!logprobs.ok()) return logprobs.status();
   r.sampling.logprobs = logprobs->logprobs;

@@ -5,8 +5,10 @@
 // ranges that exist only in this API (n, echo, stream_options, penalties); every check both APIs share is
 // RequestIntake::admit's. Errors are INVALID_ARGUMENT naming the body's field as the client spelt it.
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "runtime/status.h"
 #include "server/intake_request.h"
@@ -47,5 +49,21 @@ struct ParseOptions {
 // The call `body` asks for, with `id` as its request id.
 runtime::StatusOr<CompletionCall> parse_completion(std::string_view body, Endpoint endpoint, std::string id,
                                                    const ParseOptions& options);
+
+// POST /tokenize (vLLM's): a text prompt, or chat messages with vLLM's chat fields, into token ids.
+struct TokenizeCall {
+  std::string model;  // empty: not sent
+  PromptInput prompt;
+  std::optional<bool> add_special_tokens;  // unset: vLLM's default (RequestIntake::tokenize)
+  bool return_token_strs = false;          // also each token as tokenizer.json spells it
+};
+runtime::StatusOr<TokenizeCall> parse_tokenize(std::string_view body);
+
+// POST /detokenize (vLLM's): token ids into text.
+struct DetokenizeCall {
+  std::string model;  // empty: not sent
+  std::vector<std::int32_t> tokens;
+};
+runtime::StatusOr<DetokenizeCall> parse_detokenize(std::string_view body);
 
 }  // namespace capserve::server::http

@@ -51,7 +51,8 @@ json chat_logprobs(const LogprobEntries& entries, const runtime::Tokenizer* toke
                        {"bytes", utf8_bytes(text)},
                        {"top_logprobs", top}});
   }
-  return json{{"content", std::move(content)}};
+  // The schema requires refusal beside content; this server never refuses in-band.
+  return json{{"content", std::move(content)}, {"refusal", nullptr}};
 }
 
 // Completions' logprobs: parallel lists. The first prompt token of an echo has no log-probability (null).
@@ -276,7 +277,7 @@ class Completion final : public Producer {
       rerouted += t.moe_rerouted;
       json choice{{"index", i}, {"finish_reason", finish_reason(*t.terminal)}, {"logprobs", nullptr}};
       if (shape_.chat()) {
-        choice["message"] = {{"role", "assistant"}, {"content", c.text}};
+        choice["message"] = {{"role", "assistant"}, {"content", c.text}, {"refusal", nullptr}};
         if (shape_.logprobs) choice["logprobs"] = chat_logprobs(c.logprobs, tokenizer_);
       } else {
         choice["text"] = c.echo + c.text;

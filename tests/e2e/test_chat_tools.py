@@ -272,6 +272,8 @@ class OverrideTemplateWithTools(Qwen15Checkpoint):
             status, reply = self.http_chat({"messages": messages, "max_tokens": 1, **body})
             self.assertEqual(status, 400, reply)
             self.assertIn(needle, reply["error"]["message"])
+            if "chat_template_kwargs" in body:
+                self.assertEqual(reply["error"]["param"], "chat_template_kwargs")
         bad = pb.ChatRequest(messages=[pb.ChatMessage(role=b"user", content=b"Hi")], tools=b"[{",
                              sampling=pb.SamplingOptions(max_tokens=1))
         with self.assertRaises(grpc.RpcError) as caught:

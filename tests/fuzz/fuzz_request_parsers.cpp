@@ -11,9 +11,10 @@
 //
 // Input: byte 0 picks the mode. 0: the rest is a chat completions body; 1: a completions body; 2: a gRPC
 // chat, the rest split at 0xFF bytes into tools, chat_template_kwargs, the tool_calls of an assistant message
-// and the content of the user message before it (a missing part is left unset). Any input must give an answer
-// that is a client error or the scheduler's refusal, never a crash, an exception, a 500 or an UNKNOWN /
-// INTERNAL status.
+// and the content of the user message before it (a missing part is left unset); 3: a /tokenize body; 4: a
+// /detokenize body. Any input must give an answer that is a client error or the scheduler's refusal (or, for
+// /tokenize and /detokenize, which need no scheduler, a success), never a crash, an exception, a 500 or an
+// UNKNOWN / INTERNAL status.
 #include <grpcpp/server_context.h>
 
 #include <cstddef>
@@ -89,8 +90,13 @@ void http(const std::string& path, std::string_view body) {
   const server::http::IncomingRequest in{body, "ipv4:127.0.0.1:5000",
                                          [](std::string_view) { return std::string_view(); }};
   const server::http::Response r = instance().routes.at(path).handler(in);
+  const bool tokenizer_route = path == "/tokenize" || path == "/detokenize";
+  if (tokenizer_route && r.status == 200) {
+    check(nlohmann::json::parse(r.body).is_object());
+    return;
+  }
   // 503: it passed every check and reached the draining scheduler.
-  check(r.status == 400 || r.status == 404 || r.status == 503);
+  check(r.status == 400 || r.status == 404 || (r.status == 503 && !tokenizer_route));
   const nlohmann::json error = nlohmann::json::parse(r.body).at("error");
   check(error.at("message").is_string() && !error.at("message").get_ref<const std::string&>().empty());
 }
@@ -127,15 +133,21 @@ void grpc_chat(std::string_view data) {
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* bytes, std::size_t size) {
   if (size == 0) return 0;
   const std::string_view data(reinterpret_cast<const char*>(bytes) + 1, size - 1);
-  switch (bytes[0] % 3) {
+  switch (bytes[0] % 5) {
     case 0:
       http("/v1/chat/completions", data);
       break;
     case 1:
       http("/v1/completions", data);
       break;
-    default:
+    case 2:
       grpc_chat(data);
+      break;
+    case 3:
+      http("/tokenize", data);
+      break;
+    default:
+      http("/detokenize", data);
   }
   return 0;
 }

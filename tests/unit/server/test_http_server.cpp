@@ -183,6 +183,30 @@ TEST_F(HttpServerTest, ServesGetAndHeadOfAnExactPath) {
   EXPECT_EQ(body_of(head), "");
 }
 
+// A key ending in '/' serves the paths under it (the handler sees which), the longest such key winning; an
+// exact route still wins, and the bare prefix without a rest is not under it.
+TEST(HttpServerRoutes, SubtreeRoutesServeThePathsUnderThem) {
+  Options o;
+  o.host = "127.0.0.1";
+  const auto echo_path = [](std::string tag) {
+    return Route(Method::get, [tag](const IncomingRequest& in) {
+      return Response{200, "text/plain", tag + ":" + std::string(in.path)};
+    });
+  };
+  Server server(o, {{"/v1/models/", echo_path("models")},
+                    {"/v1/models/special/", echo_path("special")},
+                    {"/v1/models/exact", echo_path("exact")}});
+  const auto get = [&](const std::string& target) {
+    return exchange(server.port(), "GET " + target + " HTTP/1.0\r\n\r\n");
+  };
+  EXPECT_EQ(body_of(get("/v1/models/org/name?x=1")), "models:/v1/models/org/name");
+  EXPECT_EQ(body_of(get("/v1/models/special/a")), "special:/v1/models/special/a");
+  EXPECT_EQ(body_of(get("/v1/models/exact")), "exact:/v1/models/exact");
+  EXPECT_EQ(body_of(get("/v1/models/")), "models:/v1/models/");  // the key itself is an exact path
+  EXPECT_EQ(status_of(get("/v1/models")), 404);
+  EXPECT_EQ(status_of(get("/v1/modelsx")), 404);
+}
+
 TEST_F(HttpServerTest, KeepAliveServesSeveralAndPipelinedRequests) {
   Client c(server_.port());
   ASSERT_TRUE(c.send("GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"));

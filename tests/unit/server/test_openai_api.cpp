@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <map>
 #include <regex>
 #include <stop_token>
@@ -307,6 +308,145 @@ TEST_F(OpenAiApiTest, ModelsHealthAndVersion) {
   EXPECT_EQ(models["data"][0]["max_model_len"], 64);
   EXPECT_EQ(routes_.at("/health").handler({}).status, 200U);
   EXPECT_EQ(json::parse(routes_.at("/version").handler({}).body)["version"], "1.2.3");
+}
+
+TEST_F(OpenAiApiTest, OneModelByIdOrOpenAisNotFound) {
+  const auto get = [this](std::string_view path) {
+    IncomingRequest in;
+    in.path = path;
+    return routes_.at("/v1/models/").handler(in);
+  };
+  const Response card = get("/v1/models/tiny");
+  ASSERT_EQ(card.status, 200U) << card.body;
+  EXPECT_EQ(json::parse(card.body), json::parse(routes_.at("/v1/models").handler({}).body)["data"][0]);
+  EXPECT_EQ(get("/v1/models/t%69ny").status, 200U);  // percent-encoded
+  for (const std::string_view path : {"/v1/models/other", "/v1/models/tiny/x", "/v1/models/ti%6"}) {
+    const Response missing = get(path);
+    EXPECT_EQ(missing.status, 404U) << path;
+    const json error = json::parse(missing.body).at("error");
+    EXPECT_EQ(error.at("code"), "model_not_found") << path;
+    EXPECT_EQ(error.at("param"), "model") << path;
+  }
+}
+
+// Each endpoint accepts exactly the fields it reads and the no-op list; any other is a 400 naming it, so that
+// nothing the server does not act on passes silently.
+TEST_F(OpenAiApiTest, FieldsTheServerDoesNotActOnAreRefusedByName) {
+  const std::string chat = "/v1/chat/completions";
+  const std::string completions = "/v1/completions";
+  const std::string messages = R"("messages": [{"role": "user", "content": "hi"}])";
+  struct Case {
+    std::string path, body, param, needle;
+  };
+  const std::vector<Case> refused{
+      {completions, R"({"prompt": [1], "response_format": {"type": "json_object"}})", "response_format",
+       "not supported yet"},
+      {completions, R"({"prompt": [1], "logit_bias": {"5": 10}})", "logit_bias", "not supported yet"},
+      {completions, R"({"prompt": [1], "min_p": 0.1})", "min_p", "not supported yet"},
+      {completions, R"({"prompt": [1], "stop_token_ids": [3]})", "stop_token_ids", "not supported yet"},
+      {completions, R"({"prompt": [1], "suffix": "x"})", "suffix", "/v1/completions"},
+      {completions, R"({"prompt": [1], "best_of": 2})", "best_of", "/v1/completions"},
+      {completions, R"({"prompt": [1], "max_completion_tokens": 2})", "max_completion_tokens",
+       "/v1/completions"},
+      {completions, R"({"prompt": [1], "messages": []})", "messages", "/v1/completions"},
+      {completions, R"({"prompt": [1], "tempreature": 0})", "tempreature", "/v1/completions"},
+      {completions, R"({"prompt": [1], "stream": true, "stream_options": {"include_usage": true, "x": 1}})",
+       "stream_options", "stream_options.x"},
+      {chat, "{" + messages + R"(, "response_format": {"type": "text"}})", "response_format",
+       "not supported yet"},
+      {chat, "{" + messages + R"(, "parallel_tool_calls": false})", "parallel_tool_calls",
+       "not supported yet"},
+      {chat, "{" + messages + R"(, "tool_choice": "required"})", "tool_choice", "not supported yet"},
+      {chat, "{" + messages + R"(, "tool_choice": {"type": "function", "function": {"name": "f"}}})",
+       "tool_choice", "not supported yet"},
+      {chat, "{" + messages + R"(, "prompt": "x"})", "prompt", "/v1/chat/completions"},
+      {chat, "{" + messages + R"(, "audio": {}})", "audio", "/v1/chat/completions"},
+      {chat, "{" + messages + R"(, "reasoning_effort": "low"})", "reasoning_effort", "/v1/chat/completions"},
+  };
+  for (const Case& c : refused) {
+    const Response r = call(c.path, c.body);
+    EXPECT_EQ(r.status, 400U) << c.body << " -> " << r.body;
+    const json error = json::parse(r.body).at("error");
+    EXPECT_EQ(error.at("param"), c.param) << c.body << " -> " << r.body;
+    EXPECT_NE(error.at("message").get<std::string>().find(c.needle), std::string::npos) << r.body;
+  }
+  // The no-op fields pass on both endpoints.
+  const std::string no_ops = R"("user": "u1", "metadata": {"k": "v"}, "store": false, "service_tier": "auto",
+                                "safety_identifier": "s", "prompt_cache_key": "p", "prompt_cache_retention": "24h")";
+  EXPECT_EQ(call(completions, R"({"prompt": [1], )" + no_ops + "}").status, 200U);
+  // (The fixture has no chat template: a chat that passes the field checks fails on its messages.)
+  const Response chat_no_ops = call(chat, "{" + messages + ", " + no_ops + R"(, "tool_choice": "auto"})");
+  EXPECT_EQ(json::parse(chat_no_ops.body)["error"]["param"], "messages") << chat_no_ops.body;
+}
+
+// OpenAI and vLLM sample at temperature 1 when neither the request nor the checkpoint sets one.
+TEST_F(OpenAiApiTest, AnUnsetTemperatureIsOne) {
+  for (const Endpoint endpoint : {Endpoint::chat, Endpoint::completions}) {
+    const auto call = parse_completion(R"({"prompt": [1], "messages": []})", endpoint, "id", {});
+    ASSERT_FALSE(call.ok());  // each endpoint refuses the other's prompt field
+    const auto parsed =
+        parse_completion(endpoint == Endpoint::chat ? R"({"messages": [{"role": "user", "content": "hi"}]})"
+                                                    : R"({"prompt": [1]})",
+                         endpoint, "id", {});
+    ASSERT_TRUE(parsed.ok()) << parsed.status().message();
+    EXPECT_EQ(parsed->intake.unset_temperature, 1.0);
+    EXPECT_FALSE(parsed->intake.sampling.temperature);
+  }
+}
+
+// vLLM's /tokenize and /detokenize: the same tokenizer and checks as a prompt, the response shapes vLLM's.
+TEST_F(OpenAiApiTest, TokenizeAndDetokenizeRoundTrip) {
+  std::vector<std::int32_t> want;
+  ASSERT_TRUE(tokenizer_.encode("ab a", true, want).ok());
+  const Response r = call("/tokenize", R"({"model": "tiny", "prompt": "ab a", "return_token_strs": true})");
+  ASSERT_EQ(r.status, 200U) << r.body;
+  const json body = json::parse(r.body);
+  EXPECT_EQ(body["tokens"].get<std::vector<std::int32_t>>(), want);
+  EXPECT_EQ(body["count"], want.size());
+  EXPECT_EQ(body["max_model_len"], 64);
+  ASSERT_EQ(body["token_strs"].size(), want.size());
+  EXPECT_EQ(body["token_strs"][0], std::string(*tokenizer_.id_to_token(want[0])));
+  EXPECT_FALSE(json::parse(call("/tokenize", R"({"prompt": "ab a"})").body).contains("token_strs"));
+
+  const Response back = call("/detokenize", json{{"tokens", want}}.dump());
+  ASSERT_EQ(back.status, 200U) << back.body;
+  EXPECT_EQ(json::parse(back.body)["prompt"], tokenizer_.decode(want, false));
+
+  struct Case {
+    std::string path, body;
+    unsigned status;
+    std::string param;
+  };
+  for (const Case& c : std::vector<Case>{
+           {"/tokenize", R"({"prompt": "a", "max_tokens": 3})", 400, "max_tokens"},
+           {"/tokenize", R"({"prompt": 5})", 400, "prompt"},
+           {"/tokenize", R"({"prompt": "a", "model": "other"})", 404, "model"},
+           {"/tokenize", R"({"prompt": "a", "add_special_tokens": 1})", 400, "add_special_tokens"},
+           {"/tokenize", R"({"messages": [{"role": "user", "content": "hi"}], "prompt": "a"})", 400,
+            "prompt"},
+           {"/detokenize", R"({"tokens": [1, "x"]})", 400, "tokens"},
+           {"/detokenize", R"({"tokens": [99999]})", 400, "tokens"},
+           {"/detokenize", R"({"tokens": [1], "skip_special_tokens": true})", 400, "skip_special_tokens"},
+       }) {
+    const Response bad = call(c.path, c.body);
+    EXPECT_EQ(bad.status, c.status) << c.body << " -> " << bad.body;
+    EXPECT_EQ(json::parse(bad.body)["error"]["param"], c.param) << c.body << " -> " << bad.body;
+  }
+}
+
+TEST_F(OpenAiApiTest, CreatedIsTheResponsesOwnTime) {
+  const auto now = [] {
+    return std::chrono::duration_cast<std::chrono::seconds>(
+               std::chrono::system_clock::now().time_since_epoch())
+        .count();
+  };
+  const std::int64_t before = now();
+  const Response r = call("/v1/completions", R"({"prompt": [5], "max_tokens": 1})");
+  ASSERT_EQ(r.status, 200U) << r.body;
+  int wakes = 0;
+  const json body = json::parse(run(*r.producer, wakes));
+  EXPECT_GE(body["created"].get<std::int64_t>(), before);
+  EXPECT_LE(body["created"].get<std::int64_t>(), now());
 }
 
 }  // namespace

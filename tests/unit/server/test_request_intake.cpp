@@ -13,7 +13,8 @@ class RequestIntakeTest : public testing::Test {
  protected:
   RequestIntakeTest() : tokenizer_(load_tiny_tokenizer()), scheduler_({}, 1, &tokenizer_, nullptr, nullptr) {}
 
-  runtime::SamplingParams sampled(const runtime::GenerationDefaults& defaults, const SamplingInput& in) {
+  runtime::SamplingParams sampled(const runtime::GenerationDefaults& defaults, const SamplingInput& in,
+                                  double unset_temperature = 0.0) {
     ServiceLimits limits;
     limits.model_id = "tiny";
     limits.vocab_size = tokenizer_.vocab_size();
@@ -23,6 +24,7 @@ class RequestIntakeTest : public testing::Test {
     request.prompts.resize(1);
     request.prompts[0] = {TokenPrompt{{1, 2, 3, 4}}, "input_ids"};
     request.sampling = in;
+    request.unset_temperature = unset_temperature;
     const runtime::StatusOr<RequestIntake::Admitted> admitted = intake.admit(request, [] {});
     EXPECT_TRUE(admitted.ok()) << admitted.status().message();
     return admitted->requests.at(0)->params();
@@ -51,6 +53,11 @@ TEST_F(RequestIntakeTest, UnsetSamplingFieldsTakeTheModelsDefaults) {
   EXPECT_EQ(none.temperature, 0.0F);
   EXPECT_EQ(none.top_p, 1.0F);
   EXPECT_EQ(none.top_k, 0);
+
+  // The front end's own default (the OpenAI API's 1) applies only where the checkpoint sets none.
+  EXPECT_EQ(sampled({}, {}, 1.0).temperature, 1.0F);
+  EXPECT_FLOAT_EQ(sampled(qwen3, {}, 1.0).temperature, 0.6F);
+  EXPECT_EQ(sampled({}, greedy, 1.0).temperature, 0.0F);
 }
 
 // A prompt that must be prefilled in one step (a model with dynamic rope scaling, past its
