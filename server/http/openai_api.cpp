@@ -90,9 +90,11 @@ Response OpenAiApi::completions(const IncomingRequest& in, Endpoint endpoint) {
     r.headers.emplace_back("X-Request-Id", *id);
     return r;
   };
-  StatusOr<CompletionCall> call = parse_completion(
-      in.body, endpoint, *id,
-      {.served_model = intake_.limits().model_id, .max_choices = options_.max_choices, .created = created_});
+  StatusOr<CompletionCall> call = parse_completion(in.body, endpoint, *id,
+                                                   {.served_model = intake_.limits().model_id,
+                                                    .max_choices = options_.max_choices,
+                                                    .created = created_,
+                                                    .formats = options_.formats});
   if (!call.ok()) return with_id(status_response(intake_.refuse(std::move(call).take_status())));
   IntakeRequest& request = call->intake;
   request.peer = in.peer;

@@ -171,20 +171,47 @@ StatusOr<std::vector<runtime::ChatMessage>> read_messages(const ordered_json& bo
 }
 
 // What the chat template sees besides the messages: tools, chat_template_kwargs (vLLM), add_generation_prompt
-// and continue_final_message (vLLM's top-level fields). tool_choice is accepted and checked only: the server
-// does not constrain generation to a tool call.
-StatusOr<runtime::ChatInputs> read_chat_inputs(const json& body, const ordered_json& ordered) {
+// and continue_final_message (vLLM's top-level fields); and how the output is parsed (`shape`): tool calls in
+// the server's format when the request offers tools with tool_choice "auto" (the default with tools), one
+// call at most with parallel_tool_calls false, reasoning where the server splits it. tool_choice "none" hides
+// the tools from the template. "required" and a named function need constrained decoding, which the server
+// does not do yet: refused, never ignored.
+StatusOr<runtime::ChatInputs> read_chat_inputs(const json& body, const ordered_json& ordered,
+                                               const ParseOptions& options, ResponseShape& shape) {
   runtime::ChatInputs inputs;
   if (const auto it = ordered.find("tools"); it != ordered.end() && !it->is_null()) {
     if (!it->is_array()) return bad("tools: must be a list of tools", "tools");
     inputs.tools = *it;
   }
+  const bool offered = inputs.tools.is_array() && !inputs.tools.empty();
+  std::string choice = offered ? "auto" : "none";
   if (const auto it = body.find("tool_choice"); it != body.end() && !it->is_null()) {
     const bool named = it->is_object() && it->value("type", "") == "function";
     const bool mode = it->is_string() && (*it == "none" || *it == "auto" || *it == "required");
     if (!named && !mode)
       return bad("tool_choice: must be \"none\", \"auto\", \"required\" or a named function", "tool_choice");
+    if (named || *it == "required")
+      return bad(
+          "tool_choice: " + std::string(named ? "a named function" : "\"required\"") +
+              " needs constrained decoding, which this server does not do yet; send \"auto\" or \"none\"",
+          "tool_choice");
+    choice = it->get<std::string>();
+    if (choice == "auto" && !offered) return bad("tool_choice: \"auto\" needs tools", "tool_choice");
+    if (choice == "auto" && !options.formats.tool_calls)
+      return bad(
+          "tool_choice: \"auto\" needs a tool-call parser; the model's chat template teaches no format "
+          "this server knows (start it with --tool-call-parser NAME)",
+          "tool_choice");
   }
+  if (choice == "none") {
+    inputs.tools = nullptr;
+  } else {
+    shape.tool_calls = options.formats.tool_calls;
+  }
+  const auto parallel = bool_field(body, "parallel_tool_calls");
+  if (!parallel.ok()) return parallel.status();
+  shape.parallel_tool_calls = parallel->value_or(true);
+  shape.reasoning = options.formats.reasoning;
   if (const auto it = ordered.find("chat_template_kwargs"); it != ordered.end() && !it->is_null()) {
     if (!it->is_object()) return bad("chat_template_kwargs: must be an object", "chat_template_kwargs");
     inputs.kwargs = *it;
@@ -316,7 +343,7 @@ StatusOr<CompletionCall> parse_completion(std::string_view text, Endpoint endpoi
     if (!ordered.ok()) return std::move(ordered).take_status();
     StatusOr<std::vector<runtime::ChatMessage>> messages = read_messages(*ordered);
     if (!messages.ok()) return std::move(messages).take_status();
-    StatusOr<runtime::ChatInputs> inputs = read_chat_inputs(body, *ordered);
+    StatusOr<runtime::ChatInputs> inputs = read_chat_inputs(body, *ordered, options, shape);
     if (!inputs.ok()) return std::move(inputs).take_status();
     r.prompts.push_back({ChatPrompt{std::move(*messages), std::move(*inputs)}, "messages"});
   } else {

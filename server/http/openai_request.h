@@ -5,10 +5,12 @@
 // ranges that exist only in this API (n, echo, stream_options, penalties); every check both APIs share is
 // RequestIntake::admit's. Errors are INVALID_ARGUMENT naming the body's field as the client spelt it.
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 
 #include "runtime/status.h"
+#include "server/chat_output/chat_output_parser.h"
 #include "server/intake_request.h"
 
 namespace capserve::server::http {
@@ -25,6 +27,11 @@ struct ResponseShape {
   std::string id;     // the response's id: the X-Request-Id
   std::string model;
   std::int64_t created = 0;
+  // Chat: the tool-call format to parse the output with (the request offers tools with tool_choice "auto"),
+  // whether more than one call is kept (parallel_tool_calls), and the reasoning format (the server's).
+  std::optional<chat_output::ToolCallFormat> tool_calls;
+  bool parallel_tool_calls = true;
+  std::optional<chat_output::ReasoningFormat> reasoning;
 
   [[nodiscard]] bool chat() const { return endpoint == Endpoint::chat; }
 };
@@ -42,6 +49,8 @@ struct ParseOptions {
   std::string served_model;       // the model field's default
   std::int64_t max_choices = 64;  // n times the number of prompts
   std::int64_t created = 0;       // the response's "created"
+  // The server's output parsers (--tool-call-parser, --reasoning-parser).
+  chat_output::ChatOutputFormats formats;
 };
 
 // The call `body` asks for, with `id` as its request id.
