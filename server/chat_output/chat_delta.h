@@ -3,6 +3,7 @@
 // the deltas OpenAI's (and vLLM's) chat stream sends, and the whole message they add up to.
 #include <cstddef>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace capserve::server::chat_output {
@@ -22,6 +23,12 @@ struct ChatDelta {
   std::vector<ToolCallDelta> tool_calls;
 
   [[nodiscard]] bool empty() const { return reasoning.empty() && content.empty() && tool_calls.empty(); }
+  // `more` after this: what both deltas say, in order.
+  void append(ChatDelta&& more) {
+    reasoning += more.reasoning;
+    content += more.content;
+    for (ToolCallDelta& call : more.tool_calls) tool_calls.push_back(std::move(call));
+  }
 };
 
 struct ToolCall {

@@ -287,12 +287,7 @@ class Completion final : public Producer {
   // The event's text through the choice's parser (its end at the terminal event).
   static chat_output::ChatDelta parse(Choice& c, const RequestEvent& e) {
     chat_output::ChatDelta delta = c.parser->feed(e.text);
-    if (e.terminal) {
-      chat_output::ChatDelta last = c.parser->finish();
-      delta.reasoning += last.reasoning;
-      delta.content += last.content;
-      for (chat_output::ToolCallDelta& call : last.tool_calls) delta.tool_calls.push_back(std::move(call));
-    }
+    if (e.terminal) delta.append(c.parser->finish());
     return delta;
   }
 
@@ -333,11 +328,9 @@ class Completion final : public Producer {
       rerouted += t.moe_rerouted;
       json choice{
           {"index", i}, {"finish_reason", finish_reason(*t.terminal, tool_calls(c))}, {"logprobs", nullptr}};
-      if (c.parser) {
-        choice["message"] = chat_output::message_json(c.message, shape_.reasoning.has_value());
-        if (shape_.logprobs) choice["logprobs"] = chat_logprobs(c.logprobs, tokenizer_);
-      } else if (shape_.chat()) {
-        choice["message"] = {{"role", "assistant"}, {"content", c.text}};
+      if (shape_.chat()) {
+        choice["message"] = c.parser ? chat_output::message_json(c.message, shape_.reasoning.has_value())
+                                     : json{{"role", "assistant"}, {"content", c.text}};
         if (shape_.logprobs) choice["logprobs"] = chat_logprobs(c.logprobs, tokenizer_);
       } else {
         choice["text"] = c.echo + c.text;
