@@ -5,10 +5,12 @@
 // must add up to the whole.
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <string>
 
+#include "runtime/tokenizer/tokenizer.h"
 #include "server/chat_output/chat_output_parser.h"
 
 namespace capserve::server::chat_output {
@@ -213,6 +215,53 @@ TEST(ChatOutputParser, ReasoningThenToolCalls) {
   EXPECT_EQ(m.reasoning, "\nThe user wants the weather.\n");
   EXPECT_EQ(m.content, "\n\n");
   expect_weather_call(m);
+}
+
+// The markers must survive the server's decoding (skip_special_tokens, token by token): in the real Qwen3 and
+// DeepSeek-V3 tokenizers they are single added tokens that are not special, and the parser fed the
+// incremental decoder's pieces gives the message of the whole text.
+TEST(ChatOutputParser, RealTokenizersKeepTheMarkersThroughIncrementalDecoding) {
+  const std::filesystem::path tokenizers = std::filesystem::path(CAPSERVE_SHARED_DATA_DIR) / "tokenizers";
+  struct Case {
+    const char* tokenizer;
+    Factory make;
+    std::string text;
+    std::vector<std::string> markers;
+  };
+  const std::vector<Case> cases = {
+      {"qwen3",
+       reasoning(ReasoningFormat::qwen3, false, ToolCallFormat::hermes),
+       "<think>\nThe user wants the weather.\n</think>\n\n<tool_call>\n{\"name\": \"get_current_weather\", "
+       "\"arguments\": {\"location\": \"Paris, France\", \"unit\": \"celsius\"}}\n</tool_call>",
+       {"<think>", "</think>", "<tool_call>", "</tool_call>"}},
+      {"deepseek_v3",
+       reasoning(ReasoningFormat::deepseek_r1, false, ToolCallFormat::deepseek_v3),
+       "Paris.\n</"
+       "think>\n\n<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_current_weather\n```"
+       "json\n{\"location\": \"Paris, France\", \"unit\": "
+       "\"celsius\"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+       {"<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
+        "<｜tool▁calls▁end｜>"}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.tokenizer);
+    const runtime::Tokenizer tokenizer = runtime::Tokenizer::load(tokenizers / c.tokenizer);
+    for (const std::string& marker : c.markers) {
+      const std::optional<std::int32_t> id = tokenizer.token_to_id(marker);
+      ASSERT_TRUE(id.has_value()) << marker;
+      EXPECT_FALSE(tokenizer.is_special(*id)) << marker;
+    }
+    std::vector<std::int32_t> ids;
+    ASSERT_TRUE(tokenizer.encode(c.text, false, ids).ok());
+    runtime::IncrementalDecoder decoder(tokenizer, true);
+    std::vector<std::string> pieces;
+    for (const std::int32_t id : ids) pieces.emplace_back(decoder.feed(id));
+    pieces.emplace_back(decoder.finish());
+    const ChatMessageOut streamed = run(c.make, std::vector<std::string_view>(pieces.begin(), pieces.end()));
+    EXPECT_EQ(streamed, parse(c.make, c.text));
+    expect_weather_call(streamed);
+    EXPECT_FALSE(streamed.reasoning.empty());
+  }
 }
 
 }  // namespace
