@@ -26,13 +26,16 @@ std::optional<ReasoningFormat> detect_reasoning_format(std::string_view source) 
   return ReasoningFormat::qwen3;
 }
 
-bool prompt_opens_thinking(std::string_view prompt) {
+PromptThinking prompt_thinking(std::string_view prompt) {
   while (!prompt.empty() && (prompt.back() == '\n' || prompt.back() == ' ')) prompt.remove_suffix(1);
-  return prompt.ends_with(kOpen);
+  if (prompt.ends_with(kOpen)) return PromptThinking::opened;
+  if (prompt.ends_with(kClose)) return PromptThinking::closed;
+  return PromptThinking::neither;
 }
 
-ReasoningParser::ReasoningParser(ReasoningFormat format, bool prompt_opened_thinking)
-    : starts_inside_(format == ReasoningFormat::deepseek_r1 || prompt_opened_thinking) {}
+ReasoningParser::ReasoningParser(ReasoningFormat format, PromptThinking prompt)
+    : starts_inside_(prompt == PromptThinking::opened ||
+                     (format == ReasoningFormat::deepseek_r1 && prompt == PromptThinking::neither)) {}
 
 void ReasoningParser::feed(std::string_view text, ChatDelta& out, std::string& content) {
   buffer_.append(text);

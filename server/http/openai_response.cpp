@@ -97,11 +97,13 @@ const char* finish_reason(Terminal t, bool tool_calls = false) {
   return t == Terminal::ok_stop ? "stop" : "length";
 }
 
-// Prompt tokens enough to spell "<think>\n" whatever the tokenizer (a byte-level one takes a token a byte).
+// Prompt tokens enough to spell "</think>\n\n" whatever the tokenizer (a byte-level one takes a token a
+// byte).
 constexpr std::size_t kThinkingTail = 16;
 
 // A chat choice's output parser, when the call parses tool calls or reasoning: a model whose template opens
-// <think> in the prompt starts inside the thinking (the prompt's last tokens tell).
+// <think> in the prompt starts inside the thinking, one that closes it there starts in the answer (the
+// prompt's last tokens tell).
 std::optional<chat_output::ChatOutputParser> output_parser(const ResponseShape& shape, const Request& request,
                                                            const runtime::Tokenizer* tokenizer) {
   if (!shape.chat() || (!shape.tool_calls && !shape.reasoning)) return std::nullopt;
@@ -110,9 +112,9 @@ std::optional<chat_output::ChatOutputParser> output_parser(const ResponseShape& 
     const std::span<const std::int32_t> prompt = request.prompt();
     const std::span<const std::int32_t> tail =
         prompt.subspan(prompt.size() - std::min<std::size_t>(prompt.size(), kThinkingTail));
-    const bool opened =
-        tokenizer != nullptr && chat_output::prompt_opens_thinking(tokenizer->decode(tail, false));
-    reasoning.emplace(*shape.reasoning, opened);
+    reasoning.emplace(*shape.reasoning, tokenizer == nullptr
+                                            ? chat_output::PromptThinking::neither
+                                            : chat_output::prompt_thinking(tokenizer->decode(tail, false)));
   }
   std::unique_ptr<chat_output::ToolCallParser> tool_calls;
   if (shape.tool_calls)

@@ -24,9 +24,9 @@ Factory tools(ToolCallFormat format, bool parallel = true) {
   return [=] { return ChatOutputParser(std::nullopt, make_tool_call_parser(format, {parallel, 7})); };
 }
 
-Factory reasoning(ReasoningFormat format, bool prompt_opened, std::optional<ToolCallFormat> tool = {}) {
+Factory reasoning(ReasoningFormat format, PromptThinking prompt, std::optional<ToolCallFormat> tool = {}) {
   return [=] {
-    return ChatOutputParser(ReasoningParser(format, prompt_opened),
+    return ChatOutputParser(ReasoningParser(format, prompt),
                             tool ? make_tool_call_parser(*tool, {true, 7}) : nullptr);
   };
 }
@@ -176,29 +176,39 @@ TEST(ToolCallParser, FormatsByNameAndFromTheTemplate) {
 
 TEST(ReasoningParser, DeepSeekR1StartsInsideTheThinking) {
   // R1's template opens <think> in the prompt: the output starts inside it.
-  ChatMessageOut m =
-      parse(reasoning(ReasoningFormat::deepseek_r1, false), "Paris is in France.\n</think>\n\nSunny.");
+  ChatMessageOut m = parse(reasoning(ReasoningFormat::deepseek_r1, PromptThinking::neither),
+                           "Paris is in France.\n</think>\n\nSunny.");
   EXPECT_EQ(m.reasoning, "Paris is in France.\n");
   EXPECT_EQ(m.content, "\n\nSunny.");
-  m = parse(reasoning(ReasoningFormat::deepseek_r1, false), "<think>Hmm</think>Yes");  // a <think> of its own
+  m = parse(reasoning(ReasoningFormat::deepseek_r1, PromptThinking::neither),
+            "<think>Hmm</think>Yes");  // a <think> of its own
   EXPECT_EQ(m.reasoning, "Hmm");
   EXPECT_EQ(m.content, "Yes");
-  m = parse(reasoning(ReasoningFormat::deepseek_r1, false), "still thinking </thi");  // cut by max_tokens
+  // DeepSeek-V3.1 without thinking: its template closes the thinking in the prompt
+  // ("<｜Assistant｜></think>").
+  m = parse(reasoning(ReasoningFormat::deepseek_r1, PromptThinking::closed), "Sunny.");
+  EXPECT_EQ(m.reasoning, "");
+  EXPECT_EQ(m.content, "Sunny.");
+  m = parse(reasoning(ReasoningFormat::deepseek_r1, PromptThinking::neither),
+            "still thinking </thi");  // cut by max_tokens
   EXPECT_EQ(m.reasoning, "still thinking </thi");
   EXPECT_EQ(m.content, "");
 }
 
 TEST(ReasoningParser, Qwen3ThinksWhereTheOutputOrThePromptOpensIt) {
-  ChatMessageOut m = parse(reasoning(ReasoningFormat::qwen3, false), "<think>\nLet me see.\n</think>\n\nHi!");
+  ChatMessageOut m = parse(reasoning(ReasoningFormat::qwen3, PromptThinking::neither),
+                           "<think>\nLet me see.\n</think>\n\nHi!");
   EXPECT_EQ(m.reasoning, "\nLet me see.\n");
   EXPECT_EQ(m.content, "\n\nHi!");
-  m = parse(reasoning(ReasoningFormat::qwen3, false), "Hi! No </think> here");  // enable_thinking false
+  m = parse(reasoning(ReasoningFormat::qwen3, PromptThinking::neither),
+            "Hi! No </think> here");  // enable_thinking false
   EXPECT_EQ(m.reasoning, "");
   EXPECT_EQ(m.content, "Hi! No </think> here");
   // qwen3-thinking-2507 ends its prompt in "<think>\n" (the corpus' render of scenario e1).
-  EXPECT_TRUE(prompt_opens_thinking("<|im_start|>assistant\n<think>\n"));
-  EXPECT_FALSE(prompt_opens_thinking("<|im_start|>assistant\n"));
-  m = parse(reasoning(ReasoningFormat::qwen3, true), "Paris.\n</think>\n\nSunny.");
+  EXPECT_EQ(prompt_thinking("<|im_start|>assistant\n<think>\n"), PromptThinking::opened);
+  EXPECT_EQ(prompt_thinking("<|im_start|>assistant\n"), PromptThinking::neither);
+  EXPECT_EQ(prompt_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n"), PromptThinking::closed);
+  m = parse(reasoning(ReasoningFormat::qwen3, PromptThinking::opened), "Paris.\n</think>\n\nSunny.");
   EXPECT_EQ(m.reasoning, "Paris.\n");
   EXPECT_EQ(m.content, "\n\nSunny.");
   EXPECT_EQ(detect_reasoning_format("{{'<｜Assistant｜>'}}{{'</think>'}}"), ReasoningFormat::deepseek_r1);
@@ -211,7 +221,8 @@ TEST(ChatOutputParser, ReasoningThenToolCalls) {
   const std::string text =
       "<think>\nThe user wants the weather.\n</think>\n\n<tool_call>\n{\"name\": \"get_current_weather\", "
       "\"arguments\": {\"location\": \"Paris, France\", \"unit\": \"celsius\"}}\n</tool_call>";
-  const ChatMessageOut m = parse(reasoning(ReasoningFormat::qwen3, false, ToolCallFormat::hermes), text);
+  const ChatMessageOut m =
+      parse(reasoning(ReasoningFormat::qwen3, PromptThinking::neither, ToolCallFormat::hermes), text);
   EXPECT_EQ(m.reasoning, "\nThe user wants the weather.\n");
   EXPECT_EQ(m.content, "\n\n");
   expect_weather_call(m);
@@ -230,12 +241,12 @@ TEST(ChatOutputParser, RealTokenizersKeepTheMarkersThroughIncrementalDecoding) {
   };
   const std::vector<Case> cases = {
       {"qwen3",
-       reasoning(ReasoningFormat::qwen3, false, ToolCallFormat::hermes),
+       reasoning(ReasoningFormat::qwen3, PromptThinking::neither, ToolCallFormat::hermes),
        "<think>\nThe user wants the weather.\n</think>\n\n<tool_call>\n{\"name\": \"get_current_weather\", "
        "\"arguments\": {\"location\": \"Paris, France\", \"unit\": \"celsius\"}}\n</tool_call>",
        {"<think>", "</think>", "<tool_call>", "</tool_call>"}},
       {"deepseek_v3",
-       reasoning(ReasoningFormat::deepseek_r1, false, ToolCallFormat::deepseek_v3),
+       reasoning(ReasoningFormat::deepseek_r1, PromptThinking::neither, ToolCallFormat::deepseek_v3),
        "Paris.\n</"
        "think>\n\n<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_current_weather\n```"
        "json\n{\"location\": \"Paris, France\", \"unit\": "

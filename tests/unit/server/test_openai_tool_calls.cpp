@@ -243,5 +243,19 @@ TEST_F(OpenAiToolCallsTest, ReasoningContentOnAThinkingTemplate) {
   EXPECT_EQ(accumulated["content"], message["content"]);
 }
 
+TEST_F(OpenAiToolCallsTest, DeepSeekV31ThinksOnlyWhenAsked) {
+  // deepseek-v3.1 (reasoning deepseek_r1, from the template) ends the prompt in "</think>" without thinking
+  // and in "<think>" with chat_template_kwargs {"thinking": true}.
+  serve("deepseek-v3.1");
+  json request{{"messages", {{{"role", "user"}, {"content", "Weather in Paris?"}}}}, {"max_tokens", 200}};
+  json message = whole(request, "Sunny.")["choices"][0]["message"];
+  EXPECT_EQ(message["content"], "Sunny.");
+  EXPECT_TRUE(message["reasoning_content"].is_null());
+  request["chat_template_kwargs"] = {{"thinking", true}};
+  message = whole(request, "Paris is in France.</think>Sunny.")["choices"][0]["message"];
+  EXPECT_EQ(message["reasoning_content"], "Paris is in France.");
+  EXPECT_EQ(message["content"], "Sunny.");
+}
+
 }  // namespace
 }  // namespace capserve::server::http
