@@ -110,6 +110,8 @@ struct Options {
   std::string chat_template;
   std::int64_t chat_template_max_steps = static_cast<std::int64_t>(runtime::jinja::RenderOptions{}.max_steps);
   std::string generation_defaults = "model";
+  std::string tool_call_parser = "auto";  // server/chat_output: vLLM's names, auto: from the chat template
+  std::string reasoning_parser = "auto";
   double step_timeout_s = 60;
   runtime::SpeculationConfig speculation;  // server/README.md, "Speculative decoding"
   bool metrics_per_expert = false;
@@ -224,6 +226,19 @@ void add_flags(CLI::App& app, Options& o) {
          "generation_config.json, as vLLM) or none (the API's own: temperature 1 on the OpenAI API as OpenAI "
          "and vLLM, greedy on gRPC; no filter)")
       ->check(CLI::IsMember({"model", "none"}))
+      ->capture_default_str();
+  app.add_option(
+         "--tool-call-parser", o.tool_call_parser,
+         "the tool-call format of chat output when a request offers tools (vLLM's names): auto (the one "
+         "the chat template teaches), none, hermes, mistral, llama3_json or deepseek_v3")
+      ->check(CLI::IsMember(std::vector<std::string>(std::begin(server::chat_output::kToolCallParserNames),
+                                                     std::end(server::chat_output::kToolCallParserNames))))
+      ->capture_default_str();
+  app.add_option("--reasoning-parser", o.reasoning_parser,
+                 "split <think>...</think> into reasoning_content (vLLM's names): auto (from the chat "
+                 "template), none, deepseek_r1 or qwen3")
+      ->check(CLI::IsMember(std::vector<std::string>(std::begin(server::chat_output::kReasoningParserNames),
+                                                     std::end(server::chat_output::kReasoningParserNames))))
       ->capture_default_str();
   app.add_option("--batch-selector", o.strategy, "fcfs | greedy | power_of_d | lpt_balanced | random")
       ->check(CLI::IsMember({"fcfs", "greedy", "power_of_d", "lpt_balanced", "random"}))
@@ -540,6 +555,13 @@ class FrontEnds final : public server::FrontEndControl {
     chat_->set_limits(limits);
   }
 
+  // The chat output parsers: the flags, "auto" resolved from the chat template.
+  [[nodiscard]] server::chat_output::ChatOutputFormats output_formats(const Options& o) const {
+    const std::string_view source = chat_ ? std::string_view(chat_->source()) : std::string_view();
+    return {server::chat_output::tool_call_format_for(o.tool_call_parser, source),
+            server::chat_output::reasoning_format_for(o.reasoning_parser, source)};
+  }
+
   [[nodiscard]] server::http::Response exposition() const {
     return server::http::Response{200, "text/plain; version=0.0.4; charset=utf-8", metrics_->exposition()};
   }
@@ -557,9 +579,14 @@ class FrontEnds final : public server::FrontEndControl {
 
   void start_http_api(const Options& o, const capserve::v1::ServerInfo& info,
                       const std::shared_ptr<const server::security::TlsCredentials>& tls) {
+    const server::chat_output::ChatOutputFormats formats = output_formats(o);
     openai_ = std::make_unique<server::http::OpenAiApi>(
-        *intake_, server::http::OpenAiOptions{.version = info.version(),
-                                              .stalled = [this] { return stalled_.load(); }});
+        *intake_,
+        server::http::OpenAiOptions{
+            .version = info.version(), .stalled = [this] { return stalled_.load(); }, .formats = formats});
+    spdlog::info("chat output: tool calls {}, reasoning {}",
+                 formats.tool_calls ? server::chat_output::format_name(*formats.tool_calls) : "none",
+                 formats.reasoning ? server::chat_output::format_name(*formats.reasoning) : "none");
     auto routes = openai_->routes();
     routes.emplace("/metrics", [this] { return exposition(); });
     // /metrics on the API's port sits on the public address, so it takes the key too; the metrics port

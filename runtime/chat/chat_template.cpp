@@ -123,7 +123,7 @@ std::optional<std::string> message_from_json(const nlohmann::ordered_json& json,
 }
 
 ChatTemplate::ChatTemplate(std::string_view source, jinja::Dict special_tokens, std::string origin)
-    : special_tokens_(std::move(special_tokens)), origin_(std::move(origin)) {
+    : source_(source), special_tokens_(std::move(special_tokens)), origin_(std::move(origin)) {
   try {
     template_ = std::make_shared<const jinja::Template>(source);
   } catch (const jinja::Error& e) {

@@ -95,8 +95,11 @@ class ChatTemplate {
   // (capserve --chat-template-max-steps). Not thread-safe against concurrent renders: set before serving.
   void set_limits(const jinja::RenderOptions& limits);
   [[nodiscard]] const jinja::RenderOptions& limits() const { return limits_; }
+  // The Jinja source: which tool-call and reasoning formats it teaches (server/chat_output).
+  [[nodiscard]] const std::string& source() const { return source_; }
 
  private:
+  std::string source_;
   std::shared_ptr<const jinja::Template> template_;
   jinja::Dict special_tokens_;
   std::string origin_;

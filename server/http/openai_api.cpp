@@ -123,7 +123,7 @@ Status OpenAiApi::check_model(const std::string& model) const {
 }
 
 Response OpenAiApi::tokenize(const IncomingRequest& in) {
-  StatusOr<TokenizeCall> call = parse_tokenize(in.body);
+  StatusOr<TokenizeCall> call = parse_tokenize(in.body, options_.formats);
   if (!call.ok()) return status_response(intake_.refuse(std::move(call).take_status()));
   if (Status bad = check_model(call->model); !bad.ok()) return status_response(intake_.refuse(bad));
   StatusOr<std::vector<std::int32_t>> ids = intake_.tokenize(call->prompt, call->add_special_tokens, in.stop);
@@ -171,7 +171,8 @@ Response OpenAiApi::completions(const IncomingRequest& in, Endpoint endpoint) {
   StatusOr<CompletionCall> call = parse_completion(in.body, endpoint, *id,
                                                    {.served_model = intake_.limits().model_id,
                                                     .max_choices = options_.max_choices,
-                                                    .created = unix_seconds_now()});
+                                                    .created = unix_seconds_now(),
+                                                    .formats = options_.formats});
   if (!call.ok()) return with_id(status_response(intake_.refuse(std::move(call).take_status())));
   IntakeRequest& request = call->intake;
   request.peer = in.peer;

@@ -23,9 +23,10 @@
 namespace capserve::server::http {
 
 struct OpenAiOptions {
-  std::string version;                 // GET /version
-  std::int64_t max_choices = 64;       // n times the number of prompts, per call
-  std::function<bool()> stalled = {};  // the step watchdog fired: /health answers 503
+  std::string version;                          // GET /version
+  std::int64_t max_choices = 64;                // n times the number of prompts, per call
+  std::function<bool()> stalled = {};           // the step watchdog fired: /health answers 503
+  chat_output::ChatOutputFormats formats = {};  // how chat output is parsed (tool calls, reasoning)
 };
 
 // Puts every route but /health behind the key (Route::admit): a request without `Authorization: Bearer KEY`

@@ -80,6 +80,7 @@ constexpr std::string_view kChatOnly[] = {"messages",
                                           "max_completion_tokens",
                                           "tools",
                                           "tool_choice",
+                                          "parallel_tool_calls",
                                           "chat_template_kwargs",
                                           "add_generation_prompt",
                                           "continue_final_message"};
@@ -95,8 +96,8 @@ constexpr std::string_view kNoOpFields[] = {"user",
                                             "prompt_cache_key",
                                             "prompt_cache_retention"};
 // Fields the server will act on but does not yet: refused, so that a client never believes them applied.
-constexpr std::string_view kNotYetFields[] = {"response_format", "logit_bias",     "min_p",
-                                              "min_tokens",      "stop_token_ids", "parallel_tool_calls"};
+constexpr std::string_view kNotYetFields[] = {"response_format", "logit_bias", "min_p", "min_tokens",
+                                              "stop_token_ids"};
 
 using Names = std::span<const std::string_view>;
 
@@ -255,26 +256,47 @@ StatusOr<std::vector<runtime::ChatMessage>> read_messages(const ordered_json& bo
 }
 
 // What the chat template sees besides the messages: tools, chat_template_kwargs (vLLM), add_generation_prompt
-// and continue_final_message (vLLM's top-level fields). tool_choice is checked only: "none" and "auto" leave
-// the output as it is (the server does not parse tool calls out of it), the rest are refused.
-StatusOr<runtime::ChatInputs> read_chat_inputs(const json& body, const ordered_json& ordered) {
+// and continue_final_message (vLLM's top-level fields); and how the output is parsed (`shape`): tool calls in
+// the server's format when the request offers tools with tool_choice "auto" (the default with tools), one
+// call at most with parallel_tool_calls false, reasoning where the server splits it. tool_choice "none" hides
+// the tools from the template. "required" and a named function need constrained decoding, which the server
+// does not do yet: refused, never ignored.
+StatusOr<runtime::ChatInputs> read_chat_inputs(const json& body, const ordered_json& ordered,
+                                               const ParseOptions& options, ResponseShape& shape) {
   runtime::ChatInputs inputs;
   if (const auto it = ordered.find("tools"); it != ordered.end() && !it->is_null()) {
     if (!it->is_array()) return bad("tools: must be a list of tools", "tools");
     inputs.tools = *it;
   }
+  const bool offered = inputs.tools.is_array() && !inputs.tools.empty();
+  std::string choice = offered ? "auto" : "none";
   if (const auto it = body.find("tool_choice"); it != body.end() && !it->is_null()) {
     const bool named = it->is_object() && it->value("type", "") == "function";
     const bool mode = it->is_string() && (*it == "none" || *it == "auto" || *it == "required");
     if (!named && !mode)
       return bad("tool_choice: must be \"none\", \"auto\", \"required\" or a named function", "tool_choice");
-    // Both need generation held to a tool call, which the server cannot do yet.
     if (named || *it == "required")
       return bad(
-          "tool_choice: \"required\" and named functions are not supported yet (only \"none\" and "
-          "\"auto\")",
+          "tool_choice: " + std::string(named ? "a named function" : "\"required\"") +
+              " needs constrained decoding, which this server does not do yet; send \"auto\" or \"none\"",
+          "tool_choice");
+    choice = it->get<std::string>();
+    if (choice == "auto" && !offered) return bad("tool_choice: \"auto\" needs tools", "tool_choice");
+    if (choice == "auto" && !options.formats.tool_calls)
+      return bad(
+          "tool_choice: \"auto\" needs a tool-call parser; the model's chat template teaches no format "
+          "this server knows (start it with --tool-call-parser NAME)",
           "tool_choice");
   }
+  if (choice == "none") {
+    inputs.tools = nullptr;
+  } else {
+    shape.tool_calls = options.formats.tool_calls;
+  }
+  const auto parallel = bool_field(body, "parallel_tool_calls");
+  if (!parallel.ok()) return parallel.status();
+  shape.parallel_tool_calls = parallel->value_or(true);
+  shape.reasoning = options.formats.reasoning;
   if (const auto it = ordered.find("chat_template_kwargs"); it != ordered.end() && !it->is_null()) {
     if (!it->is_object()) return bad("chat_template_kwargs: must be an object", "chat_template_kwargs");
     inputs.kwargs = *it;
@@ -347,7 +369,7 @@ StatusOr<std::string> model_field(const json& body) {
 
 }  // namespace
 
-StatusOr<TokenizeCall> parse_tokenize(std::string_view text) {
+StatusOr<TokenizeCall> parse_tokenize(std::string_view text, const chat_output::ChatOutputFormats& formats) {
   StatusOr<ordered_json> ordered = parse_client_json<ordered_json>(text, "");
   if (!ordered.ok()) return std::move(ordered).take_status();
   if (!ordered->is_object()) return bad("the request body must be a JSON object", "");
@@ -371,7 +393,10 @@ StatusOr<TokenizeCall> parse_tokenize(std::string_view text) {
   if (chat) {
     StatusOr<std::vector<runtime::ChatMessage>> messages = read_messages(*ordered);
     if (!messages.ok()) return std::move(messages).take_status();
-    StatusOr<runtime::ChatInputs> inputs = read_chat_inputs(body, *ordered);
+    ResponseShape shape;  // the tools the template sees follow tool_choice, as for a generation
+    ParseOptions options;
+    options.formats = formats;
+    StatusOr<runtime::ChatInputs> inputs = read_chat_inputs(body, *ordered, options, shape);
     if (!inputs.ok()) return std::move(inputs).take_status();
     call.prompt = {ChatPrompt{std::move(*messages), std::move(*inputs)}, "messages"};
     return call;
@@ -476,7 +501,7 @@ StatusOr<CompletionCall> parse_completion(std::string_view text, Endpoint endpoi
     if (!ordered.ok()) return std::move(ordered).take_status();
     StatusOr<std::vector<runtime::ChatMessage>> messages = read_messages(*ordered);
     if (!messages.ok()) return std::move(messages).take_status();
-    StatusOr<runtime::ChatInputs> inputs = read_chat_inputs(body, *ordered);
+    StatusOr<runtime::ChatInputs> inputs = read_chat_inputs(body, *ordered, options, shape);
     if (!inputs.ok()) return std::move(inputs).take_status();
     r.prompts.push_back({ChatPrompt{std::move(*messages), std::move(*inputs)}, "messages"});
   } else {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "runtime/status.h"
+#include "server/chat_output/chat_output_parser.h"
 #include "server/intake_request.h"
 
 namespace capserve::server::http {
@@ -27,6 +28,11 @@ struct ResponseShape {
   std::string id;     // the response's id: the X-Request-Id
   std::string model;
   std::int64_t created = 0;
+  // Chat: the tool-call format to parse the output with (the request offers tools with tool_choice "auto"),
+  // whether more than one call is kept (parallel_tool_calls), and the reasoning format (the server's).
+  std::optional<chat_output::ToolCallFormat> tool_calls;
+  bool parallel_tool_calls = true;
+  std::optional<chat_output::ReasoningFormat> reasoning;
 
   [[nodiscard]] bool chat() const { return endpoint == Endpoint::chat; }
 };
@@ -44,6 +50,8 @@ struct ParseOptions {
   std::string served_model;       // the model field's default
   std::int64_t max_choices = 64;  // n times the number of prompts
   std::int64_t created = 0;       // the response's "created"
+  // The server's output parsers (--tool-call-parser, --reasoning-parser).
+  chat_output::ChatOutputFormats formats;
 };
 
 // The call `body` asks for, with `id` as its request id.
@@ -57,7 +65,8 @@ struct TokenizeCall {
   std::optional<bool> add_special_tokens;  // unset: vLLM's default (RequestIntake::tokenize)
   bool return_token_strs = false;          // also each token as tokenizer.json spells it
 };
-runtime::StatusOr<TokenizeCall> parse_tokenize(std::string_view body);
+runtime::StatusOr<TokenizeCall> parse_tokenize(std::string_view body,
+                                               const chat_output::ChatOutputFormats& formats);
 
 // POST /detokenize (vLLM's): token ids into text.
 struct DetokenizeCall {

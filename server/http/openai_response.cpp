@@ -1,10 +1,15 @@
 #include "server/http/openai_response.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <random>
+#include <span>
 #include <utility>
 
 #include <nlohmann/json.hpp>
+
+#include "server/chat_output/openai_json.h"
 
 namespace capserve::server::http {
 namespace {
@@ -88,8 +93,35 @@ unsigned http_status(StatusCode code) {
   return status_response(Status{code, {}}).status;
 }
 
-const char* finish_reason(Terminal t) {
+const char* finish_reason(Terminal t, bool tool_calls = false) {
+  if (t == Terminal::ok_stop && tool_calls) return "tool_calls";
   return t == Terminal::ok_stop ? "stop" : "length";
+}
+
+// Prompt tokens enough to spell "</think>\n\n" whatever the tokenizer (a byte-level one takes a token a
+// byte).
+constexpr std::size_t kThinkingTail = 16;
+
+// A chat choice's output parser, when the call parses tool calls or reasoning: a model whose template opens
+// <think> in the prompt starts inside the thinking, one that closes it there starts in the answer (the
+// prompt's last tokens tell).
+std::optional<chat_output::ChatOutputParser> output_parser(const ResponseShape& shape, const Request& request,
+                                                           const runtime::Tokenizer* tokenizer) {
+  if (!shape.chat() || (!shape.tool_calls && !shape.reasoning)) return std::nullopt;
+  std::optional<chat_output::ReasoningParser> reasoning;
+  if (shape.reasoning) {
+    const std::span<const std::int32_t> prompt = request.prompt();
+    const std::span<const std::int32_t> tail =
+        prompt.subspan(prompt.size() - std::min<std::size_t>(prompt.size(), kThinkingTail));
+    reasoning.emplace(*shape.reasoning, tokenizer == nullptr
+                                            ? chat_output::PromptThinking::neither
+                                            : chat_output::prompt_thinking(tokenizer->decode(tail, false)));
+  }
+  std::unique_ptr<chat_output::ToolCallParser> tool_calls;
+  if (shape.tool_calls)
+    tool_calls = chat_output::make_tool_call_parser(*shape.tool_calls,
+                                                    {shape.parallel_tool_calls, std::random_device{}()});
+  return chat_output::ChatOutputParser(std::move(reasoning), std::move(tool_calls));
 }
 
 json moe_json(std::uint64_t assignments, std::uint64_t dropped, std::uint64_t rerouted) {
@@ -106,10 +138,12 @@ class Completion final : public Producer {
     std::string text;
     bool started = false;  // streamed: the chat role chunk (or the echoed prompt) went out
     std::optional<RequestEvent> terminal;
-    std::string echo;                        // the prompt's text, returned before the completion
-    std::int32_t first_prompt_token = -1;    // echo with logprobs: it has no log-probability
-    LogprobEntries logprobs;                 // chat, not streamed
-    CompletionLogprobs completion_logprobs;  // completions
+    std::string echo;                                     // the prompt's text, returned before the completion
+    std::int32_t first_prompt_token = -1;                 // echo with logprobs: it has no log-probability
+    LogprobEntries logprobs;                              // chat, not streamed
+    CompletionLogprobs completion_logprobs;               // completions
+    std::optional<chat_output::ChatOutputParser> parser;  // chat: tool calls and reasoning (output_parser)
+    chat_output::ChatMessageOut message;                  // chat with a parser, not streamed
   };
   Completion(RequestIntake& intake, ResponseShape shape, RequestIntake::Admitted admitted, std::int64_t n,
              std::vector<std::string> echoes, std::shared_ptr<Waker> waker)
@@ -121,6 +155,8 @@ class Completion final : public Producer {
     choices_.reserve(admitted.requests.size());
     for (std::size_t i = 0; i < admitted.requests.size(); ++i) {
       const std::size_t prompt = i / static_cast<std::size_t>(n);
+      std::optional<chat_output::ChatOutputParser> parser =
+          output_parser(shape_, *admitted.requests[i], tokenizer_);
       Choice c{std::move(admitted.requests[i]),
                i % static_cast<std::size_t>(n) == 0,
                {},
@@ -129,6 +165,8 @@ class Completion final : public Producer {
                shape_.echo ? echoes[prompt] : std::string(),
                -1,
                {},
+               {},
+               std::move(parser),
                {}};
       if (shape_.echo && !c.request->prompt().empty()) c.first_prompt_token = c.request->prompt().front();
       choices_.push_back(std::move(c));
@@ -216,10 +254,13 @@ class Completion final : public Producer {
           e.text = c.echo + e.text;
         }
       }
-      if (!e.text.empty() || e.terminal) {
-        json finish = e.terminal ? json(finish_reason(*e.terminal)) : json(nullptr);
-        json delta =
-            shape_.chat() ? (e.text.empty() ? json::object() : json{{"content", e.text}}) : json(e.text);
+      std::optional<chat_output::ChatDelta> parsed;
+      if (c.parser) parsed = parse(c, e);
+      if (parsed ? !parsed->empty() || e.terminal || e.logprobs.size() > 0 : !e.text.empty() || e.terminal) {
+        json finish = e.terminal ? json(finish_reason(*e.terminal, tool_calls(c))) : json(nullptr);
+        json delta = parsed          ? chat_output::delta_json(*parsed)
+                     : shape_.chat() ? (e.text.empty() ? json::object() : json{{"content", e.text}})
+                                     : json(e.text);
         json logprobs = nullptr;
         if (shape_.logprobs) {
           if (shape_.chat()) {
@@ -236,11 +277,24 @@ class Completion final : public Producer {
         out += chunk(index, std::move(delta), std::move(finish), std::move(logprobs), std::move(moe));
       }
     } else {
-      c.text += e.text;
+      if (c.parser) {
+        c.message.add(parse(c, e));
+      } else {
+        c.text += e.text;
+      }
       if (shape_.logprobs && shape_.chat()) e.logprobs.move_front(e.logprobs.size(), c.logprobs);
     }
     if (e.terminal) c.terminal = std::move(e);
   }
+
+  // The event's text through the choice's parser (its end at the terminal event).
+  static chat_output::ChatDelta parse(Choice& c, const RequestEvent& e) {
+    chat_output::ChatDelta delta = c.parser->feed(e.text);
+    if (e.terminal) delta.append(c.parser->finish());
+    return delta;
+  }
+
+  static bool tool_calls(const Choice& c) { return c.parser && c.parser->tool_calls() > 0; }
 
   // One SSE event with one choice: a chat delta (an object) or completion text (a string).
   std::string chunk(std::size_t index, json delta, json finish, json logprobs,
@@ -275,9 +329,12 @@ class Completion final : public Producer {
       assignments += t.moe_assignments;
       dropped += t.moe_dropped;
       rerouted += t.moe_rerouted;
-      json choice{{"index", i}, {"finish_reason", finish_reason(*t.terminal)}, {"logprobs", nullptr}};
+      json choice{
+          {"index", i}, {"finish_reason", finish_reason(*t.terminal, tool_calls(c))}, {"logprobs", nullptr}};
       if (shape_.chat()) {
-        choice["message"] = {{"role", "assistant"}, {"content", c.text}, {"refusal", nullptr}};
+        choice["message"] = c.parser ? chat_output::message_json(c.message, shape_.reasoning.has_value())
+                                     : json{{"role", "assistant"}, {"content", c.text}};
+        choice["message"]["refusal"] = nullptr;
         if (shape_.logprobs) choice["logprobs"] = chat_logprobs(c.logprobs, tokenizer_);
       } else {
         choice["text"] = c.echo + c.text;

@@ -257,6 +257,47 @@ class OverrideTemplateWithTools(Qwen15Checkpoint):
         chunks = list(self.server.stub.ChatStream(request, timeout=60))
         self.assertEqual(chunks[-1].usage.prompt_tokens, token_count(expected))
 
+    def test_openai_client_tool_choice(self):
+        """Issue 29: tool_choice through the pinned openai client. The fixture model writes no tool call of its
+        own (tests/unit/server/test_openai_tool_calls.cpp drives scripted calls through the same output path):
+        here "required" and a named function are refused naming tool_choice until constrained decoding lands,
+        "none" hides the tools from the template, and "auto" parses the output (hermes, from the template) the
+        same whole and streamed."""
+        if openai is None:
+            self.skipTest(OPENAI_MISSING)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.server.http_port}/v1", api_key="unused")
+        messages, tools = [{"role": "user", "content": "What's the weather in Paris?"}], corpus_scenario("e1_tool_call_hf_style")[1]
+        named = {"type": "function", "function": {"name": "get_current_weather"}}
+        for choice in ["required", named]:
+            for stream in [False, True]:
+                with self.assertRaises(openai.BadRequestError) as caught:
+                    client.chat.completions.create(model=self.server.model_id, messages=messages, tools=tools,
+                                                   tool_choice=choice, max_tokens=4, stream=stream)
+                self.assertEqual(caught.exception.param, "tool_choice")
+                self.assertIn("constrained decoding", caught.exception.message)
+        reply = client.chat.completions.create(model=self.server.model_id, messages=messages, tools=tools,
+                                               tool_choice="none", max_tokens=1)
+        self.assertEqual(reply.usage.prompt_tokens, token_count(render(self.qwen3, messages)))
+        whole = client.chat.completions.create(model=self.server.model_id, messages=messages, tools=tools,
+                                               tool_choice="auto", max_tokens=24, temperature=0)
+        self.assertEqual(whole.usage.prompt_tokens, token_count(render(self.qwen3, messages, tools)))
+        content, reasoning, calls, finish = "", "", [], None
+        for chunk in client.chat.completions.create(model=self.server.model_id, messages=messages, tools=tools,
+                                                    tool_choice="auto", max_tokens=24, temperature=0,
+                                                    stream=True):
+            if not chunk.choices:
+                continue
+            choice = chunk.choices[0]
+            content += choice.delta.content or ""
+            reasoning += (choice.delta.model_extra or {}).get("reasoning_content") or ""
+            calls += choice.delta.tool_calls or []
+            finish = choice.finish_reason or finish
+        message = whole.choices[0].message
+        self.assertEqual(finish, whole.choices[0].finish_reason)
+        self.assertEqual(content, message.content or "")
+        self.assertEqual(reasoning, message.model_extra.get("reasoning_content") or "")  # qwen3, from the template
+        self.assertEqual([c.function.name for c in calls], [c.function.name for c in message.tool_calls or []])
+
     def test_bad_tool_fields_are_refused(self):
         messages = [{"role": "user", "content": "Hi"}]
         for body, needle in [({"tools": {"type": "function"}}, "tools: must be a list"),
