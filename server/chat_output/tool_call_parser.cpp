@@ -84,15 +84,7 @@ class HermesParser final : public ToolCallParser {
     for (;;) {
       const std::string_view rest = std::string_view(buffer_).substr(done_);
       if (!in_call_) {
-        const std::size_t open = rest.find(kOpen);
-        if (open == npos) {
-          const std::size_t take = rest.size() - (at_end ? 0 : partial_marker(rest, kOpen));
-          emit_text(rest.substr(0, take), out);
-          done_ += take;
-          return;
-        }
-        emit_text(rest.substr(0, open), out);
-        done_ += open + kOpen.size();
+        if (!text_until(kOpen, at_end, out)) return;
         in_call_ = true;
         continue;
       }
@@ -122,19 +114,10 @@ class MistralParser final : public ToolCallParser {
     for (;;) {
       const std::string_view rest = std::string_view(buffer_).substr(done_);
       switch (state_) {
-        case State::text: {
-          const std::size_t at = rest.find(kMarker);
-          if (at == npos) {
-            const std::size_t take = rest.size() - (at_end ? 0 : partial_marker(rest, kMarker));
-            emit_text(rest.substr(0, take), out);
-            done_ += take;
-            return;
-          }
-          emit_text(rest.substr(0, at), out);
-          done_ += at + kMarker.size();
+        case State::text:
+          if (!text_until(kMarker, at_end, out)) return;
           state_ = State::list_open;
           break;
-        }
         case State::list_open: {
           const std::size_t i = skip_space(rest, 0);
           done_ += i;
@@ -259,19 +242,10 @@ class DeepSeekV3Parser final : public ToolCallParser {
     for (;;) {
       const std::string_view rest = std::string_view(buffer_).substr(done_);
       switch (state_) {
-        case State::text: {
-          const std::size_t at = rest.find(kCallsBegin);
-          if (at == npos) {
-            const std::size_t take = rest.size() - (at_end ? 0 : partial_marker(rest, kCallsBegin));
-            emit_text(rest.substr(0, take), out);
-            done_ += take;
-            return;
-          }
-          emit_text(rest.substr(0, at), out);
-          done_ += at + kCallsBegin.size();
+        case State::text:
+          if (!text_until(kCallsBegin, at_end, out)) return;
           state_ = State::calls;
           break;
-        }
         case State::calls: {
           const std::size_t begin = rest.find(kCallBegin), calls_end = rest.find(kCallsEnd);
           if (calls_end != npos && (begin == npos || calls_end < begin)) {
@@ -401,6 +375,20 @@ void ToolCallParser::emit_call(std::string name, std::string arguments, ChatDelt
 
 void ToolCallParser::emit_text(std::string_view text, ChatDelta& out) const {
   if (calls_ == 0 && !dropped_) out.content.append(text);
+}
+
+bool ToolCallParser::text_until(std::string_view marker, bool at_end, ChatDelta& out) {
+  const std::string_view rest = std::string_view(buffer_).substr(done_);
+  const std::size_t at = rest.find(marker);
+  if (at == npos) {
+    const std::size_t take = rest.size() - (at_end ? 0 : partial_marker(rest, marker));
+    emit_text(rest.substr(0, take), out);
+    done_ += take;
+    return false;
+  }
+  emit_text(rest.substr(0, at), out);
+  done_ += at + marker.size();
+  return true;
 }
 
 std::unique_ptr<ToolCallParser> make_tool_call_parser(ToolCallFormat format, ToolCallOptions options) {

@@ -61,6 +61,9 @@ class ToolCallParser {
   void emit_call(std::string name, std::string arguments, ChatDelta& out);
   // Text outside calls: content before the first call, dropped after it.
   void emit_text(std::string_view text, ChatDelta& out) const;
+  // Emits buffer_'s text from done_ up to `marker` and consumes both: true. Without the marker, emits what
+  // cannot begin it (all of it when at_end) and returns false.
+  bool text_until(std::string_view marker, bool at_end, ChatDelta& out);
 
   std::string buffer_;
   std::size_t done_ = 0;
