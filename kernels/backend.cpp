@@ -1,5 +1,6 @@
 #include "kernels/backend.h"
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -112,6 +113,30 @@ DispatchShape dispatch_shape(const Tensor& experts, const Tensor& weights, const
       plan.entries.bytes() < static_cast<std::size_t>(slots) * sizeof(moe::DispatchEntry))
     throw std::invalid_argument("plan_dispatch: plan tensors smaller than experts " + experts.shape_text());
   return d;
+}
+
+namespace {
+
+void check_range(IndexRange r, std::size_t size, const char* what) {
+  if (r.begin < 0 || r.end < r.begin || static_cast<std::size_t>(r.end) > size)
+    throw std::invalid_argument(std::string("sample: a row's ") + what + " range [" +
+                                std::to_string(r.begin) + ", " + std::to_string(r.end) +
+                                ") lies outside its " + std::to_string(size) + " entries");
+}
+
+}  // namespace
+
+void check_sample_ranges(const SampleControls& c, const SampleInputs& inputs) {
+  check_range(c.banned, inputs.banned.size(), "banned ids");
+  check_range(c.bias, inputs.biases.size(), "logit_bias");
+  check_range(c.history, inputs.history.size(), "history");
+}
+
+bool adjusts_logits(const SampleInputs& inputs) {
+  return !inputs.allowed.empty() ||
+         std::any_of(inputs.controls.begin(), inputs.controls.end(), [](const SampleControls& c) {
+           return c.banned.end > c.banned.begin || c.bias.end > c.bias.begin || c.penalized();
+         });
 }
 
 }  // namespace capserve::kernels

@@ -454,16 +454,55 @@ void CudaBackend::grouped_expert_ffn(const Tensor& x, std::span<const std::int64
   }
 }
 
-void CudaBackend::sample(const Tensor& logits, std::span<const SampleControls> controls,
-                         const Tensor& tokens) {
+cuda::DeviceSampleInputs CudaBackend::stage_sample_inputs(const SampleInputs& inputs, std::int64_t rows,
+                                                          std::int64_t vocab) {
+  if (static_cast<std::int64_t>(inputs.controls.size()) != rows ||
+      (!inputs.allowed.empty() &&
+       static_cast<std::int64_t>(inputs.allowed.size()) != rows * allowed_words(vocab)))
+    throw std::invalid_argument("CudaBackend::sample: " + std::to_string(inputs.controls.size()) +
+                                " controls and " + std::to_string(inputs.allowed.size()) +
+                                " bitmask words for " + std::to_string(rows) + " rows of vocabulary " +
+                                std::to_string(vocab));
+  for (const SampleControls& c : inputs.controls) check_sample_ranges(c, inputs);
+  return {.controls = stage(inputs.controls),
+          .history = inputs.history.empty() ? nullptr : stage(inputs.history),
+          .banned = inputs.banned.empty() ? nullptr : stage(inputs.banned),
+          .biases = inputs.biases.empty() ? nullptr : stage(inputs.biases),
+          .allowed = inputs.allowed.empty() ? nullptr : stage(inputs.allowed)};
+}
+
+void CudaBackend::adjust_logits(const Tensor& logits, const SampleInputs& inputs, const Tensor& adjusted) {
+  enter({&logits, &adjusted});
+  const std::int64_t rows = logits.dims() == 0 ? 0 : logits.dim(0);
+  const std::int64_t vocab = logits.row_numel();
+  if (adjusted.numel() != logits.numel())
+    throw std::invalid_argument("CudaBackend::adjust_logits: logits " + logits.shape_text() + ", adjusted " +
+                                adjusted.shape_text());
+  const Tensor counts = scratch(sample_counts_, DType::i32, {rows, vocab});
+  if (rows == 0) return;
+  cuda::adjust_logits(f32(logits), rows, vocab, stage_sample_inputs(inputs, rows, vocab), f32(adjusted),
+                      counts.ptr<std::int32_t>(), stream_);
+}
+
+void CudaBackend::sample(const Tensor& logits, const SampleInputs& inputs, const Tensor& tokens) {
   enter({&logits, &tokens});
   const std::int64_t rows = logits.dims() == 0 ? 0 : logits.dim(0);
-  if (static_cast<std::int64_t>(controls.size()) != rows || tokens.numel() != rows)
-    throw std::invalid_argument("CudaBackend::sample: logits " + logits.shape_text() + ", " +
-                                std::to_string(controls.size()) + " controls, tokens " + tokens.shape_text());
-  if (rows == 0) return;
   const std::int64_t vocab = logits.row_numel();
-  cuda::sample(f32(logits), rows, vocab, stage(controls), tokens.ptr<std::int32_t>(), stream_);
+  if (tokens.numel() != rows)
+    throw std::invalid_argument("CudaBackend::sample: logits " + logits.shape_text() + ", " +
+                                std::to_string(inputs.controls.size()) + " controls, tokens " +
+                                tokens.shape_text());
+  // Sized on every call, so that the engine's start-up step sizes them before it seals the scratch.
+  const Tensor adjusted = scratch(sample_adjusted_, DType::f32, {rows, vocab});
+  const Tensor counts = scratch(sample_counts_, DType::i32, {rows, vocab});
+  if (rows == 0) return;
+  const cuda::DeviceSampleInputs device = stage_sample_inputs(inputs, rows, vocab);
+  const float* drawn_from = f32(logits);
+  if (adjusts_logits(inputs)) {
+    cuda::adjust_logits(f32(logits), rows, vocab, device, f32(adjusted), counts.ptr<std::int32_t>(), stream_);
+    drawn_from = f32(adjusted);
+  }
+  cuda::sample(drawn_from, rows, vocab, device.controls, tokens.ptr<std::int32_t>(), stream_);
   mark_non_finite_rows(f32(logits), rows, vocab, tokens.ptr<std::int32_t>(), stream_);
 }
 

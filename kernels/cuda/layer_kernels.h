@@ -89,9 +89,25 @@ void kv_store(const DeviceAttentionBatch& batch, const float* k, const float* v,
 void paged_attention(const DeviceAttentionBatch& batch, const float* q, const DeviceKvLayer& cache,
                      const AttentionParams& params, float* out, cudaStream_t stream);
 
+// kernels::SampleInputs's arrays on the device; allowed is null when every token is allowed.
+struct DeviceSampleInputs {
+  const SampleControls* controls = nullptr;
+  const std::int32_t* history = nullptr;
+  const std::int32_t* banned = nullptr;
+  const LogitBias* biases = nullptr;
+  const std::int32_t* allowed = nullptr;
+};
+
+// adjusted [rows, vocab]: logits adjusted under inputs (kernels/sampling.h: bitmask, banned ids, logit_bias,
+// penalties), all on the device; counts is int32 scratch [rows, vocab].
+void adjust_logits(const float* logits, std::int64_t rows, std::int64_t vocab,
+                   const DeviceSampleInputs& inputs, float* adjusted, std::int32_t* counts,
+                   cudaStream_t stream);
+
 // tokens[r] sampled from logits [rows, vocab] under controls[r] (kernels/sampling.h; device arrays). NaN
-// logits are never chosen (a row of only NaN gives id 0). Greedy takes the first maximal id, as the CPU
-// sampler; otherwise temperature, then top-k (ties to the lower id), then top-p, and a draw from a
+// logits are never chosen (a row of only NaN gives id 0), nor -inf ones (a row of only -inf gives
+// kNoAllowedToken). Greedy takes the first maximal id, as the CPU sampler; otherwise temperature, min_p, then
+// top-k (ties to the lower id), then top-p, and a draw from a
 // counter-based generator: the same distribution as the CPU sampler, not the same stream. A (seed, step)
 // draws the same token on every run: no sum depends on the order threads run in.
 void sample(const float* logits, std::int64_t rows, std::int64_t vocab, const SampleControls* controls,
