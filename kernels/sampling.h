@@ -38,9 +38,9 @@ struct SampleControls {
   float presence_penalty = 0.0F;
   float frequency_penalty = 0.0F;
   float repetition_penalty = 1.0F;  // 1: off
-  IndexRange banned;                // of SampleInputs::banned
-  IndexRange bias;                  // of SampleInputs::biases (each token at most once)
-  IndexRange history;               // of SampleInputs::history: the prompt's tokens, then the generated ones
+  IndexRange banned = {};           // of SampleInputs::banned
+  IndexRange bias = {};             // of SampleInputs::biases (each token at most once)
+  IndexRange history = {};          // of SampleInputs::history: the prompt's tokens, then the generated ones
   std::int64_t prompt_tokens = 0;   // the first of `history` that are the prompt's
 
   [[nodiscard]] CAPSERVE_HD bool penalized() const {

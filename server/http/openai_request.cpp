@@ -1,5 +1,6 @@
 #include "server/http/openai_request.h"
 
+#include <charconv>
 #include <climits>
 #include <optional>
 #include <type_traits>
@@ -52,6 +53,40 @@ StatusOr<std::optional<bool>> bool_field(const json& body, const char* name) {
   return std::optional(v.get<bool>());
 }
 
+// logit_bias: OpenAI's map of token ids (decimal strings) to a bias in [-100, 100].
+Status read_logit_bias(const json& body, std::vector<kernels::LogitBias>& out) {
+  if (!present(body, "logit_bias")) return Status();
+  const json& map = body["logit_bias"];
+  if (!map.is_object()) return bad("logit_bias: must be an object of token ids to biases", "logit_bias");
+  for (const auto& [key, value] : map.items()) {
+    std::int32_t id = 0;
+    const char* end = key.data() + key.size();
+    const auto [at, error] = std::from_chars(key.data(), end, id);
+    if (key.empty() || error != std::errc() || at != end || id < 0)
+      return bad("logit_bias: key \"" + key + "\" is not a token id", "logit_bias");
+    if (!value.is_number())
+      return bad("logit_bias: the bias of token " + key + " must be a number", "logit_bias");
+    const double bias = value.get<double>();
+    if (!(bias >= -100.0 && bias <= 100.0))
+      return bad("logit_bias: the bias of token " + key + " must be in [-100, 100]", "logit_bias");
+    out.push_back({id, static_cast<float>(bias)});
+  }
+  return Status();
+}
+
+// stop_token_ids: vLLM's list of token ids that end the output (kept in it).
+Status read_stop_token_ids(const json& body, std::vector<std::int32_t>& out) {
+  if (!present(body, "stop_token_ids")) return Status();
+  const json& ids = body["stop_token_ids"];
+  if (!ids.is_array()) return bad("stop_token_ids: must be a list of token ids", "stop_token_ids");
+  for (const json& id : ids) {
+    if (!id.is_number_integer() || id.get<std::int64_t>() < 0 || id.get<std::int64_t>() > INT32_MAX)
+      return bad("stop_token_ids: every entry must be a token id (an integer >= 0)", "stop_token_ids");
+    out.push_back(static_cast<std::int32_t>(id.get<std::int64_t>()));
+  }
+  return Status();
+}
+
 // The sampling fields common to both endpoints (log-probabilities apart).
 StatusOr<SamplingInput> read_sampling(const json& body, Endpoint endpoint) {
   SamplingInput s;
@@ -83,16 +118,23 @@ StatusOr<SamplingInput> read_sampling(const json& body, Endpoint endpoint) {
   const auto ignore_eos = bool_field(body, "ignore_eos");
   if (!ignore_eos.ok()) return ignore_eos.status();
   s.ignore_eos = ignore_eos->value_or(false);
-  for (const char* name : {"presence_penalty", "frequency_penalty"}) {
+  for (const auto& [name, value] : {std::pair{"presence_penalty", &s.presence_penalty},
+                                    std::pair{"frequency_penalty", &s.frequency_penalty},
+                                    std::pair{"repetition_penalty", &s.repetition_penalty}}) {
     const auto penalty = number_field(body, name);
     if (!penalty.ok()) return penalty.status();
-    if (penalty->value_or(0) != 0)
-      return bad(std::string(name) + ": not supported by this server (only 0)", name);
+    if (*penalty) *value = **penalty;
   }
-  const auto repetition = number_field(body, "repetition_penalty");
-  if (!repetition.ok()) return repetition.status();
-  if (repetition->value_or(1) != 1)
-    return bad("repetition_penalty: not supported by this server (only 1)", "repetition_penalty");
+  const auto min_p = number_field(body, "min_p");
+  if (!min_p.ok()) return min_p.status();
+  s.min_p = *min_p;
+  const auto min_tokens = int_field(body, "min_tokens");
+  if (!min_tokens.ok()) return min_tokens.status();
+  s.min_tokens = min_tokens->value_or(0);
+  if (s.min_tokens < 0)
+    return bad("min_tokens: must be >= 0, got " + std::to_string(s.min_tokens), "min_tokens");
+  if (Status bias = read_logit_bias(body, s.logit_bias); !bias.ok()) return bias;
+  if (Status ids = read_stop_token_ids(body, s.stop_token_ids); !ids.ok()) return ids;
   if (present(body, "stop")) {
     const json& stop = body["stop"];
     if (stop.is_string()) {
