@@ -1,6 +1,5 @@
 #include "kernels/backend.h"
 
-#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -132,11 +131,10 @@ void check_sample_ranges(const SampleControls& c, const SampleInputs& inputs) {
   check_range(c.history, inputs.history.size(), "history");
 }
 
-bool adjusts_logits(const SampleInputs& inputs) {
-  return !inputs.allowed.empty() ||
-         std::any_of(inputs.controls.begin(), inputs.controls.end(), [](const SampleControls& c) {
-           return c.banned.end > c.banned.begin || c.bias.end > c.bias.begin || c.penalized();
-         });
+bool adjusts_row(const SampleInputs& inputs, std::size_t r) {
+  const SampleControls& c = inputs.controls[r];
+  return !inputs.allowed.empty() || c.banned.end > c.banned.begin || c.bias.end > c.bias.begin ||
+         c.penalized();
 }
 
 }  // namespace capserve::kernels

@@ -395,7 +395,7 @@ class Backend {
 
 // std::invalid_argument unless every range of c lies within its array of `inputs`.
 void check_sample_ranges(const SampleControls& c, const SampleInputs& inputs);
-// Whether any row's logits need adjusting before the draw (a bitmask, banned ids, a bias or a penalty).
-[[nodiscard]] bool adjusts_logits(const SampleInputs& inputs);
+// Whether row r's logits need adjusting before its draw (a bitmask, banned ids, a bias or a penalty).
+[[nodiscard]] bool adjusts_row(const SampleInputs& inputs, std::size_t r);
 
 }  // namespace capserve::kernels

@@ -404,6 +404,11 @@ StatusOr<RequestIntake::Sampling> RequestIntake::sampling(const IntakeRequest& r
     return invalid(prefix + "min_tokens: " + std::to_string(s.min_tokens) + " exceeds max_tokens " +
                        std::to_string(max_tokens),
                    prefix + "min_tokens");
+  // vLLM also holds stop strings back until min_tokens; the output stream does not yet, so refuse rather than
+  // end early.
+  if (s.min_tokens > 0 && !s.stop.empty())
+    return invalid(prefix + "min_tokens: not supported together with stop strings (stop token ids are)",
+                   prefix + "min_tokens");
   params.min_tokens = std::min(s.min_tokens, params.max_new_tokens);
   for (const kernels::LogitBias& b : s.logit_bias) {
     if (b.token >= limits_.vocab_size)

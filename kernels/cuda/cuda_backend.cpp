@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <numeric>
 #include <stdexcept>
 #include <string>
 
@@ -471,6 +472,10 @@ cuda::DeviceSampleInputs CudaBackend::stage_sample_inputs(const SampleInputs& in
           .allowed = inputs.allowed.empty() ? nullptr : stage(inputs.allowed)};
 }
 
+Tensor CudaBackend::sample_chunk_counts(std::int64_t vocab) {
+  return scratch(sample_counts_, DType::i32, {kSampleChunkRows, vocab});
+}
+
 void CudaBackend::adjust_logits(const Tensor& logits, const SampleInputs& inputs, const Tensor& adjusted) {
   enter({&logits, &adjusted});
   const std::int64_t rows = logits.dims() == 0 ? 0 : logits.dim(0);
@@ -478,10 +483,16 @@ void CudaBackend::adjust_logits(const Tensor& logits, const SampleInputs& inputs
   if (adjusted.numel() != logits.numel())
     throw std::invalid_argument("CudaBackend::adjust_logits: logits " + logits.shape_text() + ", adjusted " +
                                 adjusted.shape_text());
-  const Tensor counts = scratch(sample_counts_, DType::i32, {rows, vocab});
+  const Tensor counts = sample_chunk_counts(vocab);
   if (rows == 0) return;
-  cuda::adjust_logits(f32(logits), rows, vocab, stage_sample_inputs(inputs, rows, vocab), f32(adjusted),
-                      counts.ptr<std::int32_t>(), stream_);
+  const cuda::DeviceSampleInputs device = stage_sample_inputs(inputs, rows, vocab);
+  sample_rows_.resize(static_cast<std::size_t>(rows));
+  std::iota(sample_rows_.begin(), sample_rows_.end(), 0);
+  const std::int32_t* row_ids = stage(std::span<const std::int32_t>(sample_rows_));
+  for (std::int64_t first = 0; first < rows; first += kSampleChunkRows) {
+    cuda::adjust_logits(f32(logits), vocab, device, row_ids + first, std::min(kSampleChunkRows, rows - first),
+                        f32(adjusted) + first * vocab, counts.ptr<std::int32_t>(), stream_);
+  }
 }
 
 void CudaBackend::sample(const Tensor& logits, const SampleInputs& inputs, const Tensor& tokens) {
@@ -492,18 +503,32 @@ void CudaBackend::sample(const Tensor& logits, const SampleInputs& inputs, const
     throw std::invalid_argument("CudaBackend::sample: logits " + logits.shape_text() + ", " +
                                 std::to_string(inputs.controls.size()) + " controls, tokens " +
                                 tokens.shape_text());
-  // Sized on every call, so that the engine's start-up step sizes them before it seals the scratch.
-  const Tensor adjusted = scratch(sample_adjusted_, DType::f32, {rows, vocab});
-  const Tensor counts = scratch(sample_counts_, DType::i32, {rows, vocab});
+  // Sized on every call (a fixed chunk of rows, whatever the step), so that the engine's start-up step sizes
+  // them before it seals the scratch.
+  const Tensor adjusted = scratch(sample_adjusted_, DType::f32, {kSampleChunkRows, vocab});
+  const Tensor counts = sample_chunk_counts(vocab);
   if (rows == 0) return;
   const cuda::DeviceSampleInputs device = stage_sample_inputs(inputs, rows, vocab);
-  const float* drawn_from = f32(logits);
-  if (adjusts_logits(inputs)) {
-    cuda::adjust_logits(f32(logits), rows, vocab, device, f32(adjusted), counts.ptr<std::int32_t>(), stream_);
-    drawn_from = f32(adjusted);
+  std::int32_t* drawn = tokens.ptr<std::int32_t>();
+  // Every row from its raw logits, then the rows with adjustments again, a chunk at a time, from their
+  // adjusted ones (a chunk's scratch is reused once the stream has sampled it).
+  cuda::sample(f32(logits), rows, vocab, device.controls, drawn, stream_);
+  sample_rows_.clear();
+  for (std::int64_t r = 0; r < rows; ++r) {
+    if (adjusts_row(inputs, static_cast<std::size_t>(r)))
+      sample_rows_.push_back(static_cast<std::int32_t>(r));
   }
-  cuda::sample(drawn_from, rows, vocab, device.controls, tokens.ptr<std::int32_t>(), stream_);
-  mark_non_finite_rows(f32(logits), rows, vocab, tokens.ptr<std::int32_t>(), stream_);
+  if (!sample_rows_.empty()) {
+    const std::int32_t* row_ids = stage(std::span<const std::int32_t>(sample_rows_));
+    const auto adjusted_rows = static_cast<std::int64_t>(sample_rows_.size());
+    for (std::int64_t first = 0; first < adjusted_rows; first += kSampleChunkRows) {
+      const std::int64_t count = std::min(kSampleChunkRows, adjusted_rows - first);
+      cuda::adjust_logits(f32(logits), vocab, device, row_ids + first, count, f32(adjusted),
+                          counts.ptr<std::int32_t>(), stream_);
+      cuda::sample(f32(adjusted), count, vocab, device.controls, drawn, stream_, row_ids + first);
+    }
+  }
+  mark_non_finite_rows(f32(logits), rows, vocab, drawn, stream_);
 }
 
 void CudaBackend::token_logprobs(const Tensor& logits, const Tensor& tokens, const Tensor& values,

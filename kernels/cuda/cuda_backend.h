@@ -130,8 +130,12 @@ class CudaBackend final : public Backend {
   // entry places; each permute's per-chunk bases.
   Buffer capacity_workspace_, dest_, first_dest_, entry_position_, entry_token_, row_chunks_, entry_chunks_,
       group_chunks_;
-  // sample: the adjusted logits and the penalties' per-token counts, [rows, vocab] each.
+  // sample: rows with adjustments go kSampleChunkRows at a time through the adjusted logits and the
+  // penalties' per-token counts ([kSampleChunkRows, vocab] each, whatever the step's rows); their ids.
+  static constexpr std::int64_t kSampleChunkRows = 64;
+  [[nodiscard]] Tensor sample_chunk_counts(std::int64_t vocab);
   Buffer sample_adjusted_, sample_counts_;
+  std::vector<std::int32_t> sample_rows_;
   std::unique_ptr<HostStaging> staging_;
   HostReadback readback_;
 };

@@ -180,18 +180,18 @@ constexpr int kSampleThreads = 512;
 constexpr int kAdjustThreads = 256;
 constexpr float kMinusInf = -INFINITY;
 
-// One block per row: the row's adjusted logits (kernels/sampling.h's order) into out. Each adjustment is one
-// block-wide pass with a barrier after it, so a later one reads what the earlier wrote. A penalized row
-// counts its history into counts (the row's vocab ints: generated count, flag for the prompt) first.
+// Block b adjusts logits row rows[b] (kernels/sampling.h's order) into row b of adjusted. Each adjustment is
+// one block-wide pass with a barrier after it, so a later one reads what the earlier wrote. A penalized row
+// counts its history into row b of counts (generated count, flag for the prompt) first.
 __global__ void __launch_bounds__(kAdjustThreads)
-    adjust_logits_kernel(const float* logits, std::int64_t vocab, DeviceSampleInputs in, float* adjusted,
-                         std::int32_t* counts) {
+    adjust_logits_kernel(const float* logits, std::int64_t vocab, DeviceSampleInputs in,
+                         const std::int32_t* rows, float* adjusted, std::int32_t* counts) {
   constexpr std::int32_t kInPrompt = 1 << 30;
-  const std::int64_t row = blockIdx.x;
+  const std::int64_t row = rows[blockIdx.x];
   const SampleControls c = in.controls[row];
   const float* lr = logits + row * vocab;
-  float* out = adjusted + row * vocab;
-  std::int32_t* count = counts + row * vocab;
+  float* out = adjusted + static_cast<std::int64_t>(blockIdx.x) * vocab;
+  std::int32_t* count = counts + static_cast<std::int64_t>(blockIdx.x) * vocab;
   const std::int32_t* mask = in.allowed == nullptr ? nullptr : in.allowed + row * allowed_words(vocab);
   const bool penalized = c.penalized();
   for (std::int64_t i = threadIdx.x; i < vocab; i += blockDim.x) {
@@ -234,7 +234,7 @@ __device__ unsigned long long mass_units(float weight) {
 
 __global__ void __launch_bounds__(kSampleThreads)
     sample_kernel(const float* logits, std::int64_t vocab, const SampleControls* controls,
-                  std::int32_t* tokens) {
+                  const std::int32_t* rows, std::int32_t* tokens) {
   __shared__ float fscratch[kSampleThreads / kWarp];
   __shared__ std::uint64_t kscratch[kSampleThreads / kWarp];
   __shared__ unsigned long long hist[moe::kRadixBuckets];
@@ -243,7 +243,8 @@ __global__ void __launch_bounds__(kSampleThreads)
   __shared__ float partial[kSampleThreads];
   __shared__ std::int64_t chosen;
   const float* lr = logits + static_cast<std::int64_t>(blockIdx.x) * vocab;
-  const SampleControls c = controls[blockIdx.x];
+  const std::int64_t row = rows == nullptr ? blockIdx.x : rows[blockIdx.x];
+  const SampleControls c = controls[row];
 
   std::uint64_t best = 0;
   for (std::int64_t i = threadIdx.x; i < vocab; i += blockDim.x) {
@@ -253,11 +254,11 @@ __global__ void __launch_bounds__(kSampleThreads)
   best = block_max_u64(best, kscratch);
   // Every logit -inf: the adjustments ruled out every token (a NaN row is marked after).
   if (lr[key_id(best)] == kMinusInf) {
-    if (threadIdx.x == 0) tokens[blockIdx.x] = kNoAllowedToken;
+    if (threadIdx.x == 0) tokens[row] = kNoAllowedToken;
     return;
   }
   if (c.temperature == 0.0F) {
-    if (threadIdx.x == 0) tokens[blockIdx.x] = static_cast<std::int32_t>(key_id(best));
+    if (threadIdx.x == 0) tokens[row] = static_cast<std::int32_t>(key_id(best));
     return;
   }
   const float inv_t = 1.0F / c.temperature;
@@ -380,7 +381,7 @@ __global__ void __launch_bounds__(kSampleThreads)
     }
   }
   __syncthreads();
-  if (threadIdx.x == 0) tokens[blockIdx.x] = static_cast<std::int32_t>(chosen);
+  if (threadIdx.x == 0) tokens[row] = static_cast<std::int32_t>(chosen);
 }
 
 }  // namespace
@@ -531,22 +532,22 @@ void token_logprobs(const float* logits, std::int64_t rows, std::int64_t vocab, 
   CAPSERVE_CUDA_CHECK_LAUNCH();
 }
 
-void adjust_logits(const float* logits, std::int64_t rows, std::int64_t vocab,
-                   const DeviceSampleInputs& inputs, float* adjusted, std::int32_t* counts,
+void adjust_logits(const float* logits, std::int64_t vocab, const DeviceSampleInputs& inputs,
+                   const std::int32_t* rows, std::int64_t count, float* adjusted, std::int32_t* counts,
                    cudaStream_t stream) {
-  if (rows <= 0) return;
-  launch(adjust_logits_kernel, static_cast<unsigned>(rows), kAdjustThreads, 0, stream, logits, vocab, inputs,
-         adjusted, counts);
+  if (count <= 0) return;
+  launch(adjust_logits_kernel, static_cast<unsigned>(count), kAdjustThreads, 0, stream, logits, vocab, inputs,
+         rows, adjusted, counts);
   CAPSERVE_CUDA_CHECK_LAUNCH();
 }
 
 void sample(const float* logits, std::int64_t rows, std::int64_t vocab, const SampleControls* controls,
-            std::int32_t* tokens, cudaStream_t stream) {
+            std::int32_t* tokens, cudaStream_t stream, const std::int32_t* row_ids) {
   if (rows <= 0) return;
   if (vocab <= 0 || vocab > static_cast<std::int64_t>(moe::kLow32))
     throw std::invalid_argument("sample: vocab size");
   launch(sample_kernel, static_cast<unsigned>(rows), kSampleThreads, 0, stream, logits, vocab, controls,
-         tokens);
+         row_ids, tokens);
   CAPSERVE_CUDA_CHECK_LAUNCH();
 }
 

@@ -159,46 +159,53 @@ inline std::vector<std::int32_t> draw(Backend& backend, const RandomBatch& b) {
   return to_vector<std::int32_t>(backend, tokens);
 }
 
-// Every control alone and all together: adjust_logits equals the reference (the penalties' float
-// arithmetic is the same, so up to rounding), and a greedy draw takes the reference's first maximum.
+// adjust_logits equals the reference on every row of b (the penalties' float arithmetic is the same, so up
+// to rounding), a greedy draw takes the reference's first maximum, and the controls changed something.
+inline void check_batch(Backend& backend, const RandomBatch& b, const char* what) {
+  const std::int64_t rows = b.rows, vocab = b.vocab;
+  kernels::Buffer logits_slot, adjusted_slot;
+  const Tensor logits = on_backend(backend, logits_slot, b.logits, {rows, vocab});
+  const Tensor adjusted = backend.scratch(adjusted_slot, kernels::DType::f32, {rows, vocab});
+  backend.adjust_logits(logits, b.inputs(), adjusted);
+  const std::vector<float> got = to_vector<float>(backend, adjusted);
+  const std::vector<std::int32_t> drawn = draw(backend, b);
+  int changed = 0;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const auto at = static_cast<std::size_t>(r * vocab);
+    const std::vector<float> want =
+        reference_adjusted(std::span(b.logits).subspan(at, static_cast<std::size_t>(vocab)), b.inputs(),
+                           static_cast<std::size_t>(r));
+    for (std::int64_t i = 0; i < vocab; ++i) {
+      const float w = want[static_cast<std::size_t>(i)];
+      const float g = got[at + static_cast<std::size_t>(i)];
+      changed += w != b.logits[at + static_cast<std::size_t>(i)] ? 1 : 0;
+      if (std::isinf(w)) {
+        ASSERT_EQ(g, w) << what << " row " << r << " id " << i;
+      } else {
+        ASSERT_NEAR(g, w, 1e-5F * (1.0F + std::fabs(w))) << what << " row " << r << " id " << i;
+      }
+    }
+    const auto best = std::max_element(want.begin(), want.end()) - want.begin();
+    EXPECT_EQ(drawn[static_cast<std::size_t>(r)], best) << what << " row " << r;
+  }
+  EXPECT_GT(changed, 0) << what << " changed nothing: a test that cannot fail";
+}
+
+// Every control alone and all together, on rows wider than a block of threads; then more rows than the CUDA
+// backend adjusts at once (its chunks of 64).
 inline void check_adjustments_against_reference(Backend& backend) {
   std::mt19937 rng(2026);
-  const std::int64_t rows = 5, vocab = 700;  // wider than a block of threads
+  const char* names[] = {"bias", "banned", "presence", "frequency", "repetition", "bitmask", "all"};
   for (const Controls which : {Controls::bias, Controls::banned, Controls::presence, Controls::frequency,
                                Controls::repetition, Controls::bitmask, Controls::all}) {
-    for (int trial = 0; trial < 3; ++trial) {
-      const RandomBatch b = random_batch(rng, which, rows, vocab);
-      kernels::Buffer logits_slot, adjusted_slot;
-      const Tensor logits = on_backend(backend, logits_slot, b.logits, {rows, vocab});
-      const Tensor adjusted = backend.scratch(adjusted_slot, kernels::DType::f32, {rows, vocab});
-      backend.adjust_logits(logits, b.inputs(), adjusted);
-      const std::vector<float> got = to_vector<float>(backend, adjusted);
-      const std::vector<std::int32_t> drawn = draw(backend, b);
-      int changed = 0;
-      for (std::int64_t r = 0; r < rows; ++r) {
-        const auto at = static_cast<std::size_t>(r * vocab);
-        const std::vector<float> want =
-            reference_adjusted(std::span(b.logits).subspan(at, static_cast<std::size_t>(vocab)), b.inputs(),
-                               static_cast<std::size_t>(r));
-        for (std::int64_t i = 0; i < vocab; ++i) {
-          const float w = want[static_cast<std::size_t>(i)];
-          const float g = got[at + static_cast<std::size_t>(i)];
-          changed += w != b.logits[at + static_cast<std::size_t>(i)] ? 1 : 0;
-          if (std::isinf(w)) {
-            ASSERT_EQ(g, w) << "case " << static_cast<int>(which) << " row " << r << " id " << i;
-          } else {
-            ASSERT_NEAR(g, w, 1e-5F * (1.0F + std::fabs(w)))
-                << "case " << static_cast<int>(which) << " row " << r << " id " << i;
-          }
-        }
-        const auto best = std::max_element(want.begin(), want.end()) - want.begin();
-        EXPECT_EQ(drawn[static_cast<std::size_t>(r)], best)
-            << "case " << static_cast<int>(which) << " row " << r;
-      }
-      EXPECT_GT(changed, 0) << "case " << static_cast<int>(which)
-                            << " changed nothing: a test that cannot fail";
-    }
+    for (int trial = 0; trial < 3; ++trial)
+      check_batch(backend, random_batch(rng, which, 5, 700), names[static_cast<int>(which)]);
   }
+  check_batch(backend, random_batch(rng, Controls::all, 150, 90), "all, 150 rows");
+  // Rows with and without adjustments side by side (every third row has none).
+  RandomBatch mixed = random_batch(rng, Controls::bias, 150, 90);
+  for (std::size_t r = 0; r < mixed.controls.size(); r += 3) mixed.controls[r].bias = {};
+  check_batch(backend, mixed, "bias on two rows of three");
 }
 
 // min_p at temperature 1.3 with top_k: the drawn tokens are exactly the reference's kept set (every kept
