@@ -30,11 +30,11 @@ struct SampleControls {
   float temperature = 0.0F;  // 0 (or so small that logits / temperature overflow): greedy
   std::int32_t top_k = 0;    // 0: no top-k filter
   float top_p = 1.0F;        // 1: no top-p filter
+  std::uint64_t seed = 0;
+  std::uint64_t step = 0;  // numbers the draws of one seed: (seed, step) always draws the same token
   // 0: off; else keeps the tokens whose probability (after temperature) is at least min_p times the most
   // likely token's. Greedy ignores it (it never removes the most likely token).
   float min_p = 0.0F;
-  std::uint64_t seed = 0;
-  std::uint64_t step = 0;  // numbers the draws of one seed: (seed, step) always draws the same token
   float presence_penalty = 0.0F;
   float frequency_penalty = 0.0F;
   float repetition_penalty = 1.0F;  // 1: off

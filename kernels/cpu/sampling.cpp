@@ -138,10 +138,12 @@ void CpuBackend::sample(const Tensor& logits, const SampleInputs& in, const Tens
     const auto weight = [&](std::int32_t id) {
       return static_cast<float>(std::exp((row[static_cast<std::size_t>(id)] - top) * inv_t));
     };
-    // Candidates: the allowed tokens min_p keeps (weight relative to the best one's, which is 1).
+    // Candidates: the allowed tokens min_p keeps (weight relative to the best one's, which is 1; the best one
+    // always).
     sample_order_.clear();
     for (std::int32_t i = 0; i < vocab; ++i) {
-      if (row[static_cast<std::size_t>(i)] != kMinusInf && (c.min_p <= 0.0F || weight(i) >= c.min_p))
+      if (i == best ||
+          (row[static_cast<std::size_t>(i)] != kMinusInf && (c.min_p <= 0.0F || weight(i) >= c.min_p)))
         sample_order_.push_back(i);
     }
     // Descending by logit, ties by id, so the candidate order never depends on the sort's stability.

@@ -265,11 +265,13 @@ __global__ void __launch_bounds__(kSampleThreads)
   const float top = lr[key_id(best)] * inv_t;
 
   // The floor: the lowest key of a token that is allowed (not -inf) and that min_p keeps (weight relative to
-  // the best one's). Those tokens are a prefix of the order, as top-k's are, so each filter is a key
-  // threshold and together the larger one. The block's minimum key, as the maximum of the complemented keys.
+  // the best one's; the best one always). Those tokens are a prefix of the order, as top-k's are, so each
+  // filter is a key threshold and together the larger one. The block's minimum key, as the maximum of the
+  // complemented keys.
   std::uint64_t low = 0;
   for (std::int64_t i = threadIdx.x; i < vocab; i += blockDim.x) {
-    if (lr[i] != kMinusInf && (c.min_p <= 0.0F || expf(lr[i] * inv_t - top) >= c.min_p)) {
+    if (i == key_id(best) ||
+        (lr[i] != kMinusInf && (c.min_p <= 0.0F || expf(lr[i] * inv_t - top) >= c.min_p))) {
       const std::uint64_t k = ~logit_key(lr[i], i);
       low = k > low ? k : low;
     }

@@ -238,9 +238,9 @@ inline void check_min_p_against_reference(Backend& backend) {
     b.controls.push_back({.temperature = temperature,
                           .top_k = top_k,
                           .top_p = 1.0F,
-                          .min_p = min_p,
                           .seed = 11,
-                          .step = static_cast<std::uint64_t>(d)});
+                          .step = static_cast<std::uint64_t>(d),
+                          .min_p = min_p});
   }
   std::vector<int> seen(row.size(), 0);
   for (const std::int32_t t : draw(backend, b)) {
