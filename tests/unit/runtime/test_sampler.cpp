@@ -6,6 +6,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/backend.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "runtime/sampler.h"
 
@@ -147,6 +148,43 @@ TEST(Sampler, StopTokens) {
   p.stop_token_ids = {7, 9};
   EXPECT_TRUE(is_stop_token(p, 9));
   EXPECT_FALSE(is_stop_token(p, 8));
+}
+
+// A step's rows: an unread row adjusts nothing; a row bans the stop ids while fewer than min_tokens were
+// generated; a penalized row's history is the prompt, then the generated parts in order.
+TEST(SampleBatch, RowsCarryTheirBansBiasesAndHistories) {
+  SamplingParams p;
+  p.stop_token_ids = {2, 9};
+  p.min_tokens = 2;
+  p.logit_bias = {{4, 1.5F}};
+  p.frequency_penalty = 0.5F;
+  const std::vector<std::int32_t> prompt = {7, 8}, generated = {3}, drafts = {5, 6};
+  SampleBatch batch;
+  batch.add_unread();
+  batch.add(p, 1, prompt, {generated, std::span(drafts).first(0)});
+  batch.add(p, 2, prompt, {generated, std::span(drafts).first(1)});
+  p.frequency_penalty = 0.0F;
+  batch.add(p, 3, prompt, {generated, drafts});
+  const kernels::SampleInputs in = batch.inputs();
+  ASSERT_EQ(in.controls.size(), 4U);
+  EXPECT_FALSE(kernels::adjusts_row(in, 0));
+  const auto span_of = [](auto all, kernels::IndexRange r) {
+    return std::vector(all.begin() + r.begin, all.begin() + r.end);
+  };
+  EXPECT_EQ(span_of(in.banned, in.controls[1].banned), (std::vector<std::int32_t>{2, 9})) << "draw 1 < 2";
+  EXPECT_TRUE(span_of(in.banned, in.controls[2].banned).empty()) << "draw 2 = min_tokens";
+  EXPECT_EQ(span_of(in.history, in.controls[1].history), (std::vector<std::int32_t>{7, 8, 3}));
+  EXPECT_EQ(span_of(in.history, in.controls[2].history), (std::vector<std::int32_t>{7, 8, 3, 5}));
+  EXPECT_EQ(in.controls[2].prompt_tokens, 2);
+  EXPECT_EQ(in.controls[2].step, 2U);
+  EXPECT_TRUE(span_of(in.history, in.controls[3].history).empty()) << "no penalty, no history";
+  for (std::size_t r = 1; r < 4; ++r) {
+    ASSERT_EQ(in.controls[r].bias.end - in.controls[r].bias.begin, 1);
+    EXPECT_EQ(in.biases[static_cast<std::size_t>(in.controls[r].bias.begin)].token, 4);
+    EXPECT_TRUE(kernels::adjusts_row(in, r));
+  }
+  batch.clear();
+  EXPECT_EQ(batch.rows(), 0U);
 }
 
 TEST(Sampler, ValidationNamesTheField) {
