@@ -66,10 +66,8 @@ Status generate(Engine& engine, std::span<const std::vector<std::int32_t>> promp
       const std::size_t i = owner[w];
       const std::size_t rows = work[w].all_logits ? work[w].tokens.size() : 1;
       // Row j follows the drafts fed before it (fed tokens 1..j; a prefill's one row follows none).
-      const std::span<const std::int32_t> fed = work[w].tokens;
-      for (std::size_t j = 0; j < rows; ++j)
-        batch.add(params[i], out[i].tokens.size() + j, prompts[i],
-                  {out[i].tokens, fed.subspan(std::min<std::size_t>(1, j), j)});
+      batch.add(params[i], out[i].tokens.size(), prompts[i], out[i].tokens,
+                work[w].tokens.subspan(1, rows - 1), rows);
     }
     drawn.resize(batch.rows());
     engine.sample(batch.inputs(), drawn);

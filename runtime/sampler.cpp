@@ -77,24 +77,29 @@ void SampleBatch::add_unread() {
 }
 
 void SampleBatch::add(const SamplingParams& params, std::uint64_t step, std::span<const std::int32_t> prompt,
-                      std::initializer_list<std::span<const std::int32_t>> generated) {
-  kernels::SampleControls& c = controls_.emplace_back(sample_controls(params, step));
+                      std::span<const std::int32_t> generated, std::span<const std::int32_t> drafts,
+                      std::size_t rows) {
+  if (rows == 0) return;
   const auto size = [](const auto& v) { return static_cast<std::int64_t>(v.size()); };
-  if (static_cast<std::int64_t>(step) < params.min_tokens) {
-    c.banned.begin = size(banned_);
+  const kernels::IndexRange banned{size(banned_), size(banned_) + size(params.stop_token_ids)};
+  if (static_cast<std::int64_t>(step) < params.min_tokens)
     banned_.insert(banned_.end(), params.stop_token_ids.begin(), params.stop_token_ids.end());
-    c.banned.end = size(banned_);
-  }
-  c.bias.begin = size(biases_);
+  const kernels::IndexRange bias{size(biases_), size(biases_) + size(params.logit_bias)};
   biases_.insert(biases_.end(), params.logit_bias.begin(), params.logit_bias.end());
-  c.bias.end = size(biases_);
+  const std::int64_t history = size(history_);
   if (params.penalized()) {
-    c.history.begin = size(history_);
     history_.insert(history_.end(), prompt.begin(), prompt.end());
-    for (const std::span<const std::int32_t> part : generated)
-      history_.insert(history_.end(), part.begin(), part.end());
-    c.history.end = size(history_);
-    c.prompt_tokens = size(prompt);
+    history_.insert(history_.end(), generated.begin(), generated.end());
+    history_.insert(history_.end(), drafts.begin(), drafts.begin() + static_cast<std::ptrdiff_t>(rows - 1));
+  }
+  for (std::size_t j = 0; j < rows; ++j) {
+    kernels::SampleControls& c = controls_.emplace_back(sample_controls(params, step + j));
+    if (static_cast<std::int64_t>(step + j) < params.min_tokens) c.banned = banned;
+    c.bias = bias;
+    if (params.penalized()) {
+      c.history = {history, history + size(prompt) + size(generated) + static_cast<std::int64_t>(j)};
+      c.prompt_tokens = size(prompt);
+    }
   }
 }
 

@@ -5,7 +5,6 @@
 // (first maximal id), and so is a temperature so small that the logits divided by it overflow; a given seed
 // always yields the same tokens.
 #include <cstdint>
-#include <initializer_list>
 #include <span>
 #include <string>
 #include <vector>
@@ -62,10 +61,11 @@ class SampleBatch {
   void clear();
   // A row nobody reads the draw of (a prompt position before the last): greedy, nothing adjusted.
   void add_unread();
-  // A row drawing draw number `step` (the tokens generated before it) of a sequence under `params`; the
-  // penalties see `prompt`, then the generated tokens: the parts of `generated` in order.
+  // `rows` rows of a sequence under `params`: row j draws draw number step + j (step: the tokens generated
+  // so far) after the first j of `drafts` (a decode verifying them; otherwise one row and no drafts). Row j's
+  // penalties see `prompt`, `generated`, then those drafts; the rows share one copy of them.
   void add(const SamplingParams& params, std::uint64_t step, std::span<const std::int32_t> prompt,
-           std::initializer_list<std::span<const std::int32_t>> generated);
+           std::span<const std::int32_t> generated, std::span<const std::int32_t> drafts, std::size_t rows);
   [[nodiscard]] kernels::SampleInputs inputs() const;
   [[nodiscard]] std::size_t rows() const { return controls_.size(); }
 

@@ -40,8 +40,7 @@ StepResult RankWorker::run(const StepPlan& plan) {
     for (std::size_t j = draws; j < rows_of(i); ++j) batch_.add_unread();
     const std::span<const std::int32_t> drafts =
         i < prefills_ ? std::span<const std::int32_t>() : work_[i].tokens.subspan(1);
-    for (std::size_t j = 0; j < draws; ++j)
-      batch_.add(seq.params, seq.drawn + j, seq.prompt, {seq.generated, drafts.first(j)});
+    batch_.add(seq.params, seq.drawn, seq.prompt, seq.generated, drafts, draws);
     scoring = scoring || seq.params.logprobs || seq.params.prompt_logprobs;
     top_k = std::max<std::int64_t>(top_k, seq.params.top_logprobs);
   }

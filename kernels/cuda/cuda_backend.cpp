@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <limits>
 #include <numeric>
 #include <stdexcept>
 #include <string>
@@ -466,10 +467,59 @@ cuda::DeviceSampleInputs CudaBackend::stage_sample_inputs(const SampleInputs& in
                                 std::to_string(vocab));
   for (const SampleControls& c : inputs.controls) check_sample_ranges(c, inputs);
   return {.controls = stage(inputs.controls),
-          .history = inputs.history.empty() ? nullptr : stage(inputs.history),
+          .history = nullptr,
+          .history_offset = 0,
           .banned = inputs.banned.empty() ? nullptr : stage(inputs.banned),
           .biases = inputs.biases.empty() ? nullptr : stage(inputs.biases),
           .allowed = inputs.allowed.empty() ? nullptr : stage(inputs.allowed)};
+}
+
+namespace {
+
+// The entries of inputs.history the penalized ones of `rows` read: from the lowest start to the highest end
+// of theirs (SampleBatch lays them out in row order, so about their sum); empty when none is penalized.
+IndexRange history_extent(const SampleInputs& inputs, std::span<const std::int32_t> rows) {
+  IndexRange extent{std::numeric_limits<std::int64_t>::max(), 0};
+  for (const std::int32_t r : rows) {
+    const SampleControls& c = inputs.controls[static_cast<std::size_t>(r)];
+    if (!c.penalized()) continue;
+    extent.begin = std::min(extent.begin, c.history.begin);
+    extent.end = std::max(extent.end, c.history.end);
+  }
+  return extent.end == 0 ? IndexRange{} : extent;
+}
+
+}  // namespace
+
+std::int64_t CudaBackend::sample_chunk_rows(const SampleInputs& inputs, std::int64_t first) const {
+  const auto end = std::min(first + kSampleChunkRows, static_cast<std::int64_t>(sample_rows_.size()));
+  const auto limit = static_cast<std::int64_t>(staging_->chunk_bytes() / sizeof(std::int32_t));
+  const std::span<const std::int32_t> rows(sample_rows_);
+  // The row that would take the chunk's histories past one staging chunk starts the next chunk.
+  for (std::int64_t b = first + 1; b < end; ++b) {
+    const IndexRange extent = history_extent(
+        inputs, rows.subspan(static_cast<std::size_t>(first), static_cast<std::size_t>(b + 1 - first)));
+    if (extent.end - extent.begin > limit) return b - first;
+  }
+  return end - first;
+}
+
+cuda::DeviceSampleInputs CudaBackend::with_history(cuda::DeviceSampleInputs device,
+                                                   const SampleInputs& inputs, std::int64_t first,
+                                                   std::int64_t count) {
+  const IndexRange extent =
+      history_extent(inputs, std::span<const std::int32_t>(sample_rows_)
+                                 .subspan(static_cast<std::size_t>(first), static_cast<std::size_t>(count)));
+  if (extent.end == extent.begin) return device;
+  const std::span<const std::int32_t> part = inputs.history.subspan(
+      static_cast<std::size_t>(extent.begin), static_cast<std::size_t>(extent.end - extent.begin));
+  if (part.size_bytes() > staging_->chunk_bytes())
+    throw std::length_error("CudaBackend::sample: a row's " + std::to_string(part.size()) +
+                            " tokens of penalty history exceed the staging chunk of " +
+                            std::to_string(staging_->chunk_bytes()) + " bytes");
+  device.history = stage(part);
+  device.history_offset = extent.begin;
+  return device;
 }
 
 Tensor CudaBackend::sample_chunk_counts(std::int64_t vocab) {
@@ -489,9 +539,10 @@ void CudaBackend::adjust_logits(const Tensor& logits, const SampleInputs& inputs
   sample_rows_.resize(static_cast<std::size_t>(rows));
   std::iota(sample_rows_.begin(), sample_rows_.end(), 0);
   const std::int32_t* row_ids = stage(std::span<const std::int32_t>(sample_rows_));
-  for (std::int64_t first = 0; first < rows; first += kSampleChunkRows) {
-    cuda::adjust_logits(f32(logits), vocab, device, row_ids + first, std::min(kSampleChunkRows, rows - first),
-                        f32(adjusted) + first * vocab, counts.ptr<std::int32_t>(), stream_);
+  for (std::int64_t first = 0, count = 0; first < rows; first += count) {
+    count = sample_chunk_rows(inputs, first);
+    cuda::adjust_logits(f32(logits), vocab, with_history(device, inputs, first, count), row_ids + first,
+                        count, f32(adjusted) + first * vocab, counts.ptr<std::int32_t>(), stream_);
   }
 }
 
@@ -521,10 +572,10 @@ void CudaBackend::sample(const Tensor& logits, const SampleInputs& inputs, const
   if (!sample_rows_.empty()) {
     const std::int32_t* row_ids = stage(std::span<const std::int32_t>(sample_rows_));
     const auto adjusted_rows = static_cast<std::int64_t>(sample_rows_.size());
-    for (std::int64_t first = 0; first < adjusted_rows; first += kSampleChunkRows) {
-      const std::int64_t count = std::min(kSampleChunkRows, adjusted_rows - first);
-      cuda::adjust_logits(f32(logits), vocab, device, row_ids + first, count, f32(adjusted),
-                          counts.ptr<std::int32_t>(), stream_);
+    for (std::int64_t first = 0, count = 0; first < adjusted_rows; first += count) {
+      count = sample_chunk_rows(inputs, first);
+      cuda::adjust_logits(f32(logits), vocab, with_history(device, inputs, first, count), row_ids + first,
+                          count, f32(adjusted), counts.ptr<std::int32_t>(), stream_);
       cuda::sample(f32(adjusted), count, vocab, device.controls, drawn, stream_, row_ids + first);
     }
   }

@@ -134,6 +134,12 @@ class CudaBackend final : public Backend {
   // penalties' per-token counts ([kSampleChunkRows, vocab] each, whatever the step's rows); their ids.
   static constexpr std::int64_t kSampleChunkRows = 64;
   [[nodiscard]] Tensor sample_chunk_counts(std::int64_t vocab);
+  // How many of the rows sample_rows_[first, ...) go through the scratch together: at most kSampleChunkRows,
+  // and no more than one staging chunk of penalty history.
+  [[nodiscard]] std::int64_t sample_chunk_rows(const SampleInputs& inputs, std::int64_t first) const;
+  // device with the penalty histories of rows sample_rows_[first, first + count) staged.
+  cuda::DeviceSampleInputs with_history(cuda::DeviceSampleInputs device, const SampleInputs& inputs,
+                                        std::int64_t first, std::int64_t count);
   Buffer sample_adjusted_, sample_counts_;
   std::vector<std::int32_t> sample_rows_;
   std::unique_ptr<HostStaging> staging_;

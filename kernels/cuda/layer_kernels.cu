@@ -210,7 +210,7 @@ __global__ void __launch_bounds__(kAdjustThreads)
   }
   if (!penalized) return;
   for (std::int64_t j = c.history.begin + threadIdx.x; j < c.history.end; j += blockDim.x) {
-    const std::int32_t id = in.history[j];
+    const std::int32_t id = in.history[j - in.history_offset];
     if (id < 0 || id >= vocab) continue;
     if (j - c.history.begin < c.prompt_tokens) {
       atomicOr(&count[id], kInPrompt);

@@ -92,7 +92,9 @@ void paged_attention(const DeviceAttentionBatch& batch, const float* q, const De
 // kernels::SampleInputs's arrays on the device; allowed is null when every token is allowed.
 struct DeviceSampleInputs {
   const SampleControls* controls = nullptr;
+  // Entries [history_offset, ...) of SampleInputs::history: the rows being adjusted stage only theirs.
   const std::int32_t* history = nullptr;
+  std::int64_t history_offset = 0;
   const std::int32_t* banned = nullptr;
   const LogitBias* biases = nullptr;
   const std::int32_t* allowed = nullptr;

@@ -151,7 +151,8 @@ TEST(Sampler, StopTokens) {
 }
 
 // A step's rows: an unread row adjusts nothing; a row bans the stop ids while fewer than min_tokens were
-// generated; a penalized row's history is the prompt, then the generated parts in order.
+// generated; a penalized row's history is the prompt, the generated tokens, then the drafts before it (the
+// rows of one verifying decode share one copy).
 TEST(SampleBatch, RowsCarryTheirBansBiasesAndHistories) {
   SamplingParams p;
   p.stop_token_ids = {2, 9};
@@ -161,12 +162,12 @@ TEST(SampleBatch, RowsCarryTheirBansBiasesAndHistories) {
   const std::vector<std::int32_t> prompt = {7, 8}, generated = {3}, drafts = {5, 6};
   SampleBatch batch;
   batch.add_unread();
-  batch.add(p, 1, prompt, {generated, std::span(drafts).first(0)});
-  batch.add(p, 2, prompt, {generated, std::span(drafts).first(1)});
+  batch.add(p, 1, prompt, generated, drafts, 3);  // draws 1, 2, 3
   p.frequency_penalty = 0.0F;
-  batch.add(p, 3, prompt, {generated, drafts});
+  batch.add(p, 0, prompt, {}, {}, 1);
+  batch.add(p, 5, prompt, generated, {}, 0);  // an earlier prompt chunk: no row
   const kernels::SampleInputs in = batch.inputs();
-  ASSERT_EQ(in.controls.size(), 4U);
+  ASSERT_EQ(in.controls.size(), 5U);
   EXPECT_FALSE(kernels::adjusts_row(in, 0));
   const auto span_of = [](auto all, kernels::IndexRange r) {
     return std::vector(all.begin() + r.begin, all.begin() + r.end);
@@ -175,10 +176,13 @@ TEST(SampleBatch, RowsCarryTheirBansBiasesAndHistories) {
   EXPECT_TRUE(span_of(in.banned, in.controls[2].banned).empty()) << "draw 2 = min_tokens";
   EXPECT_EQ(span_of(in.history, in.controls[1].history), (std::vector<std::int32_t>{7, 8, 3}));
   EXPECT_EQ(span_of(in.history, in.controls[2].history), (std::vector<std::int32_t>{7, 8, 3, 5}));
-  EXPECT_EQ(in.controls[2].prompt_tokens, 2);
-  EXPECT_EQ(in.controls[2].step, 2U);
-  EXPECT_TRUE(span_of(in.history, in.controls[3].history).empty()) << "no penalty, no history";
-  for (std::size_t r = 1; r < 4; ++r) {
+  EXPECT_EQ(span_of(in.history, in.controls[3].history), (std::vector<std::int32_t>{7, 8, 3, 5, 6}));
+  EXPECT_EQ(in.history.size(), 5U) << "one copy for the three rows";
+  EXPECT_EQ(in.controls[3].prompt_tokens, 2);
+  EXPECT_EQ(in.controls[3].step, 3U);
+  EXPECT_EQ(span_of(in.banned, in.controls[4].banned), (std::vector<std::int32_t>{2, 9})) << "draw 0";
+  EXPECT_TRUE(span_of(in.history, in.controls[4].history).empty()) << "no penalty, no history";
+  for (std::size_t r = 1; r < 5; ++r) {
     ASSERT_EQ(in.controls[r].bias.end - in.controls[r].bias.begin, 1);
     EXPECT_EQ(in.biases[static_cast<std::size_t>(in.controls[r].bias.begin)].token, 4);
     EXPECT_TRUE(kernels::adjusts_row(in, r));
