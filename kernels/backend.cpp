@@ -114,4 +114,27 @@ DispatchShape dispatch_shape(const Tensor& experts, const Tensor& weights, const
   return d;
 }
 
+namespace {
+
+void check_range(IndexRange r, std::size_t size, const char* what) {
+  if (r.begin < 0 || r.end < r.begin || static_cast<std::size_t>(r.end) > size)
+    throw std::invalid_argument(std::string("sample: a row's ") + what + " range [" +
+                                std::to_string(r.begin) + ", " + std::to_string(r.end) +
+                                ") lies outside its " + std::to_string(size) + " entries");
+}
+
+}  // namespace
+
+void check_sample_ranges(const SampleControls& c, const SampleInputs& inputs) {
+  check_range(c.banned, inputs.banned.size(), "banned ids");
+  check_range(c.bias, inputs.biases.size(), "logit_bias");
+  check_range(c.history, inputs.history.size(), "history");
+}
+
+bool adjusts_row(const SampleInputs& inputs, std::size_t r) {
+  const SampleControls& c = inputs.controls[r];
+  return !inputs.allowed.empty() || c.banned.end > c.banned.begin || c.bias.end > c.bias.begin ||
+         c.penalized();
+}
+
 }  // namespace capserve::kernels

@@ -313,11 +313,19 @@ class Backend {
   virtual void grouped_expert_ffn(const Tensor& x, std::span<const std::int64_t> offsets,
                                   std::span<const ExpertWeights> experts, const Tensor& out) = 0;
 
-  // tokens[r] (int32 [rows]) drawn from logits [rows, vocab] under controls[r] (host values): greedy takes
-  // the first maximal id; otherwise temperature, top-k (ties to the lower id), top-p, then one draw
-  // determined by (seed, step). A row with a NaN or infinite logit gets non_finite_token(its first such id).
-  virtual void sample(const Tensor& logits, std::span<const SampleControls> controls,
-                      const Tensor& tokens) = 0;
+  // tokens[r] (int32 [rows]) drawn from logits [rows, vocab] under inputs.controls[r] (host values; the
+  // adjustments and their order: kernels/sampling.h): greedy takes the first maximal adjusted logit;
+  // otherwise temperature, min_p, top-k (ties to the lower id), top-p, then one draw determined by (seed,
+  // step). A row with a NaN or infinite raw logit gets non_finite_token(its first such id); a row whose
+  // adjustments leave every logit -inf gets kNoAllowedToken.
+  virtual void sample(const Tensor& logits, const SampleInputs& inputs, const Tensor& tokens) = 0;
+  // adjusted [rows, vocab] (f32, this backend's): logits adjusted under inputs as `sample` adjusts them
+  // before its draw (kernels/sampling.h), all on this backend's device.
+  virtual void adjust_logits(const Tensor& logits, const SampleInputs& inputs, const Tensor& adjusted) = 0;
+  // The same with controls alone (no bitmask, bias, banned ids or penalty history).
+  void sample(const Tensor& logits, std::span<const SampleControls> controls, const Tensor& tokens) {
+    sample(logits, SampleInputs{.controls = controls}, tokens);
+  }
 
   // Log-probabilities (log_softmax: max-subtracted, summed in at least f32) of logits [rows, vocab] without
   // the rows leaving the device: values[r, 0] is that of tokens[r] (int32 [rows]), and for j < k =
@@ -384,5 +392,10 @@ class Backend {
   bool scratch_sealed_ = false;
   bool copies_outstanding_ = false;  // to_host_later since the last wait
 };
+
+// std::invalid_argument unless every range of c lies within its array of `inputs`.
+void check_sample_ranges(const SampleControls& c, const SampleInputs& inputs);
+// Whether row r's logits need adjusting before its draw (a bitmask, banned ids, a bias or a penalty).
+[[nodiscard]] bool adjusts_row(const SampleInputs& inputs, std::size_t r);
 
 }  // namespace capserve::kernels

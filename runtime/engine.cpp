@@ -391,10 +391,14 @@ std::span<const float> Engine::logits() const {
 }
 
 void Engine::sample(std::span<const kernels::SampleControls> controls, std::span<std::int32_t> tokens) {
+  sample(kernels::SampleInputs{.controls = controls}, tokens);
+}
+
+void Engine::sample(const kernels::SampleInputs& inputs, std::span<std::int32_t> tokens) {
   kernels::Backend& backend = model_.backend();
   const kernels::Tensor drawn =
       backend.scratch(tokens_buffer_, kernels::DType::i32, {static_cast<std::int64_t>(tokens.size())});
-  backend.sample(logits_, controls, drawn);
+  backend.sample(logits_, inputs, drawn);
   backend.to_host(drawn, std::as_writable_bytes(tokens), kernels::HostSync::sampled_tokens);
 }
 

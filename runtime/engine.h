@@ -76,6 +76,8 @@ class Engine {
   // tokens[i] drawn from logits row i under controls[i] (Backend::sample); one synchronisation
   // (HostSync::sampled_tokens).
   void sample(std::span<const kernels::SampleControls> controls, std::span<std::int32_t> tokens);
+  // The same with the adjustments of kernels::SampleInputs (runtime::SampleBatch builds them).
+  void sample(const kernels::SampleInputs& inputs, std::span<std::int32_t> tokens);
   // The log-probabilities of tokens[i] (one per logits row: a sampled token, or a prompt's next token) and
   // of each row's top_k most likely tokens (Backend::token_logprobs on the device), into `out`; one
   // synchronisation (HostSync::logprobs) whatever the rows, and never a copy of the logits. A token outside

@@ -14,7 +14,7 @@ Status generate(Engine& engine, std::span<const std::vector<std::int32_t>> promp
   if (params.size() != n)
     return Status::invalid_argument("generate: one SamplingParams per prompt is required");
   for (const SamplingParams& p : params) {
-    if (std::string why = validate_sampling(p); !why.empty()) return Status::invalid_argument(why);
+    if (Status bad = validate_sampling(p); !bad.ok()) return bad;
   }
   const ModelConfig& config = engine.model().config();
   const auto vocab = static_cast<std::size_t>(config.vocab_size);
@@ -24,7 +24,7 @@ Status generate(Engine& engine, std::span<const std::vector<std::int32_t>> promp
   // the whole history it looks up.
   std::vector<std::int32_t> feed(n * static_cast<std::size_t>(k + 1));
   std::vector<std::vector<std::int32_t>> history(drafter != nullptr ? n : 0);
-  std::vector<kernels::SampleControls> controls;
+  SampleBatch batch;
   std::vector<std::int32_t> drawn;
   std::vector<bool> done(n, false);
   std::vector<Engine::Work> work;
@@ -61,15 +61,16 @@ Status generate(Engine& engine, std::span<const std::vector<std::int32_t>> promp
       continue;
     }
     // One draw per logits row: rows j of an item are draws generated + j.
-    controls.clear();
+    batch.clear();
     for (std::size_t w = 0; w < work.size(); ++w) {
       const std::size_t i = owner[w];
       const std::size_t rows = work[w].all_logits ? work[w].tokens.size() : 1;
-      for (std::size_t j = 0; j < rows; ++j)
-        controls.push_back(sample_controls(params[i], out[i].tokens.size() + j));
+      // Row j follows the drafts fed before it (fed tokens 1..j; a prefill's one row follows none).
+      batch.add(params[i], out[i].tokens.size(), prompts[i], out[i].tokens,
+                work[w].tokens.subspan(1, rows - 1), rows);
     }
-    drawn.resize(controls.size());
-    engine.sample(controls, drawn);
+    drawn.resize(batch.rows());
+    engine.sample(batch.inputs(), drawn);
     std::size_t row = 0;
     for (std::size_t w = 0; w < work.size() && status.ok(); ++w) {
       const std::size_t i = owner[w];
@@ -81,9 +82,9 @@ Status generate(Engine& engine, std::span<const std::vector<std::int32_t>> promp
       if (stats != nullptr && !drafts.empty()) stats->record(drafts.size(), kept - 1);
       for (std::size_t j = 0; j < kept && !done[i]; ++j) {
         const std::int32_t token = draws[j];
-        if (kernels::is_non_finite_token(token)) {
-          status = Status::internal("prompt " + std::to_string(i) + ": " +
-                                    non_finite_logits_error(token).message());
+        if (kernels::is_failed_draw(token)) {
+          const Status failed = failed_draw_error(token);
+          status = Status(failed.code(), "prompt " + std::to_string(i) + ": " + failed.message());
           break;
         }
         out[i].tokens.push_back(token);

@@ -1,5 +1,6 @@
 #include "server/inference_service.h"
 
+#include <algorithm>
 #include <memory>
 #include <mutex>
 #include <type_traits>
@@ -109,6 +110,15 @@ SamplingInput sampling_input(const v1::SamplingOptions& s) {
   in.logprobs = s.logprobs();
   in.prompt_logprobs = s.prompt_logprobs();
   in.top_logprobs = s.top_logprobs();
+  if (s.has_min_p()) in.min_p = s.min_p();
+  in.min_tokens = s.min_tokens();
+  in.presence_penalty = s.presence_penalty();
+  in.frequency_penalty = s.frequency_penalty();
+  if (s.has_repetition_penalty()) in.repetition_penalty = s.repetition_penalty();
+  // Sorted by id: a protobuf map's order is unspecified, and the same request should be the same params.
+  for (const auto& [id, bias] : s.logit_bias()) in.logit_bias.push_back({id, bias});
+  std::sort(in.logit_bias.begin(), in.logit_bias.end(),
+            [](const kernels::LogitBias& a, const kernels::LogitBias& b) { return a.token < b.token; });
   return in;
 }
 

@@ -11,6 +11,7 @@
 #include <variant>
 #include <vector>
 
+#include "kernels/sampling.h"
 #include "runtime/chat/chat_template.h"
 #include "server/request.h"
 
@@ -28,8 +29,14 @@ struct SamplingInput {
   std::vector<std::string> stop;
   std::vector<std::int32_t> stop_token_ids;
   bool ignore_eos = false;
-  bool logprobs = false;         // each generated token's log-probability
-  bool prompt_logprobs = false;  // each prompt token's, given its prefix
+  std::int64_t min_tokens = 0;      // stop ids (EOS included) cannot end the output before this many tokens
+  std::optional<double> min_p;      // 0: off
+  double presence_penalty = 0.0;    // [-2, 2]
+  double frequency_penalty = 0.0;   // [-2, 2]
+  double repetition_penalty = 1.0;  // > 0; 1: off
+  std::vector<kernels::LogitBias> logit_bias;  // token id -> bias in [-100, 100]
+  bool logprobs = false;                       // each generated token's log-probability
+  bool prompt_logprobs = false;                // each prompt token's, given its prefix
   std::int64_t top_logprobs = 0;
 };
 

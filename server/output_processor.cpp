@@ -64,6 +64,15 @@ bool OutputProcessor::consume(const SequenceOutput& out, Clock::time_point now) 
       return true;
     }
   }
+  if (s.failure == SequenceFailure::no_allowed_token) {
+    finish(o, Terminal::invalid_argument,
+           "the request's sampling controls (allowed tokens, min_tokens, logit_bias) rule out every token at "
+           "completion token " +
+               std::to_string(o.completion + 1),
+           now);
+    outputs_.erase(it);
+    return true;
+  }
   if (s.failure != SequenceFailure::none) {
     finish(o, Terminal::internal,
            "the model's logits for this request are not finite (NaN or infinity) at completion token " +

@@ -33,20 +33,22 @@ StepResult RankWorker::run(const StepPlan& plan) {
   // Logits rows: one per work item, one per prompt token with prompt_logprobs, one per fed token of a decode
   // verifying drafts. A prefill's token is drawn from its last row (the other rows get greedy draws nobody
   // reads); a decode's row j is draw drawn + j, as the same sequence would draw it without drafts.
-  controls_.clear();
+  // A decode's row j follows the drafts fed before it (fed tokens 1..j), which its penalties count.
+  batch_.clear();
   std::int64_t top_k = 0;
   bool scoring = false;
   for (std::size_t i = 0; i < items_.size(); ++i) {
     const Sequence& seq = sequences_.at(items_[i].id);
     const std::size_t draws = draws_of(i);
-    controls_.insert(controls_.end(), rows_of(i) - draws, kernels::SampleControls{});
-    for (std::size_t j = 0; j < draws; ++j)
-      controls_.push_back(runtime::sample_controls(seq.params, seq.drawn + j));
+    for (std::size_t j = draws; j < rows_of(i); ++j) batch_.add_unread();
+    const std::span<const std::int32_t> drafts =
+        i < prefills_ ? std::span<const std::int32_t>() : work_[i].tokens.subspan(1);
+    batch_.add(seq.params, seq.drawn, seq.prompt, seq.generated, drafts, draws);
     scoring = scoring || seq.params.logprobs || seq.params.prompt_logprobs;
     top_k = std::max<std::int64_t>(top_k, seq.params.top_logprobs);
   }
-  tokens_.resize(controls_.size());
-  engine_.sample(controls_, tokens_);
+  tokens_.resize(batch_.rows());
+  engine_.sample(batch_.inputs(), tokens_);
   if (scoring) score(top_k);
   const auto counts = engine_.moe_counts();
   result.sequences.reserve(items_.size());
@@ -77,8 +79,9 @@ StepResult RankWorker::run(const StepPlan& plan) {
       const std::int32_t token = draws[j];
       // A failed sequence stays until rank 0 frees it with the request it ends (after the tokens kept
       // before).
-      if (kernels::is_non_finite_token(token)) {
-        out.failure = SequenceFailure::non_finite_logits;
+      if (kernels::is_failed_draw(token)) {
+        out.failure = token == kernels::kNoAllowedToken ? SequenceFailure::no_allowed_token
+                                                        : SequenceFailure::non_finite_logits;
         break;
       }
       result.tokens.push_back(token);
@@ -86,6 +89,7 @@ StepResult RankWorker::run(const StepPlan& plan) {
       seq.last = token;
       ++seq.drawn;
       if (drafter_ != nullptr) seq.history.push_back(token);
+      if (seq.params.penalized()) seq.generated.push_back(token);
       if (scoring && seq.params.logprobs) report(id, seq.params.top_logprobs, draw_row + j, false, result);
     }
     // The cache keeps the fed tokens whose draws were kept; the last kept draw is fed next step.
@@ -98,8 +102,12 @@ StepResult RankWorker::run(const StepPlan& plan) {
 void RankWorker::plan_prefills(const StepPlan& plan) {
   for (const SequenceStart& s : plan.starts) {
     if (s.rank != rank_) continue;
-    Sequence seq{
-        .params = s.params, .prompt = s.prompt, .cached = s.cached, .prefilled = s.cached, .history = {}};
+    Sequence seq{.params = s.params,
+                 .prompt = s.prompt,
+                 .cached = s.cached,
+                 .prefilled = s.cached,
+                 .history = {},
+                 .generated = {}};
     if (drafter_ != nullptr) {
       // Room for as many generated tokens as the prompt has before the history grows (amortized).
       seq.history.reserve(2 * s.prompt.size());

@@ -35,8 +35,9 @@ class RankWorker {
     std::int64_t cached = 0;     // prompt tokens its first chunk takes from the prefix cache
     std::int64_t prefilled = 0;  // prompt tokens in the cache (cached ones included)
     std::int32_t last = 0;
-    std::uint64_t drawn = 0;            // tokens sampled so far: the next draw's step
-    std::vector<std::int32_t> history;  // with a drafter: prompt, then the kept tokens
+    std::uint64_t drawn = 0;              // tokens sampled so far: the next draw's step
+    std::vector<std::int32_t> history;    // with a drafter: prompt, then the kept tokens
+    std::vector<std::int32_t> generated;  // with a penalty: the kept tokens, which it counts
   };
   // What work item i is: a prefill chunk of prompt positions [begin, end) (it draws once at the prompt's end,
   // else never), or a decode (it draws from every row).
@@ -76,7 +77,7 @@ class RankWorker {
   std::vector<std::int32_t> feed_;
   std::vector<runtime::DraftSlot> slots_;
   std::vector<std::int64_t> draft_counts_;
-  std::vector<kernels::SampleControls> controls_;
+  runtime::SampleBatch batch_;
   std::vector<std::int32_t> tokens_;
   std::vector<std::int32_t> targets_;
   runtime::TokenLogprobs scores_;

@@ -406,6 +406,31 @@ StatusOr<RequestIntake::Sampling> RequestIntake::sampling(const IntakeRequest& r
   if (!s.ignore_eos)
     params.stop_token_ids.insert(params.stop_token_ids.end(), limits_.eos_token_ids.begin(),
                                  limits_.eos_token_ids.end());
+  params.min_p = static_cast<float>(s.min_p.value_or(0.0));
+  params.presence_penalty = static_cast<float>(s.presence_penalty);
+  params.frequency_penalty = static_cast<float>(s.frequency_penalty);
+  params.repetition_penalty = static_cast<float>(s.repetition_penalty);
+  params.logit_bias = s.logit_bias;
+  // min_tokens beyond what the context leaves is the client's max_tokens's check, not the context's.
+  if (s.min_tokens > max_tokens)
+    return invalid(prefix + "min_tokens: " + std::to_string(s.min_tokens) + " exceeds max_tokens " +
+                       std::to_string(max_tokens),
+                   prefix + "min_tokens");
+  // vLLM also holds stop strings back until min_tokens; the output stream does not yet, so refuse rather than
+  // end early.
+  if (s.min_tokens > 0 && !s.stop.empty())
+    return invalid(prefix + "min_tokens: not supported together with stop strings (stop token ids are)",
+                   prefix + "min_tokens");
+  params.min_tokens = std::min(s.min_tokens, params.max_new_tokens);
+  for (const kernels::LogitBias& b : s.logit_bias) {
+    if (b.token >= limits_.vocab_size)
+      return invalid(prefix + "logit_bias: token " + std::to_string(b.token) +
+                         " is outside the vocabulary [0, " + std::to_string(limits_.vocab_size) + ")",
+                     prefix + "logit_bias");
+  }
+  // The double values narrowed to float are checked as the runtime takes them.
+  if (runtime::Status bad = runtime::validate_sampling(params); !bad.ok())
+    return invalid(prefix + bad.message(), prefix + bad.field());
   return out;
 }
 

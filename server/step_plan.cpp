@@ -75,6 +75,12 @@ void put_params(Writer& w, const runtime::SamplingParams& p) {
   w.put(static_cast<std::uint8_t>(p.logprobs ? 1 : 0));
   w.put(static_cast<std::uint8_t>(p.prompt_logprobs ? 1 : 0));
   w.put(p.top_logprobs);
+  w.put(p.min_p);
+  w.put(p.min_tokens);
+  w.put(p.presence_penalty);
+  w.put(p.frequency_penalty);
+  w.put(p.repetition_penalty);
+  w.put_vector(p.logit_bias);
 }
 
 runtime::SamplingParams get_params(Reader& r) {
@@ -88,6 +94,12 @@ runtime::SamplingParams get_params(Reader& r) {
   p.logprobs = r.get<std::uint8_t>() != 0;
   p.prompt_logprobs = r.get<std::uint8_t>() != 0;
   p.top_logprobs = r.get<std::int32_t>();
+  p.min_p = r.get<float>();
+  p.min_tokens = r.get<std::int64_t>();
+  p.presence_penalty = r.get<float>();
+  p.frequency_penalty = r.get<float>();
+  p.repetition_penalty = r.get<float>();
+  r.get_vector(p.logit_bias);
   return p;
 }
 

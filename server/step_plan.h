@@ -45,7 +45,8 @@ struct StepPlan {
 };
 
 // Why a sequence could not take a token (rank 0 ends its request with an error; the others go on).
-enum class SequenceFailure : std::int32_t { none, non_finite_logits };
+// no_allowed_token: the request's controls (allowed tokens, min_tokens, logit_bias) ruled out every token.
+enum class SequenceFailure : std::int32_t { none, non_finite_logits, no_allowed_token };
 
 // One sequence's outcome of the step on its rank.
 struct SequenceResult {

@@ -36,7 +36,9 @@ class CpuBackend : public Backend {
                         const Tensor& kv_b, const LatentAttentionParams& params, const Tensor& out) override;
   void grouped_expert_ffn(const Tensor& x, std::span<const std::int64_t> offsets,
                           std::span<const ExpertWeights> experts, const Tensor& out) override;
-  void sample(const Tensor& logits, std::span<const SampleControls> controls, const Tensor& tokens) override;
+  using Backend::sample;
+  void sample(const Tensor& logits, const SampleInputs& inputs, const Tensor& tokens) override;
+  void adjust_logits(const Tensor& logits, const SampleInputs& inputs, const Tensor& adjusted) override;
   void token_logprobs(const Tensor& logits, const Tensor& tokens, const Tensor& values,
                       const Tensor& top_ids) override;
   void route(const moe::RouterParams& params, const Tensor& logits, const Tensor& bias, const Tensor& probs,
@@ -65,6 +67,8 @@ class CpuBackend : public Backend {
  private:
   // group_received in the block layout (ReceivedGroups::entry_counts).
   void group_received_blocks(const ReceivedGroups& g);
+  // sample: row r's raw logits adjusted by its controls (kernels/sampling.h) into out.
+  void adjust_row(std::span<const float> raw, const SampleInputs& in, std::size_t r, std::span<float> out);
   int num_threads_;
   // Grow-only scratch, reused across calls so a step allocates nothing once warm.
   std::vector<float> widened_weight_;
@@ -85,9 +89,12 @@ class CpuBackend : public Backend {
   std::vector<std::uint64_t> capacity_workspace_;
   std::vector<std::int32_t> dest_, first_dest_, entry_token_;
   std::vector<std::int64_t> entry_position_, row_chunks_, entry_chunks_, group_chunks_;
-  // sample: one row's candidate ids and their weights.
+  // sample: one row's adjusted logits, its candidate ids and their weights; per token id its generated count
+  // and flags while a row's penalties are applied (all zero between rows).
+  std::vector<float> adjusted_;
   std::vector<std::int32_t> sample_order_;
   std::vector<float> sample_probs_;
+  std::vector<std::int32_t> counts_;
   // token_logprobs: one row's ids, its top-k first.
   std::vector<std::int32_t> logprob_order_;
 };

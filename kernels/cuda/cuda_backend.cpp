@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <bit>
+#include <limits>
+#include <numeric>
 #include <stdexcept>
 #include <string>
 
@@ -454,17 +456,130 @@ void CudaBackend::grouped_expert_ffn(const Tensor& x, std::span<const std::int64
   }
 }
 
-void CudaBackend::sample(const Tensor& logits, std::span<const SampleControls> controls,
-                         const Tensor& tokens) {
+cuda::DeviceSampleInputs CudaBackend::stage_sample_inputs(const SampleInputs& inputs, std::int64_t rows,
+                                                          std::int64_t vocab) {
+  if (static_cast<std::int64_t>(inputs.controls.size()) != rows ||
+      (!inputs.allowed.empty() &&
+       static_cast<std::int64_t>(inputs.allowed.size()) != rows * allowed_words(vocab)))
+    throw std::invalid_argument("CudaBackend::sample: " + std::to_string(inputs.controls.size()) +
+                                " controls and " + std::to_string(inputs.allowed.size()) +
+                                " bitmask words for " + std::to_string(rows) + " rows of vocabulary " +
+                                std::to_string(vocab));
+  for (const SampleControls& c : inputs.controls) check_sample_ranges(c, inputs);
+  return {.controls = stage(inputs.controls),
+          .history = nullptr,
+          .history_offset = 0,
+          .banned = inputs.banned.empty() ? nullptr : stage(inputs.banned),
+          .biases = inputs.biases.empty() ? nullptr : stage(inputs.biases),
+          .allowed = inputs.allowed.empty() ? nullptr : stage(inputs.allowed)};
+}
+
+namespace {
+
+// The entries of inputs.history the penalized ones of `rows` read: from the lowest start to the highest end
+// of theirs (SampleBatch lays them out in row order, so about their sum); empty when none is penalized.
+IndexRange history_extent(const SampleInputs& inputs, std::span<const std::int32_t> rows) {
+  IndexRange extent{std::numeric_limits<std::int64_t>::max(), 0};
+  for (const std::int32_t r : rows) {
+    const SampleControls& c = inputs.controls[static_cast<std::size_t>(r)];
+    if (!c.penalized()) continue;
+    extent.begin = std::min(extent.begin, c.history.begin);
+    extent.end = std::max(extent.end, c.history.end);
+  }
+  return extent.end == 0 ? IndexRange{} : extent;
+}
+
+}  // namespace
+
+std::int64_t CudaBackend::sample_chunk_rows(const SampleInputs& inputs, std::int64_t first) const {
+  const auto end = std::min(first + kSampleChunkRows, static_cast<std::int64_t>(sample_rows_.size()));
+  const auto limit = static_cast<std::int64_t>(staging_->chunk_bytes() / sizeof(std::int32_t));
+  const std::span<const std::int32_t> rows(sample_rows_);
+  // The row that would take the chunk's histories past one staging chunk starts the next chunk.
+  for (std::int64_t b = first + 1; b < end; ++b) {
+    const IndexRange extent = history_extent(
+        inputs, rows.subspan(static_cast<std::size_t>(first), static_cast<std::size_t>(b + 1 - first)));
+    if (extent.end - extent.begin > limit) return b - first;
+  }
+  return end - first;
+}
+
+cuda::DeviceSampleInputs CudaBackend::with_history(cuda::DeviceSampleInputs device,
+                                                   const SampleInputs& inputs, std::int64_t first,
+                                                   std::int64_t count) {
+  const IndexRange extent =
+      history_extent(inputs, std::span<const std::int32_t>(sample_rows_)
+                                 .subspan(static_cast<std::size_t>(first), static_cast<std::size_t>(count)));
+  if (extent.end == extent.begin) return device;
+  const std::span<const std::int32_t> part = inputs.history.subspan(
+      static_cast<std::size_t>(extent.begin), static_cast<std::size_t>(extent.end - extent.begin));
+  if (part.size_bytes() > staging_->chunk_bytes())
+    throw std::length_error("CudaBackend::sample: a row's " + std::to_string(part.size()) +
+                            " tokens of penalty history exceed the staging chunk of " +
+                            std::to_string(staging_->chunk_bytes()) + " bytes");
+  device.history = stage(part);
+  device.history_offset = extent.begin;
+  return device;
+}
+
+Tensor CudaBackend::sample_chunk_counts(std::int64_t vocab) {
+  return scratch(sample_counts_, DType::i32, {kSampleChunkRows, vocab});
+}
+
+void CudaBackend::adjust_logits(const Tensor& logits, const SampleInputs& inputs, const Tensor& adjusted) {
+  enter({&logits, &adjusted});
+  const std::int64_t rows = logits.dims() == 0 ? 0 : logits.dim(0);
+  const std::int64_t vocab = logits.row_numel();
+  if (adjusted.numel() != logits.numel())
+    throw std::invalid_argument("CudaBackend::adjust_logits: logits " + logits.shape_text() + ", adjusted " +
+                                adjusted.shape_text());
+  const Tensor counts = sample_chunk_counts(vocab);
+  if (rows == 0) return;
+  const cuda::DeviceSampleInputs device = stage_sample_inputs(inputs, rows, vocab);
+  sample_rows_.resize(static_cast<std::size_t>(rows));
+  std::iota(sample_rows_.begin(), sample_rows_.end(), 0);
+  const std::int32_t* row_ids = stage(std::span<const std::int32_t>(sample_rows_));
+  for (std::int64_t first = 0, count = 0; first < rows; first += count) {
+    count = sample_chunk_rows(inputs, first);
+    cuda::adjust_logits(f32(logits), vocab, with_history(device, inputs, first, count), row_ids + first,
+                        count, f32(adjusted) + first * vocab, counts.ptr<std::int32_t>(), stream_);
+  }
+}
+
+void CudaBackend::sample(const Tensor& logits, const SampleInputs& inputs, const Tensor& tokens) {
   enter({&logits, &tokens});
   const std::int64_t rows = logits.dims() == 0 ? 0 : logits.dim(0);
-  if (static_cast<std::int64_t>(controls.size()) != rows || tokens.numel() != rows)
-    throw std::invalid_argument("CudaBackend::sample: logits " + logits.shape_text() + ", " +
-                                std::to_string(controls.size()) + " controls, tokens " + tokens.shape_text());
-  if (rows == 0) return;
   const std::int64_t vocab = logits.row_numel();
-  cuda::sample(f32(logits), rows, vocab, stage(controls), tokens.ptr<std::int32_t>(), stream_);
-  mark_non_finite_rows(f32(logits), rows, vocab, tokens.ptr<std::int32_t>(), stream_);
+  if (tokens.numel() != rows)
+    throw std::invalid_argument("CudaBackend::sample: logits " + logits.shape_text() + ", " +
+                                std::to_string(inputs.controls.size()) + " controls, tokens " +
+                                tokens.shape_text());
+  // Sized on every call (a fixed chunk of rows, whatever the step), so that the engine's start-up step sizes
+  // them before it seals the scratch.
+  const Tensor adjusted = scratch(sample_adjusted_, DType::f32, {kSampleChunkRows, vocab});
+  const Tensor counts = sample_chunk_counts(vocab);
+  if (rows == 0) return;
+  const cuda::DeviceSampleInputs device = stage_sample_inputs(inputs, rows, vocab);
+  std::int32_t* drawn = tokens.ptr<std::int32_t>();
+  // Every row from its raw logits, then the rows with adjustments again, a chunk at a time, from their
+  // adjusted ones (a chunk's scratch is reused once the stream has sampled it).
+  cuda::sample(f32(logits), rows, vocab, device.controls, drawn, stream_);
+  sample_rows_.clear();
+  for (std::int64_t r = 0; r < rows; ++r) {
+    if (adjusts_row(inputs, static_cast<std::size_t>(r)))
+      sample_rows_.push_back(static_cast<std::int32_t>(r));
+  }
+  if (!sample_rows_.empty()) {
+    const std::int32_t* row_ids = stage(std::span<const std::int32_t>(sample_rows_));
+    const auto adjusted_rows = static_cast<std::int64_t>(sample_rows_.size());
+    for (std::int64_t first = 0, count = 0; first < adjusted_rows; first += count) {
+      count = sample_chunk_rows(inputs, first);
+      cuda::adjust_logits(f32(logits), vocab, with_history(device, inputs, first, count), row_ids + first,
+                          count, f32(adjusted), counts.ptr<std::int32_t>(), stream_);
+      cuda::sample(f32(adjusted), count, vocab, device.controls, drawn, stream_, row_ids + first);
+    }
+  }
+  mark_non_finite_rows(f32(logits), rows, vocab, drawn, stream_);
 }
 
 void CudaBackend::token_logprobs(const Tensor& logits, const Tensor& tokens, const Tensor& values,

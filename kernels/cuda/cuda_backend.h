@@ -66,7 +66,9 @@ class CudaBackend final : public Backend {
                         const Tensor& kv_b, const LatentAttentionParams& params, const Tensor& out) override;
   void grouped_expert_ffn(const Tensor& x, std::span<const std::int64_t> offsets,
                           std::span<const ExpertWeights> experts, const Tensor& out) override;
-  void sample(const Tensor& logits, std::span<const SampleControls> controls, const Tensor& tokens) override;
+  using Backend::sample;
+  void sample(const Tensor& logits, const SampleInputs& inputs, const Tensor& tokens) override;
+  void adjust_logits(const Tensor& logits, const SampleInputs& inputs, const Tensor& adjusted) override;
   void token_logprobs(const Tensor& logits, const Tensor& tokens, const Tensor& values,
                       const Tensor& top_ids) override;
   void route(const moe::RouterParams& params, const Tensor& logits, const Tensor& bias, const Tensor& probs,
@@ -102,6 +104,9 @@ class CudaBackend final : public Backend {
   // Host values on the device (staging_'s device mirror), queued on the stream.
   template <typename T>
   const T* stage(std::span<const T> host);
+  // inputs checked against logits [rows, vocab] and staged on the device.
+  cuda::DeviceSampleInputs stage_sample_inputs(const SampleInputs& inputs, std::int64_t rows,
+                                               std::int64_t vocab);
   void run_linear(const float* x, std::int64_t m, std::int64_t k, const Tensor& w, const Tensor& bias,
                   float* y);
 
@@ -125,6 +130,18 @@ class CudaBackend final : public Backend {
   // entry places; each permute's per-chunk bases.
   Buffer capacity_workspace_, dest_, first_dest_, entry_position_, entry_token_, row_chunks_, entry_chunks_,
       group_chunks_;
+  // sample: rows with adjustments go kSampleChunkRows at a time through the adjusted logits and the
+  // penalties' per-token counts ([kSampleChunkRows, vocab] each, whatever the step's rows); their ids.
+  static constexpr std::int64_t kSampleChunkRows = 64;
+  [[nodiscard]] Tensor sample_chunk_counts(std::int64_t vocab);
+  // How many of the rows sample_rows_[first, ...) go through the scratch together: at most kSampleChunkRows,
+  // and no more than one staging chunk of penalty history.
+  [[nodiscard]] std::int64_t sample_chunk_rows(const SampleInputs& inputs, std::int64_t first) const;
+  // device with the penalty histories of rows sample_rows_[first, first + count) staged.
+  cuda::DeviceSampleInputs with_history(cuda::DeviceSampleInputs device, const SampleInputs& inputs,
+                                        std::int64_t first, std::int64_t count);
+  Buffer sample_adjusted_, sample_counts_;
+  std::vector<std::int32_t> sample_rows_;
   std::unique_ptr<HostStaging> staging_;
   HostReadback readback_;
 };

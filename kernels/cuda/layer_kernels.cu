@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <cmath>
 #include <stdexcept>
 #include <string>
 
@@ -176,6 +177,53 @@ __global__ void __launch_bounds__(kLogprobThreads)
 }
 
 constexpr int kSampleThreads = 512;
+constexpr int kAdjustThreads = 256;
+constexpr float kMinusInf = -INFINITY;
+
+// Block b adjusts logits row rows[b] (kernels/sampling.h's order) into row b of adjusted. Each adjustment is
+// one block-wide pass with a barrier after it, so a later one reads what the earlier wrote. A penalized row
+// counts its history into row b of counts (generated count, flag for the prompt) first.
+__global__ void __launch_bounds__(kAdjustThreads)
+    adjust_logits_kernel(const float* logits, std::int64_t vocab, DeviceSampleInputs in,
+                         const std::int32_t* rows, float* adjusted, std::int32_t* counts) {
+  constexpr std::int32_t kInPrompt = 1 << 30;
+  const std::int64_t row = rows[blockIdx.x];
+  const SampleControls c = in.controls[row];
+  const float* lr = logits + row * vocab;
+  float* out = adjusted + static_cast<std::int64_t>(blockIdx.x) * vocab;
+  std::int32_t* count = counts + static_cast<std::int64_t>(blockIdx.x) * vocab;
+  const std::int32_t* mask = in.allowed == nullptr ? nullptr : in.allowed + row * allowed_words(vocab);
+  const bool penalized = c.penalized();
+  for (std::int64_t i = threadIdx.x; i < vocab; i += blockDim.x) {
+    out[i] = mask != nullptr && !allowed_bit(mask, i) ? kMinusInf : lr[i];
+    if (penalized) count[i] = 0;
+  }
+  __syncthreads();
+  for (std::int64_t j = c.banned.begin + threadIdx.x; j < c.banned.end; j += blockDim.x) {
+    const std::int32_t id = in.banned[j];
+    if (id >= 0 && id < vocab) out[id] = kMinusInf;
+  }
+  __syncthreads();
+  for (std::int64_t j = c.bias.begin + threadIdx.x; j < c.bias.end; j += blockDim.x) {
+    const LogitBias b = in.biases[j];
+    if (b.token >= 0 && b.token < vocab) out[b.token] += b.bias;
+  }
+  if (!penalized) return;
+  for (std::int64_t j = c.history.begin + threadIdx.x; j < c.history.end; j += blockDim.x) {
+    const std::int32_t id = in.history[j - in.history_offset];
+    if (id < 0 || id >= vocab) continue;
+    if (j - c.history.begin < c.prompt_tokens) {
+      atomicOr(&count[id], kInPrompt);
+    } else {
+      atomicAdd(&count[id], 1);
+    }
+  }
+  __syncthreads();
+  for (std::int64_t i = threadIdx.x; i < vocab; i += blockDim.x) {
+    const std::int32_t n = count[i];
+    if (n != 0) out[i] = penalize(out[i], n & (kInPrompt - 1), (n & kInPrompt) != 0, c);
+  }
+}
 
 // A token's sampling weight (in (0, 1]: its exp relative to the best token's) as a fixed-point integer: 2^31
 // units for weight 1, so the sum over a vocabulary of up to 2^32 tokens fits 63 bits. Weights below 2^-31
@@ -186,7 +234,7 @@ __device__ unsigned long long mass_units(float weight) {
 
 __global__ void __launch_bounds__(kSampleThreads)
     sample_kernel(const float* logits, std::int64_t vocab, const SampleControls* controls,
-                  std::int32_t* tokens) {
+                  const std::int32_t* rows, std::int32_t* tokens) {
   __shared__ float fscratch[kSampleThreads / kWarp];
   __shared__ std::uint64_t kscratch[kSampleThreads / kWarp];
   __shared__ unsigned long long hist[moe::kRadixBuckets];
@@ -195,7 +243,8 @@ __global__ void __launch_bounds__(kSampleThreads)
   __shared__ float partial[kSampleThreads];
   __shared__ std::int64_t chosen;
   const float* lr = logits + static_cast<std::int64_t>(blockIdx.x) * vocab;
-  const SampleControls c = controls[blockIdx.x];
+  const std::int64_t row = rows == nullptr ? blockIdx.x : rows[blockIdx.x];
+  const SampleControls c = controls[row];
 
   std::uint64_t best = 0;
   for (std::int64_t i = threadIdx.x; i < vocab; i += blockDim.x) {
@@ -203,18 +252,37 @@ __global__ void __launch_bounds__(kSampleThreads)
     best = k > best ? k : best;
   }
   best = block_max_u64(best, kscratch);
+  // Every logit -inf: the adjustments ruled out every token (a NaN row is marked after).
+  if (lr[key_id(best)] == kMinusInf) {
+    if (threadIdx.x == 0) tokens[row] = kNoAllowedToken;
+    return;
+  }
   if (c.temperature == 0.0F) {
-    if (threadIdx.x == 0) tokens[blockIdx.x] = static_cast<std::int32_t>(key_id(best));
+    if (threadIdx.x == 0) tokens[row] = static_cast<std::int32_t>(key_id(best));
     return;
   }
   const float inv_t = 1.0F / c.temperature;
   const float top = lr[key_id(best)] * inv_t;
 
+  // The floor: the lowest key of a token that is allowed (not -inf) and that min_p keeps (weight relative to
+  // the best one's; the best one always). Those tokens are a prefix of the order, as top-k's are, so each
+  // filter is a key threshold and together the larger one. The block's minimum key, as the maximum of the
+  // complemented keys.
+  std::uint64_t low = 0;
+  for (std::int64_t i = threadIdx.x; i < vocab; i += blockDim.x) {
+    if (i == key_id(best) ||
+        (lr[i] != kMinusInf && (c.min_p <= 0.0F || expf(lr[i] * inv_t - top) >= c.min_p))) {
+      const std::uint64_t k = ~logit_key(lr[i], i);
+      low = k > low ? k : low;
+    }
+  }
+  const std::uint64_t floor = ~block_max_u64(low, kscratch);
+
   // Top-k: the k largest keys, by radix select. Every thread resolves its own copy of the selection from the
   // same shared histogram, so all reach the same threshold; a selection in shared memory written by one
   // thread let the compiler hoist the other threads' read of it above that thread's write (racecheck on an
   // H100).
-  std::uint64_t threshold = kNumberKeys;
+  std::uint64_t threshold = floor > kNumberKeys ? floor : kNumberKeys;
   if (c.top_k > 0 && c.top_k < vocab) {
     moe::SelectState select = moe::begin_select(vocab, c.top_k);
     for (int shift = 64 - moe::kRadixBits; shift >= 0; shift -= moe::kRadixBits) {
@@ -315,7 +383,7 @@ __global__ void __launch_bounds__(kSampleThreads)
     }
   }
   __syncthreads();
-  if (threadIdx.x == 0) tokens[blockIdx.x] = static_cast<std::int32_t>(chosen);
+  if (threadIdx.x == 0) tokens[row] = static_cast<std::int32_t>(chosen);
 }
 
 }  // namespace
@@ -466,13 +534,22 @@ void token_logprobs(const float* logits, std::int64_t rows, std::int64_t vocab, 
   CAPSERVE_CUDA_CHECK_LAUNCH();
 }
 
+void adjust_logits(const float* logits, std::int64_t vocab, const DeviceSampleInputs& inputs,
+                   const std::int32_t* rows, std::int64_t count, float* adjusted, std::int32_t* counts,
+                   cudaStream_t stream) {
+  if (count <= 0) return;
+  launch(adjust_logits_kernel, static_cast<unsigned>(count), kAdjustThreads, 0, stream, logits, vocab, inputs,
+         rows, adjusted, counts);
+  CAPSERVE_CUDA_CHECK_LAUNCH();
+}
+
 void sample(const float* logits, std::int64_t rows, std::int64_t vocab, const SampleControls* controls,
-            std::int32_t* tokens, cudaStream_t stream) {
+            std::int32_t* tokens, cudaStream_t stream, const std::int32_t* row_ids) {
   if (rows <= 0) return;
   if (vocab <= 0 || vocab > static_cast<std::int64_t>(moe::kLow32))
     throw std::invalid_argument("sample: vocab size");
   launch(sample_kernel, static_cast<unsigned>(rows), kSampleThreads, 0, stream, logits, vocab, controls,
-         tokens);
+         row_ids, tokens);
   CAPSERVE_CUDA_CHECK_LAUNCH();
 }
 

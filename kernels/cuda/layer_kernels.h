@@ -89,13 +89,31 @@ void kv_store(const DeviceAttentionBatch& batch, const float* k, const float* v,
 void paged_attention(const DeviceAttentionBatch& batch, const float* q, const DeviceKvLayer& cache,
                      const AttentionParams& params, float* out, cudaStream_t stream);
 
-// tokens[r] sampled from logits [rows, vocab] under controls[r] (kernels/sampling.h; device arrays). NaN
-// logits are never chosen (a row of only NaN gives id 0). Greedy takes the first maximal id, as the CPU
-// sampler; otherwise temperature, then top-k (ties to the lower id), then top-p, and a draw from a
+// kernels::SampleInputs's arrays on the device; allowed is null when every token is allowed.
+struct DeviceSampleInputs {
+  const SampleControls* controls = nullptr;
+  // Entries [history_offset, ...) of SampleInputs::history: the rows being adjusted stage only theirs.
+  const std::int32_t* history = nullptr;
+  std::int64_t history_offset = 0;
+  const std::int32_t* banned = nullptr;
+  const LogitBias* biases = nullptr;
+  const std::int32_t* allowed = nullptr;
+};
+
+// Row b of adjusted [count, vocab]: logits row rows[b] adjusted under inputs (kernels/sampling.h: bitmask,
+// banned ids, logit_bias, penalties), all on the device; counts is int32 scratch [count, vocab].
+void adjust_logits(const float* logits, std::int64_t vocab, const DeviceSampleInputs& inputs,
+                   const std::int32_t* rows, std::int64_t count, float* adjusted, std::int32_t* counts,
+                   cudaStream_t stream);
+
+// tokens[r] for r = row_ids[b] (or b when row_ids is null) sampled from row b of logits [rows, vocab] under
+// controls[r] (kernels/sampling.h; device arrays). NaN logits are never chosen (a row of only NaN gives id
+// 0), nor -inf ones (a row of only -inf gives kNoAllowedToken). Greedy takes the first maximal id, as the CPU
+// sampler; otherwise temperature, min_p, then top-k (ties to the lower id), then top-p, and a draw from a
 // counter-based generator: the same distribution as the CPU sampler, not the same stream. A (seed, step)
 // draws the same token on every run: no sum depends on the order threads run in.
 void sample(const float* logits, std::int64_t rows, std::int64_t vocab, const SampleControls* controls,
-            std::int32_t* tokens, cudaStream_t stream);
+            std::int32_t* tokens, cudaStream_t stream, const std::int32_t* row_ids = nullptr);
 
 // Backend::token_logprobs on device arrays: values [rows, 1 + top_k] (the tokens' log-probabilities, then the
 // top ones'), top_ids [rows, top_k], in the sampler's order (larger logit first, ties to the lower id, NaN

@@ -1,6 +1,7 @@
 #include "server/http/openai_request.h"
 
 #include <algorithm>
+#include <charconv>
 #include <climits>
 #include <initializer_list>
 #include <optional>
@@ -56,9 +57,9 @@ StatusOr<std::optional<bool>> bool_field(const json& body, const char* name) {
   return std::optional(v.get<bool>());
 }
 
-// The top-level fields each endpoint accepts: those this file reads (a few only to refuse values the server
-// does not act on, e.g. a non-zero presence_penalty), and kNoOpFields. Anything else is refused naming it, so
-// that no field the server does not act on is silently ignored. server/README.md lists the same.
+// The top-level fields each endpoint accepts: those this file reads, and kNoOpFields. Anything else is
+// refused naming it, so that no field the server does not act on is silently ignored. server/README.md lists
+// the same.
 constexpr std::string_view kBothEndpoints[] = {"model",
                                                "temperature",
                                                "top_p",
@@ -71,6 +72,10 @@ constexpr std::string_view kBothEndpoints[] = {"model",
                                                "presence_penalty",
                                                "frequency_penalty",
                                                "repetition_penalty",
+                                               "min_p",
+                                               "min_tokens",
+                                               "logit_bias",
+                                               "stop_token_ids",
                                                "logprobs",
                                                "top_logprobs",
                                                "echo",
@@ -96,8 +101,7 @@ constexpr std::string_view kNoOpFields[] = {"user",
                                             "prompt_cache_key",
                                             "prompt_cache_retention"};
 // Fields the server will act on but does not yet: refused, so that a client never believes them applied.
-constexpr std::string_view kNotYetFields[] = {"response_format", "logit_bias", "min_p", "min_tokens",
-                                              "stop_token_ids"};
+constexpr std::string_view kNotYetFields[] = {"response_format"};
 
 using Names = std::span<const std::string_view>;
 
@@ -137,6 +141,42 @@ Status check_fields(const json& body, Endpoint endpoint) {
   return Status();
 }
 
+// logit_bias: OpenAI's map of token ids (decimal strings) to a bias in [-100, 100].
+StatusOr<std::vector<kernels::LogitBias>> read_logit_bias(const json& body) {
+  std::vector<kernels::LogitBias> biases;
+  if (!present(body, "logit_bias")) return biases;
+  const json& map = body["logit_bias"];
+  if (!map.is_object()) return bad("logit_bias: must be an object of token ids to biases", "logit_bias");
+  for (const auto& [key, value] : map.items()) {
+    std::int32_t id = 0;
+    const char* end = key.data() + key.size();
+    const auto [at, error] = std::from_chars(key.data(), end, id);
+    if (key.empty() || error != std::errc() || at != end || id < 0)
+      return bad("logit_bias: key \"" + key + "\" is not a token id", "logit_bias");
+    if (!value.is_number())
+      return bad("logit_bias: the bias of token " + key + " must be a number", "logit_bias");
+    const double bias = value.get<double>();
+    if (!(bias >= -100.0 && bias <= 100.0))
+      return bad("logit_bias: the bias of token " + key + " must be in [-100, 100]", "logit_bias");
+    biases.push_back({id, static_cast<float>(bias)});
+  }
+  return biases;
+}
+
+// stop_token_ids: vLLM's list of token ids that end the output (kept in it).
+StatusOr<std::vector<std::int32_t>> read_stop_token_ids(const json& body) {
+  std::vector<std::int32_t> ids;
+  if (!present(body, "stop_token_ids")) return ids;
+  const json& list = body["stop_token_ids"];
+  if (!list.is_array()) return bad("stop_token_ids: must be a list of token ids", "stop_token_ids");
+  for (const json& id : list) {
+    if (!id.is_number_integer() || id.get<std::int64_t>() < 0 || id.get<std::int64_t>() > INT32_MAX)
+      return bad("stop_token_ids: every entry must be a token id (an integer >= 0)", "stop_token_ids");
+    ids.push_back(static_cast<std::int32_t>(id.get<std::int64_t>()));
+  }
+  return ids;
+}
+
 // The sampling fields common to both endpoints (log-probabilities apart).
 StatusOr<SamplingInput> read_sampling(const json& body, Endpoint endpoint) {
   SamplingInput s;
@@ -168,16 +208,27 @@ StatusOr<SamplingInput> read_sampling(const json& body, Endpoint endpoint) {
   const auto ignore_eos = bool_field(body, "ignore_eos");
   if (!ignore_eos.ok()) return ignore_eos.status();
   s.ignore_eos = ignore_eos->value_or(false);
-  for (const char* name : {"presence_penalty", "frequency_penalty"}) {
+  for (const auto& [name, value] : {std::pair{"presence_penalty", &s.presence_penalty},
+                                    std::pair{"frequency_penalty", &s.frequency_penalty},
+                                    std::pair{"repetition_penalty", &s.repetition_penalty}}) {
     const auto penalty = number_field(body, name);
     if (!penalty.ok()) return penalty.status();
-    if (penalty->value_or(0) != 0)
-      return bad(std::string(name) + ": not supported by this server (only 0)", name);
+    if (*penalty) *value = **penalty;
   }
-  const auto repetition = number_field(body, "repetition_penalty");
-  if (!repetition.ok()) return repetition.status();
-  if (repetition->value_or(1) != 1)
-    return bad("repetition_penalty: not supported by this server (only 1)", "repetition_penalty");
+  const auto min_p = number_field(body, "min_p");
+  if (!min_p.ok()) return min_p.status();
+  s.min_p = *min_p;
+  const auto min_tokens = int_field(body, "min_tokens");
+  if (!min_tokens.ok()) return min_tokens.status();
+  s.min_tokens = min_tokens->value_or(0);
+  if (s.min_tokens < 0)
+    return bad("min_tokens: must be >= 0, got " + std::to_string(s.min_tokens), "min_tokens");
+  StatusOr<std::vector<kernels::LogitBias>> biases = read_logit_bias(body);
+  if (!biases.ok()) return std::move(biases).take_status();
+  s.logit_bias = std::move(*biases);
+  StatusOr<std::vector<std::int32_t>> stop_ids = read_stop_token_ids(body);
+  if (!stop_ids.ok()) return std::move(stop_ids).take_status();
+  s.stop_token_ids = std::move(*stop_ids);
   if (present(body, "stop")) {
     const json& stop = body["stop"];
     if (stop.is_string()) {

@@ -254,7 +254,7 @@ class OpenAiApiTest(ServerTestCase):
             ("echo", 400, "/v1/chat/completions", {**chat, "echo": True}),
             ("logprobs", 400, "/v1/completions", {"prompt": "Hi", "logprobs": 21}),
             ("logprobs", 400, "/v1/completions", {"prompt": "Hi", "logprobs": True}),
-            ("frequency_penalty", 400, "/v1/completions", {"prompt": "Hi", "frequency_penalty": 0.5}),
+            ("frequency_penalty", 400, "/v1/completions", {"prompt": "Hi", "frequency_penalty": 2.5}),
             ("prompt", 400, "/v1/completions", {"prompt": [1, 10**9]}),
             ("prompt", 400, "/v1/completions", {"prompt": [[1], "x", {}]}),
             ("prompt", 400, "/v1/completions", {}),

@@ -292,10 +292,20 @@ class OpenAiConformance(ServerTestCase):
             "stream": lambda p: self.changed(p, "stream", {"stream": True}),
             "stream_options": lambda p: self.changed(p, "stream_options", {"stream_options": {"include_usage": True}},
                                                      {**self.base(p), "stream": True}),
-            # Until the sampling work lands, only the neutral values are accepted; any other is a 400.
-            "presence_penalty": lambda p: self.changed(p, "presence_penalty", {"presence_penalty": 0.5}),
-            "frequency_penalty": lambda p: self.changed(p, "frequency_penalty", {"frequency_penalty": 0.5}),
-            "repetition_penalty": lambda p: self.changed(p, "repetition_penalty", {"repetition_penalty": 1.2}),
+            # Greedy output of 16 tokens repeats itself: the penalties change it.
+            "presence_penalty": lambda p: self.changed(p, "presence_penalty", {"presence_penalty": 2.0},
+                                                       {**self.base(p), "max_tokens": 16}),
+            "frequency_penalty": lambda p: self.changed(p, "frequency_penalty", {"frequency_penalty": 2.0},
+                                                        {**self.base(p), "max_tokens": 16}),
+            "repetition_penalty": lambda p: self.changed(p, "repetition_penalty", {"repetition_penalty": 2.0},
+                                                         {**self.base(p), "max_tokens": 16}),
+            "min_p": lambda p: self.changed(p, "min_p", {"min_p": 0.99}, {**self.base(p), **sampled}),
+            "logit_bias": lambda p: self.changed(p, "logit_bias", {"logit_bias": {"42": 100}}),
+            # The base output holds token ids; making its first one a stop id ends the output there.
+            "stop_token_ids": self.stop_token_ids_change,
+            # min_tokens blocks the stop ids until that many tokens are out: with an output token as a stop
+            # id, min_tokens = max_tokens lets the output run past it.
+            "min_tokens": self.min_tokens_changes,
             "tools": lambda p: self.changed(p, "tools", {"tools": TOOLS}),
             # "none" hides the tools from the template.
             "tool_choice": lambda p: self.changed(p, "tool_choice", {"tool_choice": "none"},
@@ -320,6 +330,28 @@ class OpenAiConformance(ServerTestCase):
                     self.assertIn(field, effects, "the README accepts a field no test shows acting")
                     effects[field](path)
 
+    def first_token(self, path):
+        """The id of the first token of the base output whose text tokenizes back to it alone."""
+        status, body = self.post(path, {**self.base(path), "logprobs": True if path == CHAT else 0})
+        self.assertEqual(status, 200, body)
+        choice = body["choices"][0]
+        texts = ([e["token"] for e in choice["logprobs"]["content"]] if path == CHAT
+                 else choice["logprobs"]["tokens"])
+        for text in texts:
+            status, ids = self.post("/tokenize", {"prompt": text, "add_special_tokens": False})
+            self.assertEqual(status, 200, ids)
+            if len(ids["tokens"]) == 1:
+                return ids["tokens"][0]
+        self.fail(f"no output token of {texts} tokenizes back to itself")
+
+    def stop_token_ids_change(self, path):
+        before, after = self.changed(path, "stop_token_ids", {"stop_token_ids": [self.first_token(path)]})
+        self.assertEqual(after[1]["choices"][0]["finish_reason"], "stop")
+
+    def min_tokens_changes(self, path):
+        base = {**self.base(path), "stop_token_ids": [self.first_token(path)]}
+        self.changed(path, "min_tokens", {"min_tokens": base["max_tokens"]}, base)
+
     def stop_changes(self, path):
         status, body = self.post(path, self.base(path))
         self.assertEqual(status, 200, body)
@@ -342,12 +374,12 @@ class OpenAiConformance(ServerTestCase):
 
     def test_other_fields_are_refused_naming_them(self):
         accepted = set(readme_fields("#### Accepted request fields")) | set(readme_fields("#### No-op request fields"))
-        for path, field, value in [(CHAT, "response_format", {"type": "json_object"}), (CHAT, "logit_bias", {"5": 1}),
+        for path, field, value in [(CHAT, "response_format", {"type": "json_object"}),
                                    (CHAT, "tool_choice", "required"),
                                    (CHAT, "reasoning_effort", "low"), (CHAT, "prompt", "x"),
                                    (COMPLETIONS, "suffix", "!"), (COMPLETIONS, "best_of", 2),
                                    (COMPLETIONS, "messages", MESSAGES), (COMPLETIONS, "max_completion_tokens", 2),
-                                   (COMPLETIONS, "min_p", 0.1), (COMPLETIONS, "stop_token_ids", [1])]:
+                                   (COMPLETIONS, "response_format", {"type": "text"})]:
             with self.subTest(path=path, field=field):
                 status, body = self.post(path, {**self.base(path), field: value})
                 self.assertEqual(status, 400, body)

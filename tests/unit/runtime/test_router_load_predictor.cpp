@@ -24,11 +24,20 @@ std::atomic<std::int64_t> g_allocations{0};
 
 }  // namespace
 
+// The replacement pair allocates with malloc and frees with free; GCC, seeing both inlined anywhere in this
+// file, takes the free for a mismatch with new.
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
 // Every other form of operator new in libstdc++ ends here.
 void* operator new(std::size_t size) {
   if (g_counting.load(std::memory_order_relaxed)) g_allocations.fetch_add(1, std::memory_order_relaxed);
   if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
   throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept {
+  std::free(p);
+}
+void operator delete(void* p, std::size_t /*size*/) noexcept {
+  std::free(p);
 }
 
 namespace capserve::runtime {

@@ -6,6 +6,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/backend.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "runtime/sampler.h"
 
@@ -36,7 +37,7 @@ class Sampler {
 
 std::int32_t draw(Sampler& s, std::span<const float> logits) {
   const std::int32_t token = s.sample(logits);
-  EXPECT_FALSE(kernels::is_non_finite_token(token)) << non_finite_logits_error(token).message();
+  EXPECT_FALSE(kernels::is_non_finite_token(token)) << failed_draw_error(token).message();
   return token;
 }
 
@@ -82,7 +83,7 @@ TEST(Sampler, NonFiniteLogitsAreAnErrorNotAToken) {
       Sampler s(p);
       const std::int32_t token = s.sample(std::vector<float>{0.5F, bad, 1.0F});
       EXPECT_TRUE(kernels::is_non_finite_token(token)) << "logit " << bad << ", temperature " << t;
-      const Status status = non_finite_logits_error(token);
+      const Status status = failed_draw_error(token);
       EXPECT_NE(status.message().find("token id 1"), std::string::npos) << status.message();
     }
   }
@@ -149,32 +150,90 @@ TEST(Sampler, StopTokens) {
   EXPECT_FALSE(is_stop_token(p, 8));
 }
 
-TEST(Sampler, ValidationNamesTheField) {
+// A step's rows: an unread row adjusts nothing; a row bans the stop ids while fewer than min_tokens were
+// generated; a penalized row's history is the prompt, the generated tokens, then the drafts before it (the
+// rows of one verifying decode share one copy).
+TEST(SampleBatch, RowsCarryTheirBansBiasesAndHistories) {
   SamplingParams p;
-  p.temperature = -1.0F;
-  EXPECT_NE(validate_sampling(p).find("temperature"), std::string::npos);
-  p = {};
-  p.top_p = 0.0F;
-  EXPECT_NE(validate_sampling(p).find("top_p"), std::string::npos);
-  p = {};
-  p.top_k = -2;
-  EXPECT_NE(validate_sampling(p).find("top_k"), std::string::npos);
-  p = {};
-  p.temperature = std::nanf("");
-  EXPECT_FALSE(validate_sampling(p).empty());
-  EXPECT_TRUE(validate_sampling({}).empty());
-  p = {};
-  p.logprobs = true;
-  p.top_logprobs = kMaxTopLogprobs + 1;
-  EXPECT_EQ(validate_sampling(p), "top_logprobs must be in [0, 20]");
-  p.top_logprobs = -1;
-  EXPECT_EQ(validate_sampling(p), "top_logprobs must be in [0, 20]");
-  p.top_logprobs = kMaxTopLogprobs;
-  EXPECT_TRUE(validate_sampling(p).empty());
-  p.logprobs = false;
-  EXPECT_EQ(validate_sampling(p), "top_logprobs needs logprobs or prompt_logprobs");
+  p.stop_token_ids = {2, 9};
+  p.min_tokens = 2;
+  p.logit_bias = {{4, 1.5F}};
+  p.frequency_penalty = 0.5F;
+  const std::vector<std::int32_t> prompt = {7, 8}, generated = {3}, drafts = {5, 6};
+  SampleBatch batch;
+  batch.add_unread();
+  batch.add(p, 1, prompt, generated, drafts, 3);  // draws 1, 2, 3
+  p.frequency_penalty = 0.0F;
+  batch.add(p, 0, prompt, {}, {}, 1);
+  batch.add(p, 5, prompt, generated, {}, 0);  // an earlier prompt chunk: no row
+  const kernels::SampleInputs in = batch.inputs();
+  ASSERT_EQ(in.controls.size(), 5U);
+  EXPECT_FALSE(kernels::adjusts_row(in, 0));
+  const auto span_of = [](auto all, kernels::IndexRange r) {
+    return std::vector(all.begin() + r.begin, all.begin() + r.end);
+  };
+  EXPECT_EQ(span_of(in.banned, in.controls[1].banned), (std::vector<std::int32_t>{2, 9})) << "draw 1 < 2";
+  EXPECT_TRUE(span_of(in.banned, in.controls[2].banned).empty()) << "draw 2 = min_tokens";
+  EXPECT_EQ(span_of(in.history, in.controls[1].history), (std::vector<std::int32_t>{7, 8, 3}));
+  EXPECT_EQ(span_of(in.history, in.controls[2].history), (std::vector<std::int32_t>{7, 8, 3, 5}));
+  EXPECT_EQ(span_of(in.history, in.controls[3].history), (std::vector<std::int32_t>{7, 8, 3, 5, 6}));
+  EXPECT_EQ(in.history.size(), 5U) << "one copy for the three rows";
+  EXPECT_EQ(in.controls[3].prompt_tokens, 2);
+  EXPECT_EQ(in.controls[3].step, 3U);
+  EXPECT_EQ(span_of(in.banned, in.controls[4].banned), (std::vector<std::int32_t>{2, 9})) << "draw 0";
+  EXPECT_TRUE(span_of(in.history, in.controls[4].history).empty()) << "no penalty, no history";
+  for (std::size_t r = 1; r < 5; ++r) {
+    ASSERT_EQ(in.controls[r].bias.end - in.controls[r].bias.begin, 1);
+    EXPECT_EQ(in.biases[static_cast<std::size_t>(in.controls[r].bias.begin)].token, 4);
+    EXPECT_TRUE(kernels::adjusts_row(in, r));
+  }
+  batch.clear();
+  EXPECT_EQ(batch.rows(), 0U);
+}
+
+TEST(Sampler, ValidationNamesTheField) {
+  const auto field_of = [](const SamplingParams& p) { return validate_sampling(p).field(); };
+  EXPECT_TRUE(validate_sampling({}).ok());
+  const auto refused = [&](auto change, const std::string& field) {
+    SamplingParams p;
+    p.max_new_tokens = 8;
+    change(p);
+    const Status status = validate_sampling(p);
+    EXPECT_EQ(status.code(), StatusCode::invalid_argument) << field;
+    EXPECT_EQ(status.field(), field) << status.message();
+    EXPECT_EQ(status.message().rfind(field + ": ", 0), 0U) << status.message();
+  };
+  refused([](SamplingParams& p) { p.temperature = -1.0F; }, "temperature");
+  refused([](SamplingParams& p) { p.temperature = std::nanf(""); }, "temperature");
+  refused([](SamplingParams& p) { p.top_p = 0.0F; }, "top_p");
+  refused([](SamplingParams& p) { p.top_k = -2; }, "top_k");
+  refused([](SamplingParams& p) { p.min_p = 1.5F; }, "min_p");
+  refused([](SamplingParams& p) { p.min_p = -0.1F; }, "min_p");
+  refused([](SamplingParams& p) { p.min_tokens = -1; }, "min_tokens");
+  refused([](SamplingParams& p) { p.min_tokens = 9; }, "min_tokens");
+  refused([](SamplingParams& p) { p.presence_penalty = 2.5F; }, "presence_penalty");
+  refused([](SamplingParams& p) { p.frequency_penalty = -2.01F; }, "frequency_penalty");
+  refused([](SamplingParams& p) { p.repetition_penalty = 0.0F; }, "repetition_penalty");
+  refused([](SamplingParams& p) { p.repetition_penalty = std::numeric_limits<float>::infinity(); },
+          "repetition_penalty");
+  refused([](SamplingParams& p) { p.logit_bias = {{3, 100.5F}}; }, "logit_bias");
+  refused([](SamplingParams& p) { p.logit_bias = {{-1, 1.0F}}; }, "logit_bias");
+  refused([](SamplingParams& p) { p.logit_bias = {{3, 1.0F}, {4, 2.0F}, {3, -1.0F}}; }, "logit_bias");
+  refused([](SamplingParams& p) { p.logprobs = true, p.top_logprobs = kMaxTopLogprobs + 1; }, "top_logprobs");
+  refused([](SamplingParams& p) { p.logprobs = true, p.top_logprobs = -1; }, "top_logprobs");
+  refused([](SamplingParams& p) { p.top_logprobs = 3; }, "top_logprobs");
+  SamplingParams p;
+  p.max_new_tokens = 8;
+  p.min_tokens = 8;
+  p.min_p = 1.0F;
+  p.presence_penalty = -2.0F;
+  p.frequency_penalty = 2.0F;
+  p.repetition_penalty = 1.3F;
+  p.logit_bias = {{3, -100.0F}, {4, 100.0F}};
   p.prompt_logprobs = true;
-  EXPECT_TRUE(validate_sampling(p).empty());
+  p.top_logprobs = kMaxTopLogprobs;
+  EXPECT_TRUE(validate_sampling(p).ok()) << validate_sampling(p).message();
+  EXPECT_EQ(field_of(p), "");
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -235,6 +236,34 @@ TEST_F(InferenceServiceTest, ARefusedRequestGetsItsStatus) {
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(status.error_message(), "input_ids[0]: -1 is outside the vocabulary [0, " +
                                         std::to_string(tokenizer_.vocab_size()) + ")");
+  EXPECT_TRUE(scheduler_.idle());
+}
+
+// The sampling controls' bad values are refused naming the field as gRPC spells it (sampling.<field>).
+TEST_F(InferenceServiceTest, BadSamplingControlsAreRefusedNamingTheField) {
+  const std::vector<std::pair<std::function<void(v1::SamplingOptions&)>, std::string>> cases = {
+      {[](v1::SamplingOptions& s) { s.set_presence_penalty(2.5F); }, "sampling.presence_penalty"},
+      {[](v1::SamplingOptions& s) { s.set_frequency_penalty(-3.0F); }, "sampling.frequency_penalty"},
+      {[](v1::SamplingOptions& s) { s.set_repetition_penalty(0.0F); }, "sampling.repetition_penalty"},
+      {[](v1::SamplingOptions& s) { s.set_min_p(1.01F); }, "sampling.min_p"},
+      {[](v1::SamplingOptions& s) { s.set_min_tokens(9); }, "sampling.min_tokens"},
+      {[](v1::SamplingOptions& s) { (*s.mutable_logit_bias())[-1] = 1.0F; }, "sampling.logit_bias"},
+      {[](v1::SamplingOptions& s) { (*s.mutable_logit_bias())[3] = 100.5F; }, "sampling.logit_bias"},
+      {[](v1::SamplingOptions& s) { (*s.mutable_logit_bias())[1 << 30] = 1.0F; }, "sampling.logit_bias"},
+  };
+  for (const auto& [change, field] : cases) {
+    v1::GenerateRequest request;
+    request.add_input_ids(5);
+    request.mutable_sampling()->set_max_tokens(8);
+    change(*request.mutable_sampling());
+    grpc::ClientContext context;
+    auto reader = stub_->Generate(&context, request);
+    v1::GenerateChunk chunk;
+    EXPECT_FALSE(reader->Read(&chunk));
+    const grpc::Status status = reader->Finish();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << field;
+    EXPECT_EQ(status.error_message().rfind(field + ": ", 0), 0U) << status.error_message();
+  }
   EXPECT_TRUE(scheduler_.idle());
 }
 

@@ -11,6 +11,7 @@
 #include "runtime/npy.h"
 #include "runtime/speculative/ngram_drafter.h"
 #include "tests/unit/kernels/log_softmax_reference.h"
+#include "tests/unit/kernels/sampling_controls_checks.h"
 #include "tests/unit/runtime/fixture_models.h"
 
 namespace capserve::server {
@@ -481,6 +482,114 @@ TEST_P(ChunkedPrefillTest, ChunksAndACachedPrefixSampleWhatAWholePrefillSamples)
 INSTANTIATE_TEST_SUITE_P(Fixtures, ChunkedPrefillTest,
                          ::testing::ValuesIn(capserve::testing::fixture_model_names()),
                          [](const auto& info) { return info.param; });
+
+// ---- Sampling controls through the worker (kernels/sampling.h), on the model's real logits.
+
+// logit_bias +100 on a token the model would not choose makes greedy decoding choose it every time; -100 on
+// the greedy first token makes it choose another.
+TEST_F(RankWorkerTest, LogitBiasSteersGreedyDecoding) {
+  RankWorker worker(engine_, 0);
+  const std::vector<std::int32_t> plain = generate(worker, start(1, 0, prompts_[1]));
+  const std::int32_t favoured = plain[0] == 7 ? 8 : 7;
+  ASSERT_EQ(std::count(plain.begin(), plain.end(), favoured), 0) << "pick a token greedy decoding avoids";
+  SequenceStart biased = start(2, 0, prompts_[1]);
+  biased.params.logit_bias = {{favoured, 100.0F}};
+  EXPECT_EQ(generate(worker, biased), std::vector<std::int32_t>(kDecodeSteps + 1, favoured));
+  SequenceStart banned = start(3, 0, prompts_[1]);
+  banned.params.logit_bias = {{plain[0], -100.0F}};
+  const std::vector<std::int32_t> other = generate(worker, banned);
+  EXPECT_NE(other[0], plain[0]);
+}
+
+// min_tokens keeps the stop ids (EOS among them unless ignore_eos) out of the first min_tokens draws: with
+// the greedy first token as the "EOS", it comes only once min_tokens tokens were generated.
+TEST_F(RankWorkerTest, MinTokensDelaysTheStopIds) {
+  RankWorker worker(engine_, 0);
+  const std::vector<std::int32_t> plain = generate(worker, start(1, 0, prompts_[2]));
+  const std::int32_t eos = plain[0];
+  for (const std::int64_t min_tokens : {0, 2, 4}) {
+    SequenceStart s = start(10 + static_cast<std::uint64_t>(min_tokens), 0, prompts_[2]);
+    s.params.stop_token_ids = {eos};
+    s.params.max_new_tokens = 16;
+    s.params.min_tokens = min_tokens;
+    const std::vector<std::int32_t> got = generate(worker, s);
+    for (std::int64_t i = 0; i < min_tokens; ++i)
+      EXPECT_NE(got[static_cast<std::size_t>(i)], eos) << "min_tokens " << min_tokens << ", token " << i;
+    if (min_tokens == 0) {
+      EXPECT_EQ(got[0], eos);
+    }
+  }
+}
+
+// Penalties over the sequence's own tokens: each greedy draw is the first maximum of the step's raw logits
+// adjusted by the reference (vLLM's definitions) over the prompt and the tokens generated so far.
+TEST_F(RankWorkerTest, PenaltiesFollowTheReferenceOverPromptAndGeneratedTokens) {
+  RankWorker worker(engine_, 0);
+  // A prompt that holds what greedy decoding would continue it with, so that the penalties bite.
+  std::vector<std::int32_t> prompt = prompts_[1];
+  const std::vector<std::int32_t> plain = generate(worker, start(1, 0, prompt));
+  prompt.insert(prompt.end(), plain.begin(), plain.end());
+  prompt.insert(prompt.end(), prompts_[1].begin(), prompts_[1].end());
+  SequenceStart s = start(2, 0, prompt);
+  s.params.repetition_penalty = 4.0F;
+  s.params.frequency_penalty = 2.0F;
+  s.params.presence_penalty = 1.5F;
+  std::vector<std::int32_t> generated;
+  int steered = 0;  // steps whose draw differs from the raw logits' greedy choice
+  StepPlan plan;
+  add_start(plan, s);
+  for (int step = 0; step <= kDecodeSteps; ++step) {
+    const StepResult result = worker.run(plan);
+    ASSERT_TRUE(result.ok) << result.error;
+    ASSERT_EQ(result.tokens.size(), 1U);
+    const std::span<const float> logits = engine_.logits();
+    std::vector<std::int32_t> history = prompt;
+    history.insert(history.end(), generated.begin(), generated.end());
+    const kernels::SampleControls c{.presence_penalty = s.params.presence_penalty,
+                                    .frequency_penalty = s.params.frequency_penalty,
+                                    .repetition_penalty = s.params.repetition_penalty,
+                                    .history = {0, static_cast<std::int64_t>(history.size())},
+                                    .prompt_tokens = static_cast<std::int64_t>(prompt.size())};
+    const std::vector<float> want =
+        capserve::test::reference_adjusted(logits, {.controls = std::span(&c, 1), .history = history}, 0);
+    EXPECT_EQ(result.tokens[0], std::max_element(want.begin(), want.end()) - want.begin()) << "step " << step;
+    steered += result.tokens[0] != std::max_element(logits.begin(), logits.end()) - logits.begin() ? 1 : 0;
+    generated.push_back(result.tokens[0]);
+    plan = {};
+    plan.decodes.push_back(s.id);
+  }
+  EXPECT_GT(steered, 0) << "the penalties changed no draw: the check above cannot fail";
+}
+
+// Speculative decoding keeps the tokens of plain decoding under every control: each verified row counts the
+// drafts before it in its penalties and its min_tokens.
+TEST_F(RankWorkerTest, SpeculationKeepsTheTokensOfPlainDecodingUnderSamplingControls) {
+  constexpr std::size_t kTokens = 16;
+  std::vector<SequenceStart> starts = speculation_starts();
+  for (SequenceStart& s : starts) {
+    s.params.repetition_penalty = 1.3F;
+    s.params.frequency_penalty = 0.3F;
+    s.params.presence_penalty = 0.2F;
+    s.params.min_p = 0.05F;
+    s.params.logit_bias = {{5, 2.0F}};
+    s.params.stop_token_ids = {s.prompt.back()};
+    s.params.min_tokens = 6;
+    s.params.max_new_tokens = 64;
+  }
+  RankWorker plain(engine_, 0);
+  const Generated expected = generate_all(plain, starts, kTokens, 0);
+  for (const SequenceStart& s : starts) engine_.release(s.id);
+  CountingDrafter drafter(3);
+  RankWorker speculating(engine_, 0, &drafter);
+  const Generated got = generate_all(speculating, starts, kTokens, 3);
+  EXPECT_GT(got.drafted, 0) << "the n-gram drafter proposed nothing";
+  for (std::size_t i = 0; i < starts.size(); ++i) {
+    ASSERT_GE(got.tokens[i].size(), kTokens);
+    EXPECT_EQ(std::vector<std::int32_t>(got.tokens[i].begin(), got.tokens[i].begin() + kTokens),
+              std::vector<std::int32_t>(expected.tokens[i].begin(), expected.tokens[i].begin() + kTokens))
+        << "sequence " << starts[i].id;
+  }
+}
 
 }  // namespace
 }  // namespace capserve::server

@@ -149,6 +149,27 @@ TEST_F(SchedulerTest, ASequenceWithoutATokenFailsAloneWithAnError) {
   EXPECT_EQ(served.back().completion_tokens, 3U);
 }
 
+// A sequence whose controls rule out every token (an allowed-token mask with min_tokens) ends as the
+// client's error, INVALID_ARGUMENT naming the controls, after the tokens it kept.
+TEST_F(SchedulerTest, ASequenceWhoseControlsAllowNoTokenEndsAsInvalidArgument) {
+  Scheduler scheduler({}, 1, &tokenizer_, nullptr, nullptr);
+  const auto request = chat_request({}, 3);
+  ASSERT_TRUE(scheduler.submit(request).ok());
+  const std::int32_t a = single_token(tokenizer_, "a");
+  const StepPlan plan = scheduler.plan(Clock::now());
+  ASSERT_EQ(plan.starts.size(), 1U);
+  StepResult result;
+  add_token(result, plan.starts[0].id, a);
+  result.sequences[0].failure = SequenceFailure::no_allowed_token;
+  scheduler.complete(std::span<const StepResult>(&result, 1), {}, Clock::now());
+  const std::vector<RequestEvent> events = drain_events(*request);
+  ASSERT_FALSE(events.empty());
+  EXPECT_EQ(events.back().terminal, Terminal::invalid_argument);
+  EXPECT_NE(events.back().message.find("rule out every token at completion token 2"), std::string::npos)
+      << events.back().message;
+  EXPECT_EQ(events.back().completion_tokens, 1U);
+}
+
 // A request that could never be admitted, even by an idle server, is refused at submission naming the limit,
 // and the requests behind it are served. (A prompt longer than a step's batched tokens fits: it is prefilled
 // in chunks.)

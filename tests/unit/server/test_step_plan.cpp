@@ -22,6 +22,12 @@ TEST(StepPlanTest, PlanRoundTripKeepsEveryField) {
   asking.logprobs = true;
   asking.prompt_logprobs = true;
   asking.top_logprobs = 20;
+  asking.min_p = 0.05F;
+  asking.min_tokens = 9;
+  asking.presence_penalty = 1.5F;
+  asking.frequency_penalty = -0.5F;
+  asking.repetition_penalty = 1.2F;
+  asking.logit_bias = {{4, -100.0F}, {900, 3.5F}};
   plan.starts.push_back({.id = 11, .rank = 1, .prompt = {5, 6, 7}, .cached = 0, .params = asking});
   plan.starts.push_back(
       {.id = 12, .rank = 0, .prompt = std::vector<std::int32_t>(40, 8), .cached = 32, .params = {}});
@@ -44,6 +50,16 @@ TEST(StepPlanTest, PlanRoundTripKeepsEveryField) {
   EXPECT_TRUE(p.logprobs);
   EXPECT_TRUE(p.prompt_logprobs);
   EXPECT_EQ(p.top_logprobs, 20);
+  EXPECT_EQ(p.min_p, 0.05F);
+  EXPECT_EQ(p.min_tokens, 9);
+  EXPECT_EQ(p.presence_penalty, 1.5F);
+  EXPECT_EQ(p.frequency_penalty, -0.5F);
+  EXPECT_EQ(p.repetition_penalty, 1.2F);
+  ASSERT_EQ(p.logit_bias.size(), 2U);
+  EXPECT_EQ(p.logit_bias[1].token, 900);
+  EXPECT_EQ(p.logit_bias[1].bias, 3.5F);
+  EXPECT_EQ(back.starts[1].params.repetition_penalty, 1.0F);
+  EXPECT_TRUE(back.starts[1].params.logit_bias.empty());
   EXPECT_FALSE(back.starts[1].params.logprobs);
   EXPECT_EQ(back.starts[1].params.top_logprobs, 0);
   EXPECT_EQ(back.starts[1].id, 12U);
