@@ -1,0 +1,601 @@
+#include "runtime/grammar/json_schema.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "runtime/grammar/regex.h"
+
+namespace capserve::runtime::grammar {
+namespace {
+
+// Ordered: properties are generated in the order the schema lists them.
+using json = nlohmann::ordered_json;
+using Sequence = GrammarBuilder::Sequence;
+
+const std::set<std::string, std::less<>>& annotations() {
+  static const std::set<std::string, std::less<>> keys{"title",    "description", "$schema",  "$id",
+                                                       "$comment", "default",     "examples", "deprecated",
+                                                       "readOnly", "writeOnly",   "$defs",    "definitions"};
+  return keys;
+}
+
+const std::map<std::string, std::string, std::less<>>& formats() {
+  static const std::map<std::string, std::string, std::less<>> patterns{
+      {"date", R"(\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01]))"},
+      {"time", R"(([01]\d|2[0-3]):[0-5]\d:([0-5]\d|60)(\.\d+)?(Z|[+-]([01]\d|2[0-3]):[0-5]\d))"},
+      {"date-time",
+       R"(\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])T([01]\d|2[0-3]):[0-5]\d:([0-5]\d|60)(\.\d+)?(Z|[+-]([01]\d|2[0-3]):[0-5]\d))"},
+      {"uuid", R"([0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12})"},
+      {"ipv4", R"(((25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)\.){3}(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d))"},
+      {"email", R"([a-zA-Z0-9_.+-]+@[a-zA-Z0-9-]+(\.[a-zA-Z0-9-]+)+)"},
+  };
+  return patterns;
+}
+
+// Integer bounds are kept within int64; these stand for "no bound".
+constexpr std::int64_t kOpenLow = std::numeric_limits<std::int64_t>::min();
+constexpr std::int64_t kOpenHigh = std::numeric_limits<std::int64_t>::max();
+
+class SchemaConverter {
+ public:
+  explicit SchemaConverter(const json& root) : root_(root) {}
+
+  StatusOr<Grammar> convert() {
+    const std::int32_t rule = b_.new_rule("root");
+    Sequence body = value(root_, "");
+    if (!error_.ok()) return std::move(error_);
+    b_.add_alternative(rule, std::move(body));
+    return std::move(b_).finish(rule);
+  }
+
+ private:
+  Sequence fail(const std::string& keyword, const std::string& path, const std::string& why) {
+    if (error_.ok()) {
+      error_ = Status::invalid_argument("JSON schema keyword '" + keyword + "' at '" +
+                                        (path.empty() ? "#" : path) + "': " + why);
+    }
+    return {};
+  }
+
+  // Shared rules, made on first use.
+  Element ws() {
+    if (!ws_) {
+      ByteSet set;
+      for (const char c : std::string_view(" \n\r\t")) set.set(static_cast<unsigned char>(c));
+      ws_ = b_.star("ws", {b_.bytes(set)});
+    }
+    return *ws_;
+  }
+  Sequence lit(std::string_view text) { return b_.literal(text); }
+  static Sequence cat(std::initializer_list<Sequence> parts) {
+    Sequence out;
+    for (const auto& p : parts) out.insert(out.end(), p.begin(), p.end());
+    return out;
+  }
+  Element json_char() {
+    if (!json_char_) {
+      const auto plain = complement({{0, 0x1F}, {'"', '"'}, {'\\', '\\'}});
+      ByteSet hex_set;
+      for (const char c : std::string_view("0123456789abcdefABCDEF"))
+        hex_set.set(static_cast<unsigned char>(c));
+      const Element hex_digit = b_.bytes(hex_set);
+      ByteSet simple;
+      for (const char c : std::string_view("\"\\/bfnrt")) simple.set(static_cast<unsigned char>(c));
+      escape_ = b_.choice(
+          "escape", {{b_.bytes(simple)}, cat({lit("u"), {hex_digit, hex_digit, hex_digit, hex_digit}})});
+      json_char_ = b_.choice("char", {{b_.codepoints(plain)}, {b_.byte('\\'), escape_}});
+    }
+    return *json_char_;
+  }
+  Element chars() {
+    if (!chars_) chars_ = b_.star("chars", {json_char()});
+    return *chars_;
+  }
+  Element any_string() {
+    if (!string_) {
+      string_ = b_.choice("string", {cat({lit("\""), {chars()}, lit("\"")})});
+    }
+    return *string_;
+  }
+  Element any_number() {
+    if (!number_) {
+      ByteSet digit;
+      for (char c = '0'; c <= '9'; ++c) digit.set(static_cast<unsigned char>(c));
+      const Element d = b_.bytes(digit);
+      const Element more = b_.star("digits", {d});
+      ByteSet nonzero = digit;
+      nonzero.reset('0');
+      ByteSet exp;
+      exp.set('e');
+      exp.set('E');
+      ByteSet sign;
+      sign.set('+');
+      sign.set('-');
+      number_ = b_.choice(
+          "number",
+          {{b_.optional("minus", lit("-")), b_.choice("int", {lit("0"), {b_.bytes(nonzero), more}}),
+            b_.optional("fraction", {b_.byte('.'), d, more}),
+            b_.optional("exponent", {b_.bytes(exp), b_.optional("sign", {b_.bytes(sign)}), d, more})}});
+    }
+    return *number_;
+  }
+  Element any_integer() {
+    if (!integer_) integer_ = integer_range(std::nullopt, std::nullopt);
+    return *integer_;
+  }
+  Element any_value() {
+    if (!any_) {
+      const std::int32_t rule = b_.new_rule("value");
+      any_ = GrammarBuilder::ref(rule);
+      const Element array =
+          b_.choice("array", {cat({lit("["),
+                                   {ws(), *any_, b_.star("items", {ws(), b_.byte(','), ws(), *any_}), ws()},
+                                   lit("]")}),
+                              cat({lit("["), {ws()}, lit("]")})});
+      const Element object = any_object();
+      for (Sequence alt : {Sequence{any_number()}, Sequence{any_string()}, lit("true"), lit("false"),
+                           lit("null"), Sequence{array}, Sequence{object}}) {
+        b_.add_alternative(rule, std::move(alt));
+      }
+    }
+    return *any_;
+  }
+  Element any_object() {
+    if (!object_) {
+      const std::int32_t rule = b_.new_rule("object");
+      object_ = GrammarBuilder::ref(rule);
+      const Sequence member{any_string(), ws(), b_.byte(':'), ws(), any_value()};
+      Sequence more{ws(), b_.byte(','), ws()};
+      more.insert(more.end(), member.begin(), member.end());
+      b_.add_alternative(rule, cat({lit("{"), {ws()}, member, {b_.star("members", more), ws()}, lit("}")}));
+      b_.add_alternative(rule, cat({lit("{"), {ws()}, lit("}")}));
+    }
+    return *object_;
+  }
+
+  // Integers in [lo, hi] (either open), spelled without leading zeros ("-0" excluded).
+  Element integer_range(std::optional<std::int64_t> lo, std::optional<std::int64_t> hi) {
+    const std::int64_t low = lo.value_or(kOpenLow);
+    const std::int64_t high = hi.value_or(kOpenHigh);
+    std::vector<Sequence> alternatives;
+    if (low < 0) {
+      // The negatives -m, m in [max(1, -high), -low].
+      for (auto& alt : naturals(high < 0 ? -high : 1, low == kOpenLow ? kOpenHigh : -low)) {
+        alternatives.push_back(cat({lit("-"), alt}));
+      }
+    }
+    if (high >= 0) {
+      for (auto& alt : naturals(std::max<std::int64_t>(0, low), high)) alternatives.push_back(std::move(alt));
+    }
+    return b_.choice("integer", std::move(alternatives));
+  }
+
+  // The decimal spellings of [lo, hi], lo >= 0 (hi == kOpenHigh: no upper bound).
+  std::vector<Sequence> naturals(std::int64_t lo, std::int64_t hi) {
+    std::vector<Sequence> out;
+    if (hi < lo) return out;
+    if (lo == 0) {
+      out.push_back(lit("0"));
+      lo = 1;
+      if (hi < 1) return out;
+    }
+    const bool open = hi == kOpenHigh;
+    const auto lo_text = std::to_string(lo);
+    const std::size_t last_length = open ? lo_text.size() : std::to_string(hi).size();
+    for (std::size_t length = lo_text.size(); length <= last_length; ++length) {
+      std::string first(length, '0');
+      first[0] = '1';
+      if (length == lo_text.size()) first = lo_text;
+      const std::string last = !open && length == last_length ? std::to_string(hi) : std::string(length, '9');
+      out.push_back({same_length(first, last)});
+    }
+    if (open) {
+      // Longer than lo: [1-9] then at least lo's digit count more.
+      ByteSet digit;
+      for (char c = '0'; c <= '9'; ++c) digit.set(static_cast<unsigned char>(c));
+      ByteSet nonzero = digit;
+      nonzero.reset('0');
+      Sequence longer{b_.bytes(nonzero)};
+      for (std::size_t i = 0; i < lo_text.size(); ++i) longer.push_back(b_.bytes(digit));
+      longer.push_back(b_.star("digits", {b_.bytes(digit)}));
+      out.push_back(std::move(longer));
+    }
+    return out;
+  }
+
+  // The strings of `lo.size()` digits from lo to hi (lo <= hi).
+  Element same_length(const std::string& lo, const std::string& hi) {
+    const auto range = [&](char a, char b) {
+      ByteSet set;
+      for (char c = a; c <= b; ++c) set.set(static_cast<unsigned char>(c));
+      return b_.bytes(set);
+    };
+    if (lo.size() == 1) return range(lo[0], hi[0]);
+    const std::string lo_rest = lo.substr(1);
+    const std::string hi_rest = hi.substr(1);
+    if (lo[0] == hi[0])
+      return b_.choice("digits",
+                       {{b_.byte(static_cast<std::uint8_t>(lo[0])), same_length(lo_rest, hi_rest)}});
+    std::vector<Sequence> alternatives;
+    char full_first = lo[0];
+    char full_last = hi[0];
+    if (lo_rest != std::string(lo_rest.size(), '0')) {
+      alternatives.push_back({b_.byte(static_cast<std::uint8_t>(lo[0])),
+                              same_length(lo_rest, std::string(lo_rest.size(), '9'))});
+      ++full_first;
+    }
+    if (hi_rest != std::string(hi_rest.size(), '9')) {
+      alternatives.push_back({b_.byte(static_cast<std::uint8_t>(hi[0])),
+                              same_length(std::string(hi_rest.size(), '0'), hi_rest)});
+      --full_last;
+    }
+    if (full_first <= full_last) {
+      Sequence full{range(full_first, full_last)};
+      for (std::size_t i = 0; i < lo_rest.size(); ++i) full.push_back(range('0', '9'));
+      alternatives.push_back(std::move(full));
+    }
+    return b_.choice("digits", std::move(alternatives));
+  }
+
+  static std::string child(const std::string& path, const std::string& key) { return path + "/" + key; }
+
+  Sequence value(const json& schema, const std::string& path) {
+    if (!error_.ok()) return {};
+    if (schema.is_boolean()) {
+      if (schema.get<bool>()) return {any_value()};
+      return fail("false", path, "a schema that matches nothing");
+    }
+    if (!schema.is_object()) return fail("schema", path, "not an object or boolean");
+    if (schema.contains("$ref")) return reference(schema, path);
+    if (schema.contains("const")) return lit(schema["const"].dump());
+    if (schema.contains("enum")) {
+      const json& values = schema["enum"];
+      if (!values.is_array() || values.empty()) return fail("enum", path, "not a non-empty array");
+      std::vector<Sequence> alternatives;
+      for (const auto& v : values) alternatives.push_back(lit(v.dump()));
+      return {b_.choice("enum", std::move(alternatives))};
+    }
+    for (const char* key : {"anyOf", "oneOf"}) {
+      if (!schema.contains(key)) continue;
+      const json& branches = schema[key];
+      if (!branches.is_array() || branches.empty()) return fail(key, path, "not a non-empty array");
+      std::vector<Sequence> alternatives;
+      for (std::size_t i = 0; i < branches.size(); ++i) {
+        alternatives.push_back(
+            value(merged(schema, branches[i], key), child(path, key) + "/" + std::to_string(i)));
+      }
+      return {b_.choice(key, std::move(alternatives))};
+    }
+    if (!schema.contains("type")) return untyped(schema, path);
+    const json& type = schema["type"];
+    if (type.is_array()) {
+      std::vector<Sequence> alternatives;
+      for (const auto& t : type) {
+        json one = schema;
+        one["type"] = t;
+        alternatives.push_back(value(one, path));
+      }
+      if (alternatives.empty()) return fail("type", path, "an empty list of types");
+      return {b_.choice("types", std::move(alternatives))};
+    }
+    if (!type.is_string()) return fail("type", path, "not a string or list");
+    return typed(type.get<std::string>(), schema, path);
+  }
+
+  // A branch of anyOf / oneOf with the parent's other keywords (a parent "type" or "properties" beside
+  // anyOf).
+  static json merged(const json& parent, const json& branch, const char* key) {
+    if (!branch.is_object()) return branch;
+    json out = branch;
+    for (const auto& [k, v] : parent.items()) {
+      if (k != key && !annotations().contains(k) && !out.contains(k)) out[k] = v;
+    }
+    return out;
+  }
+
+  // No type: the keywords present say which (a schema of annotations only is any value).
+  Sequence untyped(const json& schema, const std::string& path) {
+    for (const auto& [key, unused] : schema.items()) {
+      if (annotations().contains(key)) continue;
+      if (key == "properties" || key == "required" || key == "additionalProperties")
+        return typed("object", schema, path);
+      if (key == "items" || key == "minItems" || key == "maxItems") return typed("array", schema, path);
+      if (key == "pattern" || key == "minLength" || key == "maxLength" || key == "format") {
+        return typed("string", schema, path);
+      }
+      return fail(key, path, "not supported without a type");
+    }
+    return {any_value()};
+  }
+
+  // Refuses the keywords of `schema` outside `handled` and the annotations.
+  bool only(const json& schema, std::initializer_list<const char*> handled, const std::string& path) {
+    for (const auto& [key, unused] : schema.items()) {
+      if (annotations().contains(key) || key == "type") continue;
+      if (std::none_of(handled.begin(), handled.end(), [&](const char* h) { return key == h; })) {
+        fail(key, path, "not supported");
+        return false;
+      }
+    }
+    return true;
+  }
+
+  Sequence typed(const std::string& type, const json& schema, const std::string& path) {
+    if (type == "string") return string(schema, path);
+    if (type == "integer") return integer(schema, path);
+    if (type == "number") {
+      if (!only(schema, {}, path)) return {};
+      return {any_number()};
+    }
+    if (type == "boolean") {
+      if (!only(schema, {}, path)) return {};
+      return {b_.choice("boolean", {lit("true"), lit("false")})};
+    }
+    if (type == "null") {
+      if (!only(schema, {}, path)) return {};
+      return lit("null");
+    }
+    if (type == "array") return array(schema, path);
+    if (type == "object") return object(schema, path);
+    return fail("type", path, "unknown type '" + type + "'");
+  }
+
+  std::optional<std::int64_t> count(const json& schema, const char* key, const std::string& path) {
+    if (!schema.contains(key)) return std::nullopt;
+    const json& v = schema[key];
+    if (!v.is_number_integer() || v.get<std::int64_t>() < 0) {
+      fail(key, path, "not a non-negative integer");
+      return std::nullopt;
+    }
+    return v.get<std::int64_t>();
+  }
+
+  Sequence string(const json& schema, const std::string& path) {
+    if (!only(schema, {"pattern", "minLength", "maxLength", "format"}, path)) return {};
+    const auto min = count(schema, "minLength", path);
+    const auto max = count(schema, "maxLength", path);
+    std::optional<std::string> pattern;
+    if (schema.contains("pattern")) {
+      if (!schema["pattern"].is_string()) return fail("pattern", path, "not a string");
+      pattern = schema["pattern"].get<std::string>();
+    } else if (schema.contains("format")) {
+      const auto format = schema["format"].is_string() ? formats().find(schema["format"].get<std::string>())
+                                                       : formats().end();
+      if (format == formats().end())
+        return fail("format", path, "format " + schema["format"].dump() + " not supported");
+      pattern = format->second;
+    }
+    if (pattern) {
+      if (min || max)
+        return fail(min ? "minLength" : "maxLength", path, "not supported together with a pattern");
+      auto body = regex_sequence(*pattern, RegexText::json_string, b_);
+      if (!body.ok())
+        return fail(schema.contains("pattern") ? "pattern" : "format", path, body.status().message());
+      return cat({lit("\""), {b_.choice("pattern", {std::move(*body)})}, lit("\"")});
+    }
+    if (!error_.ok()) return {};
+    if (!min && !max) return {any_string()};
+    auto chars = b_.repeat("chars", {json_char()}, min.value_or(0), max ? *max : -1);
+    if (!chars.ok()) return fail(max ? "maxLength" : "minLength", path, chars.status().message());
+    return cat({lit("\""), {*chars}, lit("\"")});
+  }
+
+  Sequence integer(const json& schema, const std::string& path) {
+    if (!only(schema, {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}, path)) return {};
+    std::optional<std::int64_t> lo;
+    std::optional<std::int64_t> hi;
+    constexpr double kLimit = 9.0e18;
+    for (const char* key : {"minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"}) {
+      if (!schema.contains(key)) continue;
+      const json& v = schema[key];
+      if (!v.is_number() || std::abs(v.get<double>()) > kLimit)
+        return fail(key, path, "not a number within int64");
+      const bool lower = std::string_view(key).ends_with("inimum");
+      const bool exclusive = std::string_view(key).starts_with("exclusive");
+      const double x = v.get<double>();
+      if (lower) {
+        const auto bound = static_cast<std::int64_t>(exclusive ? std::floor(x) + 1 : std::ceil(x));
+        lo = lo ? std::max(*lo, bound) : bound;
+      } else {
+        const auto bound = static_cast<std::int64_t>(exclusive ? std::ceil(x) - 1 : std::floor(x));
+        hi = hi ? std::min(*hi, bound) : bound;
+      }
+    }
+    if (lo && hi && *lo > *hi) return fail("minimum", path, "the bounds leave no integer");
+    if (!lo && !hi) return {any_integer()};
+    return {integer_range(lo, hi)};
+  }
+
+  Sequence array(const json& schema, const std::string& path) {
+    if (!only(schema, {"items", "minItems", "maxItems"}, path)) return {};
+    if (schema.contains("uniqueItems") && schema["uniqueItems"] == true)
+      return fail("uniqueItems", path, "not supported");
+    const std::int64_t min = count(schema, "minItems", path).value_or(0);
+    const auto max = count(schema, "maxItems", path);
+    if (!error_.ok()) return {};
+    if (max && *max < min) return fail("maxItems", path, "below minItems");
+    const Sequence item =
+        schema.contains("items") ? value(schema["items"], child(path, "items")) : Sequence{any_value()};
+    if (!error_.ok()) return {};
+    std::vector<Sequence> alternatives;
+    if (min == 0) alternatives.push_back(cat({lit("["), {ws()}, lit("]")}));
+    if (!max || *max > 0) {
+      const Element first = b_.choice("item", {item});
+      auto rest = b_.repeat("items", {ws(), b_.byte(','), ws(), first}, std::max<std::int64_t>(min, 1) - 1,
+                            max ? *max - 1 : -1);
+      if (!rest.ok()) return fail(max ? "maxItems" : "minItems", path, rest.status().message());
+      alternatives.push_back(cat({lit("["), {ws(), first, *rest, ws()}, lit("]")}));
+    }
+    return {b_.choice("array", std::move(alternatives))};
+  }
+
+  Sequence object(const json& schema, const std::string& path) {
+    if (!only(schema, {"properties", "required", "additionalProperties"}, path)) return {};
+    const json empty = json::object();
+    const json& properties = schema.contains("properties") ? schema["properties"] : empty;
+    if (!properties.is_object()) return fail("properties", path, "not an object");
+    std::set<std::string> required;
+    if (schema.contains("required")) {
+      if (!schema["required"].is_array()) return fail("required", path, "not an array");
+      for (const auto& name : schema["required"]) {
+        if (!name.is_string() || !properties.contains(name.get<std::string>())) {
+          return fail("required", path, "names " + name.dump() + ", which is not among the properties");
+        }
+        required.insert(name.get<std::string>());
+      }
+    }
+    // Additional properties: false unless said (strict, as xgrammar), except in an object schema that lists
+    // no properties, which is any object.
+    const json* additional = nullptr;
+    json any_schema = true;
+    if (schema.contains("additionalProperties")) {
+      const json& a = schema["additionalProperties"];
+      if (!a.is_boolean() && !a.is_object())
+        return fail("additionalProperties", path, "not a boolean or schema");
+      if (!(a.is_boolean() && !a.get<bool>())) additional = &a;
+    } else if (properties.empty()) {
+      additional = &any_schema;
+    }
+    if (properties.empty() && additional && additional->is_boolean()) return {any_object()};
+
+    std::vector<std::pair<std::string, const json*>> listed;
+    for (const auto& [name, sub] : properties.items()) listed.emplace_back(name, &sub);
+    std::optional<Sequence> extra;  // one additional member, key and value
+    if (additional) {
+      Sequence extra_value = value(*additional, child(path, "additionalProperties"));
+      if (!error_.ok()) return {};
+      std::vector<std::string> names;
+      for (const auto& [name, unused] : listed) names.push_back(name);
+      for (const auto& name : names) {
+        if (std::any_of(name.begin(), name.end(),
+                        [](char c) { return static_cast<unsigned char>(c) >= 0x80; })) {
+          return fail("additionalProperties", path, "beside a non-ASCII property name");
+        }
+      }
+      extra = cat({{b_.byte('"'), key_except(names), ws(), b_.byte(':'), ws()}, extra_value});
+    }
+    // after[i]: the members from the i-th on, at least one member already written (each starts with a comma);
+    // first[i]: the same with none written yet.
+    const std::size_t n = listed.size();
+    std::vector<Element> after(n + 1);
+    std::vector<Element> first(n + 1);
+    {
+      std::vector<Sequence> tail_after{{}};
+      std::vector<Sequence> tail_first{{}};
+      if (extra) {
+        const Element more = b_.star("extra_members", cat({{ws(), b_.byte(','), ws()}, *extra}));
+        tail_after = {{more}};
+        tail_first = {cat({*extra, {more}}), {}};
+      }
+      after[n] = b_.choice("members_end", std::move(tail_after));
+      first[n] = b_.choice("members_end", std::move(tail_first));
+    }
+    for (std::size_t i = n; i-- > 0;) {
+      const auto& [name, sub] = listed[i];
+      Sequence member = cat({lit(json(name).dump()),
+                             {ws(), b_.byte(':'), ws()},
+                             value(*sub, child(path, "properties/" + name))});
+      if (!error_.ok()) return {};
+      const bool optional = !required.contains(name);
+      std::vector<Sequence> a{cat({{ws(), b_.byte(','), ws()}, member, {after[i + 1]}})};
+      std::vector<Sequence> f{cat({member, {after[i + 1]}})};
+      if (optional) {
+        a.push_back({after[i + 1]});
+        f.push_back({first[i + 1]});
+      }
+      after[i] = b_.choice("members", std::move(a));
+      first[i] = b_.choice("members", std::move(f));
+    }
+    return cat({lit("{"), {ws(), first[0], ws()}, lit("}")});
+  }
+
+  // A JSON string key, after its opening quote, other than `names` (compared as written, escapes not
+  // decoded): a trie over the names in which a name's last node refuses the closing quote.
+  Element key_except(const std::vector<std::string>& names, std::size_t depth = 0) {
+    std::map<unsigned char, std::vector<std::string>> next;
+    bool is_name = false;
+    for (const auto& name : names) {
+      if (name.size() == depth)
+        is_name = true;
+      else
+        next[static_cast<unsigned char>(name[depth])].push_back(name);
+    }
+    std::vector<Sequence> alternatives;
+    if (!is_name) alternatives.push_back(lit("\""));
+    // Leaving the trie: a character whose first byte is no edge (or an escape), then any rest of the key.
+    std::vector<CodepointRange> off_trie;
+    for (const auto& r : complement({{0, 0x1F}, {'"', '"'}, {'\\', '\\'}})) {
+      for (std::uint32_t cp = r.first; cp <= r.last && cp < 0x80; ++cp) {
+        if (!next.contains(static_cast<unsigned char>(cp))) off_trie.push_back({cp, cp});
+      }
+      if (r.last >= 0x80) off_trie.push_back({std::max<std::uint32_t>(r.first, 0x80), r.last});
+    }
+    // (Names are ASCII: object() refuses others beside additional properties.)
+    alternatives.push_back({b_.codepoints(off_trie), chars(), b_.byte('"')});
+    json_char();
+    alternatives.push_back({b_.byte('\\'), escape_, chars(), b_.byte('"')});
+    for (const auto& [byte, continuing] : next) {
+      alternatives.push_back({b_.byte(byte), key_except(continuing, depth + 1)});
+    }
+    return b_.choice("key", std::move(alternatives));
+  }
+
+  Sequence reference(const json& schema, const std::string& path) {
+    if (schema.size() > 1) {
+      for (const auto& [key, unused] : schema.items()) {
+        if (key != "$ref" && !annotations().contains(key))
+          return fail(key, path, "not supported beside $ref");
+      }
+    }
+    if (!schema["$ref"].is_string()) return fail("$ref", path, "not a string");
+    const std::string ref = schema["$ref"].get<std::string>();
+    if (const auto found = refs_.find(ref); found != refs_.end()) return {found->second};
+    const json* target = nullptr;
+    if (ref == "#") {
+      target = &root_;
+    } else {
+      for (const char* prefix : {"#/$defs/", "#/definitions/"}) {
+        const std::string p(prefix);
+        if (!ref.starts_with(p)) continue;
+        const std::string section = p.substr(2, p.size() - 3);
+        const std::string name = ref.substr(p.size());
+        if (root_.contains(section) && root_[section].contains(name)) target = &root_[section][name];
+      }
+    }
+    if (target == nullptr)
+      return fail("$ref", path, "cannot resolve " + ref + " (only #, #/$defs/NAME, #/definitions/NAME)");
+    const std::int32_t rule = b_.new_rule("ref " + ref);
+    refs_.emplace(ref, GrammarBuilder::ref(rule));
+    b_.add_alternative(rule, value(*target, ref.substr(1)));
+    return {GrammarBuilder::ref(rule)};
+  }
+
+  const json& root_;
+  GrammarBuilder b_;
+  Status error_;
+  std::optional<Element> ws_;
+  std::optional<Element> json_char_;
+  Element escape_;
+  std::optional<Element> chars_;
+  std::optional<Element> string_;
+  std::optional<Element> number_;
+  std::optional<Element> integer_;
+  std::optional<Element> any_;
+  std::optional<Element> object_;
+  std::map<std::string, Element> refs_;
+};
+
+}  // namespace
+
+StatusOr<Grammar> json_schema_grammar(const nlohmann::ordered_json& schema) {
+  return SchemaConverter(schema).convert();
+}
+
+}  // namespace capserve::runtime::grammar

@@ -1,0 +1,27 @@
+#pragma once
+// JSON schemas as grammars, in the language xgrammar (0.2.8) generates with its defaults (any_whitespace,
+// strict_mode), so that the two engines' masks can be compared token for token:
+// - whitespace: [ \n\r\t]* wherever JSON allows it; strings: any character but controls, quote and backslash,
+//   or an escape (\" \\ \/ \b \f \n \r \t \uXXXX);
+// - objects: the schema's properties in its order, the required ones present; no other property unless
+//   additionalProperties says so (true or a schema: more properties after the listed ones, whose keys are not
+//   the listed names); an object schema without properties (and {"type": "object"}) is any object;
+// - arrays: items, minItems, maxItems; enum and const: their values, compact; anyOf and oneOf: any branch
+// (oneOf's
+//   exclusivity is not checked); $ref to "#", "#/$defs/..." or "#/definitions/..." (recursion allowed);
+// - strings: pattern (a regex, regex.h, over the string's characters), minLength / maxLength (characters),
+//   format date, time, date-time, uuid, ipv4, email;
+// - integers: minimum, maximum, exclusiveMinimum, exclusiveMaximum, enforced exactly by the digits grammar
+//   (the range's decimal spellings, no leading zeros); numbers: any JSON number, bounds refused.
+// Any other keyword with an effect on validity is refused with invalid_argument naming it (annotations such
+// as title and description are ignored).
+#include <nlohmann/json.hpp>
+
+#include "runtime/grammar/grammar.h"
+#include "runtime/status.h"
+
+namespace capserve::runtime::grammar {
+
+StatusOr<Grammar> json_schema_grammar(const nlohmann::ordered_json& schema);
+
+}  // namespace capserve::runtime::grammar

@@ -1,0 +1,34 @@
+#pragma once
+// The entry point for a request's structured output: what the output must be (OpenAI's response_format
+// json_schema / json_object, vLLM's regex and choice), compiled against the model's vocabulary. The server
+// compiles once per request and gives each of its sequences a GrammarMatcher (matcher.h); the sampler applies
+// the matcher's bitmask to the logits before drawing, and the step loop calls accept_token with the token
+// drawn.
+//
+// Errors are invalid_argument naming the schema keyword or regex construct at fault; the caller sets the
+// request field (Status::with_field) and returns it as an HTTP 400.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "runtime/grammar/compiled_grammar.h"
+#include "runtime/status.h"
+
+namespace capserve::runtime::grammar {
+
+struct OutputConstraint {
+  enum class Kind { json_schema, json_object, regex, choice };
+  Kind kind = Kind::json_object;
+  nlohmann::ordered_json schema;     // json_schema (ordered: its properties are generated in order)
+  std::string regex;                 // regex: the whole output matches it
+  std::vector<std::string> choices;  // choice: the output is exactly one of them
+};
+
+StatusOr<Grammar> constraint_grammar(const OutputConstraint& constraint);
+
+StatusOr<std::shared_ptr<const CompiledGrammar>> compile(const OutputConstraint& constraint,
+                                                         std::shared_ptr<const TokenVocabulary> vocabulary);
+
+}  // namespace capserve::runtime::grammar

@@ -1,0 +1,206 @@
+"""Compares capserve's structured-output masks with xgrammar's (tools/grammar/requirements-xgrammar.txt) on the
+default model's tokenizer, at every state of token walks through each schema of a corpus.
+
+Walks: valid instances of each schema (generated here; checked with jsonschema), tokenized as the model would
+write them, compact and indented; then from random points of those, random continuations that xgrammar allows.
+At every state both engines' masks must be equal, and both must accept every token of the instances.
+
+Usage: tools/.venv-xgrammar/bin/python tools/grammar/compare_xgrammar.py [--corpus F] [--tool T] [--model DIR]
+Prints one line per schema and a summary; exits 1 on any difference.
+"""
+import argparse
+import copy
+import json
+import random
+import subprocess
+import sys
+
+import jsonschema
+import numpy as np
+import torch
+import xgrammar as xgr
+from transformers import AutoTokenizer
+
+WORDS = ["alpha", "beta", "hello world", "Zürich", "naïve café", "a\"quote", "back\\slash", "tab\tline\n", "東京", ""]
+
+
+def resolve(ref, root):
+    node = root
+    for part in ref.lstrip("#/").split("/"):
+        if part:
+            node = node[part]
+    return node
+
+
+def instance(schema, root, rng, depth=0):
+    """A random value valid under `schema` (the subset the corpus uses; patterns take their `examples`)."""
+    if schema is True or schema == {}:
+        return rng.choice([1, "x", None, True, [1, 2], {"k": "v"}])
+    if "$ref" in schema:
+        return instance(resolve(schema["$ref"], root), root, rng, depth)
+    if "examples" in schema:
+        return rng.choice(schema["examples"])
+    if "const" in schema:
+        return schema["const"]
+    if "enum" in schema:
+        return rng.choice(schema["enum"])
+    for key in ("anyOf", "oneOf"):
+        if key in schema:
+            return instance(rng.choice(schema[key]), root, rng, depth)
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = rng.choice(kind)
+    if kind is None:
+        kind = "object" if "properties" in schema or "additionalProperties" in schema else "string"
+    if kind == "object":
+        out = {}
+        required = set(schema.get("required", []))
+        for name, sub in schema.get("properties", {}).items():
+            if name in required or (depth < 3 and rng.random() < 0.5):
+                out[name] = instance(sub, root, rng, depth + 1)
+        extra = schema.get("additionalProperties", not schema.get("properties"))
+        if extra is not False and rng.random() < 0.6:
+            for i in range(rng.randint(1, 2)):
+                out[f"extra_{i}"] = instance(extra if isinstance(extra, dict) else True, root, rng, depth + 1)
+        return out
+    if kind == "array":
+        lo = schema.get("minItems", 0)
+        hi = min(schema.get("maxItems", lo + 3), lo + 3)
+        if depth >= 3:
+            hi = lo
+        return [instance(schema.get("items", True), root, rng, depth + 1) for _ in range(rng.randint(lo, hi))]
+    if kind == "string":
+        lo, hi = schema.get("minLength", 0), schema.get("maxLength", None)
+        if "minLength" in schema or "maxLength" in schema:
+            n = rng.randint(lo, hi if hi is not None else lo + 8)
+            return "".join(rng.choice("abcdé xyz") for _ in range(n))
+        return rng.choice(WORDS)
+    if kind == "integer":
+        lo = schema.get("minimum", schema.get("exclusiveMinimum", -10**6 - 1) + 1)
+        hi = schema.get("maximum", schema.get("exclusiveMaximum", 10**6 + 1) - 1)
+        return rng.choice([lo, hi, rng.randint(lo, hi)])
+    if kind == "number":
+        return rng.choice([0, -3, 2.5, 1e-3, 123456.789, -0.25])
+    if kind == "boolean":
+        return rng.choice([True, False])
+    if kind == "null":
+        return None
+    raise ValueError(f"no instance for {schema}")
+
+
+def xgrammar_masks(compiled, tokens, words, special):
+    """xgrammar's mask at every state of the walk (stopping at its first refusal) and which tokens it accepted."""
+    matcher = xgr.GrammarMatcher(compiled)
+    bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+    masks, accepted = [], []
+
+    def fill():
+        if matcher.is_terminated():  # xgrammar refuses a mask then; ours is all zeros
+            masks.append(np.zeros(words, dtype=np.uint32))
+            return
+        matcher.fill_next_token_bitmask(bitmask)
+        masks.append(bitmask[0].numpy()[:words].astype(np.uint32) & ~special)
+
+    fill()
+    for t in tokens:
+        ok = matcher.accept_token(t)
+        accepted.append(ok)
+        if not ok:
+            break
+        fill()
+    return masks, accepted
+
+
+def random_continuation(compiled, prefix, rng, steps, words):
+    matcher = xgr.GrammarMatcher(compiled)
+    for t in prefix:
+        assert matcher.accept_token(t)
+    bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+    out = list(prefix)
+    for _ in range(steps):
+        if matcher.is_terminated():
+            break
+        matcher.fill_next_token_bitmask(bitmask)
+        bits = np.unpackbits(bitmask[0].numpy()[:words].astype("<u4").view(np.uint8), bitorder="little")
+        allowed = np.flatnonzero(bits)
+        if len(allowed) == 0:
+            break
+        t = int(rng.choice(list(allowed)))
+        assert matcher.accept_token(t)
+        out.append(t)
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--corpus", default="tests/fixtures/grammar/schemas.json")
+    p.add_argument("--tool", default="build/runtime/grammar/capserve-grammar-tool")
+    p.add_argument("--model", default="deploy/models/capserve-moe-tiny")
+    p.add_argument("--instances", type=int, default=3)
+    p.add_argument("--detours", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    rng = random.Random(args.seed)
+
+    tok = AutoTokenizer.from_pretrained(args.model)
+    vocab_size = len(tok)
+    words = (vocab_size + 31) // 32
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size, stop_token_ids=[tok.eos_token_id])
+    compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+    # xgrammar lets special tokens (other than the stop token) stand for their text inside strings; capserve
+    # never allows them (the detokenizer drops them, so the text would not be what the grammar checked).
+    special = np.zeros(words, dtype=np.uint32)
+    for i in tok.all_special_ids:
+        if i != tok.eos_token_id:
+            special[i // 32] |= np.uint32(1 << (i % 32))
+    corpus = json.load(open(args.corpus))
+
+    total_states = equal_states = failures = 0
+    for entry in corpus:
+        schema = entry["schema"]
+        compiled = compiler.compile_json_schema(json.dumps(schema), any_whitespace=True, strict_mode=True)
+        walks = []
+        for i in range(args.instances):
+            value = instance(schema, schema, rng)
+            jsonschema.validate(value, schema)
+            for text in (json.dumps(value, ensure_ascii=False), json.dumps(value, ensure_ascii=False, indent=2)):
+                walks.append(tok.encode(text, add_special_tokens=False) + [tok.eos_token_id])
+        for w in list(walks):
+            for _ in range(args.detours):
+                cut = rng.randrange(len(w))
+                walks.append(random_continuation(compiled, w[:cut], rng, 8, words))
+        records = "".join(json.dumps({"constraint": {"json_schema": schema}, "tokens": w}) + "\n" for w in walks)
+        ours = subprocess.run([args.tool, "--model", args.model], input=records, capture_output=True, text=True,
+                              check=True).stdout.splitlines()
+        problems = []
+        states = same = 0
+        for w, line in zip(walks, ours):
+            r = json.loads(line)
+            if "error" in r:
+                problems.append("refused: " + r["error"])
+                break
+            theirs, their_accepted = xgrammar_masks(compiled, w, words, special)
+            if r["accepted"] != their_accepted:
+                problems.append(f"accepted differ: ours {r['accepted']} xgrammar {their_accepted}")
+            for k, (hex_mask, their) in enumerate(zip(r["masks"], theirs)):
+                our = np.frombuffer(bytes.fromhex(hex_mask), dtype=">u4").astype(np.uint32)
+                states += 1
+                if np.array_equal(our, their):
+                    same += 1
+                elif len(problems) < 3:
+                    bits_o = np.unpackbits(our.astype("<u4").view(np.uint8), bitorder="little")
+                    bits_t = np.unpackbits(their.astype("<u4").view(np.uint8), bitorder="little")
+                    only_o = [tok.convert_ids_to_tokens(int(i)) for i in np.flatnonzero(bits_o & ~bits_t)[:8]]
+                    only_t = [tok.convert_ids_to_tokens(int(i)) for i in np.flatnonzero(bits_t & ~bits_o)[:8]]
+                    problems.append(f"state {k} after {tok.decode(w[:k])!r}: only ours {only_o} only xgrammar {only_t}")
+        total_states += states
+        equal_states += same
+        failures += bool(problems)
+        print(f"{entry['name']:28s} walks {len(walks):3d} states {states:5d} equal {same:5d}"
+              + ("" if not problems else "  " + " | ".join(problems)))
+    print(f"schemas {len(corpus)}, with differences {failures}; states {total_states}, equal {equal_states}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
