@@ -45,7 +45,7 @@ constexpr std::int64_t kOpenHigh = std::numeric_limits<std::int64_t>::max();
 
 class SchemaConverter {
  public:
-  explicit SchemaConverter(const json& root) : root_(root) {}
+  SchemaConverter(const json& root, const JsonOptions& options) : root_(root), options_(options) {}
 
   StatusOr<Grammar> convert() {
     const std::int32_t rule = b_.new_rule("root");
@@ -65,13 +65,26 @@ class SchemaConverter {
   }
 
   // Shared rules, made on first use.
-  Element ws() {
+  // Whitespace where JSON allows it (none in compact form).
+  Sequence ws() {
+    if (options_.whitespace == JsonWhitespace::compact) return {};
     if (!ws_) {
       ByteSet set;
       for (const char c : std::string_view(" \n\r\t")) set.set(static_cast<unsigned char>(c));
-      ws_ = b_.star("ws", {b_.bytes(set)});
+      if (options_.whitespace == JsonWhitespace::any) {
+        ws_ = b_.star("ws", {b_.bytes(set)});
+      } else {
+        ws_ = *b_.repeat("ws", {b_.bytes(set)}, 0, options_.max_whitespace);
+      }
     }
-    return *ws_;
+    return {*ws_};
+  }
+  // Between members and items, and between a key and its value.
+  Sequence comma() {
+    return options_.whitespace == JsonWhitespace::compact ? lit(", ") : cat({ws(), lit(","), ws()});
+  }
+  Sequence colon() {
+    return options_.whitespace == JsonWhitespace::compact ? lit(": ") : cat({ws(), lit(":"), ws()});
   }
   Sequence lit(std::string_view text) { return b_.literal(text); }
   static Sequence cat(std::initializer_list<Sequence> parts) {
@@ -134,11 +147,9 @@ class SchemaConverter {
     if (!any_) {
       const std::int32_t rule = b_.new_rule("value");
       any_ = GrammarBuilder::ref(rule);
-      const Element array =
-          b_.choice("array", {cat({lit("["),
-                                   {ws(), *any_, b_.star("items", {ws(), b_.byte(','), ws(), *any_}), ws()},
-                                   lit("]")}),
-                              cat({lit("["), {ws()}, lit("]")})});
+      const Element array = b_.choice(
+          "array", {cat({lit("["), ws(), {*any_, b_.star("items", cat({comma(), {*any_}}))}, ws(), lit("]")}),
+                    cat({lit("["), ws(), lit("]")})});
       const Element object = any_object();
       for (Sequence alt : {Sequence{any_number()}, Sequence{any_string()}, lit("true"), lit("false"),
                            lit("null"), Sequence{array}, Sequence{object}}) {
@@ -151,11 +162,10 @@ class SchemaConverter {
     if (!object_) {
       const std::int32_t rule = b_.new_rule("object");
       object_ = GrammarBuilder::ref(rule);
-      const Sequence member{any_string(), ws(), b_.byte(':'), ws(), any_value()};
-      Sequence more{ws(), b_.byte(','), ws()};
-      more.insert(more.end(), member.begin(), member.end());
-      b_.add_alternative(rule, cat({lit("{"), {ws()}, member, {b_.star("members", more), ws()}, lit("}")}));
-      b_.add_alternative(rule, cat({lit("{"), {ws()}, lit("}")}));
+      const Sequence member = cat({{any_string()}, colon(), {any_value()}});
+      b_.add_alternative(
+          rule, cat({lit("{"), ws(), member, {b_.star("members", cat({comma(), member}))}, ws(), lit("}")}));
+      b_.add_alternative(rule, cat({lit("{"), ws(), lit("}")}));
     }
     return *object_;
   }
@@ -425,13 +435,13 @@ class SchemaConverter {
         schema.contains("items") ? value(schema["items"], child(path, "items")) : Sequence{any_value()};
     if (!error_.ok()) return {};
     std::vector<Sequence> alternatives;
-    if (min == 0) alternatives.push_back(cat({lit("["), {ws()}, lit("]")}));
+    if (min == 0) alternatives.push_back(cat({lit("["), ws(), lit("]")}));
     if (!max || *max > 0) {
       const Element first = b_.choice("item", {item});
-      auto rest = b_.repeat("items", {ws(), b_.byte(','), ws(), first}, std::max<std::int64_t>(min, 1) - 1,
+      auto rest = b_.repeat("items", cat({comma(), {first}}), std::max<std::int64_t>(min, 1) - 1,
                             max ? *max - 1 : -1);
       if (!rest.ok()) return fail(max ? "maxItems" : "minItems", path, rest.status().message());
-      alternatives.push_back(cat({lit("["), {ws(), first, *rest, ws()}, lit("]")}));
+      alternatives.push_back(cat({lit("["), ws(), {first, *rest}, ws(), lit("]")}));
     }
     return {b_.choice("array", std::move(alternatives))};
   }
@@ -479,41 +489,43 @@ class SchemaConverter {
           return fail("additionalProperties", path, "beside a non-ASCII property name");
         }
       }
-      extra = cat({{b_.byte('"'), key_except(names), ws(), b_.byte(':'), ws()}, extra_value});
+      extra = cat({{b_.byte('"'), key_except(names)}, colon(), extra_value});
     }
     // after[i]: the members from the i-th on, at least one member already written (each starts with a comma);
     // first[i]: the same with none written yet.
     const std::size_t n = listed.size();
+    // first[i] is never empty (an object without members is its own alternative, so that "{" and "}" have
+    // one whitespace between them, not two); it is absent where nothing can follow.
     std::vector<Element> after(n + 1);
-    std::vector<Element> first(n + 1);
-    {
-      std::vector<Sequence> tail_after{{}};
-      std::vector<Sequence> tail_first{{}};
-      if (extra) {
-        const Element more = b_.star("extra_members", cat({{ws(), b_.byte(','), ws()}, *extra}));
-        tail_after = {{more}};
-        tail_first = {cat({*extra, {more}}), {}};
-      }
-      after[n] = b_.choice("members_end", std::move(tail_after));
-      first[n] = b_.choice("members_end", std::move(tail_first));
+    std::vector<std::optional<Element>> first(n + 1);
+    if (extra) {
+      const Element more = b_.star("extra_members", cat({comma(), *extra}));
+      after[n] = more;
+      first[n] = b_.choice("members_end", {cat({*extra, {more}})});
+    } else {
+      after[n] = b_.choice("members_end", {{}});
     }
+    bool all_optional = true;
     for (std::size_t i = n; i-- > 0;) {
       const auto& [name, sub] = listed[i];
-      Sequence member = cat({lit(json(name).dump()),
-                             {ws(), b_.byte(':'), ws()},
-                             value(*sub, child(path, "properties/" + name))});
+      Sequence member =
+          cat({lit(json(name).dump()), colon(), value(*sub, child(path, "properties/" + name))});
       if (!error_.ok()) return {};
       const bool optional = !required.contains(name);
-      std::vector<Sequence> a{cat({{ws(), b_.byte(','), ws()}, member, {after[i + 1]}})};
+      all_optional = all_optional && optional;
+      std::vector<Sequence> a{cat({comma(), member, {after[i + 1]}})};
       std::vector<Sequence> f{cat({member, {after[i + 1]}})};
       if (optional) {
         a.push_back({after[i + 1]});
-        f.push_back({first[i + 1]});
+        if (first[i + 1]) f.push_back({*first[i + 1]});
       }
       after[i] = b_.choice("members", std::move(a));
       first[i] = b_.choice("members", std::move(f));
     }
-    return cat({lit("{"), {ws(), first[0], ws()}, lit("}")});
+    std::vector<Sequence> alternatives;
+    if (first[0]) alternatives.push_back(cat({lit("{"), ws(), {*first[0]}, ws(), lit("}")}));
+    if (all_optional) alternatives.push_back(cat({lit("{"), ws(), lit("}")}));
+    return {b_.choice("object", std::move(alternatives))};
   }
 
   // A JSON string key, after its opening quote, other than `names` (compared as written, escapes not
@@ -578,6 +590,7 @@ class SchemaConverter {
   }
 
   const json& root_;
+  JsonOptions options_;
   GrammarBuilder b_;
   Status error_;
   std::optional<Element> ws_;
@@ -594,8 +607,11 @@ class SchemaConverter {
 
 }  // namespace
 
-StatusOr<Grammar> json_schema_grammar(const nlohmann::ordered_json& schema) {
-  return SchemaConverter(schema).convert();
+StatusOr<Grammar> json_schema_grammar(const nlohmann::ordered_json& schema, const JsonOptions& options) {
+  if (options.whitespace == JsonWhitespace::at_most && options.max_whitespace < 0) {
+    return Status::invalid_argument("a negative whitespace limit");
+  }
+  return SchemaConverter(schema, options).convert();
 }
 
 }  // namespace capserve::runtime::grammar

@@ -10,9 +10,9 @@ namespace capserve::runtime::grammar {
 StatusOr<Grammar> constraint_grammar(const OutputConstraint& constraint) {
   switch (constraint.kind) {
     case OutputConstraint::Kind::json_schema:
-      return json_schema_grammar(constraint.schema);
+      return json_schema_grammar(constraint.schema, constraint.json);
     case OutputConstraint::Kind::json_object:
-      return json_schema_grammar(nlohmann::ordered_json{{"type", "object"}});
+      return json_schema_grammar(nlohmann::ordered_json{{"type", "object"}}, constraint.json);
     case OutputConstraint::Kind::regex: {
       GrammarBuilder builder;
       const std::int32_t root = builder.new_rule("root");

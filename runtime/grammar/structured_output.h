@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "runtime/grammar/compiled_grammar.h"
+#include "runtime/grammar/json_schema.h"
 #include "runtime/status.h"
 
 namespace capserve::runtime::grammar {
@@ -24,6 +25,7 @@ struct OutputConstraint {
   nlohmann::ordered_json schema;     // json_schema (ordered: its properties are generated in order)
   std::string regex;                 // regex: the whole output matches it
   std::vector<std::string> choices;  // choice: the output is exactly one of them
+  JsonOptions json;                  // json_schema and json_object
 };
 
 StatusOr<Grammar> constraint_grammar(const OutputConstraint& constraint);

@@ -6,7 +6,8 @@ write them, compact and indented; then from random points of those, random conti
 At every state both engines' masks must be equal, and both must accept every token of the instances.
 
 Usage: tools/.venv-xgrammar/bin/python tools/grammar/compare_xgrammar.py [--corpus F] [--tool T] [--model DIR]
-Prints one line per schema and a summary; exits 1 on any difference.
+Prints one line per schema and a summary; exits 1 on any difference but those the corpus lists under
+"xgrammar_differs" (xgrammar's own departures from JSON, which capserve does not copy).
 """
 import argparse
 import copy
@@ -88,6 +89,39 @@ def instance(schema, root, rng, depth=0):
     raise ValueError(f"no instance for {schema}")
 
 
+def byte_decoder():
+    """GPT-2's byte-level alphabet, character -> byte."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+def ends_inside_character(data):
+    """Whether the bytes end with the lead (and maybe some continuation bytes) of a multi-byte character."""
+    for back in range(1, min(4, len(data)) + 1):
+        b = data[-back]
+        if b < 0x80:
+            return False
+        if b >= 0xC0:
+            need = 2 if b < 0xE0 else 3 if b < 0xF0 else 4
+            return back < need
+    return False
+
+
+def fnv1a64(words):
+    """FNV-1a (64-bit) of the mask's words as little-endian bytes: what the recorded walks keep of a mask."""
+    h = 0xCBF29CE484222325
+    for b in words.astype("<u4").tobytes():
+        h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return f"{h:016x}"
+
+
 def xgrammar_masks(compiled, tokens, words, special):
     """xgrammar's mask at every state of the walk (stopping at its first refusal) and which tokens it accepted."""
     matcher = xgr.GrammarMatcher(compiled)
@@ -111,7 +145,7 @@ def xgrammar_masks(compiled, tokens, words, special):
     return masks, accepted
 
 
-def random_continuation(compiled, prefix, rng, steps, words):
+def random_continuation(compiled, prefix, rng, steps, words, special):
     matcher = xgr.GrammarMatcher(compiled)
     for t in prefix:
         assert matcher.accept_token(t)
@@ -121,7 +155,8 @@ def random_continuation(compiled, prefix, rng, steps, words):
         if matcher.is_terminated():
             break
         matcher.fill_next_token_bitmask(bitmask)
-        bits = np.unpackbits(bitmask[0].numpy()[:words].astype("<u4").view(np.uint8), bitorder="little")
+        allowed_words = bitmask[0].numpy()[:words].astype(np.uint32) & ~special
+        bits = np.unpackbits(allowed_words.astype("<u4").view(np.uint8), bitorder="little")
         allowed = np.flatnonzero(bits)
         if len(allowed) == 0:
             break
@@ -139,6 +174,8 @@ def main():
     p.add_argument("--instances", type=int, default=3)
     p.add_argument("--detours", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--record", help="write the walks and xgrammar's mask hashes here (JSON lines) for the unit test")
+    p.add_argument("--whitespace", default="any", help="any, compact, or a number (at most that many at each place)")
     args = p.parse_args()
     rng = random.Random(args.seed)
 
@@ -155,31 +192,56 @@ def main():
             special[i // 32] |= np.uint32(1 << (i % 32))
     corpus = json.load(open(args.corpus))
 
-    total_states = equal_states = failures = 0
+    total_states = equal_states = failures = known_differences = 0
+    record = open(args.record, "w") if args.record else None
+    to_byte = byte_decoder()
+    utf8_states = 0
+
+    def partial_character_difference(our, their, prefix):
+        text = b"".join(bytes(to_byte[c] for c in t) for t in tok.convert_ids_to_tokens(prefix))
+        return bool(np.all(our & ~their == 0)) and ends_inside_character(text)
     for entry in corpus:
         schema = entry["schema"]
-        compiled = compiler.compile_json_schema(json.dumps(schema), any_whitespace=True, strict_mode=True)
+        if args.whitespace == "any":
+            ws_options, constraint = {"any_whitespace": True}, {"json_schema": schema}
+        elif args.whitespace == "compact":
+            ws_options, constraint = {"any_whitespace": False}, {"json_schema": schema, "whitespace": "compact"}
+        else:
+            n = int(args.whitespace)
+            ws_options = {"any_whitespace": True, "max_whitespace_cnt": n}
+            constraint = {"json_schema": schema, "whitespace": n}
+        compiled = compiler.compile_json_schema(json.dumps(schema), strict_mode=True, **ws_options)
         walks = []
         for i in range(args.instances):
             value = instance(schema, schema, rng)
             jsonschema.validate(value, schema)
-            for text in (json.dumps(value, ensure_ascii=False), json.dumps(value, ensure_ascii=False, indent=2)):
+            texts = [json.dumps(value, ensure_ascii=False)]
+            if args.whitespace == "any":
+                texts.append(json.dumps(value, ensure_ascii=False, indent=2))
+            elif args.whitespace != "compact":
+                texts.append(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
+            for text in texts:
                 walks.append(tok.encode(text, add_special_tokens=False) + [tok.eos_token_id])
         for w in list(walks):
             for _ in range(args.detours):
                 cut = rng.randrange(len(w))
-                walks.append(random_continuation(compiled, w[:cut], rng, 8, words))
-        records = "".join(json.dumps({"constraint": {"json_schema": schema}, "tokens": w}) + "\n" for w in walks)
+                walks.append(random_continuation(compiled, w[:cut], rng, 8, words, special))
+        records = "".join(json.dumps({"constraint": constraint, "tokens": w}) + "\n" for w in walks)
         ours = subprocess.run([args.tool, "--model", args.model], input=records, capture_output=True, text=True,
                               check=True).stdout.splitlines()
         problems = []
         states = same = 0
+        recorded = []
         for w, line in zip(walks, ours):
             r = json.loads(line)
             if "error" in r:
                 problems.append("refused: " + r["error"])
                 break
             theirs, their_accepted = xgrammar_masks(compiled, w, words, special)
+            # null: a state after part of a character, where xgrammar allows invalid UTF-8 (not replayed).
+            hashes = [fnv1a64(m) for m in theirs]
+            recorded.append({"schema": entry["name"], "constraint": constraint, "tokens": w,
+                             "accepted": their_accepted, "masks": hashes})
             if r["accepted"] != their_accepted:
                 problems.append(f"accepted differ: ours {r['accepted']} xgrammar {their_accepted}")
             for k, (hex_mask, their) in enumerate(zip(r["masks"], theirs)):
@@ -187,6 +249,12 @@ def main():
                 states += 1
                 if np.array_equal(our, their):
                     same += 1
+                elif partial_character_difference(our, their, w[:k]):
+                    hashes[k] = None
+                    # xgrammar completes a character begun by the last token with any continuation byte,
+                    # encoded surrogates (ED A0..BF) and code points past U+10FFFF (F4 90..) included;
+                    # capserve allows only valid UTF-8.
+                    utf8_states += 1
                 elif len(problems) < 3:
                     bits_o = np.unpackbits(our.astype("<u4").view(np.uint8), bitorder="little")
                     bits_t = np.unpackbits(their.astype("<u4").view(np.uint8), bitorder="little")
@@ -195,10 +263,20 @@ def main():
                     problems.append(f"state {k} after {tok.decode(w[:k])!r}: only ours {only_o} only xgrammar {only_t}")
         total_states += states
         equal_states += same
-        failures += bool(problems)
+        known = entry.get("xgrammar_differs")
+        if record is not None and not known:
+            for r in recorded:
+                record.write(json.dumps(r, ensure_ascii=False) + "\n")
+        if problems and known:
+            known_differences += 1
+            problems = ["known difference: " + known]
+        else:
+            failures += bool(problems)
         print(f"{entry['name']:28s} walks {len(walks):3d} states {states:5d} equal {same:5d}"
               + ("" if not problems else "  " + " | ".join(problems)))
-    print(f"schemas {len(corpus)}, with differences {failures}; states {total_states}, equal {equal_states}")
+    print(f"schemas {len(corpus)}, with differences {failures} (and {known_differences} known, listed in the corpus);"
+          f" states {total_states}, equal {equal_states}, after part of a character where xgrammar allows invalid"
+          f" UTF-8 {utf8_states}")
     return 1 if failures else 0
 
 

@@ -4,6 +4,7 @@
 // Each line of stdin is one JSON record:
 //   {"constraint": {"json_schema": {...}} | {"json_object": true} | {"regex": "..."} | {"choice": [...]},
 //    "tokens": [ids...]}
+// where a JSON constraint may add "whitespace": "compact" or a number (at most that many at each place).
 // and its output line is {"compile_ms", "accepted": [bool per token, the walk stops at the first refusal],
 // "masks": [the mask before each token and after the last, hex words], "mask_us": [the time of each]}, or
 // {"error": message} for a constraint that is refused.
@@ -48,6 +49,17 @@ StatusOr<OutputConstraint> read_constraint(const nlohmann::ordered_json& spec) {
   } else {
     return capserve::runtime::Status::invalid_argument(
         "constraint: json_schema, json_object, regex or choice");
+  }
+  if (spec.contains("whitespace")) {
+    const auto& ws = spec["whitespace"];
+    if (ws == "compact") {
+      c.json.whitespace = JsonWhitespace::compact;
+    } else if (ws.is_number_integer()) {
+      c.json.whitespace = JsonWhitespace::at_most;
+      c.json.max_whitespace = ws.get<std::int64_t>();
+    } else {
+      return capserve::runtime::Status::invalid_argument("whitespace: \"compact\" or a number");
+    }
   }
   return c;
 }
