@@ -93,8 +93,7 @@ void set_sole_returns(Grammar& grammar) {
       }
     }
   }
-  // Only rules the root reaches: an unreachable ring of rules calling one another last would otherwise send
-  // a walk round it for ever.
+  // Only rules the root reaches.
   std::vector<bool> reachable(rules, false);
   std::vector<std::int32_t> pending{grammar.root};
   reachable[static_cast<std::size_t>(grammar.root)] = true;
@@ -111,20 +110,35 @@ void set_sole_returns(Grammar& grammar) {
       }
     }
   }
-  std::vector<int> callers(rules, 0);
-  grammar.sole_return.assign(rules, -1);
-  callers[static_cast<std::size_t>(grammar.root)] = 1;  // the matcher's start
-  for (std::size_t p = 0; p < elements.size(); ++p) {
-    if (elements[p].kind != Element::Kind::rule || !reachable[static_cast<std::size_t>(grammar.rule_of[p])])
-      continue;
-    const auto callee = static_cast<std::size_t>(elements[p].index);
-    const bool self_tail_call =
-        elements[p + 1].kind == Element::Kind::end && grammar.rule_of[p] == elements[p].index;
-    if (self_tail_call) continue;
-    if (++callers[callee] == 1) grammar.sole_return[callee] = static_cast<std::int32_t>(p + 1);
+  // Where each rule's text goes on: the positions after its call sites, where a call site ends its
+  // alternative (a tail call) the continuation of the rule it ends instead. A fixpoint over the lattice
+  // none < one position < many, so that rules calling one another last (a list's item and its separator)
+  // share one continuation.
+  constexpr std::int32_t kNone = -2;
+  constexpr std::int32_t kMany = -1;
+  std::vector<std::int32_t> continuation(rules, kNone);
+  continuation[static_cast<std::size_t>(grammar.root)] =
+      kMany;  // the matcher's start: complete, not a position
+  const auto join = [&](std::int32_t& into, std::int32_t value) {
+    if (value == kNone || into == kMany || into == value) return false;
+    into = into == kNone ? value : kMany;
+    return true;
+  };
+  for (bool changed = true; changed;) {
+    changed = false;
+    for (std::size_t p = 0; p < elements.size(); ++p) {
+      if (elements[p].kind != Element::Kind::rule || !reachable[static_cast<std::size_t>(grammar.rule_of[p])])
+        continue;
+      const auto callee = static_cast<std::size_t>(elements[p].index);
+      const bool tail_call = elements[p + 1].kind == Element::Kind::end;
+      const std::int32_t value = tail_call ? continuation[static_cast<std::size_t>(grammar.rule_of[p])]
+                                           : static_cast<std::int32_t>(p + 1);
+      changed = join(continuation[callee], value) || changed;
+    }
   }
+  grammar.sole_return.assign(rules, -1);
   for (std::size_t r = 0; r < rules; ++r) {
-    if (callers[r] != 1 || !reachable[r]) grammar.sole_return[r] = -1;
+    if (reachable[r] && continuation[r] >= 0) grammar.sole_return[r] = continuation[r];
   }
 }
 
@@ -236,22 +250,24 @@ StatusOr<Element> GrammarBuilder::repeat(std::string name, const Sequence& seque
   if (min > kMaxRepetition || max > kMaxRepetition) {
     return Status::invalid_argument("repetition count above " + std::to_string(kMaxRepetition));
   }
+  // Copies share one rule rather than the rules inside the sequence, which keeps those single-caller.
+  const Sequence one = sequence.size() == 1 ? sequence : Sequence{choice(name + "_item", {sequence})};
   // The optional copies nest (x (x (x)?)?)? so that each count has one parse.
   Element tail;
   if (max < 0) {
-    tail = star(name + "_star", sequence);
+    tail = star(name + "_star", one);
   } else {
     const std::int32_t none = new_rule(name + "_end");
     add_alternative(none, {});
     tail = ref(none);
     for (std::int64_t i = min; i < max; ++i) {
-      Sequence more = sequence;
+      Sequence more = one;
       more.push_back(tail);
       tail = optional(name + "_opt", std::move(more));
     }
   }
   Sequence all;
-  for (std::int64_t i = 0; i < min; ++i) all.insert(all.end(), sequence.begin(), sequence.end());
+  for (std::int64_t i = 0; i < min; ++i) all.insert(all.end(), one.begin(), one.end());
   all.push_back(tail);
   return choice(std::move(name), {std::move(all)});
 }

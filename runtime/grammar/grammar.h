@@ -35,10 +35,11 @@ struct Grammar {
   std::int32_t root = 0;
   // Per position, the rule it belongs to.
   std::vector<std::int32_t> rule_of;
-  // Per rule, where the text goes on after it when a single place in the grammar can call it (a position in
-  // `elements`), else -1: a stack's frame of such a rule returns there whatever the stack below, which lets
-  // the mask cache (compiled_grammar.h) look past the end of small rules. A rule's tail call to itself (a
-  // repetition) does not count as a caller.
+  // Per rule, the one position where the text goes on after it, whichever place called it (a single caller,
+  // or callers that all end their rules into the same continuation: a repetition's tail call to itself, a
+  // list's item and separator calling each other last), else -1. A stack's frame of such a rule returns there
+  // whatever the stack below, which lets the mask cache (compiled_grammar.h) look past the end of small
+  // rules.
   std::vector<std::int32_t> sole_return;
 };
 

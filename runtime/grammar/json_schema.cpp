@@ -64,20 +64,17 @@ class SchemaConverter {
     return {};
   }
 
-  // Shared rules, made on first use.
+  // Whitespace, string characters and strings get a rule of their own at each use: a rule with one caller
+  // lets the mask cache see what follows it (Grammar::sole_return), so that a token such as "\n  \"" or
+  // "abc\"," is decided at compile time instead of against the stack at every step.
+
   // Whitespace where JSON allows it (none in compact form).
   Sequence ws() {
     if (options_.whitespace == JsonWhitespace::compact) return {};
-    if (!ws_) {
-      ByteSet set;
-      for (const char c : std::string_view(" \n\r\t")) set.set(static_cast<unsigned char>(c));
-      if (options_.whitespace == JsonWhitespace::any) {
-        ws_ = b_.star("ws", {b_.bytes(set)});
-      } else {
-        ws_ = *b_.repeat("ws", {b_.bytes(set)}, 0, options_.max_whitespace);
-      }
-    }
-    return {*ws_};
+    ByteSet set;
+    for (const char c : std::string_view(" \n\r\t")) set.set(static_cast<unsigned char>(c));
+    if (options_.whitespace == JsonWhitespace::any) return {b_.star("ws", {b_.bytes(set)})};
+    return {*b_.repeat("ws", {b_.bytes(set)}, 0, options_.max_whitespace)};
   }
   // Between members and items, and between a key and its value.
   Sequence comma() {
@@ -92,9 +89,9 @@ class SchemaConverter {
     for (const auto& p : parts) out.insert(out.end(), p.begin(), p.end());
     return out;
   }
-  Element json_char() {
-    if (!json_char_) {
-      const auto plain = complement({{0, 0x1F}, {'"', '"'}, {'\\', '\\'}});
+  Element plain_char() { return b_.codepoints(complement({{0, 0x1F}, {'"', '"'}, {'\\', '\\'}})); }
+  Element escape() {
+    if (!escape_) {
       ByteSet hex_set;
       for (const char c : std::string_view("0123456789abcdefABCDEF"))
         hex_set.set(static_cast<unsigned char>(c));
@@ -103,20 +100,33 @@ class SchemaConverter {
       for (const char c : std::string_view("\"\\/bfnrt")) simple.set(static_cast<unsigned char>(c));
       escape_ = b_.choice(
           "escape", {{b_.bytes(simple)}, cat({lit("u"), {hex_digit, hex_digit, hex_digit, hex_digit}})});
-      json_char_ = b_.choice("char", {{b_.codepoints(plain)}, {b_.byte('\\'), escape_}});
     }
-    return *json_char_;
+    return *escape_;
   }
+  // Any number of string characters (a fresh rule, its characters inlined).
   Element chars() {
-    if (!chars_) chars_ = b_.star("chars", {json_char()});
-    return *chars_;
+    const std::int32_t rule = b_.new_rule("chars");
+    b_.add_alternative(rule, {plain_char(), GrammarBuilder::ref(rule)});
+    b_.add_alternative(rule, {b_.byte('\\'), escape(), GrammarBuilder::ref(rule)});
+    b_.add_alternative(rule, {});
+    return GrammarBuilder::ref(rule);
   }
-  Element any_string() {
-    if (!string_) {
-      string_ = b_.choice("string", {cat({lit("\""), {chars()}, lit("\"")})});
+  // min..max string characters (max < 0: no bound), one fresh rule per place so that each is single-caller.
+  StatusOr<Element> bounded_chars(std::int64_t min, std::int64_t max) {
+    const std::int64_t places = max < 0 ? min : max;
+    if (places > GrammarBuilder::kMaxRepetition) {
+      return Status::invalid_argument("above " + std::to_string(GrammarBuilder::kMaxRepetition) +
+                                      " characters");
     }
-    return *string_;
+    Element tail = max < 0 ? chars() : b_.choice("chars_end", {{}});
+    for (std::int64_t k = places - 1; k >= 0; --k) {
+      std::vector<Sequence> alternatives{{plain_char(), tail}, {b_.byte('\\'), escape(), tail}};
+      if (k >= min) alternatives.push_back({});
+      tail = b_.choice("char_" + std::to_string(k), std::move(alternatives));
+    }
+    return tail;
   }
+  Sequence any_string() { return cat({lit("\""), {chars()}, lit("\"")}); }
   Element any_number() {
     if (!number_) {
       ByteSet digit;
@@ -151,8 +161,8 @@ class SchemaConverter {
           "array", {cat({lit("["), ws(), {*any_, b_.star("items", cat({comma(), {*any_}}))}, ws(), lit("]")}),
                     cat({lit("["), ws(), lit("]")})});
       const Element object = any_object();
-      for (Sequence alt : {Sequence{any_number()}, Sequence{any_string()}, lit("true"), lit("false"),
-                           lit("null"), Sequence{array}, Sequence{object}}) {
+      for (Sequence alt : {Sequence{any_number()}, any_string(), lit("true"), lit("false"), lit("null"),
+                           Sequence{array}, Sequence{object}}) {
         b_.add_alternative(rule, std::move(alt));
       }
     }
@@ -162,9 +172,10 @@ class SchemaConverter {
     if (!object_) {
       const std::int32_t rule = b_.new_rule("object");
       object_ = GrammarBuilder::ref(rule);
-      const Sequence member = cat({{any_string()}, colon(), {any_value()}});
+      const Element member = b_.choice("member", {cat({any_string(), colon(), {any_value()}})});
       b_.add_alternative(
-          rule, cat({lit("{"), ws(), member, {b_.star("members", cat({comma(), member}))}, ws(), lit("}")}));
+          rule,
+          cat({lit("{"), ws(), {member, b_.star("members", cat({comma(), {member}}))}, ws(), lit("}")}));
       b_.add_alternative(rule, cat({lit("{"), ws(), lit("}")}));
     }
     return *object_;
@@ -391,8 +402,8 @@ class SchemaConverter {
       return cat({lit("\""), {b_.choice("pattern", {std::move(*body)})}, lit("\"")});
     }
     if (!error_.ok()) return {};
-    if (!min && !max) return {any_string()};
-    auto chars = b_.repeat("chars", {json_char()}, min.value_or(0), max ? *max : -1);
+    if (!min && !max) return any_string();
+    auto chars = bounded_chars(min.value_or(0), max ? *max : -1);
     if (!chars.ok()) return fail(max ? "maxLength" : "minLength", path, chars.status().message());
     return cat({lit("\""), {*chars}, lit("\"")});
   }
@@ -489,7 +500,7 @@ class SchemaConverter {
           return fail("additionalProperties", path, "beside a non-ASCII property name");
         }
       }
-      extra = cat({{b_.byte('"'), key_except(names)}, colon(), extra_value});
+      extra = {b_.choice("extra_member", {cat({{b_.byte('"'), key_except(names)}, colon(), extra_value})})};
     }
     // after[i]: the members from the i-th on, at least one member already written (each starts with a comma);
     // first[i]: the same with none written yet.
@@ -551,8 +562,7 @@ class SchemaConverter {
     }
     // (Names are ASCII: object() refuses others beside additional properties.)
     alternatives.push_back({b_.codepoints(off_trie), chars(), b_.byte('"')});
-    json_char();
-    alternatives.push_back({b_.byte('\\'), escape_, chars(), b_.byte('"')});
+    alternatives.push_back({b_.byte('\\'), escape(), chars(), b_.byte('"')});
     for (const auto& [byte, continuing] : next) {
       alternatives.push_back({b_.byte(byte), key_except(continuing, depth + 1)});
     }
@@ -593,11 +603,7 @@ class SchemaConverter {
   JsonOptions options_;
   GrammarBuilder b_;
   Status error_;
-  std::optional<Element> ws_;
-  std::optional<Element> json_char_;
-  Element escape_;
-  std::optional<Element> chars_;
-  std::optional<Element> string_;
+  std::optional<Element> escape_;
   std::optional<Element> number_;
   std::optional<Element> integer_;
   std::optional<Element> any_;

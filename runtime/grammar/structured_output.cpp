@@ -7,6 +7,41 @@
 
 namespace capserve::runtime::grammar {
 
+StatusOr<OutputConstraint> parse_constraint(const nlohmann::ordered_json& spec) {
+  OutputConstraint c;
+  if (!spec.is_object()) return Status::invalid_argument("a constraint is a JSON object");
+  if (spec.contains("json_schema")) {
+    c.kind = OutputConstraint::Kind::json_schema;
+    c.schema = spec["json_schema"];
+  } else if (spec.contains("json_object")) {
+    c.kind = OutputConstraint::Kind::json_object;
+  } else if (spec.contains("regex") && spec["regex"].is_string()) {
+    c.kind = OutputConstraint::Kind::regex;
+    c.regex = spec["regex"].get<std::string>();
+  } else if (spec.contains("choice") && spec["choice"].is_array()) {
+    c.kind = OutputConstraint::Kind::choice;
+    for (const auto& choice : spec["choice"]) {
+      if (!choice.is_string()) return Status::invalid_argument("a choice that is not a string", "choice");
+      c.choices.push_back(choice.get<std::string>());
+    }
+  } else {
+    return Status::invalid_argument(
+        "a constraint needs json_schema, json_object, regex (a string) or choice (a list)");
+  }
+  if (spec.contains("whitespace")) {
+    const auto& ws = spec["whitespace"];
+    if (ws == "compact") {
+      c.json.whitespace = JsonWhitespace::compact;
+    } else if (ws.is_number_integer() && ws.get<std::int64_t>() >= 0) {
+      c.json.whitespace = JsonWhitespace::at_most;
+      c.json.max_whitespace = ws.get<std::int64_t>();
+    } else {
+      return Status::invalid_argument("whitespace: \"compact\" or a count", "whitespace");
+    }
+  }
+  return c;
+}
+
 StatusOr<Grammar> constraint_grammar(const OutputConstraint& constraint) {
   switch (constraint.kind) {
     case OutputConstraint::Kind::json_schema:

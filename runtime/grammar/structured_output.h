@@ -28,6 +28,11 @@ struct OutputConstraint {
   JsonOptions json;                  // json_schema and json_object
 };
 
+// A constraint spelled in JSON, as capserve-grammar-tool and the tests read it (and a front end may):
+//   {"json_schema": {...}} | {"json_object": true} | {"regex": "..."} | {"choice": ["...", ...]}
+// with, for the JSON kinds, "whitespace": "compact" or a number (JsonOptions).
+StatusOr<OutputConstraint> parse_constraint(const nlohmann::ordered_json& spec);
+
 StatusOr<Grammar> constraint_grammar(const OutputConstraint& constraint);
 
 StatusOr<std::shared_ptr<const CompiledGrammar>> compile(const OutputConstraint& constraint,

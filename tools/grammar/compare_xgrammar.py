@@ -13,6 +13,7 @@ import argparse
 import copy
 import json
 import random
+import re
 import subprocess
 import sys
 
@@ -23,6 +24,21 @@ import xgrammar as xgr
 from transformers import AutoTokenizer
 
 WORDS = ["alpha", "beta", "hello world", "Zürich", "naïve café", "a\"quote", "back\\slash", "tab\tline\n", "東京", ""]
+
+
+# vLLM's other two constraint kinds (guided regex, guided choice), with texts to walk.
+REGEXES = [
+    ("regex_email", r"[a-z0-9._]+@[a-z]+\.(com|org)", ["john.doe@example.com", "a_b@x.org"]),
+    ("regex_phone", r"\(\d{3}\) \d{3}-\d{4}", ["(555) 123-4567"]),
+    ("regex_date_words", r"(Mon|Tue|Wed), \d{1,2} [A-Z][a-z]+ 20\d\d", ["Mon, 3 March 2025", "Wed, 12 May 2031"]),
+    ("regex_unicode", r"[^\n]{1,12}!", ["héllo wörld!", "東京!"]),
+    ("regex_sentence", r"[A-Z][a-z ,]*[.?]", ["The cat sat on the mat.", "Why, though?"]),
+    ("regex_number_list", r"\[(\d+(, \d+)*)?\]", ["[1, 22, 333]", "[]"]),
+]
+CHOICES = [
+    ("choice_sentiment", ["positive", "negative", "neutral"]),
+    ("choice_prefixes", ["yes", "yes please", "no"]),
+]
 
 
 def resolve(ref, root):
@@ -200,6 +216,8 @@ def main():
     def partial_character_difference(our, their, prefix):
         text = b"".join(bytes(to_byte[c] for c in t) for t in tok.convert_ids_to_tokens(prefix))
         return bool(np.all(our & ~their == 0)) and ends_inside_character(text)
+    # (name, our constraint, xgrammar's compiled grammar, texts to walk, known difference or None)
+    cases = []
     for entry in corpus:
         schema = entry["schema"]
         if args.whitespace == "any":
@@ -211,17 +229,25 @@ def main():
             ws_options = {"any_whitespace": True, "max_whitespace_cnt": n}
             constraint = {"json_schema": schema, "whitespace": n}
         compiled = compiler.compile_json_schema(json.dumps(schema), strict_mode=True, **ws_options)
-        walks = []
+        texts = []
         for i in range(args.instances):
             value = instance(schema, schema, rng)
             jsonschema.validate(value, schema)
-            texts = [json.dumps(value, ensure_ascii=False)]
+            texts.append(json.dumps(value, ensure_ascii=False))
             if args.whitespace == "any":
                 texts.append(json.dumps(value, ensure_ascii=False, indent=2))
             elif args.whitespace != "compact":
                 texts.append(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
-            for text in texts:
-                walks.append(tok.encode(text, add_special_tokens=False) + [tok.eos_token_id])
+        cases.append((entry["name"], constraint, compiled, texts, entry.get("xgrammar_differs")))
+    if args.whitespace == "any":  # regexes and choices have no JSON whitespace
+        for name, pattern, examples in REGEXES:
+            cases.append((name, {"regex": pattern}, compiler.compile_regex(pattern), examples, None))
+        for name, choices in CHOICES:
+            pattern = "(" + "|".join(re.escape(c) for c in choices) + ")"
+            cases.append((name, {"choice": choices}, compiler.compile_regex(pattern), choices, None))
+
+    for name, constraint, compiled, texts, known in cases:
+        walks = [tok.encode(text, add_special_tokens=False) + [tok.eos_token_id] for text in texts]
         for w in list(walks):
             for _ in range(args.detours):
                 cut = rng.randrange(len(w))
@@ -240,7 +266,7 @@ def main():
             theirs, their_accepted = xgrammar_masks(compiled, w, words, special)
             # null: a state after part of a character, where xgrammar allows invalid UTF-8 (not replayed).
             hashes = [fnv1a64(m) for m in theirs]
-            recorded.append({"schema": entry["name"], "constraint": constraint, "tokens": w,
+            recorded.append({"name": name, "constraint": constraint, "tokens": w,
                              "accepted": their_accepted, "masks": hashes})
             if r["accepted"] != their_accepted:
                 problems.append(f"accepted differ: ours {r['accepted']} xgrammar {their_accepted}")
@@ -263,7 +289,6 @@ def main():
                     problems.append(f"state {k} after {tok.decode(w[:k])!r}: only ours {only_o} only xgrammar {only_t}")
         total_states += states
         equal_states += same
-        known = entry.get("xgrammar_differs")
         if record is not None and not known:
             for r in recorded:
                 record.write(json.dumps(r, ensure_ascii=False) + "\n")
@@ -272,9 +297,9 @@ def main():
             problems = ["known difference: " + known]
         else:
             failures += bool(problems)
-        print(f"{entry['name']:28s} walks {len(walks):3d} states {states:5d} equal {same:5d}"
+        print(f"{name:28s} walks {len(walks):3d} states {states:5d} equal {same:5d}"
               + ("" if not problems else "  " + " | ".join(problems)))
-    print(f"schemas {len(corpus)}, with differences {failures} (and {known_differences} known, listed in the corpus);"
+    print(f"constraints {len(cases)} ({len(corpus)} schemas), with differences {failures} (and {known_differences} known, listed in the corpus);"
           f" states {total_states}, equal {equal_states}, after part of a character where xgrammar allows invalid"
           f" UTF-8 {utf8_states}")
     return 1 if failures else 0

@@ -25,44 +25,8 @@
 
 namespace {
 
-using capserve::runtime::StatusOr;
 using namespace capserve::runtime::grammar;
 using Clock = std::chrono::steady_clock;
-
-StatusOr<OutputConstraint> read_constraint(const nlohmann::ordered_json& spec) {
-  OutputConstraint c;
-  if (spec.contains("json_schema")) {
-    c.kind = OutputConstraint::Kind::json_schema;
-    c.schema = spec["json_schema"];
-  } else if (spec.contains("json_object")) {
-    c.kind = OutputConstraint::Kind::json_object;
-  } else if (spec.contains("regex") && spec["regex"].is_string()) {
-    c.kind = OutputConstraint::Kind::regex;
-    c.regex = spec["regex"].get<std::string>();
-  } else if (spec.contains("choice") && spec["choice"].is_array()) {
-    c.kind = OutputConstraint::Kind::choice;
-    for (const auto& choice : spec["choice"]) {
-      if (!choice.is_string())
-        return capserve::runtime::Status::invalid_argument("a choice that is not a string");
-      c.choices.push_back(choice.get<std::string>());
-    }
-  } else {
-    return capserve::runtime::Status::invalid_argument(
-        "constraint: json_schema, json_object, regex or choice");
-  }
-  if (spec.contains("whitespace")) {
-    const auto& ws = spec["whitespace"];
-    if (ws == "compact") {
-      c.json.whitespace = JsonWhitespace::compact;
-    } else if (ws.is_number_integer()) {
-      c.json.whitespace = JsonWhitespace::at_most;
-      c.json.max_whitespace = ws.get<std::int64_t>();
-    } else {
-      return capserve::runtime::Status::invalid_argument("whitespace: \"compact\" or a number");
-    }
-  }
-  return c;
-}
 
 std::string hex_words(const std::vector<std::int32_t>& words) {
   std::string out;
@@ -81,7 +45,7 @@ double micros(Clock::duration d) {
 
 nlohmann::json run(const nlohmann::ordered_json& record,
                    const std::shared_ptr<const TokenVocabulary>& vocabulary) {
-  auto constraint = read_constraint(record.value("constraint", nlohmann::ordered_json::object()));
+  auto constraint = parse_constraint(record.value("constraint", nlohmann::ordered_json::object()));
   if (!constraint.ok()) return {{"error", constraint.status().message()}};
   const auto start = Clock::now();
   auto compiled = compile(*constraint, vocabulary);
