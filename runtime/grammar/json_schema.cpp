@@ -351,10 +351,7 @@ class SchemaConverter {
   Sequence typed(const std::string& type, const json& schema, const std::string& path) {
     if (type == "string") return string(schema, path);
     if (type == "integer") return integer(schema, path);
-    if (type == "number") {
-      if (!only(schema, {}, path)) return {};
-      return {any_number()};
-    }
+    if (type == "number") return number(schema, path);
     if (type == "boolean") {
       if (!only(schema, {}, path)) return {};
       return {b_.choice("boolean", {lit("true"), lit("false")})};
@@ -432,6 +429,117 @@ class SchemaConverter {
     if (lo && hi && *lo > *hi) return fail("minimum", path, "the bounds leave no integer");
     if (!lo && !hi) return {any_integer()};
     return {integer_range(lo, hi)};
+  }
+
+  // Numbers with whole-number bounds, exact: a value n.f is n's decimal spelling (the integer grammar) and a
+  // fraction class, split where a bound falls on n. Without an exponent and with at most 6 decimals (a
+  // bounded number is written out, as xgrammar writes it).
+  struct Bound {
+    std::int64_t value = 0;
+    bool exclusive = false;
+  };
+  enum class Fraction { none, any, zero, nonzero };
+
+  static Fraction meet(Fraction a, Fraction b) {
+    if (a == Fraction::any) return b;
+    if (b == Fraction::any || a == b) return a;
+    return Fraction::none;
+  }
+
+  // At most kFractionDigits decimals, as xgrammar writes a bounded number (and a small model's digits end).
+  static constexpr std::int64_t kFractionDigits = 6;
+
+  Sequence fraction(Fraction f) {
+    ByteSet digit;
+    for (char c = '0'; c <= '9'; ++c) digit.set(static_cast<unsigned char>(c));
+    ByteSet nonzero = digit;
+    nonzero.reset('0');
+    const auto upto = [&](const ByteSet& set, std::int64_t min, std::int64_t max) {
+      return *b_.repeat("digits", {b_.bytes(set)}, min, max);
+    };
+    switch (f) {
+      case Fraction::any:
+        return {b_.optional("fraction", {b_.byte('.'), upto(digit, 1, kFractionDigits)})};
+      case Fraction::zero:
+        return {b_.optional("fraction", {b_.byte('.'), upto(ByteSet().set('0'), 1, kFractionDigits)})};
+      case Fraction::nonzero: {
+        // The first nonzero digit at place p.
+        std::vector<Sequence> alternatives;
+        for (std::int64_t p = 0; p < kFractionDigits; ++p) {
+          alternatives.push_back(
+              {upto(ByteSet().set('0'), p, p), b_.bytes(nonzero), upto(digit, 0, kFractionDigits - 1 - p)});
+        }
+        return {b_.byte('.'), b_.choice("nonzero_fraction", std::move(alternatives))};
+      }
+      case Fraction::none:
+        break;
+    }
+    return {};
+  }
+
+  // The spellings n.f of the values w >= 0 within [lo, hi].
+  std::vector<Sequence> unsigned_decimals(std::optional<Bound> lo, std::optional<Bound> hi) {
+    const auto lower = [&](std::int64_t n) {
+      if (!lo || n > lo->value) return Fraction::any;
+      if (n == lo->value) return lo->exclusive ? Fraction::nonzero : Fraction::any;
+      return Fraction::none;
+    };
+    const auto upper = [&](std::int64_t n) {
+      if (!hi || n < hi->value) return Fraction::any;
+      if (n == hi->value) return hi->exclusive ? Fraction::none : Fraction::zero;
+      return Fraction::none;
+    };
+    std::vector<Sequence> out;
+    const auto emit = [&](std::int64_t a, std::int64_t b, Fraction f) {
+      if (f == Fraction::none || b < a) return;
+      std::vector<Sequence> ints = naturals(a, b);
+      if (ints.empty()) return;
+      out.push_back(cat({{b_.choice("int", std::move(ints))}, fraction(f)}));
+    };
+    const std::int64_t start = lo ? std::max<std::int64_t>(0, lo->value) : 0;
+    if (hi && hi->value < start) return out;
+    emit(start, start, meet(lower(start), upper(start)));
+    if (hi) {
+      emit(start + 1, hi->value - 1, Fraction::any);
+      if (hi->value > start) emit(hi->value, hi->value, meet(lower(hi->value), upper(hi->value)));
+    } else {
+      emit(start + 1, kOpenHigh, Fraction::any);
+    }
+    return out;
+  }
+
+  Sequence number(const json& schema, const std::string& path) {
+    if (!only(schema, {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}, path)) return {};
+    std::optional<Bound> lo;
+    std::optional<Bound> hi;
+    constexpr double kLimit = 1.0e15;
+    for (const char* key : {"minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"}) {
+      if (!schema.contains(key)) continue;
+      const json& v = schema[key];
+      if (!v.is_number() || std::abs(v.get<double>()) > kLimit ||
+          v.get<double>() != std::floor(v.get<double>())) {
+        return fail(key, path, "a bound on a number must be a whole number within 1e15");
+      }
+      const Bound bound{static_cast<std::int64_t>(v.get<double>()),
+                        std::string_view(key).starts_with("exclusive")};
+      if (std::string_view(key).ends_with("inimum")) {
+        if (!lo || bound.value > lo->value || (bound.value == lo->value && bound.exclusive)) lo = bound;
+      } else if (!hi || bound.value < hi->value || (bound.value == hi->value && bound.exclusive)) {
+        hi = bound;
+      }
+    }
+    if (!lo && !hi) return {any_number()};
+    // v >= 0 as itself, v <= 0 as "-" and w = -v with the bounds mirrored.
+    std::vector<Sequence> alternatives = unsigned_decimals(lo, hi);
+    const auto mirror = [](std::optional<Bound> b) {
+      return b ? std::optional<Bound>(Bound{-b->value, b->exclusive}) : std::nullopt;
+    };
+    // "-" only before a value below zero ("-0" and "-0.0" are zero, written without it, as xgrammar does).
+    std::optional<Bound> above = mirror(hi);
+    if (!above || above->value < 0 || (above->value == 0 && !above->exclusive)) above = Bound{0, true};
+    for (auto& alt : unsigned_decimals(above, mirror(lo))) alternatives.push_back(cat({lit("-"), alt}));
+    if (alternatives.empty()) return fail("minimum", path, "the bounds leave no number");
+    return {b_.choice("number", std::move(alternatives))};
   }
 
   Sequence array(const json& schema, const std::string& path) {

@@ -13,7 +13,9 @@
 // - strings: pattern (a regex, regex.h, over the string's characters), minLength / maxLength (characters),
 //   format date, time, date-time, uuid, ipv4, email;
 // - integers: minimum, maximum, exclusiveMinimum, exclusiveMaximum, enforced exactly by the digits grammar
-//   (the range's decimal spellings, no leading zeros); numbers: any JSON number, bounds refused.
+//   (the range's decimal spellings, no leading zeros); numbers: any JSON number, or with the same four bounds
+//   as whole numbers, exact, written without an exponent and with at most 6 decimals (xgrammar's form; a
+//   fractional bound is refused, naming it).
 // Any other keyword with an effect on validity is refused with invalid_argument naming it (annotations such
 // as title and description are ignored).
 #include <cstdint>

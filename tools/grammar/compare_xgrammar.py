@@ -97,7 +97,9 @@ def instance(schema, root, rng, depth=0):
         hi = schema.get("maximum", schema.get("exclusiveMaximum", 10**6 + 1) - 1)
         return rng.choice([lo, hi, rng.randint(lo, hi)])
     if kind == "number":
-        return rng.choice([0, -3, 2.5, 1e-3, 123456.789, -0.25])
+        lo = max(schema.get("minimum", -1e9), schema.get("exclusiveMinimum", -1e9) + 1e-3)
+        hi = min(schema.get("maximum", 1e9), schema.get("exclusiveMaximum", 1e9) - 1e-3)
+        return rng.choice([x for x in (0, -3, 2.5, 0.125, 123456.789, -0.25, 1) if lo <= x <= hi] or [lo])
     if kind == "boolean":
         return rng.choice([True, False])
     if kind == "null":

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <optional>
 #include <string>
@@ -101,7 +102,7 @@ TEST(Grammar, UnsupportedSchemaKeywordIsRefusedNamingIt) {
            {R"({"type": "object", "minProperties": 1})", "minProperties"},
            {R"({"type": "string", "format": "hostname"})", "format"},
            {R"({"not": {"type": "string"}})", "not"},
-           {R"({"type": "number", "minimum": 0})", "minimum"},
+           {R"({"type": "number", "minimum": 0.5})", "minimum"},
            {R"({"type": "array", "uniqueItems": true})", "uniqueItems"},
            {R"({"type": "integer", "multipleOf": 3})", "multipleOf"},
            {R"({"$ref": "https://example.com/s.json"})", "$ref"},
@@ -131,6 +132,47 @@ TEST(Grammar, IntegerBoundsAreExact) {
   EXPECT_FALSE(matches(open, "9"));
   EXPECT_TRUE(matches(open, "10"));
   EXPECT_TRUE(matches(open, "123456789012"));
+}
+
+// Values k / 100 in a few spellings ("-3", "-3.0", "-3.50", "-0.25") against the bounds in hundredths.
+TEST(Grammar, NumberBoundsAreExact) {
+  const auto v = byte_vocabulary();
+  struct Case {
+    std::string bounds;
+    long lo;  // in hundredths; lo_open / hi_open: exclusive
+    bool lo_open;
+    long hi;
+    bool hi_open;
+  };
+  constexpr long kNone = 1L << 40;
+  for (const auto& c :
+       std::vector<Case>{{R"("minimum": 0, "maximum": 1)", 0, false, 100, false},
+                         {R"("exclusiveMinimum": 0, "maximum": 5)", 0, true, 500, false},
+                         {R"("minimum": -5, "exclusiveMaximum": 5)", -500, false, 500, true},
+                         {R"("maximum": -2)", -kNone, false, -200, false},
+                         {R"("exclusiveMinimum": -3)", -300, true, kNone, false},
+                         {R"("minimum": 2, "exclusiveMinimum": 2, "maximum": 2.0)", 200, true, 200, false}}) {
+    const auto out = compile(schema(R"({"type": "number", )" + c.bounds + "}"), v.vocabulary);
+    if (c.lo == 200 && c.hi == 200) {  // (2, 2]: no number
+      EXPECT_FALSE(out.ok());
+      continue;
+    }
+    ASSERT_TRUE(out.ok()) << c.bounds << ": " << out.status().message();
+    for (long k = -1200; k <= 1200; ++k) {
+      const bool in = (c.lo_open ? k > c.lo : k >= c.lo) && (c.hi_open ? k < c.hi : k <= c.hi);
+      const std::string sign = k < 0 ? "-" : "";
+      const long a = std::labs(k);
+      const std::string whole = std::to_string(a / 100);
+      const std::string cents = std::to_string(a % 100 / 10) + std::to_string(a % 10);
+      std::vector<std::string> spellings{sign + whole + "." + cents + "0"};
+      if (a % 100 == 0) spellings.push_back(sign + whole);
+      if (a % 10 == 0) spellings.push_back(sign + whole + "." + cents.substr(0, 1));
+      for (const auto& text : spellings) EXPECT_EQ(matches(*out, text), in) << c.bounds << ": " << text;
+    }
+    EXPECT_FALSE(matches(*out, "1e0"));  // bounded numbers are written out, with at most 6 decimals
+    EXPECT_EQ(matches(*out, "0.500001"), c.lo < 50 && c.hi > 51);
+    EXPECT_FALSE(matches(*out, "0.5000001"));
+  }
 }
 
 TEST(Grammar, ObjectsKeepOrderRequiredAndAdditional) {
