@@ -93,7 +93,9 @@ void set_sole_returns(Grammar& grammar) {
       }
     }
   }
-  // Only rules the root reaches.
+  // Only rules the root reaches. Among those, following continuations never goes round: a continuation is a
+  // position just after the one call of a rule, so a ring of rules each continuing in the next would have no
+  // caller outside the ring, and the root (continuing nowhere) would not reach it.
   std::vector<bool> reachable(rules, false);
   std::vector<std::int32_t> pending{grammar.root};
   reachable[static_cast<std::size_t>(grammar.root)] = true;
