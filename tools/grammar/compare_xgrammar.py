@@ -192,6 +192,9 @@ def main():
     p.add_argument("--instances", type=int, default=3)
     p.add_argument("--detours", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--random-walks", type=int, default=0,
+                   help="instead of the instances' tokens, this many random walks of 40 xgrammar-allowed tokens from"
+                        " the start (for tokenizers whose encode() prefixes a space, sentencepiece's)")
     p.add_argument("--record", help="write the walks and xgrammar's mask hashes here (JSON lines) for the unit test")
     p.add_argument("--whitespace", default="any", help="any, compact, or a number (at most that many at each place)")
     args = p.parse_args()
@@ -215,8 +218,17 @@ def main():
     to_byte = byte_decoder()
     utf8_states = 0
 
+    sentencepiece = "<0x0A>" in tok.get_vocab()
+
+    def token_bytes(t):
+        if not sentencepiece:
+            return bytes(to_byte[c] for c in t)
+        if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", t):
+            return bytes([int(t[3:5], 16)])
+        return t.replace("\u2581", " ").encode()
+
     def partial_character_difference(our, their, prefix):
-        text = b"".join(bytes(to_byte[c] for c in t) for t in tok.convert_ids_to_tokens(prefix))
+        text = b"".join(token_bytes(t) for t in tok.convert_ids_to_tokens(prefix))
         return bool(np.all(our & ~their == 0)) and ends_inside_character(text)
     # (name, our constraint, xgrammar's compiled grammar, texts to walk, known difference or None)
     cases = []
@@ -245,11 +257,14 @@ def main():
         for name, pattern, examples in REGEXES:
             cases.append((name, {"regex": pattern}, compiler.compile_regex(pattern), examples, None))
         for name, choices in CHOICES:
-            pattern = "(" + "|".join(re.escape(c) for c in choices) + ")"
+            pattern = "(" + "|".join(re.sub(r"([\\.^$|?*+()\[\]{}])", r"\\\1", c) for c in choices) + ")"
             cases.append((name, {"choice": choices}, compiler.compile_regex(pattern), choices, None))
 
     for name, constraint, compiled, texts, known in cases:
-        walks = [tok.encode(text, add_special_tokens=False) + [tok.eos_token_id] for text in texts]
+        if args.random_walks:
+            walks = [random_continuation(compiled, [], rng, 40, words, special) for _ in range(args.random_walks)]
+        else:
+            walks = [tok.encode(text, add_special_tokens=False) + [tok.eos_token_id] for text in texts]
         for w in list(walks):
             for _ in range(args.detours):
                 cut = rng.randrange(len(w))
@@ -271,7 +286,11 @@ def main():
             recorded.append({"name": name, "constraint": constraint, "tokens": w,
                              "accepted": their_accepted, "masks": hashes})
             if r["accepted"] != their_accepted:
-                problems.append(f"accepted differ: ours {r['accepted']} xgrammar {their_accepted}")
+                k = next(i for i, (a, b) in enumerate(zip(r["accepted"] + [None], their_accepted + [None])) if a != b)
+                our_k = np.frombuffer(bytes.fromhex(r["masks"][k]), dtype=">u4").astype(np.uint32)
+                # A token that completes a character only xgrammar's UTF-8 allows (counted with the masks below).
+                if not partial_character_difference(our_k, theirs[k], w[:k]):
+                    problems.append(f"accepted differ: ours {r['accepted']} xgrammar {their_accepted}")
             for k, (hex_mask, their) in enumerate(zip(r["masks"], theirs)):
                 our = np.frombuffer(bytes.fromhex(hex_mask), dtype=">u4").astype(np.uint32)
                 states += 1
