@@ -400,6 +400,7 @@ class SchemaConverter {
     }
     if (!error_.ok()) return {};
     if (!min && !max) return any_string();
+    if (min && max && *max < *min) return fail("maxLength", path, "below minLength");
     auto chars = bounded_chars(min.value_or(0), max ? *max : -1);
     if (!chars.ok()) return fail(max ? "maxLength" : "minLength", path, chars.status().message());
     return cat({lit("\""), {*chars}, lit("\"")});

@@ -100,6 +100,9 @@ TEST(Grammar, UnsupportedSchemaKeywordIsRefusedNamingIt) {
   const auto v = byte_vocabulary();
   for (const auto& [text, keyword] : std::vector<std::pair<std::string, std::string>>{
            {R"({"type": "object", "minProperties": 1})", "minProperties"},
+           {R"({"type": "string", "minLength": 5, "maxLength": 2})", "maxLength"},
+           {R"({"type": "array", "minItems": 3, "maxItems": 1})", "maxItems"},
+           {R"({"type": "integer", "minimum": 5, "maximum": 4})", "minimum"},
            {R"({"type": "string", "format": "hostname"})", "format"},
            {R"({"not": {"type": "string"}})", "not"},
            {R"({"type": "number", "minimum": 0.5})", "minimum"},
