@@ -2,6 +2,7 @@
 
 #include <utility>
 
+#include "runtime/grammar/ebnf.h"
 #include "runtime/grammar/json_schema.h"
 #include "runtime/grammar/regex.h"
 
@@ -24,9 +25,13 @@ StatusOr<OutputConstraint> parse_constraint(const nlohmann::ordered_json& spec) 
       if (!choice.is_string()) return Status::invalid_argument("a choice that is not a string", "choice");
       c.choices.push_back(choice.get<std::string>());
     }
+  } else if (spec.contains("grammar") && spec["grammar"].is_string()) {
+    c.kind = OutputConstraint::Kind::grammar;
+    c.grammar = spec["grammar"].get<std::string>();
   } else {
     return Status::invalid_argument(
-        "a constraint needs json_schema, json_object, regex (a string) or choice (a list)");
+        "a constraint needs json_schema, json_object, regex (a string), choice (a list) or grammar (a "
+        "string)");
   }
   if (spec.contains("whitespace")) {
     const auto& ws = spec["whitespace"];
@@ -66,6 +71,8 @@ StatusOr<Grammar> constraint_grammar(const OutputConstraint& constraint) {
       }
       return std::move(builder).finish(root);
     }
+    case OutputConstraint::Kind::grammar:
+      return ebnf_grammar(constraint.grammar);
   }
   return Status::internal("unknown output constraint");
 }

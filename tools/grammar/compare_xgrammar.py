@@ -26,7 +26,7 @@ from transformers import AutoTokenizer
 WORDS = ["alpha", "beta", "hello world", "Zürich", "naïve café", "a\"quote", "back\\slash", "tab\tline\n", "東京", ""]
 
 
-# vLLM's other two constraint kinds (guided regex, guided choice), with texts to walk.
+# vLLM's other constraint kinds (guided regex, grammar, choice), with texts to walk.
 REGEXES = [
     ("regex_email", r"[a-z0-9._]+@[a-z]+\.(com|org)", ["john.doe@example.com", "a_b@x.org"]),
     ("regex_phone", r"\(\d{3}\) \d{3}-\d{4}", ["(555) 123-4567"]),
@@ -34,6 +34,23 @@ REGEXES = [
     ("regex_unicode", r"[^\n]{1,12}!", ["héllo wörld!", "東京!"]),
     ("regex_sentence", r"[A-Z][a-z ,]*[.?]", ["The cat sat on the mat.", "Why, though?"]),
     ("regex_number_list", r"\[(\d+(, \d+)*)?\]", ["[1, 22, 333]", "[]"]),
+]
+GRAMMARS = [
+    ("ebnf_arithmetic", """root ::= expr
+expr ::= term (("+" | "-") term)*
+term ::= factor (("*" | "/") factor)*
+factor ::= number | "(" expr ")"
+number ::= [0-9]+ ("." [0-9]+)?
+""", ["1+2*3", "(4.5-1)/2", "((7))"]),
+    ("ebnf_pairs", """root ::= pair ("," " "? pair){0,3}
+pair ::= key "=" value   # a key, then its value
+key ::= [a-z_]+
+value ::= "\\"" [^"\\n]* "\\"" | [0-9]+
+""", ['a=1, b="x y"', 'k_="\u00e9t\u00e9",z=22']),
+    ("ebnf_answer", """# an answer
+root ::= ("yes" | "no")
+    "\\n"?
+""", ["yes", "no\n"]),
 ]
 CHOICES = [
     ("choice_sentiment", ["positive", "negative", "neutral"]),
@@ -256,6 +273,8 @@ def main():
     if args.whitespace == "any":  # regexes and choices have no JSON whitespace
         for name, pattern, examples in REGEXES:
             cases.append((name, {"regex": pattern}, compiler.compile_regex(pattern), examples, None))
+        for name, text, examples in GRAMMARS:
+            cases.append((name, {"grammar": text}, compiler.compile_grammar(text), examples, None))
         for name, choices in CHOICES:
             pattern = "(" + "|".join(re.sub(r"([\\.^$|?*+()\[\]{}])", r"\\\1", c) for c in choices) + ")"
             cases.append((name, {"choice": choices}, compiler.compile_regex(pattern), choices, None))

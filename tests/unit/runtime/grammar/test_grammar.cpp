@@ -282,6 +282,44 @@ TEST(Grammar, RollbackRestoresEarlierStates) {
   EXPECT_FALSE(m.fill_next_token_bitmask(std::span(after).first(after.size() - 1)).ok());
 }
 
+OutputConstraint ebnf(const std::string& text) {
+  OutputConstraint c;
+  c.kind = OutputConstraint::Kind::grammar;
+  c.grammar = text;
+  return c;
+}
+
+TEST(Grammar, EbnfLanguage) {
+  const auto v = byte_vocabulary();
+  const auto g = compiled(ebnf(R"ebnf(# arithmetic
+root ::= expr
+expr ::= term (("+" | "-") term)*
+term ::= factor
+    | factor "*" term   # continued on the next line
+factor ::= [0-9]+ | "(" expr ")" | "\u00e9"{2,3}
+)ebnf"),
+                          v);
+  for (const std::string yes : {"1+2*3", "(4-1)*2", "((7))", "ééé*1"}) EXPECT_TRUE(matches(g, yes)) << yes;
+  for (const std::string no : {"", "1+", "(1", "é", "éééé", "1 + 2"}) EXPECT_FALSE(matches(g, no)) << no;
+}
+
+TEST(Grammar, UnsupportedEbnfIsRefusedNamingTheProblem) {
+  const auto v = byte_vocabulary();
+  for (const auto& [text, problem] :
+       std::vector<std::pair<std::string, std::string>>{{"root ::= a", "'a' is not defined"},
+                                                        {"start ::= \"x\"", "no rule named root"},
+                                                        {"root ::= \"x\" (= \"y\")", "lookahead"},
+                                                        {"root ::= root \"x\" | \"y\"", "left-recursive"},
+                                                        {"root ::= \"x\"\nroot ::= \"y\"", "defined twice"},
+                                                        {"root ::= [z-a]", "bad character range"},
+                                                        {"root ::= \"x", "unterminated string"}}) {
+    const auto out = compile(ebnf(text), v.vocabulary);
+    ASSERT_FALSE(out.ok()) << text;
+    EXPECT_EQ(out.status().code(), StatusCode::invalid_argument);
+    EXPECT_NE(out.status().message().find(problem), std::string::npos) << out.status().message();
+  }
+}
+
 TEST(Grammar, LeftRecursionIsRefused) {
   GrammarBuilder b;
   const std::int32_t r = b.new_rule("expr");
