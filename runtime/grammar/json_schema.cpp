@@ -52,7 +52,13 @@ class SchemaConverter {
     Sequence body = value(root_, "");
     if (!error_.ok()) return std::move(error_);
     b_.add_alternative(rule, std::move(body));
-    return std::move(b_).finish(rule);
+    auto grammar = std::move(b_).finish(rule);
+    // Only a $ref can make the converter's rules recursive, and one that recurses before any text is refused.
+    if (!grammar.ok()) {
+      return Status::invalid_argument("JSON schema keyword '$ref': recursion before any text (" +
+                                      grammar.status().message() + ")");
+    }
+    return grammar;
   }
 
  private:

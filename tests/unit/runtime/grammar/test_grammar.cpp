@@ -109,6 +109,7 @@ TEST(Grammar, UnsupportedSchemaKeywordIsRefusedNamingIt) {
            {R"({"type": "array", "uniqueItems": true})", "uniqueItems"},
            {R"({"type": "integer", "multipleOf": 3})", "multipleOf"},
            {R"({"$ref": "https://example.com/s.json"})", "$ref"},
+           {R"({"anyOf": [{"$ref": "#"}, {"type": "null"}]})", "$ref"},
            {R"({"type": "object", "properties": {"a": {}}, "required": ["b"]})", "required"},
            {R"({"type": "string", "pattern": "(?<=a)b"})", "pattern"}}) {
     const auto out = compile(schema(text), v.vocabulary);
