@@ -6,6 +6,8 @@
 #include <type_traits>
 #include <utility>
 
+#include "server/grpc_requests.h"
+
 namespace capserve::server {
 namespace {
 
@@ -97,94 +99,9 @@ void fill_final(const RequestEvent& e, Message& m) {
   m.mutable_moe()->set_rerouted(e.moe_rerouted);
 }
 
-SamplingInput sampling_input(const v1::SamplingOptions& s) {
-  SamplingInput in;
-  if (s.has_temperature()) in.temperature = s.temperature();
-  if (s.has_top_p()) in.top_p = s.top_p();
-  if (s.has_top_k()) in.top_k = s.top_k();
-  in.max_tokens = s.max_tokens();
-  in.seed = s.seed();
-  in.stop.assign(s.stop().begin(), s.stop().end());
-  in.stop_token_ids.assign(s.stop_token_ids().begin(), s.stop_token_ids().end());
-  in.ignore_eos = s.ignore_eos();
-  in.logprobs = s.logprobs();
-  in.prompt_logprobs = s.prompt_logprobs();
-  in.top_logprobs = s.top_logprobs();
-  if (s.has_min_p()) in.min_p = s.min_p();
-  in.min_tokens = s.min_tokens();
-  in.presence_penalty = s.presence_penalty();
-  in.frequency_penalty = s.frequency_penalty();
-  if (s.has_repetition_penalty()) in.repetition_penalty = s.repetition_penalty();
-  // Sorted by id: a protobuf map's order is unspecified, and the same request should be the same params.
-  for (const auto& [id, bias] : s.logit_bias()) in.logit_bias.push_back({id, bias});
-  std::sort(in.logit_bias.begin(), in.logit_bias.end(),
-            [](const kernels::LogitBias& a, const kernels::LogitBias& b) { return a.token < b.token; });
-  return in;
-}
-
-// What every call shares: model, request id, sampling (spelt "sampling.*"), peer and deadline.
-IntakeRequest intake_request(const grpc::CallbackServerContext& context, const std::string& model,
-                             const std::string& request_id, const v1::SamplingOptions& sampling) {
-  IntakeRequest r;
-  r.model = model;
-  r.request_id = request_id;
-  r.sampling = sampling_input(sampling);
-  r.fields.sampling_prefix = "sampling.";
-  r.peer = context.peer();
-  r.deadline = steady_deadline(context);
-  return r;
-}
-
-// A ChatRequest as the intake sees it; its JSON string fields (tools, kwargs, tool_calls) parsed here.
-StatusOr<IntakeRequest> chat_request(const grpc::CallbackServerContext& context,
-                                     const v1::ChatRequest& request) {
-  IntakeRequest r = intake_request(context, request.model(), request.request_id(), request.sampling());
-  ChatPrompt chat;
-  chat.messages.reserve(static_cast<std::size_t>(request.messages_size()));
-  for (int i = 0; i < request.messages_size(); ++i) {
-    const v1::ChatMessage& m = request.messages(i);
-    const std::string at = "messages[" + std::to_string(i) + "]";
-    runtime::ChatMessage message{m.role(), m.content()};
-    if (!m.tool_calls().empty()) {
-      StatusOr<nlohmann::ordered_json> calls = parse_json_field(m.tool_calls(), at + ".tool_calls");
-      if (!calls.ok()) return std::move(calls).take_status();
-      message.fields["tool_calls"] = std::move(*calls);
-      if (m.content().empty()) {
-        message.content.reset();
-        message.fields["content"] = nullptr;
-      }
-    }
-    if (!m.tool_call_id().empty()) message.fields["tool_call_id"] = m.tool_call_id();
-    if (!m.name().empty()) message.fields["name"] = m.name();
-    chat.messages.push_back(std::move(message));
-  }
-  if (request.has_add_generation_prompt())
-    chat.inputs.add_generation_prompt = request.add_generation_prompt();
-  if (!request.tools().empty()) {
-    StatusOr<nlohmann::ordered_json> tools = parse_json_field(request.tools(), "tools");
-    if (!tools.ok()) return std::move(tools).take_status();
-    chat.inputs.tools = std::move(*tools);
-  }
-  if (!request.chat_template_kwargs().empty()) {
-    StatusOr<nlohmann::ordered_json> kwargs =
-        parse_json_field(request.chat_template_kwargs(), "chat_template_kwargs");
-    if (!kwargs.ok()) return std::move(kwargs).take_status();
-    chat.inputs.kwargs = std::move(*kwargs);
-  }
-  r.prompts.push_back({std::move(chat), "messages"});
-  r.fields.context = "messages";
-  return r;
-}
-
-IntakeRequest generate_request(const grpc::CallbackServerContext& context,
-                               const v1::GenerateRequest& request) {
-  IntakeRequest r = intake_request(context, request.model(), request.request_id(), request.sampling());
-  r.fields.context = "input_ids";
-  r.prompts.push_back(
-      {TokenPrompt{std::vector<std::int32_t>(request.input_ids().begin(), request.input_ids().end())},
-       "input_ids"});
-  r.text_output = false;
-  return r;
+// What the call adds to its request: the client's address and deadline.
+CallOrigin origin(const grpc::CallbackServerContext& context) {
+  return {.peer = context.peer(), .deadline = steady_deadline(context)};
 }
 
 // One call's request, relayed to its client as its events come. pump() takes the events while the relay may
@@ -401,7 +318,7 @@ grpc::ServerUnaryReactor* InferenceService::Chat(grpc::CallbackServerContext* co
   if (grpc::Status refused = authorize(*context); !refused.ok()) {
     relay->end(refused);
   } else {
-    relay->start(chat_request(*context, *request));
+    relay->start(chat_intake_request(*request, origin(*context)));
   }
   return relay;
 }
@@ -413,7 +330,7 @@ grpc::ServerWriteReactor<v1::ChatChunk>* InferenceService::ChatStream(grpc::Call
   if (grpc::Status refused = authorize(*context); !refused.ok()) {
     relay->end(refused);
   } else {
-    relay->start(chat_request(*context, *request));
+    relay->start(chat_intake_request(*request, origin(*context)));
   }
   return relay;
 }
@@ -425,7 +342,7 @@ grpc::ServerWriteReactor<v1::GenerateChunk>* InferenceService::Generate(grpc::Ca
   if (grpc::Status refused = authorize(*context); !refused.ok()) {
     relay->end(refused);
   } else {
-    relay->start(generate_request(*context, *request));
+    relay->start(generate_intake_request(*request, origin(*context)));
   }
   return relay;
 }

@@ -1,7 +1,8 @@
 // libFuzzer target for the request parsers: the JSON bodies of POST /v1/chat/completions and /v1/completions
-// (OpenAiApi's real handlers) and the JSON fields of a gRPC ChatRequest (InferenceService::Chat), through the
-// shared intake (field checks, the chat template, the tokenizer) up to the scheduler, which is draining, so
-// that every request that passes is refused there (HTTP 503 / UNAVAILABLE) and nothing is queued.
+// (OpenAiApi's real handlers) and the JSON fields of a gRPC ChatRequest (the service's chat_intake_request),
+// through the shared intake (field checks, the chat template, the tokenizer) up to the scheduler, which is
+// draining, so that every request that passes is refused there (HTTP 503 / UNAVAILABLE) and nothing is
+// queued.
 //
 // Build and run (clang; a 30 s smoke run from the committed seeds):
 //   configure with -DCMAKE_CXX_COMPILER=clang++ -DCAPSERVE_FUZZ=ON, build the fuzz_request_parsers target,
@@ -15,8 +16,6 @@
 // /detokenize body. Any input must give an answer that is a client error or the scheduler's refusal (or, for
 // /tokenize and /detokenize, which need no scheduler, a success), never a crash, an exception, a 500 or an
 // UNKNOWN / INTERNAL status.
-#include <grpcpp/server_context.h>
-
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -31,8 +30,8 @@
 
 #include "runtime/chat/chat_template.h"
 #include "runtime/tokenizer/tokenizer.h"
+#include "server/grpc_requests.h"
 #include "server/http/openai_api.h"
-#include "server/inference_service.h"
 #include "server/request_intake.h"
 #include "server/scheduler.h"
 
@@ -68,7 +67,6 @@ struct Server {
   server::RequestIntake intake{scheduler, &tokenizer, load_template(), limits(tokenizer), nullptr};
   server::http::OpenAiApi api{intake, {}};
   std::map<std::string, server::http::Route, std::less<>> routes = api.routes();
-  server::InferenceService service{intake, {}};
 
   Server() { scheduler.drain(); }
 
@@ -120,12 +118,12 @@ void grpc_chat(std::string_view data) {
     assistant->set_role("assistant");
     assistant->set_tool_calls(std::string(parts[2]));
   }
-  grpc::ServerContext context;
-  capserve::v1::ChatResponse response;
-  const grpc::Status status = instance().service.Chat(&context, &request, &response);
-  check(status.error_code() == grpc::StatusCode::INVALID_ARGUMENT ||
-        status.error_code() == grpc::StatusCode::UNAVAILABLE);
-  check(!status.error_message().empty());
+  runtime::StatusOr<server::IntakeRequest> intake = server::chat_intake_request(request, {});
+  const runtime::Status status =
+      intake.ok() ? instance().intake.admit(*intake, [] {}).status() : intake.status();
+  check(status.code() == runtime::StatusCode::invalid_argument ||
+        status.code() == runtime::StatusCode::unavailable);
+  check(!status.message().empty());
 }
 
 }  // namespace
