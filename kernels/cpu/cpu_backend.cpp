@@ -5,9 +5,11 @@
 
 #if defined(__AVX512F__)
 // GCC 12's AVX-512 headers build "undefined" vectors from themselves, which -Werror=(maybe-)uninitialized
-// rejects.
+// rejects (clang has neither the problem nor the second warning).
+#if !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
 #endif
 

@@ -111,7 +111,8 @@ bool listed(Names names, std::string_view name) {
 
 // The first field of `body` on none of `accepted`, as an error naming it.
 Status refuse_unlisted(const json& body, std::initializer_list<Names> accepted, std::string_view path) {
-  for (const auto& [name, value] : body.items()) {
+  for (const auto& item : body.items()) {
+    const std::string& name = item.key();  // not a structured binding: clang 14 cannot capture one
     if (std::ranges::any_of(accepted, [&](auto names) { return listed(names, name); })) continue;
     if (listed(kNotYetFields, name)) return bad(name + ": not supported yet by this server", name);
     // The name is client text: quoted and cut in the message, and not echoed as param when long.
