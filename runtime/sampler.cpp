@@ -70,6 +70,7 @@ void SampleBatch::clear() {
   history_.clear();
   banned_.clear();
   biases_.clear();
+  allowed_.clear();
 }
 
 void SampleBatch::add_unread() {
@@ -103,8 +104,16 @@ void SampleBatch::add(const SamplingParams& params, std::uint64_t step, std::spa
   }
 }
 
+std::span<std::int32_t> SampleBatch::allowed_row(std::size_t row, std::int64_t words) {
+  const auto width = static_cast<std::size_t>(words);
+  // Every bit set: a row nobody constrains allows every id.
+  if (allowed_.empty()) allowed_.assign(controls_.size() * width, -1);
+  return std::span<std::int32_t>(allowed_).subspan(row * width, width);
+}
+
 kernels::SampleInputs SampleBatch::inputs() const {
-  return {.controls = controls_, .history = history_, .banned = banned_, .biases = biases_, .allowed = {}};
+  return {
+      .controls = controls_, .history = history_, .banned = banned_, .biases = biases_, .allowed = allowed_};
 }
 
 bool is_stop_token(const SamplingParams& params, std::int32_t token) {

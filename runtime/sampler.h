@@ -66,6 +66,10 @@ class SampleBatch {
   // penalties see `prompt`, `generated`, then those drafts; the rows share one copy of them.
   void add(const SamplingParams& params, std::uint64_t step, std::span<const std::int32_t> prompt,
            std::span<const std::int32_t> generated, std::span<const std::int32_t> drafts, std::size_t rows);
+  // Row `row`'s allowed-token bitmask (kernels::SampleInputs::allowed), for a grammar to fill, once every row
+  // was added. `words` is kernels::allowed_words of the logits' width, the same for every call of a step. The
+  // first call gives every row a mask allowing every token; a step that never calls it has no masks.
+  [[nodiscard]] std::span<std::int32_t> allowed_row(std::size_t row, std::int64_t words);
   [[nodiscard]] kernels::SampleInputs inputs() const;
   [[nodiscard]] std::size_t rows() const { return controls_.size(); }
 
@@ -74,6 +78,7 @@ class SampleBatch {
   std::vector<std::int32_t> history_;
   std::vector<std::int32_t> banned_;
   std::vector<kernels::LogitBias> biases_;
+  std::vector<std::int32_t> allowed_;  // empty, or rows() masks
 };
 
 [[nodiscard]] bool is_stop_token(const SamplingParams& params, std::int32_t token);

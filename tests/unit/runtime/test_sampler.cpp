@@ -153,6 +153,28 @@ TEST(Sampler, StopTokens) {
 // A step's rows: an unread row adjusts nothing; a row bans the stop ids while fewer than min_tokens were
 // generated; a penalized row's history is the prompt, the generated tokens, then the drafts before it (the
 // rows of one verifying decode share one copy).
+// A grammar's mask constrains its row only; the other rows allow every id; clear() drops the masks.
+TEST(SampleBatch, AllowedRowsDefaultToEveryToken) {
+  SampleBatch batch;
+  batch.add_unread();
+  batch.add(SamplingParams{}, 0, {}, {}, {}, 1);
+  EXPECT_TRUE(batch.inputs().allowed.empty()) << "no grammar, no masks";
+  const std::int64_t words = kernels::allowed_words(40);
+  const std::span<std::int32_t> row = batch.allowed_row(1, words);
+  ASSERT_EQ(static_cast<std::int64_t>(row.size()), words);
+  std::fill(row.begin(), row.end(), 0);
+  row[1] = 1 << 3;  // only id 35
+  const kernels::SampleInputs in = batch.inputs();
+  ASSERT_EQ(static_cast<std::int64_t>(in.allowed.size()), 2 * words);
+  for (std::int64_t id = 0; id < 40; ++id) {
+    EXPECT_TRUE(kernels::allowed_bit(in.allowed.data(), id)) << id;
+    EXPECT_EQ(kernels::allowed_bit(in.allowed.data() + words, id), id == 35) << id;
+  }
+  batch.clear();
+  batch.add_unread();
+  EXPECT_TRUE(batch.inputs().allowed.empty());
+}
+
 TEST(SampleBatch, RowsCarryTheirBansBiasesAndHistories) {
   SamplingParams p;
   p.stop_token_ids = {2, 9};
