@@ -1,4 +1,5 @@
 #include "runtime/grammar/ebnf.h"
+#include "runtime/tokenizer/utf8.h"
 
 #include <map>
 #include <set>
@@ -7,6 +8,7 @@
 #include <vector>
 
 #include "runtime/grammar/regex.h"
+#include "runtime/tokenizer/utf8.h"
 
 namespace capserve::runtime::grammar {
 namespace {
@@ -16,24 +18,6 @@ using Sequence = GrammarBuilder::Sequence;
 bool is_name_char(char c) {
   return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '-' ||
          c == '.';
-}
-
-void append_utf8(std::string& out, std::uint32_t cp) {
-  if (cp < 0x80) {
-    out += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    out += static_cast<char>(0xC0 | (cp >> 6));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    out += static_cast<char>(0xE0 | (cp >> 12));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    out += static_cast<char>(0xF0 | (cp >> 18));
-    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  }
 }
 
 class EbnfParser {
@@ -222,7 +206,7 @@ class EbnfParser {
             if (v < 0) return fail("bad hex escape"), Sequence{};
             cp = cp * 16 + static_cast<std::uint32_t>(v);
           }
-          append_utf8(bytes, cp);
+          utf8::append(bytes, static_cast<char32_t>(cp));
           break;
         }
         default:
