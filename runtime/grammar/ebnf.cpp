@@ -1,5 +1,4 @@
 #include "runtime/grammar/ebnf.h"
-#include "runtime/tokenizer/utf8.h"
 
 #include <map>
 #include <set>
