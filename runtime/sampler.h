@@ -39,6 +39,10 @@ struct SamplingParams {
   bool logprobs = false;
   bool prompt_logprobs = false;
   std::int32_t top_logprobs = 0;
+  // Structured output: what the generated text must be, as runtime/grammar's parse_constraint reads it (JSON
+  // text, e.g. {"json_schema": {...}, "whitespace": "compact"}); empty: unconstrained. Each draw takes only
+  // tokens the constraint allows, and a stop token only once the text is complete.
+  std::string constraint;
 
   // Whether a draw needs the sequence's prompt and generated tokens (a penalty is set).
   [[nodiscard]] bool penalized() const {

@@ -11,6 +11,8 @@
 #include <variant>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "kernels/sampling.h"
 #include "runtime/chat/chat_template.h"
 #include "server/request.h"
@@ -73,6 +75,14 @@ enum class Seeding {
   random   // a random base for the first choice, +1 for each next one
 };
 
+// Structured output: what the generated text must be, in runtime/grammar's parse_constraint spelling
+// ({"json_schema": {...}, "whitespace": "compact"}, {"regex": "..."}, ...), and the request field that asked
+// for it, which its errors name ("response_format", "structured_outputs", "tool_choice").
+struct ConstraintInput {
+  nlohmann::ordered_json spec;
+  std::string field;
+};
+
 struct IntakeRequest {
   std::string model;       // empty: the served one
   std::string request_id;  // empty: `id_prefix` + 96 random bits
@@ -80,6 +90,7 @@ struct IntakeRequest {
   std::vector<PromptInput> prompts;  // at least one; HTTP completions may send a list
   std::int64_t n = 1;                // choices per prompt: each is one Request
   SamplingInput sampling;
+  std::optional<ConstraintInput> constraint;
   Seeding seeding = Seeding::client;
   // The temperature of a request that sets none when the checkpoint's generation_config.json sets none
   // either: 1 on the OpenAI API (as OpenAI and vLLM), greedy on the gRPC API (proto/README.md).

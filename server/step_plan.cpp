@@ -81,6 +81,7 @@ void put_params(Writer& w, const runtime::SamplingParams& p) {
   w.put(p.frequency_penalty);
   w.put(p.repetition_penalty);
   w.put_vector(p.logit_bias);
+  w.put_string(p.constraint);
 }
 
 runtime::SamplingParams get_params(Reader& r) {
@@ -100,6 +101,7 @@ runtime::SamplingParams get_params(Reader& r) {
   p.frequency_penalty = r.get<float>();
   p.repetition_penalty = r.get<float>();
   r.get_vector(p.logit_bias);
+  p.constraint = r.get_string();
   return p;
 }
 
