@@ -6,6 +6,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "runtime/tokenizer/utf8.h"
+#include "server/client_json.h"
 #include "server/request_intake.h"
 
 namespace capserve::server {
@@ -39,13 +41,65 @@ SamplingInput sampling_input(const v1::SamplingOptions& s) {
   return in;
 }
 
-// What every call shares: model, request id, sampling (spelt "sampling.*"), peer and deadline.
-IntakeRequest intake_request(CallOrigin origin, const std::string& model, const std::string& request_id,
-                             const v1::SamplingOptions& sampling) {
+// sampling.output_constraint in runtime/grammar's parse_constraint spelling.
+StatusOr<std::optional<ConstraintInput>> constraint_input(const v1::SamplingOptions& sampling) {
+  if (!sampling.has_output_constraint()) return std::optional<ConstraintInput>();
+  const v1::OutputConstraint& c = sampling.output_constraint();
+  const std::string field = "sampling.output_constraint";
+  const auto text = [&](const std::string& value, const std::string& kind) -> StatusOr<std::string> {
+    if (runtime::utf8::is_valid(value)) return value;
+    return runtime::Status::invalid_argument(field + "." + kind + ": not valid UTF-8", field);
+  };
+  nlohmann::ordered_json spec = nlohmann::ordered_json::object();
+  switch (c.kind_case()) {
+    case v1::OutputConstraint::kJsonSchema: {
+      StatusOr<nlohmann::ordered_json> schema = parse_json_field(c.json_schema(), field + ".json_schema");
+      if (!schema.ok()) return std::move(schema).take_status();
+      spec["json_schema"] = std::move(*schema);
+      break;
+    }
+    case v1::OutputConstraint::kJsonObject:
+      if (!c.json_object())
+        return runtime::Status::invalid_argument(field + ".json_object: must be true", field);
+      spec["json_object"] = true;
+      break;
+    case v1::OutputConstraint::kRegex:
+    case v1::OutputConstraint::kGrammar: {
+      const bool regex = c.kind_case() == v1::OutputConstraint::kRegex;
+      StatusOr<std::string> value = text(regex ? c.regex() : c.grammar(), regex ? "regex" : "grammar");
+      if (!value.ok()) return std::move(value).take_status();
+      spec[regex ? "regex" : "grammar"] = std::move(*value);
+      break;
+    }
+    case v1::OutputConstraint::kChoice: {
+      nlohmann::ordered_json& choices = spec["choice"] = nlohmann::ordered_json::array();
+      for (const std::string& choice : c.choice().choices()) {
+        StatusOr<std::string> value = text(choice, "choice");
+        if (!value.ok()) return std::move(value).take_status();
+        choices.push_back(std::move(*value));
+      }
+      break;
+    }
+    case v1::OutputConstraint::KIND_NOT_SET:
+      return runtime::Status::invalid_argument(
+          field + ": set one of json_schema, json_object, regex, choice, grammar", field);
+  }
+  if (!c.any_whitespace() && (spec.contains("json_schema") || spec.contains("json_object")))
+    spec["whitespace"] = "compact";
+  return std::optional<ConstraintInput>(ConstraintInput{std::move(spec), field});
+}
+
+// What every call shares: model, request id, sampling (spelt "sampling.*"), output constraint, peer and
+// deadline.
+StatusOr<IntakeRequest> intake_request(CallOrigin origin, const std::string& model,
+                                       const std::string& request_id, const v1::SamplingOptions& sampling) {
   IntakeRequest r;
   r.model = model;
   r.request_id = request_id;
   r.sampling = sampling_input(sampling);
+  StatusOr<std::optional<ConstraintInput>> constraint = constraint_input(sampling);
+  if (!constraint.ok()) return std::move(constraint).take_status();
+  r.constraint = std::move(*constraint);
   r.fields.sampling_prefix = "sampling.";
   r.peer = std::move(origin.peer);
   r.deadline = origin.deadline;
@@ -55,8 +109,10 @@ IntakeRequest intake_request(CallOrigin origin, const std::string& model, const 
 }  // namespace
 
 StatusOr<IntakeRequest> chat_intake_request(const v1::ChatRequest& request, CallOrigin origin) {
-  IntakeRequest r =
+  StatusOr<IntakeRequest> call =
       intake_request(std::move(origin), request.model(), request.request_id(), request.sampling());
+  if (!call.ok()) return call;
+  IntakeRequest& r = *call;
   ChatPrompt chat;
   chat.messages.reserve(static_cast<std::size_t>(request.messages_size()));
   for (int i = 0; i < request.messages_size(); ++i) {
@@ -91,19 +147,21 @@ StatusOr<IntakeRequest> chat_intake_request(const v1::ChatRequest& request, Call
   }
   r.prompts.push_back({std::move(chat), "messages"});
   r.fields.context = "messages";
-  return r;
+  return call;
 }
 
-IntakeRequest generate_intake_request(const v1::GenerateRequest& request, CallOrigin origin) {
-  IntakeRequest r =
+StatusOr<IntakeRequest> generate_intake_request(const v1::GenerateRequest& request, CallOrigin origin) {
+  StatusOr<IntakeRequest> call =
       intake_request(std::move(origin), request.model(), request.request_id(), request.sampling());
+  if (!call.ok()) return call;
+  IntakeRequest& r = *call;
   r.fields.context = "input_ids";
   // Built in place: GCC 12 at -O3 misreads a moved temporary's variant as reading the other alternatives.
   r.prompts.emplace_back().field = "input_ids";
   r.prompts.back().content =
       TokenPrompt{std::vector<std::int32_t>(request.input_ids().begin(), request.input_ids().end())};
   r.text_output = false;
-  return r;
+  return call;
 }
 
 }  // namespace capserve::server

@@ -19,7 +19,7 @@ struct CallOrigin {
 
 [[nodiscard]] runtime::StatusOr<IntakeRequest> chat_intake_request(const capserve::v1::ChatRequest& request,
                                                                    CallOrigin origin);
-[[nodiscard]] IntakeRequest generate_intake_request(const capserve::v1::GenerateRequest& request,
-                                                    CallOrigin origin);
+[[nodiscard]] runtime::StatusOr<IntakeRequest> generate_intake_request(
+    const capserve::v1::GenerateRequest& request, CallOrigin origin);
 
 }  // namespace capserve::server

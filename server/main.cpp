@@ -42,6 +42,7 @@
 #include "runtime/cli/speculation_flags.h"
 #include "runtime/cli/version.h"
 #include "runtime/engine.h"
+#include "runtime/grammar/grammar_cache.h"
 #include "runtime/model.h"
 #include "runtime/router_load_predictor.h"
 #include "runtime/tokenizer/tokenizer.h"
@@ -475,6 +476,43 @@ capserve::v1::ServerInfo describe_server(const parallel::MpiWorld& world, const 
   return info;
 }
 
+// The checkpoint's tokenizer, when it has one, on every rank: rank 0 serves text with it, and every rank
+// compiles output constraints (structured output) against its vocabulary.
+struct RankText {
+  std::optional<runtime::Tokenizer> tokenizer;
+  std::unique_ptr<runtime::grammar::GrammarCache> grammars;  // null: structured output is refused
+  std::string error;                                         // why the tokenizer could not be loaded
+};
+
+// Compiled grammars a rank keeps for requests that repeat a constraint.
+constexpr std::size_t kCachedGrammars = 64;
+
+RankText load_rank_text(const Options& o, const runtime::Model& model, int rank) {
+  RankText text;
+  if (!std::filesystem::exists(std::filesystem::path(o.model_dir) / "tokenizer.json")) return text;
+  try {
+    text.tokenizer = runtime::Tokenizer::load(o.model_dir);
+  } catch (const std::exception& e) {
+    // Rank 0 refuses to start with it; another rank (which read the same file) cannot serve constraints.
+    text.error = e.what();
+    if (rank != 0) spdlog::error("capserve: rank {}: {}", rank, text.error);
+    return text;
+  }
+  const runtime::ModelConfig& config = model.config();
+  if (text.tokenizer->vocab_size() > config.vocab_size) {
+    if (rank == 0)
+      spdlog::warn(
+          "capserve: structured output off: the tokenizer has {} tokens, more than the model's {} logits",
+          text.tokenizer->vocab_size(), config.vocab_size);
+    return text;
+  }
+  text.grammars = std::make_unique<runtime::grammar::GrammarCache>(
+      std::make_shared<const runtime::grammar::TokenVocabulary>(
+          runtime::grammar::TokenVocabulary::from_tokenizer(*text.tokenizer, config.eos_token_ids)),
+      kCachedGrammars);
+  return text;
+}
+
 // Rank 0's front ends and what they serve: the tokenizer and chat template, the metrics and their port, the
 // scheduler, the intake both APIs share, the gRPC service and the HTTP API. Members in construction order:
 // a server goes before what it serves.
@@ -482,9 +520,11 @@ class FrontEnds final : public server::FrontEndControl {
  public:
   // Starts everything: empty, or why it could not (a port in use, a bad certificate, a broken template).
   std::string start(const parallel::MpiWorld& world, const Options& o, const runtime::Model& model,
-                    const capserve::v1::ServerInfo& info, runtime::LoadPredictor& predictor) {
+                    const capserve::v1::ServerInfo& info, runtime::LoadPredictor& predictor,
+                    const RankText& text) {
     try {
-      load_text(o);
+      if (!text.error.empty()) return text.error;
+      load_chat_template(o, text);
       const runtime::BuildInfo& build = runtime::build_info();
       metrics_ = std::make_unique<server::ServerMetrics>(
           model.moe_layers(), model.config().num_experts, world.size(),
@@ -502,14 +542,14 @@ class FrontEnds final : public server::FrontEndControl {
             server::security::load_tls_credentials(o.tls));
       if (tls && !tls->warning.empty()) spdlog::warn("capserve: {}", tls->warning);
       start_metrics_port(o, tls);
-      const runtime::Tokenizer* tokenizer = tokenizer_ ? &*tokenizer_ : nullptr;
+      const runtime::Tokenizer* tokenizer = text.tokenizer ? &*text.tokenizer : nullptr;
       scheduler_ = std::make_unique<server::Scheduler>(o.scheduler, world.size(), tokenizer, &predictor,
                                                        metrics_.get(), &g_stop_requested);
       // Its size is known now; the gauge would otherwise read 0 until the first step.
       metrics_->set_kv_cache_usage(std::vector<std::int64_t>(static_cast<std::size_t>(world.size()), 0),
                                    o.engine.kv_blocks);
-      intake_ =
-          std::make_unique<server::RequestIntake>(*scheduler_, tokenizer, chat_, o.limits, metrics_.get());
+      intake_ = std::make_unique<server::RequestIntake>(*scheduler_, tokenizer, chat_, o.limits,
+                                                        metrics_.get(), text.grammars.get());
       service_ = std::make_unique<server::InferenceService>(*intake_, info, o.key);
       if (o.http_port >= 0) start_http_api(o, info, tls);
       return start_grpc(o, tls);
@@ -541,10 +581,10 @@ class FrontEnds final : public server::FrontEndControl {
  private:
   grpc::HealthCheckServiceInterface& health() { return *grpc_server_->GetHealthCheckService(); }
 
-  // The checkpoint's tokenizer and chat template, when it has them (a model served by token ids has none).
-  void load_text(const Options& o) {
-    if (!std::filesystem::exists(std::filesystem::path(o.model_dir) / "tokenizer.json")) return;
-    tokenizer_ = runtime::Tokenizer::load(o.model_dir);
+  // The checkpoint's chat template, when it has one beside its tokenizer (a model served by token ids has
+  // neither).
+  void load_chat_template(const Options& o, const RankText& text) {
+    if (!text.tokenizer) return;
     std::optional<std::filesystem::path> template_file;
     if (!o.chat_template.empty()) template_file = o.chat_template;
     const auto tokenizer_config = std::filesystem::path(o.model_dir) / "tokenizer_config.json";
@@ -639,7 +679,6 @@ class FrontEnds final : public server::FrontEndControl {
   }
 
   std::atomic<bool> stalled_{false};  // the step watchdog fired: /health answers 503
-  std::optional<runtime::Tokenizer> tokenizer_;
   std::optional<runtime::ChatTemplate> chat_;
   std::unique_ptr<server::ServerMetrics> metrics_;
   std::unique_ptr<server::http::Server> metrics_http_;
@@ -656,12 +695,12 @@ class FrontEnds final : public server::FrontEndControl {
 // ends started (the one collective before the step loop): on failure all of them exit 1 cleanly, rank 0 with
 // the reason as its last line.
 int serve(parallel::MpiWorld& world, const Options& o, runtime::Engine& engine, server::RankWorker& worker,
-          parallel::RankHeartbeat* heartbeat, std::span<const RankMemory> memory) {
+          const RankText& text, parallel::RankHeartbeat* heartbeat, std::span<const RankMemory> memory) {
   const runtime::Model& model = engine.model();
   runtime::RouterLoadPredictor predictor(engine, model.placement(), o.scheduler.dry_run_layers);
   const capserve::v1::ServerInfo info = describe_server(world, o, model, predictor.layers());
   FrontEnds front_ends;
-  const std::string failure = front_ends.start(world, o, model, info, predictor);
+  const std::string failure = front_ends.start(world, o, model, info, predictor, text);
   if (!world.all_agree(failure.empty())) {
     std::fprintf(stderr, "capserve: %s\n", failure.c_str());
     return 1;
@@ -864,7 +903,8 @@ int main(int argc, char** argv) {
   // model). The flags were checked and the MTP layers loaded.
   const std::unique_ptr<runtime::Drafter> drafter = runtime::make_drafter(o.speculation, engine);
   if (drafter != nullptr) o.scheduler.speculative_tokens = drafter->max_drafts();
-  server::RankWorker worker(engine, rank, drafter.get());
+  const RankText text = load_rank_text(o, *loaded.model, rank);
+  server::RankWorker worker(engine, rank, drafter.get(), text.grammars.get());
   // Lets rank 0's step watchdog name a stalled rank. Every rank decides alike (same flags, same MPI).
   std::optional<parallel::RankHeartbeat> heartbeat;
   if (world->size() > 1 && world->thread_level() == MPI_THREAD_MULTIPLE) {
@@ -874,7 +914,7 @@ int main(int argc, char** argv) {
   // The other ranks learn whether rank 0's front ends started, then follow its plans.
   if (rank != 0) return world->all_agree(true) ? server::StepLoop::follow(*world, worker) : 1;
   try {
-    return serve(*world, o, engine, worker, heartbeat ? &*heartbeat : nullptr, rank_memory);
+    return serve(*world, o, engine, worker, text, heartbeat ? &*heartbeat : nullptr, rank_memory);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "capserve: %s\n", e.what());
     world->abort(1);

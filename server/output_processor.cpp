@@ -73,6 +73,14 @@ bool OutputProcessor::consume(const SequenceOutput& out, Clock::time_point now) 
     outputs_.erase(it);
     return true;
   }
+  if (s.failure == SequenceFailure::constraint) {
+    finish(o, Terminal::internal,
+           "the server could not apply the request's output constraint at completion token " +
+               std::to_string(o.completion + 1) + " (its rank's log says why)",
+           now);
+    outputs_.erase(it);
+    return true;
+  }
   if (s.failure != SequenceFailure::none) {
     finish(o, Terminal::internal,
            "the model's logits for this request are not finite (NaN or infinity) at completion token " +

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include <spdlog/spdlog.h>
+
 #include "runtime/speculative/verify.h"
 
 namespace capserve::server {
@@ -47,6 +49,7 @@ StepResult RankWorker::run(const StepPlan& plan) {
     scoring = scoring || seq.params.logprobs || seq.params.prompt_logprobs;
     top_k = std::max<std::int64_t>(top_k, seq.params.top_logprobs);
   }
+  constrain_draws();
   tokens_.resize(batch_.rows());
   engine_.sample(batch_.inputs(), tokens_);
   if (scoring) score(top_k);
@@ -75,13 +78,22 @@ StepResult RankWorker::run(const StepPlan& plan) {
     if (scoring && seq.params.prompt_logprobs && i < prefills_) {
       for (std::size_t r = first_row; r < draw_row; ++r) report(id, seq.params.top_logprobs, r, true, result);
     }
-    for (std::size_t j = 0; j < kept; ++j) {
+    if (seq.constraint_failed && kept > 0) out.failure = SequenceFailure::constraint;
+    for (std::size_t j = 0; j < kept && out.failure == SequenceFailure::none; ++j) {
       const std::int32_t token = draws[j];
       // A failed sequence stays until rank 0 frees it with the request it ends (after the tokens kept
       // before).
       if (kernels::is_failed_draw(token)) {
         out.failure = token == kernels::kNoAllowedToken ? SequenceFailure::no_allowed_token
                                                         : SequenceFailure::non_finite_logits;
+        break;
+      }
+      // Tokens after the stop token that completed the grammar end nowhere: rank 0 ends the request there.
+      if (seq.matcher != nullptr && seq.matcher->is_terminated()) break;
+      if (seq.matcher != nullptr && !seq.matcher->accept_token(token)) {
+        spdlog::error("rank {}: sequence {}: its grammar refuses token {}, drawn under its mask", rank_, id,
+                      token);
+        out.failure = SequenceFailure::constraint;
         break;
       }
       result.tokens.push_back(token);
@@ -107,12 +119,15 @@ void RankWorker::plan_prefills(const StepPlan& plan) {
                  .cached = s.cached,
                  .prefilled = s.cached,
                  .history = {},
-                 .generated = {}};
+                 .generated = {},
+                 .matcher = nullptr,
+                 .constraint_failed = false};
     if (drafter_ != nullptr) {
       // Room for as many generated tokens as the prompt has before the history grows (amortized).
       seq.history.reserve(2 * s.prompt.size());
       seq.history.assign(s.prompt.begin(), s.prompt.end());
     }
+    if (!s.params.constraint.empty()) start_constraint(s.id, seq);
     sequences_.insert_or_assign(s.id, std::move(seq));
   }
   for (const PrefillChunk& c : plan.prefills) {
@@ -176,6 +191,51 @@ void RankWorker::plan_decodes(const StepPlan& plan) {
         std::clamp<std::int64_t>(draft_counts_[s], 0, static_cast<std::int64_t>(slots_[s].drafts.size())));
     w.tokens = std::span<const std::int32_t>(w.tokens.data(), 1 + count);
     w.all_logits = count > 0;
+  }
+}
+
+void RankWorker::start_constraint(std::uint64_t id, Sequence& seq) {
+  if (grammars_ == nullptr) {
+    spdlog::error(
+        "rank {}: sequence {} has an output constraint, and this rank has no tokenizer to compile it", rank_,
+        id);
+    seq.constraint_failed = true;
+    return;
+  }
+  // Rank 0's intake compiled it; here it is usually a cache hit (on rank 0 always).
+  auto compiled = grammars_->get(seq.params.constraint);
+  if (!compiled.ok()) {
+    spdlog::error("rank {}: sequence {}: its output constraint does not compile here: {}", rank_, id,
+                  compiled.status().message());
+    seq.constraint_failed = true;
+    return;
+  }
+  seq.matcher = std::make_unique<runtime::grammar::GrammarMatcher>(std::move(*compiled));
+}
+
+void RankWorker::constrain_draws() {
+  const std::int64_t words = kernels::allowed_words(engine_.model().config().vocab_size);
+  std::size_t row = 0;
+  for (std::size_t i = 0; i < items_.size(); ++i) {
+    row += rows_of(i);
+    Sequence& seq = sequences_.at(items_[i].id);
+    const std::size_t draws = draws_of(i);
+    if (seq.matcher == nullptr || draws == 0) continue;
+    // A decode's row j draws after its first j drafts: the grammar takes them for the row's mask and gives
+    // them back after. Rows after a draft the grammar refuses are never kept (the draw before it cannot
+    // equal it), so they stay unconstrained.
+    const std::span<const std::int32_t> drafts =
+        i < prefills_ ? std::span<const std::int32_t>() : work_[i].tokens.subspan(1);
+    std::int32_t taken = 0;
+    for (std::size_t j = 0; j < draws; ++j) {
+      if (j > 0) {
+        if (!seq.matcher->accept_token(drafts[j - 1])) break;
+        ++taken;
+      }
+      if (!seq.matcher->fill_next_token_bitmask(batch_.allowed_row(row - draws + j, words)).ok())
+        seq.constraint_failed = true;
+    }
+    if (taken > 0 && !seq.matcher->rollback(taken).ok()) seq.constraint_failed = true;
   }
 }
 

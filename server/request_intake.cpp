@@ -206,12 +206,13 @@ std::string generate_request_id(std::string_view prefix) {
 
 RequestIntake::RequestIntake(Scheduler& scheduler, const runtime::Tokenizer* tokenizer,
                              std::optional<runtime::ChatTemplate> chat_template, ServiceLimits limits,
-                             ServerMetrics* metrics)
+                             ServerMetrics* metrics, runtime::grammar::GrammarCache* grammars)
     : scheduler_(scheduler),
       tokenizer_(tokenizer),
       chat_template_(std::move(chat_template)),
       limits_(std::move(limits)),
-      metrics_(metrics) {}
+      metrics_(metrics),
+      grammars_(grammars) {}
 
 Status RequestIntake::check_model(std::string_view model) const {
   if (Status bad = check_utf8(model, "model"); !bad.ok()) return bad;
@@ -434,9 +435,38 @@ StatusOr<RequestIntake::Sampling> RequestIntake::sampling(const IntakeRequest& r
   return out;
 }
 
+StatusOr<std::string> RequestIntake::constraint(const IntakeRequest& request) const {
+  if (!request.constraint) return std::string();
+  const std::string& field = request.constraint->field;
+  if (grammars_ == nullptr)
+    return invalid(field + ": structured output needs the model's tokenizer, and this server has none",
+                   field);
+  // The grammar allows the model's EOS once the text is complete, and nothing else ends it: min_tokens
+  // would forbid that EOS and the grammar every other token.
+  const std::string& prefix = request.fields.sampling_prefix;
+  if (request.sampling.ignore_eos)
+    return invalid(prefix + "ignore_eos: cannot be combined with " + field +
+                       " (the output ends with the model's EOS once it is complete)",
+                   prefix + "ignore_eos");
+  if (request.sampling.min_tokens > 0)
+    return invalid(
+        prefix + "min_tokens: cannot be combined with " + field + " (a complete output ends, however short)",
+        prefix + "min_tokens");
+  std::string spec = request.constraint->spec.dump();
+  StatusOr<std::shared_ptr<const runtime::grammar::CompiledGrammar>> compiled = grammars_->get(spec);
+  if (!compiled.ok()) {
+    const Status& why = compiled.status();
+    const std::string where = why.field().empty() ? "" : " (" + why.field() + ")";
+    return invalid(field + ": " + why.message() + where, field);
+  }
+  return spec;
+}
+
 StatusOr<std::vector<std::shared_ptr<Request>>> RequestIntake::prepare(const IntakeRequest& request) {
   if (Status bad = check_model(request.model); !bad.ok()) return bad;
   if (Status bad = check_request_id(request.request_id, request.fields.request_id); !bad.ok()) return bad;
+  StatusOr<std::string> constraint = this->constraint(request);
+  if (!constraint.ok()) return std::move(constraint).take_status();
   std::vector<std::vector<std::int32_t>> prompts;
   prompts.reserve(request.prompts.size());
   for (const PromptInput& prompt : request.prompts) {
@@ -458,6 +488,7 @@ StatusOr<std::vector<std::shared_ptr<Request>>> RequestIntake::prepare(const Int
       const std::size_t index = requests.size();
       runtime::SamplingParams params = sampled->params;
       params.seed = base_seed + index;
+      params.constraint = *constraint;
       requests.push_back(std::make_shared<Request>(choices == 1 ? id : id + "-" + std::to_string(index), ids,
                                                    std::move(params), sampled->stops, request.text_output,
                                                    request.deadline, request.peer));

@@ -24,6 +24,7 @@
 
 #include "runtime/chat/chat_template.h"
 #include "runtime/generation_config.h"
+#include "runtime/grammar/grammar_cache.h"
 #include "runtime/sampler.h"
 #include "runtime/status.h"
 #include "runtime/tokenizer/tokenizer.h"
@@ -75,9 +76,11 @@ std::string generate_request_id(std::string_view prefix);
 
 class RequestIntake {
  public:
+  // `grammars` (optional: without it a constraint is refused) compiles requests' output constraints; the
+  // rank that samples a sequence finds its grammar there.
   RequestIntake(Scheduler& scheduler, const runtime::Tokenizer* tokenizer,
                 std::optional<runtime::ChatTemplate> chat_template, ServiceLimits limits,
-                ServerMetrics* metrics);
+                ServerMetrics* metrics, runtime::grammar::GrammarCache* grammars = nullptr);
 
   [[nodiscard]] const ServiceLimits& limits() const { return limits_; }
   [[nodiscard]] const runtime::Tokenizer* tokenizer() const { return tokenizer_; }
@@ -166,6 +169,9 @@ class RequestIntake {
                                              const std::string& field) const;
   [[nodiscard]] runtime::StatusOr<Sampling> sampling(const IntakeRequest& request,
                                                      std::int64_t prompt_tokens) const;
+  // The request's output constraint compiled (so that its errors are the client's), as
+  // SamplingParams::constraint carries it; empty without one.
+  [[nodiscard]] runtime::StatusOr<std::string> constraint(const IntakeRequest& request) const;
   // Takes `count` slots of `peer`'s address (gRPC notation, e.g. "ipv4:10.0.0.1:5000"), or refuses
   // (resource_exhausted) when they do not fit under --max-requests-per-peer beside the address's requests in
   // flight.
@@ -178,6 +184,7 @@ class RequestIntake {
   std::optional<runtime::ChatTemplate> chat_template_;
   ServiceLimits limits_;
   ServerMetrics* metrics_;
+  runtime::grammar::GrammarCache* grammars_;
   std::mutex peers_mutex_;
   std::unordered_map<std::string, std::int64_t> peer_requests_;  // in flight, by client address
   RateLimitedLog refusal_log_{std::chrono::seconds(1)};

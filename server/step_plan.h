@@ -46,7 +46,9 @@ struct StepPlan {
 
 // Why a sequence could not take a token (rank 0 ends its request with an error; the others go on).
 // no_allowed_token: the request's controls (allowed tokens, min_tokens, logit_bias) ruled out every token.
-enum class SequenceFailure : std::int32_t { none, non_finite_logits, no_allowed_token };
+// no_allowed_token: the request's sampling controls rule out every token; constraint: its rank could not
+// apply the output constraint (compile it, or follow a drawn token: see that rank's log).
+enum class SequenceFailure : std::int32_t { none, non_finite_logits, no_allowed_token, constraint };
 
 // One sequence's outcome of the step on its rank.
 struct SequenceResult {

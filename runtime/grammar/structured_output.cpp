@@ -1,5 +1,7 @@
 #include "runtime/grammar/structured_output.h"
 
+#include <algorithm>
+#include <string>
 #include <utility>
 
 #include "runtime/grammar/ebnf.h"
@@ -81,6 +83,17 @@ StatusOr<std::shared_ptr<const CompiledGrammar>> compile(const OutputConstraint&
                                                          std::shared_ptr<const TokenVocabulary> vocabulary) {
   auto grammar = constraint_grammar(constraint);
   if (!grammar.ok()) return std::move(grammar).take_status();
+  // The mask cache holds a vocabulary bitmask per byte position and compiling walks the vocabulary once for
+  // each: a schema of thousands of long strings would take the server's memory and a core for seconds.
+  const auto positions = static_cast<std::int64_t>(
+      std::count_if(grammar->elements.begin(), grammar->elements.end(),
+                    [](const Element& e) { return e.kind == Element::Kind::bytes; }));
+  const std::int64_t bytes = positions * vocabulary->mask_words() * 4;
+  if (bytes > kMaxMaskCacheBytes)
+    return Status::invalid_argument("the constraint is too large: " + std::to_string(positions) +
+                                    " grammar positions need " + std::to_string(bytes >> 20) +
+                                    " MiB of token masks, the limit is " +
+                                    std::to_string(kMaxMaskCacheBytes >> 20) + " MiB");
   return std::make_shared<const CompiledGrammar>(std::move(*grammar), std::move(vocabulary));
 }
 

@@ -7,6 +7,7 @@
 //
 // Errors are invalid_argument naming the schema keyword or regex construct at fault; the caller sets the
 // request field (Status::with_field) and returns it as an HTTP 400.
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -36,6 +37,10 @@ struct OutputConstraint {
 StatusOr<OutputConstraint> parse_constraint(const nlohmann::ordered_json& spec);
 
 StatusOr<Grammar> constraint_grammar(const OutputConstraint& constraint);
+
+// The most memory a compiled grammar's mask cache may take (compiled_grammar.h); a larger constraint is
+// refused, saying so.
+inline constexpr std::int64_t kMaxMaskCacheBytes = std::int64_t{64} << 20;
 
 StatusOr<std::shared_ptr<const CompiledGrammar>> compile(const OutputConstraint& constraint,
                                                          std::shared_ptr<const TokenVocabulary> vocabulary);

@@ -80,7 +80,9 @@ constexpr std::string_view kBothEndpoints[] = {"model",
                                                "top_logprobs",
                                                "echo",
                                                "stream",
-                                               "stream_options"};
+                                               "stream_options",
+                                               "response_format",
+                                               "structured_outputs"};
 constexpr std::string_view kChatOnly[] = {"messages",
                                           "max_completion_tokens",
                                           "tools",
@@ -100,9 +102,6 @@ constexpr std::string_view kNoOpFields[] = {"user",
                                             "safety_identifier",
                                             "prompt_cache_key",
                                             "prompt_cache_retention"};
-// Fields the server will act on but does not yet: refused, so that a client never believes them applied.
-constexpr std::string_view kNotYetFields[] = {"response_format"};
-
 using Names = std::span<const std::string_view>;
 
 bool listed(Names names, std::string_view name) {
@@ -114,7 +113,6 @@ Status refuse_unlisted(const json& body, std::initializer_list<Names> accepted, 
   for (const auto& item : body.items()) {
     const std::string& name = item.key();  // not a structured binding: clang 14 cannot capture one
     if (std::ranges::any_of(accepted, [&](auto names) { return listed(names, name); })) continue;
-    if (listed(kNotYetFields, name)) return bad(name + ": not supported yet by this server", name);
     // The name is client text: quoted and cut in the message, and not echoed as param when long.
     constexpr std::size_t kLongest = 64;
     return bad(excerpt(name, kLongest) + ": not a field this server's " + std::string(path) +
@@ -413,6 +411,121 @@ constexpr std::string_view kTokenizeTextFields[] = {"prompt"};
 constexpr std::string_view kTokenizeChatFields[] = {"messages", "tools", "chat_template_kwargs",
                                                     "add_generation_prompt", "continue_final_message"};
 
+// JSON output's whitespace: ", " and ": " only by default, as vLLM's disable_any_whitespace (small models
+// left free write newlines for ever); structured_outputs.disable_any_whitespace false allows any.
+constexpr const char* kCompactWhitespace = "compact";
+
+// response_format's JSON constraint of `kind` ("json_object", "json_schema") with compact whitespace.
+std::optional<ConstraintInput> json_format(const char* kind, ordered_json value) {
+  ordered_json spec = ordered_json::object();
+  spec[kind] = std::move(value);
+  spec["whitespace"] = kCompactWhitespace;
+  return ConstraintInput{std::move(spec), "response_format"};
+}
+
+// OpenAI's response_format: "text" (no constraint), "json_object" (any JSON object), "json_schema" (the
+// schema's instances; `strict` is always so here).
+StatusOr<std::optional<ConstraintInput>> read_response_format(const ordered_json& format) {
+  constexpr const char* kField = "response_format";
+  if (!format.is_object() || !format.contains("type") || !format["type"].is_string())
+    return bad("response_format: must be an object with a type: \"text\", \"json_object\" or \"json_schema\"",
+               kField);
+  const std::string type = format["type"].get<std::string>();
+  for (const auto& item : format.items()) {
+    const std::string& key = item.key();
+    if (key != "type" && !(type == "json_schema" && key == "json_schema"))
+      return bad("response_format: " + excerpt(key, 64) + " is not a field of response format type " +
+                     excerpt(type, 64),
+                 kField);
+  }
+  if (type == "text") return std::optional<ConstraintInput>();
+  if (type == "json_object") return json_format("json_object", true);
+  if (type != "json_schema")
+    return bad("response_format.type: " + excerpt(type, 64) +
+                   " is not one of \"text\", \"json_object\", \"json_schema\"",
+               kField);
+  if (!format.contains("json_schema") || !format["json_schema"].is_object())
+    return bad("response_format.json_schema: must be an object with the schema", kField);
+  const ordered_json& spec = format["json_schema"];
+  for (const auto& item : spec.items()) {
+    const std::string& key = item.key();
+    // name and description tell the model about the schema on OpenAI's side; they change nothing here.
+    const bool text_field = (key == "name" || key == "description") && item.value().is_string();
+    if (!text_field && key != "schema" && !(key == "strict" && item.value().is_boolean()))
+      return bad("response_format.json_schema: " + excerpt(key, 64) +
+                     " is not one of its fields (name, description, schema, strict)",
+                 kField);
+  }
+  if (!spec.contains("schema") || !(spec["schema"].is_object() || spec["schema"].is_boolean()))
+    return bad("response_format.json_schema.schema: must be a JSON schema (an object)", kField);
+  return json_format("json_schema", spec["schema"]);
+}
+
+// vLLM's structured_outputs: exactly one of json (a schema), json_object, regex, choice, grammar (xgrammar's
+// EBNF), and disable_any_whitespace.
+StatusOr<ConstraintInput> read_structured_outputs(const ordered_json& outputs) {
+  constexpr const char* kField = "structured_outputs";
+  if (!outputs.is_object()) return bad("structured_outputs: must be an object", kField);
+  ordered_json spec = ordered_json::object();
+  bool compact = true;
+  int kinds = 0;
+  for (const auto& item : outputs.items()) {
+    const std::string& key = item.key();
+    const ordered_json& value = item.value();
+    const std::string where = "structured_outputs." + key;  // used for known keys only
+    if (value.is_null()) continue;
+    if (key == "disable_any_whitespace") {
+      if (!value.is_boolean()) return bad(where + ": must be true or false", kField);
+      compact = value.get<bool>();
+      continue;
+    }
+    ++kinds;
+    if (key == "json") {
+      // A schema, or its JSON text as vLLM also takes.
+      ordered_json schema = value;
+      if (value.is_string()) {
+        StatusOr<ordered_json> parsed = parse_client_json<ordered_json>(value.get<std::string>(), where);
+        if (!parsed.ok()) return bad(parsed.status().message(), kField);
+        schema = std::move(*parsed);
+      }
+      if (!schema.is_object() && !schema.is_boolean()) return bad(where + ": must be a JSON schema", kField);
+      spec["json_schema"] = std::move(schema);
+    } else if (key == "json_object") {
+      if (value != true) return bad(where + ": must be true", kField);
+      spec["json_object"] = true;
+    } else if (key == "regex" || key == "grammar") {
+      if (!value.is_string()) return bad(where + ": must be a string", kField);
+      spec[key] = value;
+    } else if (key == "choice") {
+      if (!value.is_array() || value.empty()) return bad(where + ": must be a list of strings", kField);
+      spec[key] = value;
+    } else {
+      return bad("structured_outputs: " + excerpt(key, 64) +
+                     " is not supported (json, json_object, regex, choice, grammar, disable_any_whitespace)",
+                 kField);
+    }
+  }
+  if (kinds != 1)
+    return bad("structured_outputs: needs exactly one of json, json_object, regex, choice, grammar", kField);
+  if (compact && (spec.contains("json_schema") || spec.contains("json_object")))
+    spec["whitespace"] = kCompactWhitespace;
+  return ConstraintInput{std::move(spec), kField};
+}
+
+// The request's output constraint: response_format or structured_outputs, not both.
+StatusOr<std::optional<ConstraintInput>> read_constraint(const ordered_json& body) {
+  const bool format = body.contains("response_format") && !body["response_format"].is_null();
+  const bool outputs = body.contains("structured_outputs") && !body["structured_outputs"].is_null();
+  if (format && outputs)
+    return bad("structured_outputs: cannot be combined with response_format (each constrains the output)",
+               "structured_outputs");
+  if (format) return read_response_format(body["response_format"]);
+  if (!outputs) return std::optional<ConstraintInput>();
+  StatusOr<ConstraintInput> read = read_structured_outputs(body["structured_outputs"]);
+  if (!read.ok()) return std::move(read).take_status();
+  return std::optional<ConstraintInput>(std::move(*read));
+}
+
 StatusOr<std::string> model_field(const json& body) {
   if (!present(body, "model")) return std::string();
   if (!body["model"].is_string()) return bad("model: must be a string", "model");
@@ -547,10 +660,17 @@ StatusOr<CompletionCall> parse_completion(std::string_view text, Endpoint endpoi
     shape.include_usage = include_usage->value_or(false);
   }
 
+  // Parsed again keeping key order where it matters: templates show tool schemas and arguments in the
+  // client's order, and a JSON schema's properties are generated in its order.
+  const bool constrained = present(body, "response_format") || present(body, "structured_outputs");
+  StatusOr<ordered_json> ordered = ordered_json();
+  if (endpoint == Endpoint::chat || constrained) ordered = parse_client_json<ordered_json>(text, "");
+  if (!ordered.ok()) return std::move(ordered).take_status();
+  StatusOr<std::optional<ConstraintInput>> constraint = read_constraint(*ordered);
+  if (!constraint.ok()) return std::move(constraint).take_status();
+  r.constraint = std::move(*constraint);
+
   if (endpoint == Endpoint::chat) {
-    // Parsed again keeping key order: templates show tool schemas and arguments in the client's order.
-    StatusOr<ordered_json> ordered = parse_client_json<ordered_json>(text, "");
-    if (!ordered.ok()) return std::move(ordered).take_status();
     StatusOr<std::vector<runtime::ChatMessage>> messages = read_messages(*ordered);
     if (!messages.ok()) return std::move(messages).take_status();
     StatusOr<runtime::ChatInputs> inputs = read_chat_inputs(body, *ordered, options, shape);

@@ -57,6 +57,22 @@ def _health_messages():
 HealthCheckRequest, HealthCheckResponse = _health_messages()
 
 
+def pinned_venv(name, requirements):
+    """Puts the site-packages of the ignored venv tools/setup_venv.sh makes (`name`, with the pinned
+    `requirements`, a path from the repository root) on sys.path: None, or why it could not (is PyPI
+    reachable?)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run(["bash", os.path.join(root, "tools", "setup_venv.sh"), name, requirements],
+                          capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        return f"the venv {name} could not be installed (is PyPI reachable?): " + done.stderr[-400:]
+    python = os.path.join(done.stdout.strip(), "python")
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['platlib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    sys.path.insert(0, site)
+    return None
+
+
 def utf8(text):
     """Request text fields are UTF-8 `bytes` (proto/capserve/v1/inference.proto); raw bytes pass unchanged."""
     return text if isinstance(text, bytes) else text.encode()
@@ -72,11 +88,11 @@ def chat_request(content, max_tokens=16, request_id="", stop=(), **sampling):
     return pb.ChatRequest(messages=[message("user", content)], request_id=utf8(request_id), sampling=sampling)
 
 
-def http_chat(port, body, timeout=60):
-    """POSTs `body` (a dict, or bytes sent as they are) to the HTTP API's /v1/chat/completions; the status and the
-    decoded answer, errors included."""
+def http_chat(port, body, timeout=60, path="/v1/chat/completions"):
+    """POSTs `body` (a dict, or bytes sent as they are) to the HTTP API's /v1/chat/completions (or `path`); the
+    status and the decoded answer, errors included."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=data, method="POST",
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method="POST",
                                  headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
