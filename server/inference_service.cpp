@@ -143,7 +143,7 @@ class Relay : public Reactor, public RelayPumps::Pumped {
   void end(const grpc::Status& status) {
     {
       std::lock_guard lock(mutex_);
-      finished_ = true;
+      mark_finished();
     }
     this->Finish(status);
   }
@@ -160,6 +160,12 @@ class Relay : public Reactor, public RelayPumps::Pumped {
  protected:
   // Under mutex_, once the request is admitted.
   virtual void on_admitted() {}
+  // Under mutex_, before Finish: the client's in-flight slot is free before it learns that the call ended,
+  // so that its next call (the moment it does) finds it free.
+  void mark_finished() {
+    finished_ = true;
+    admitted_.reset();
+  }
 
   RequestIntake& intake_;
   RelayPumps& pumps_;
@@ -181,7 +187,7 @@ class Relay : public Reactor, public RelayPumps::Pumped {
     }
   }
 
-  std::optional<RequestIntake::Admitted> admitted_;  // the request and its in-flight slot, until OnDone
+  std::optional<RequestIntake::Admitted> admitted_;  // the request and its in-flight slot, until finished
   std::shared_ptr<Relay> self_;
 };
 
@@ -207,7 +213,7 @@ class UnaryChat final : public Relay<grpc::ServerUnaryReactor> {
           response_.set_text(std::move(text_));
           fill_final(*e, response_);
         }
-        finished_ = true;
+        mark_finished();
         break;
       }
       if (!finished_) return;
@@ -237,7 +243,7 @@ class Stream final : public Relay<grpc::ServerWriteReactor<Chunk>> {
       std::lock_guard lock(this->mutex_);
       writing_ = false;
       done = !ok || terminal_.has_value();
-      if (done) this->finished_ = true;
+      if (done) this->mark_finished();
     }
     if (!ok) return send_failed();
     if (done) {
@@ -257,7 +263,7 @@ class Stream final : public Relay<grpc::ServerWriteReactor<Chunk>> {
       if (e->terminal && !terminal_status(*e).ok()) {
         this->intake_.conclude(*e);
         finish = terminal_status(*e);
-        this->finished_ = true;
+        this->mark_finished();
       } else {
         chunk_.Clear();
         chunk_.set_request_id(this->request_->id());

@@ -5,8 +5,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <regex>
+#include <string>
 
 #include "kernels/cpu/cpu_backend.h"
+#include "runtime/grammar/grammar_cache.h"
 #include "runtime/model.h"
 #include "runtime/npy.h"
 #include "runtime/speculative/ngram_drafter.h"
@@ -589,6 +592,134 @@ TEST_F(RankWorkerTest, SpeculationKeepsTheTokensOfPlainDecodingUnderSamplingCont
               std::vector<std::int32_t>(expected.tokens[i].begin(), expected.tokens[i].begin() + kTokens))
         << "sequence " << starts[i].id;
   }
+}
+
+// ---- Output constraints (SamplingParams::constraint) through the worker.
+
+constexpr std::int32_t kStopToken = 40;
+
+// A vocabulary over the fixture model's 512 ids: 0-9 spell the digits, 10-35 the letters a-z, 36 "ab", the
+// others nothing (special tokens); kStopToken ends a complete output.
+runtime::grammar::GrammarCache fixture_grammars() {
+  std::vector<std::optional<std::string>> bytes(512);
+  for (int i = 0; i < 10; ++i)
+    bytes[static_cast<std::size_t>(i)] = std::string(1, static_cast<char>('0' + i));
+  for (int i = 0; i < 26; ++i)
+    bytes[static_cast<std::size_t>(10 + i)] = std::string(1, static_cast<char>('a' + i));
+  bytes[36] = "ab";
+  return runtime::grammar::GrammarCache(std::make_shared<const runtime::grammar::TokenVocabulary>(
+                                            std::move(bytes), std::vector<std::int32_t>{kStopToken}),
+                                        4);
+}
+
+// Each sequence's tokens until it draws kStopToken (included) or has `limit` tokens, decoded side by side
+// with up to `max_drafts` drafts per decode; `accepted` counts the drafts kept.
+std::vector<std::vector<std::int32_t>> generate_until_stop(RankWorker& worker,
+                                                           const std::vector<SequenceStart>& starts,
+                                                           std::size_t limit, std::int32_t max_drafts,
+                                                           std::int64_t* accepted = nullptr) {
+  std::vector<std::vector<std::int32_t>> tokens(starts.size());
+  const auto done = [&](std::size_t i) {
+    return tokens[i].size() >= limit || (!tokens[i].empty() && tokens[i].back() == kStopToken);
+  };
+  StepPlan plan;
+  for (const SequenceStart& s : starts) add_start(plan, s);
+  while (true) {
+    const StepResult result = worker.run(plan);
+    EXPECT_TRUE(result.ok) << result.error;
+    if (!result.ok) break;
+    std::size_t token = 0;
+    for (const SequenceResult& out : result.sequences) {
+      EXPECT_EQ(out.failure, SequenceFailure::none) << "sequence " << out.id;
+      if (accepted != nullptr) *accepted += out.accepted;
+      const auto i = static_cast<std::size_t>(
+          std::find_if(starts.begin(), starts.end(), [&](const SequenceStart& s) { return s.id == out.id; }) -
+          starts.begin());
+      for (std::int32_t k = 0; k < out.tokens; ++k) {
+        if (!done(i)) tokens[i].push_back(result.tokens[token]);
+        ++token;
+      }
+    }
+    plan = {};
+    for (std::size_t i = 0; i < starts.size(); ++i) {
+      if (done(i)) {
+        plan.frees.push_back(starts[i].id);
+        continue;
+      }
+      plan.decodes.push_back(starts[i].id);
+      plan.max_drafts.push_back(max_drafts);
+    }
+    if (plan.decodes.empty()) {
+      worker.run(plan);  // frees the last ones
+      break;
+    }
+  }
+  return tokens;
+}
+
+std::string spelled(std::span<const std::int32_t> tokens) {
+  std::string text;
+  for (const std::int32_t t : tokens) {
+    if (t < 10) text += static_cast<char>('0' + t);
+    if (t >= 10 && t < 36) text += static_cast<char>('a' + t - 10);
+    if (t == 36) text += "ab";
+  }
+  return text;
+}
+
+// Greedy decoding under a regex: every draw is a token the grammar allows, the text matches the whole regex,
+// and the stop token comes once it is complete; a sequence without a constraint beside it draws exactly what
+// it draws alone.
+TEST_F(RankWorkerTest, AConstrainedSequenceDrawsOnlyWhatItsGrammarAllows) {
+  runtime::grammar::GrammarCache grammars = fixture_grammars();
+  const std::string regex = "[a-c]{2,5}[0-9]{1,3}";
+  SequenceStart constrained = start(1, 0, prompts_[1]);
+  constrained.params.constraint = nlohmann::json{{"regex", regex}}.dump();
+  const SequenceStart free = start(2, 0, prompts_[2]);
+
+  RankWorker alone(engine_, 0, nullptr, &grammars);
+  const std::vector<std::int32_t> unconstrained = generate_until_stop(alone, {free}, 12, 0)[0];
+  RankWorker worker(engine_, 0, nullptr, &grammars);
+  const auto tokens = generate_until_stop(worker, {constrained, free}, 12, 0);
+  ASSERT_FALSE(tokens[0].empty());
+  EXPECT_EQ(tokens[0].back(), kStopToken);
+  const std::span<const std::int32_t> text(tokens[0].data(), tokens[0].size() - 1);
+  for (const std::int32_t t : text) EXPECT_TRUE(t <= 12 || t == 36) << "token " << t << " spells no [a-c0-9]";
+  EXPECT_TRUE(std::regex_match(spelled(text), std::regex(regex))) << spelled(text);
+  EXPECT_EQ(tokens[1], unconstrained);
+  EXPECT_EQ(worker.sequences(), 0U);
+}
+
+// Speculative decoding under a constraint keeps the tokens of plain decoding under it: each verified row's
+// mask follows the drafts before it, and the drafts the grammar refuses are never kept.
+TEST_F(RankWorkerTest, SpeculationKeepsTheTokensOfPlainDecodingUnderAConstraint) {
+  runtime::grammar::GrammarCache grammars = fixture_grammars();
+  std::vector<SequenceStart> starts = speculation_starts();
+  const std::string constraints[] = {R"({"regex": "([a-z][0-9])+"})", R"({"choice": ["abc", "ab9", "b1b2"]})",
+                                     R"({"regex": "[0-9a-f]{6,10}"})"};
+  for (std::size_t i = 0; i < starts.size(); ++i) starts[i].params.constraint = constraints[i];
+  RankWorker plain(engine_, 0, nullptr, &grammars);
+  const auto expected = generate_until_stop(plain, starts, 16, 0);
+  CountingDrafter drafter(3);
+  RankWorker speculating(engine_, 0, &drafter, &grammars);
+  std::int64_t accepted = 0;
+  EXPECT_EQ(generate_until_stop(speculating, starts, 16, 3, &accepted), expected);
+  EXPECT_GT(accepted, 0) << "no draft was kept: the masks of rows after a draft went untested";
+}
+
+// A rank that cannot compile a sequence's constraint (no vocabulary here) fails that sequence at its first
+// draw, naming why in its log; rank 0 ends the request with an error.
+TEST_F(RankWorkerTest, AConstraintThisRankCannotCompileFailsItsSequence) {
+  RankWorker worker(engine_, 0);
+  SequenceStart s = start(1, 0, prompts_[1]);
+  s.params.constraint = R"({"regex": "[a-c]+"})";
+  StepPlan plan;
+  add_start(plan, s);
+  const StepResult result = worker.run(plan);
+  ASSERT_TRUE(result.ok);
+  ASSERT_EQ(result.sequences.size(), 1U);
+  EXPECT_EQ(result.sequences[0].failure, SequenceFailure::constraint);
+  EXPECT_EQ(result.sequences[0].tokens, 0);
 }
 
 }  // namespace
