@@ -27,7 +27,7 @@ struct LayerRouting {
   kernels::Tensor experts;  // int32 [T, k]: in: the model's choice; out: -1 where dropped
   kernels::Tensor weights;  // f32 [T, k]: gate weights; 0 where dropped
   kernels::Tensor status;   // u8 [T, k]: out, SlotStatus
-  kernels::Tensor exempt;   // u8 [T] or empty: 1 = never dropped (phase not scheduled)
+  kernels::Tensor exempt;   // u8 [T] or empty: 1 = never dropped (phase not scheduled, protected request)
   kernels::Tensor totals;   // int64 [2]: out, slots dropped and rerouted
   bool normalized = false;  // weights are probs / sum of the top-k probs (norm_topk_prob)
   float scaling = 1.0F;     // then multiplied by this (routed_scaling_factor)

@@ -211,6 +211,7 @@ void Engine::begin_rows() {
   slices_.clear();
   logit_rows_.clear();
   decode_rows_.clear();
+  protected_rows_.clear();
   step_seqs_.clear();
   host_logits_current_ = false;
 }
@@ -225,7 +226,7 @@ Status Engine::run_step(std::span<const Work> work, bool record) {
   const std::int64_t vocab = model_.config().vocab_size;
   if (Status s = validate(work); !s.ok()) {
     logits_ = backend.scratch(logits_buffer_, kernels::DType::f32, {0, vocab});
-    pass_.forward({tokens_, positions_, slices_, logit_rows_, decode_rows_}, cache_, logits_);
+    pass_.forward({tokens_, positions_, slices_, logit_rows_, decode_rows_, {}}, cache_, logits_);
     return s;
   }
   // Every adoption before any reservation: a reservation may evict idle cached blocks, never one a later
@@ -236,6 +237,7 @@ Status Engine::run_step(std::span<const Work> work, bool record) {
       throw std::logic_error("Engine::step: validated cached prefix not adopted");
     lengths_[w.seq] = w.cached;
   }
+  const bool any_protected = std::any_of(work.begin(), work.end(), [](const Work& w) { return w.protect; });
   for (const Work& w : work) {
     const std::int64_t start = length(w.seq);
     const std::span<const std::int32_t> computed = w.tokens.subspan(static_cast<std::size_t>(w.cached));
@@ -243,6 +245,8 @@ Status Engine::run_step(std::span<const Work> work, bool record) {
     // A single token appended to a sequence already in the cache is a decode step.
     decode_rows_.insert(decode_rows_.end(), static_cast<std::size_t>(n),
                         w.decode || (start > 0 && n == 1) ? 1 : 0);
+    if (any_protected)
+      protected_rows_.insert(protected_rows_.end(), static_cast<std::size_t>(n), w.protect ? 1 : 0);
     cache_.blocks().reserve(w.seq, start + n);  // validated above: always fits
     lengths_[w.seq] = start + n;
     const auto first_row = static_cast<std::int64_t>(tokens_.size());
@@ -262,7 +266,8 @@ Status Engine::run_step(std::span<const Work> work, bool record) {
     hidden_ = backend.scratch(hidden_buffer_, kernels::DType::f32,
                               {static_cast<std::int64_t>(tokens_.size()), model_.config().hidden_size});
   }
-  pass_.forward({tokens_, positions_, slices_, logit_rows_, decode_rows_}, cache_, logits_, hidden_);
+  pass_.forward({tokens_, positions_, slices_, logit_rows_, decode_rows_, protected_rows_}, cache_, logits_,
+                hidden_);
   if (record) {
     for (const Work& w : work)
       cache_.blocks().append_tokens(w.seq, w.tokens.subspan(static_cast<std::size_t>(w.cached)));
@@ -363,8 +368,10 @@ Status Engine::draft_step(std::int64_t depth, DraftInput input, std::span<const 
     backend.gather_rows(input == DraftInput::step_hidden ? hidden_ : draft_out_, draft_state_rows_, state);
   logits_ = backend.scratch(logits_buffer_, kernels::DType::f32, {wanted, c.vocab_size});
   draft_out_ = backend.scratch(draft_out_buffer_, kernels::DType::f32, {wanted, c.hidden_size});
-  mtp_pass_->mtp_forward(status.ok() ? depth : 0, {tokens_, positions_, slices_, logit_rows_, decode_rows_},
-                         state, cache_, logits_, draft_out_);
+  // Drafts are proposals: the MTP layers' capacity protects no request's tokens.
+  mtp_pass_->mtp_forward(status.ok() ? depth : 0,
+                         {tokens_, positions_, slices_, logit_rows_, decode_rows_, {}}, state, cache_,
+                         logits_, draft_out_);
   return status;
 }
 

@@ -54,6 +54,9 @@ class Engine {
     // and at most the cached prefix (KvBlockManager::cached_prefix). The step computes the rest, at
     // positions from `cached` on, and its logits rows are those of the computed tokens.
     std::int64_t cached = 0;
+    // A protected request's tokens (server/README.md, "Capacity classes"): the capacity scheduler never drops
+    // their expert assignments.
+    bool protect = false;
   };
 
   // Runs one step. On success the step's logits hold, for each work item in order, one row (or
@@ -173,6 +176,7 @@ class Engine {
   std::vector<kernels::SequenceSlice> slices_;
   std::vector<std::int64_t> logit_rows_;
   std::vector<std::uint8_t> decode_rows_;
+  std::vector<std::uint8_t> protected_rows_;  // empty when no work item of the step is protected
   std::vector<SequenceId> step_seqs_;
   std::vector<SequenceId> seen_;  // validate's sorted ids
   kernels::Buffer logits_buffer_, tokens_buffer_, scored_buffer_, scores_buffer_;

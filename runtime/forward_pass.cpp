@@ -127,18 +127,21 @@ void ForwardPass::begin_step(const ForwardBatch& batch) {
   backend.from_host(bytes_of(std::span<const float>(s.cos_host)), a.cos);
   backend.from_host(bytes_of(std::span<const float>(s.sin_host)), a.sin);
 
-  // Rows of the phase the capacity scheduler leaves alone are exempt from dropping.
+  // Rows of the phase the capacity scheduler leaves alone, and protected requests' rows, are exempt from
+  // dropping.
   const parallel::CapacityPhase phase = scheduler_.config().apply_to;
   a.exempt = {};
   std::int64_t exempt_rows = 0;
-  if (phase != parallel::CapacityPhase::both) {
+  if (phase != parallel::CapacityPhase::both || !batch.protected_rows.empty()) {
     exempt_.resize(static_cast<std::size_t>(rows));
-    const std::uint8_t exempt_decode = phase == parallel::CapacityPhase::prefill ? 1 : 0;
     for (std::int64_t r = 0; r < rows; ++r) {
-      const bool decode = !batch.decode_rows.empty() && batch.decode_rows[static_cast<std::size_t>(r)] != 0;
-      const std::uint8_t exempt = decode ? exempt_decode : static_cast<std::uint8_t>(1 - exempt_decode);
-      exempt_[static_cast<std::size_t>(r)] = exempt;
-      exempt_rows += exempt;
+      const auto row = static_cast<std::size_t>(r);
+      const bool decode = !batch.decode_rows.empty() && batch.decode_rows[row] != 0;
+      const bool scheduled =
+          phase == parallel::CapacityPhase::both || (phase == parallel::CapacityPhase::decode) == decode;
+      const bool exempt = !scheduled || (!batch.protected_rows.empty() && batch.protected_rows[row] != 0);
+      exempt_[row] = exempt ? 1 : 0;
+      exempt_rows += exempt ? 1 : 0;
     }
     a.exempt = backend.scratch(s.exempt, DType::u8, {rows});
     backend.from_host(std::as_bytes(std::span<const std::uint8_t>(exempt_)), a.exempt);

@@ -23,6 +23,8 @@ struct ForwardBatch {
   std::span<const kernels::SequenceSlice> seqs;  // which rows belong to which sequence, and its cache blocks
   std::span<const std::int64_t> logit_rows;      // rows whose next-token logits are wanted
   std::span<const std::uint8_t> decode_rows;     // [rows] or empty (all prefill): 1 = a decode token
+  // [rows] or empty (none): 1 = a protected request's token, which the capacity scheduler never drops.
+  std::span<const std::uint8_t> protected_rows;
 };
 
 // Which layers a pass runs: the decoder's (forward), or the model's multi-token-prediction layers

@@ -43,6 +43,9 @@ struct SamplingParams {
   // text, e.g. {"json_schema": {...}, "whitespace": "compact"}); empty: unconstrained. Each draw takes only
   // tokens the constraint allows, and a stop token only once the text is complete.
   std::string constraint;
+  // A protected request's sequence (server/README.md, "Capacity classes"): the capacity scheduler never drops
+  // its tokens' expert assignments. Not a sampling control, but it travels with the sequence as they do.
+  bool protect = false;
 
   // Whether a draw needs the sequence's prompt and generated tokens (a penalty is set).
   [[nodiscard]] bool penalized() const {

@@ -34,6 +34,7 @@ SamplingInput sampling_input(const v1::SamplingOptions& s) {
   in.presence_penalty = s.presence_penalty();
   in.frequency_penalty = s.frequency_penalty();
   if (s.has_repetition_penalty()) in.repetition_penalty = s.repetition_penalty();
+  in.capacity_class = s.capacity_class();
   // Sorted by id: a protobuf map's order is unspecified, and the same request should be the same params.
   for (const auto& [id, bias] : s.logit_bias()) in.logit_bias.push_back({id, bias});
   std::sort(in.logit_bias.begin(), in.logit_bias.end(),

@@ -40,6 +40,9 @@ struct SamplingInput {
   bool logprobs = false;                       // each generated token's log-probability
   bool prompt_logprobs = false;                // each prompt token's, given its prefix
   std::int64_t top_logprobs = 0;
+  // The request's capacity class (server/README.md, "Capacity classes"): "standard" (also when empty) or
+  // "protected" (the capacity scheduler never drops its tokens).
+  std::string capacity_class;
 };
 
 // Chat messages, rendered through the model's chat template.

@@ -205,6 +205,11 @@ void add_flags(CLI::App& app, Options& o) {
                  "requests in flight from one client address before RESOURCE_EXHAUSTED (0: no limit)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  app.add_option("--max-protected-requests", o.limits.max_protected_requests,
+                 "protected requests (capacity_class \"protected\": never dropped by the capacity scheduler) "
+                 "in flight at once; more are RESOURCE_EXHAUSTED (0: refused)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   // Below the metrics port's 256 connections (and the API's 1024): one address cannot take them all.
   app.add_option("--max-connections-per-peer", o.max_connections_per_peer,
                  "HTTP connections (API and metrics ports) from one client address; more are closed at once")

@@ -171,6 +171,7 @@ void OutputProcessor::finish(Output& o, Terminal terminal, const std::string& me
     metrics_->observe_end_to_end_latency(e2e);
     metrics_->observe_request_lengths(prompt, o.completion);
     if (o.prefill_chunks > 1) metrics_->count_chunked_prefill();
+    metrics_->record_capacity_class(r.params().protect, o.dropped, o.rerouted);
     if (o.completion > 0) {
       metrics_->observe_prefill_time(seconds(o.first_token - o.admitted));
       metrics_->observe_decode_time(seconds(now - o.first_token));

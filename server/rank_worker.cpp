@@ -146,7 +146,8 @@ void RankWorker::plan_prefills(const StepPlan& plan) {
         {.seq = c.id,
          .tokens = prompt.subspan(static_cast<std::size_t>(from), static_cast<std::size_t>(end - from)),
          .all_logits = seq.params.prompt_logprobs,
-         .cached = fresh ? seq.cached : 0});
+         .cached = fresh ? seq.cached : 0,
+         .protect = seq.params.protect});
     items_.push_back({c.id, true, begin, end});
     seq.prefilled = end;
   }
@@ -164,7 +165,10 @@ void RankWorker::plan_decodes(const StepPlan& plan) {
     if (it == sequences_.end()) continue;  // another rank's
     std::int32_t* const fed = feed_.data() + d * stride;
     fed[0] = it->second.last;
-    work_.push_back({.seq = id, .tokens = std::span<const std::int32_t>(fed, 1), .decode = true});
+    work_.push_back({.seq = id,
+                     .tokens = std::span<const std::int32_t>(fed, 1),
+                     .decode = true,
+                     .protect = it->second.params.protect});
     items_.push_back({id, false, 0, 0});
     if (drafter_ == nullptr) continue;
     const std::int64_t room =

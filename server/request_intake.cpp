@@ -412,6 +412,17 @@ StatusOr<RequestIntake::Sampling> RequestIntake::sampling(const IntakeRequest& r
   params.frequency_penalty = static_cast<float>(s.frequency_penalty);
   params.repetition_penalty = static_cast<float>(s.repetition_penalty);
   params.logit_bias = s.logit_bias;
+  if (s.capacity_class == "protected") {
+    if (limits_.max_protected_requests <= 0)
+      return invalid(prefix +
+                         "capacity_class: this server admits no protected requests (--max-protected-requests "
+                         "is 0)",
+                     prefix + "capacity_class");
+    params.protect = true;
+  } else if (!s.capacity_class.empty() && s.capacity_class != "standard") {
+    return invalid(prefix + "capacity_class: must be \"standard\" or \"protected\"",
+                   prefix + "capacity_class");
+  }
   // min_tokens beyond what the context leaves is the client's max_tokens's check, not the context's.
   if (s.min_tokens > max_tokens)
     return invalid(prefix + "min_tokens: " + std::to_string(s.min_tokens) + " exceeds max_tokens " +
@@ -514,6 +525,12 @@ StatusOr<RequestIntake::Admitted> RequestIntake::admit(const IntakeRequest& requ
   // Every choice is a request in flight: a call takes one slot per choice.
   StatusOr<PeerSlot> slot = enter(request.peer, static_cast<std::int64_t>(requests.size()));
   if (!slot.ok()) return std::move(slot).take_status();
+  std::optional<PeerSlot> protected_slot;
+  if (requests.front()->params().protect) {
+    StatusOr<PeerSlot> taken = enter_protected(static_cast<std::int64_t>(requests.size()));
+    if (!taken.ok()) return std::move(taken).take_status();
+    protected_slot.emplace(std::move(*taken));
+  }
   for (std::size_t i = 0; i < requests.size(); ++i) {
     requests[i]->set_listener(listener);
     if (Status refused = submit(requests[i]); !refused.ok()) {
@@ -524,7 +541,7 @@ StatusOr<RequestIntake::Admitted> RequestIntake::admit(const IntakeRequest& requ
       return refused;
     }
   }
-  return Admitted{std::move(requests), std::move(*slot)};
+  return Admitted{std::move(requests), std::move(*slot), std::move(protected_slot)};
 }
 
 Status RequestIntake::submit(const std::shared_ptr<Request>& request) {
@@ -540,25 +557,37 @@ RequestIntake::PeerSlot::~PeerSlot() {
   if ((it->second -= count_) <= 0) intake_->peer_requests_.erase(it);
 }
 
+bool RequestIntake::take_slots(const std::string& key, std::int64_t count, std::int64_t limit) {
+  std::lock_guard lock(peers_mutex_);
+  std::int64_t& n = peer_requests_[key];
+  if (limit <= 0 || n + count <= limit) {
+    n += count;
+    return true;
+  }
+  if (n == 0) peer_requests_.erase(key);  // no entry for a key with nothing in flight
+  return false;
+}
+
 StatusOr<RequestIntake::PeerSlot> RequestIntake::enter(const std::string& peer, std::int64_t count) {
   std::string address = peer_address(peer);
-  bool admitted = false;
-  {
-    std::lock_guard lock(peers_mutex_);
-    std::int64_t& n = peer_requests_[address];
-    if (limits_.max_requests_per_peer <= 0 || n + count <= limits_.max_requests_per_peer) {
-      n += count;
-      admitted = true;
-    } else if (n == 0) {
-      peer_requests_.erase(address);  // no entry for an address with nothing in flight
-    }
-  }
-  if (!admitted)
+  if (!take_slots(address, count, limits_.max_requests_per_peer))
     return refuse({StatusCode::resource_exhausted,
                    "too many requests in flight from " + address + ": " + std::to_string(count) +
                        " more would exceed the limit of " + std::to_string(limits_.max_requests_per_peer) +
                        " per client address (--max-requests-per-peer); retry when one ends"});
   return PeerSlot(*this, std::move(address), count);
+}
+
+StatusOr<RequestIntake::PeerSlot> RequestIntake::enter_protected(std::int64_t count) {
+  // Not a client address (those have no spaces), so it never shares a count with one.
+  const std::string key = "protected requests";
+  if (!take_slots(key, count, limits_.max_protected_requests))
+    return refuse({StatusCode::resource_exhausted,
+                   "too many protected requests in flight: " + std::to_string(count) +
+                       " more would exceed the server's limit of " +
+                       std::to_string(limits_.max_protected_requests) +
+                       " (--max-protected-requests); retry when one ends, or send it as standard"});
+  return PeerSlot(*this, key, count);
 }
 
 Status RequestIntake::refuse(Status error) {

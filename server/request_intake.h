@@ -48,6 +48,9 @@ struct ServiceLimits {
   std::int64_t max_model_length = 256;       // bytes
   // Requests in flight (queued or generating) from one client address; 0: no limit.
   std::int64_t max_requests_per_peer = 256;
+  // Protected requests (capacity class "protected") in flight at once; 0: none is admitted. The operator's
+  // cap on how much of the load may escape the capacity factor.
+  std::int64_t max_protected_requests = 0;
   // Whether special-token text typed in chat messages (e.g. "<|endoftext|>") encodes as the control token;
   // by default it is tokenized as plain text, so a message cannot forge turns.
   bool special_tokens_in_content = false;
@@ -112,6 +115,7 @@ class RequestIntake {
   struct Admitted {
     std::vector<std::shared_ptr<Request>> requests;
     PeerSlot slot;
+    std::optional<PeerSlot> protected_slot;  // a protected request's place under --max-protected-requests
   };
 
   // Every check, in this order, then the scheduler: the model name; the request id; each prompt (chat
@@ -176,6 +180,10 @@ class RequestIntake {
   // (resource_exhausted) when they do not fit under --max-requests-per-peer beside the address's requests in
   // flight.
   [[nodiscard]] runtime::StatusOr<PeerSlot> enter(const std::string& peer, std::int64_t count);
+  // Takes `count` of the --max-protected-requests slots, or refuses (resource_exhausted).
+  [[nodiscard]] runtime::StatusOr<PeerSlot> enter_protected(std::int64_t count);
+  // `count` more in flight under `key` when they fit under `limit` (0: no limit).
+  [[nodiscard]] bool take_slots(const std::string& key, std::int64_t count, std::int64_t limit);
   // Hands the request to the scheduler.
   [[nodiscard]] runtime::Status submit(const std::shared_ptr<Request>& request);
 
@@ -186,7 +194,8 @@ class RequestIntake {
   ServerMetrics* metrics_;
   runtime::grammar::GrammarCache* grammars_;
   std::mutex peers_mutex_;
-  std::unordered_map<std::string, std::int64_t> peer_requests_;  // in flight, by client address
+  // In flight, by client address, and the protected requests under a key that is no address.
+  std::unordered_map<std::string, std::int64_t> peer_requests_;
   RateLimitedLog refusal_log_{std::chrono::seconds(1)};
 };
 

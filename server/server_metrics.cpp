@@ -15,6 +15,7 @@
 #include <array>
 #include <exception>
 #include <limits>
+#include <map>
 #include <stdexcept>
 #include <string_view>
 #include <utility>
@@ -135,6 +136,10 @@ struct ServerMetrics::Impl {
   Counter* prefill_chunks = nullptr;
   Counter* prefill_computed = nullptr;
   Counter* chunked_prefills = nullptr;
+  // [0]: standard, [1]: protected.
+  std::array<Counter*, 2> class_requests{};
+  std::array<Counter*, 2> class_dropped{};
+  std::array<Counter*, 2> class_rerouted{};
   Counter* spec_drafted = nullptr;
   Counter* spec_accepted = nullptr;
   std::vector<Counter*> spec_position_drafted;   // [speculative_tokens]
@@ -300,6 +305,21 @@ ServerMetrics::ServerMetrics(std::span<const std::int64_t> moe_layers, std::int6
               "the prefix cache).");
   m.chunked_prefills = counter("capserve_chunked_prefills_total",
                                "Finished requests whose prompt took more than one prefill chunk.");
+  auto& class_requests = counter_family("capserve_capacity_class_requests_total",
+                                        "Finished requests by capacity class (standard, protected).");
+  auto& class_dropped = counter_family(
+      "capserve_capacity_class_dropped_assignments_total",
+      "Expert assignments of finished requests the capacity scheduler dropped, by the requests' "
+      "capacity class (protected requests' tokens are never dropped).");
+  auto& class_rerouted = counter_family("capserve_capacity_class_rerouted_assignments_total",
+                                        "Expert assignments of finished requests the capacity scheduler "
+                                        "rerouted, by the requests' capacity class.");
+  for (std::size_t c = 0; c < 2; ++c) {
+    const std::map<std::string, std::string> label{{"capacity_class", c == 0 ? "standard" : "protected"}};
+    m.class_requests[c] = &class_requests.Add(label);
+    m.class_dropped[c] = &class_dropped.Add(label);
+    m.class_rerouted[c] = &class_rerouted.Add(label);
+  }
   if (options.speculative_tokens > 0) {
     m.spec_drafted =
         counter("capserve_spec_draft_tokens_total",
@@ -595,6 +615,13 @@ void ServerMetrics::record_prefill_chunks(std::int64_t chunks, std::int64_t toke
 }
 void ServerMetrics::count_chunked_prefill() {
   impl_->chunked_prefills->Increment();
+}
+
+void ServerMetrics::record_capacity_class(bool protect, std::int64_t dropped, std::int64_t rerouted) {
+  const std::size_t c = protect ? 1 : 0;
+  impl_->class_requests[c]->Increment();
+  add_count(impl_->class_dropped[c], dropped);
+  add_count(impl_->class_rerouted[c], rerouted);
 }
 
 void ServerMetrics::record_speculation(std::int64_t drafted, std::int64_t accepted) {

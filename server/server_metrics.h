@@ -68,6 +68,9 @@ class ServerMetrics {
   // prompt took more than one chunk.
   void record_prefill_chunks(std::int64_t chunks, std::int64_t tokens);
   void count_chunked_prefill();
+  // A finished request of capacity class standard or protected, and its assignments the capacity scheduler
+  // dropped and rerouted.
+  void record_capacity_class(bool protect, std::int64_t dropped, std::int64_t rerouted);
   // One decode's verification (speculative decoding): `drafted` drafts verified, the first `accepted` kept.
   void record_speculation(std::int64_t drafted, std::int64_t accepted);
 

@@ -82,6 +82,7 @@ void put_params(Writer& w, const runtime::SamplingParams& p) {
   w.put(p.repetition_penalty);
   w.put_vector(p.logit_bias);
   w.put_string(p.constraint);
+  w.put(static_cast<std::uint8_t>(p.protect ? 1 : 0));
 }
 
 runtime::SamplingParams get_params(Reader& r) {
@@ -102,6 +103,7 @@ runtime::SamplingParams get_params(Reader& r) {
   p.repetition_penalty = r.get<float>();
   r.get_vector(p.logit_bias);
   p.constraint = r.get_string();
+  p.protect = r.get<std::uint8_t>() != 0;
   return p;
 }
 

@@ -82,7 +82,8 @@ constexpr std::string_view kBothEndpoints[] = {"model",
                                                "stream",
                                                "stream_options",
                                                "response_format",
-                                               "structured_outputs"};
+                                               "structured_outputs",
+                                               "capacity_class"};
 constexpr std::string_view kChatOnly[] = {"messages",
                                           "max_completion_tokens",
                                           "tools",
@@ -240,6 +241,11 @@ StatusOr<SamplingInput> read_sampling(const json& body, Endpoint endpoint) {
     } else {
       return bad("stop: must be a string or a list of strings", "stop");
     }
+  }
+  if (present(body, "capacity_class")) {
+    if (!body["capacity_class"].is_string())
+      return bad("capacity_class: must be \"standard\" or \"protected\"", "capacity_class");
+    s.capacity_class = body["capacity_class"].get<std::string>();
   }
   return s;
 }

@@ -305,6 +305,9 @@ class OpenAiConformance(ServerTestCase):
                                                       {"response_format": {"type": "json_object"}}),
             "structured_outputs": lambda p: self.changed(p, "structured_outputs",
                                                          {"structured_outputs": {"choice": ["yes", "no"]}}),
+            # This server admits no protected request (--max-protected-requests 0): the class is refused here;
+            # test_capacity_classes shows it acting where it is admitted.
+            "capacity_class": lambda p: self.changed(p, "capacity_class", {"capacity_class": "protected"}),
             "tools": lambda p: self.changed(p, "tools", {"tools": TOOLS}),
             # "none" hides the tools from the template.
             "tool_choice": lambda p: self.changed(p, "tool_choice", {"tool_choice": "none"},

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "kernels/cpu/cpu_backend.h"
+#include "parallel/capacity_config.h"
 #include "runtime/grammar/grammar_cache.h"
 #include "runtime/model.h"
 #include "runtime/npy.h"
@@ -720,6 +721,45 @@ TEST_F(RankWorkerTest, AConstraintThisRankCannotCompileFailsItsSequence) {
   ASSERT_EQ(result.sequences.size(), 1U);
   EXPECT_EQ(result.sequences[0].failure, SequenceFailure::constraint);
   EXPECT_EQ(result.sequences[0].tokens, 0);
+}
+
+// ---- Capacity classes: protected sequences (SamplingParams::protect).
+
+// Under a capacity factor that drops, a protected sequence loses no expert assignment, so it decodes exactly
+// as the model without capacity does, while the standard sequences beside it lose some.
+TEST_F(RankWorkerTest, AProtectedSequenceIsNeverDroppedAndDecodesAsTheExactModel) {
+  runtime::ParallelOptions options;
+  options.capacity.gamma = {0.5};
+  options.capacity.policy = parallel::CapacityPolicy::drop;
+  const auto capped_model =
+      runtime::Model::load(capserve::testing::fixture_models_dir() / "qwen2_moe", backend_, options);
+  runtime::Engine capped(*capped_model, {});
+  std::vector<SequenceStart> starts;
+  for (std::uint64_t i = 0; i < 4; ++i) starts.push_back(start(i + 1, 0, prompts_[i % prompts_.size()]));
+  starts[1].params.protect = true;
+
+  RankWorker exact(engine_, 0);
+  const std::vector<std::int32_t> expected = generate(exact, starts[1]);
+  RankWorker worker(capped, 0);
+  std::vector<std::vector<std::int32_t>> tokens(starts.size());
+  std::vector<std::int64_t> dropped(starts.size(), 0);
+  StepPlan plan;
+  for (const SequenceStart& s : starts) add_start(plan, s);
+  for (int step = 0; step <= kDecodeSteps; ++step) {
+    const StepResult result = worker.run(plan);
+    ASSERT_TRUE(result.ok) << result.error;
+    ASSERT_EQ(result.sequences.size(), starts.size());
+    for (std::size_t i = 0; i < starts.size(); ++i) {
+      dropped[i] += result.sequences[i].dropped;
+      tokens[i].push_back(result.tokens[i]);
+    }
+    plan = {};
+    for (const SequenceStart& s : starts) plan.decodes.push_back(s.id);
+  }
+  EXPECT_EQ(dropped[1], 0);
+  EXPECT_EQ(tokens[1], expected);
+  EXPECT_GT(dropped[0] + dropped[2] + dropped[3], 0)
+      << "the capacity factor dropped nothing: the test cannot fail";
 }
 
 }  // namespace

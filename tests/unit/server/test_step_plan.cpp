@@ -29,6 +29,7 @@ TEST(StepPlanTest, PlanRoundTripKeepsEveryField) {
   asking.repetition_penalty = 1.2F;
   asking.logit_bias = {{4, -100.0F}, {900, 3.5F}};
   asking.constraint = R"({"regex": "[a-z]+"})";
+  asking.protect = true;
   plan.starts.push_back({.id = 11, .rank = 1, .prompt = {5, 6, 7}, .cached = 0, .params = asking});
   plan.starts.push_back(
       {.id = 12, .rank = 0, .prompt = std::vector<std::int32_t>(40, 8), .cached = 32, .params = {}});
@@ -60,6 +61,8 @@ TEST(StepPlanTest, PlanRoundTripKeepsEveryField) {
   EXPECT_EQ(p.logit_bias[1].token, 900);
   EXPECT_EQ(p.logit_bias[1].bias, 3.5F);
   EXPECT_EQ(p.constraint, R"({"regex": "[a-z]+"})");
+  EXPECT_TRUE(p.protect);
+  EXPECT_FALSE(back.starts[1].params.protect);
   EXPECT_TRUE(back.starts[1].params.constraint.empty());
   EXPECT_EQ(back.starts[1].params.repetition_penalty, 1.0F);
   EXPECT_TRUE(back.starts[1].params.logit_bias.empty());
