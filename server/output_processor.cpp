@@ -10,6 +10,30 @@
 namespace capserve::server {
 namespace {
 
+// A sequence that could not draw its next token (completion token `at`): the request's own doing (its
+// controls rule out every token) or the server's.
+Terminal failure_terminal(SequenceFailure failure) {
+  return failure == SequenceFailure::no_allowed_token ? Terminal::invalid_argument : Terminal::internal;
+}
+
+std::string failure_message(SequenceFailure failure, std::int64_t at) {
+  const std::string token = "completion token " + std::to_string(at);
+  switch (failure) {
+    case SequenceFailure::no_allowed_token:
+      return "the request's sampling controls (allowed tokens, min_tokens, logit_bias) rule out every token "
+             "at " +
+             token;
+    case SequenceFailure::constraint:
+      return "the server could not apply the request's output constraint at " + token +
+             " (its rank's log says why)";
+    case SequenceFailure::non_finite_logits:
+    case SequenceFailure::none:
+      break;
+  }
+  return "the model's logits for this request are not finite (NaN or infinity) at " + token +
+         "; no token can be sampled";
+}
+
 double seconds(Clock::duration d) {
   return std::chrono::duration<double>(d).count();
 }
@@ -64,28 +88,8 @@ bool OutputProcessor::consume(const SequenceOutput& out, Clock::time_point now) 
       return true;
     }
   }
-  if (s.failure == SequenceFailure::no_allowed_token) {
-    finish(o, Terminal::invalid_argument,
-           "the request's sampling controls (allowed tokens, min_tokens, logit_bias) rule out every token at "
-           "completion token " +
-               std::to_string(o.completion + 1),
-           now);
-    outputs_.erase(it);
-    return true;
-  }
-  if (s.failure == SequenceFailure::constraint) {
-    finish(o, Terminal::internal,
-           "the server could not apply the request's output constraint at completion token " +
-               std::to_string(o.completion + 1) + " (its rank's log says why)",
-           now);
-    outputs_.erase(it);
-    return true;
-  }
   if (s.failure != SequenceFailure::none) {
-    finish(o, Terminal::internal,
-           "the model's logits for this request are not finite (NaN or infinity) at completion token " +
-               std::to_string(o.completion + 1) + "; no token can be sampled",
-           now);
+    finish(o, failure_terminal(s.failure), failure_message(s.failure, o.completion + 1), now);
     outputs_.erase(it);
     return true;
   }
