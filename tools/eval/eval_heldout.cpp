@@ -10,7 +10,6 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
-#include <iterator>
 #include <memory>
 #include <numeric>
 #include <optional>
@@ -33,6 +32,7 @@
 #include "runtime/model.h"
 #include "runtime/model_config.h"
 #include "runtime/tokenizer/tokenizer.h"
+#include "tools/eval/heldout_corpus.h"
 
 namespace {
 
@@ -88,25 +88,13 @@ struct DomainResult {
   [[nodiscard]] double perplexity() const { return std::exp(total_nll / static_cast<double>(tokens)); }
 };
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw runtime::LoadError("cannot open " + path);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-
-// The held-out part: from the line after the first '\n' at or after floor(size * (1 - fraction)).
-std::string heldout_text(const std::string& data, double fraction) {
-  const auto cut = static_cast<std::size_t>(std::floor(static_cast<double>(data.size()) * (1.0 - fraction)));
-  const std::size_t nl = data.find('\n', cut);
-  return nl == std::string::npos ? std::string() : data.substr(nl + 1);
-}
-
 std::vector<DomainResult> load_domains(const Options& o, const runtime::Tokenizer& tokenizer) {
   std::vector<DomainResult> results;
   for (const std::string& domain : o.domains) {
     DomainResult r;
     r.name = domain;
-    const std::string text = heldout_text(read_file(o.corpus_dir + "/" + domain + ".txt"), o.fraction);
+    const std::string text = capserve::tools::heldout_text(
+        capserve::tools::read_corpus_file(o.corpus_dir + "/" + domain + ".txt"), o.fraction);
     if (auto s = tokenizer.encode(text, false, r.ids); !s.ok())
       throw runtime::LoadError(domain + ": " + s.message());
     r.windows = static_cast<std::int64_t>(r.ids.size()) / o.window;
