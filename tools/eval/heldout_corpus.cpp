@@ -14,10 +14,23 @@ std::string read_corpus_file(const std::string& path) {
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
-std::string heldout_text(const std::string& data, double fraction) {
+namespace {
+
+// Where the held-out part starts.
+std::size_t heldout_start(const std::string& data, double fraction) {
   const auto cut = static_cast<std::size_t>(std::floor(static_cast<double>(data.size()) * (1.0 - fraction)));
   const std::size_t nl = data.find('\n', cut);
-  return nl == std::string::npos ? std::string() : data.substr(nl + 1);
+  return nl == std::string::npos ? data.size() : nl + 1;
+}
+
+}  // namespace
+
+std::string heldout_text(const std::string& data, double fraction) {
+  return data.substr(heldout_start(data, fraction));
+}
+
+std::string training_text(const std::string& data, double fraction) {
+  return data.substr(0, heldout_start(data, fraction));
 }
 
 }  // namespace capserve::tools

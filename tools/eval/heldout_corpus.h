@@ -11,5 +11,7 @@ std::string read_corpus_file(const std::string& path);
 
 // The held-out part: from the line after the first '\n' at or after floor(size * (1 - fraction)).
 std::string heldout_text(const std::string& data, double fraction);
+// The training part: everything before the held-out part.
+std::string training_text(const std::string& data, double fraction);
 
 }  // namespace capserve::tools
