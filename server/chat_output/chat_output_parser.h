@@ -34,7 +34,8 @@ class ChatOutputParser {
 
   [[nodiscard]] ChatDelta feed(std::string_view text);
   [[nodiscard]] ChatDelta finish();
-  [[nodiscard]] std::size_t tool_calls() const { return tool_calls_ ? tool_calls_->calls() : 0; }
+  // The choice's finish_reason is "tool_calls" (ToolCallParser::ends_in_tool_calls).
+  [[nodiscard]] bool ends_in_tool_calls() const { return tool_calls_ && tool_calls_->ends_in_tool_calls(); }
 
  private:
   void answer(std::string_view text, ChatDelta& out);

@@ -373,6 +373,11 @@ void ToolCallParser::emit_call(std::string name, std::string arguments, ChatDelt
   ++calls_;
 }
 
+void ToolCallParser::emit_arguments(std::string_view fragment, ChatDelta& out) const {
+  if (dropped_ || calls_ == 0) return;
+  out.tool_calls.push_back({calls_ - 1, {}, {}, std::string(fragment)});
+}
+
 void ToolCallParser::emit_text(std::string_view text, ChatDelta& out) const {
   if (calls_ == 0 && !dropped_) out.content.append(text);
 }

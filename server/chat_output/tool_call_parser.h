@@ -49,8 +49,10 @@ class ToolCallParser {
 
   void feed(std::string_view text, ChatDelta& out);
   void finish(ChatDelta& out);
-  // Calls so far (kept ones): the choice's finish_reason is "tool_calls" when there is one.
+  // Calls so far (kept ones).
   [[nodiscard]] std::size_t calls() const { return calls_; }
+  // Whether the choice's finish_reason is "tool_calls" (when it stopped of itself): when there is a call.
+  [[nodiscard]] virtual bool ends_in_tool_calls() const { return calls_ > 0; }
 
  protected:
   // Consumes what it can decide of buffer_ from done_ (all of it when at_end), advancing done_.
@@ -59,6 +61,8 @@ class ToolCallParser {
   // A call parsed from a JSON object with "name" and `arguments_key` (or "arguments"); false: not a call.
   bool emit_json_call(std::string_view object, std::string_view arguments_key, ChatDelta& out);
   void emit_call(std::string name, std::string arguments, ChatDelta& out);
+  // A further fragment of the last call's arguments.
+  void emit_arguments(std::string_view fragment, ChatDelta& out) const;
   // Text outside calls: content before the first call, dropped after it.
   void emit_text(std::string_view text, ChatDelta& out) const;
   // Emits buffer_'s text from done_ up to `marker` and consumes both: true. Without the marker, emits what

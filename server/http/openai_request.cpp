@@ -311,12 +311,58 @@ StatusOr<std::vector<runtime::ChatMessage>> read_messages(const ordered_json& bo
   return messages;
 }
 
+// JSON output's whitespace: ", " and ": " only by default, as vLLM's disable_any_whitespace (small models
+// left free write newlines for ever); structured_outputs.disable_any_whitespace false allows any.
+constexpr const char* kCompactWhitespace = "compact";
+
+// The output constraint of a forced tool choice, as vLLM builds it: a named function's output is its
+// `parameters` (any JSON object when it has none); "required"'s is a list of calls {"name", "parameters"},
+// one at least (at most one with parallel_tool_calls false), each of an offered tool. A schema the grammar
+// engine cannot compile is the intake's 400, naming tool_choice.
+ConstraintInput forced_tool_constraint(const ordered_json& tools, const chat_output::ForcedToolChoice& choice,
+                                       bool parallel) {
+  // The tools' shapes are the intake's check (a 400 naming tools); here a malformed one is skipped.
+  const auto function_of = [](const ordered_json& tool) -> const ordered_json* {
+    if (!tool.is_object()) return nullptr;
+    const auto it = tool.find("function");
+    return it != tool.end() && it->is_object() && it->contains("name") && (*it)["name"].is_string() ? &*it
+                                                                                                    : nullptr;
+  };
+  const auto parameters = [](const ordered_json& function) {
+    const auto it = function.find("parameters");
+    return it != function.end() && it->is_object() ? *it : ordered_json{{"type", "object"}};
+  };
+  ordered_json schema;
+  if (!choice.name.empty()) {
+    for (const ordered_json& tool : tools) {
+      const ordered_json* function = function_of(tool);
+      if (function != nullptr && (*function)["name"] == choice.name) schema = parameters(*function);
+    }
+  } else {
+    ordered_json calls = ordered_json::array();
+    for (const ordered_json& tool : tools) {
+      const ordered_json* function = function_of(tool);
+      if (function == nullptr) continue;
+      calls.push_back({{"type", "object"},
+                       {"properties",
+                        {{"name", {{"const", (*function)["name"]}}}, {"parameters", parameters(*function)}}},
+                       {"required", {"name", "parameters"}}});
+    }
+    schema = {{"type", "array"}, {"minItems", 1}, {"items", {{"anyOf", std::move(calls)}}}};
+    if (!parallel) schema["maxItems"] = 1;
+  }
+  ordered_json spec = ordered_json::object();
+  spec["json_schema"] = std::move(schema);
+  spec["whitespace"] = kCompactWhitespace;
+  return ConstraintInput{std::move(spec), "tool_choice"};
+}
+
 // What the chat template sees besides the messages: tools, chat_template_kwargs (vLLM), add_generation_prompt
 // and continue_final_message (vLLM's top-level fields); and how the output is parsed (`shape`): tool calls in
 // the server's format when the request offers tools with tool_choice "auto" (the default with tools), one
 // call at most with parallel_tool_calls false, reasoning where the server splits it. tool_choice "none" hides
-// the tools from the template. "required" and a named function need constrained decoding, which the server
-// does not do yet: refused, never ignored.
+// the tools from the template; "required" and a named function (one of the tools) constrain the output to
+// the calls (forced_tool_constraint) and parse it as such.
 StatusOr<runtime::ChatInputs> read_chat_inputs(const json& body, const ordered_json& ordered,
                                                const ParseOptions& options, ResponseShape& shape) {
   runtime::ChatInputs inputs;
@@ -331,12 +377,26 @@ StatusOr<runtime::ChatInputs> read_chat_inputs(const json& body, const ordered_j
     const bool mode = it->is_string() && (*it == "none" || *it == "auto" || *it == "required");
     if (!named && !mode)
       return bad("tool_choice: must be \"none\", \"auto\", \"required\" or a named function", "tool_choice");
-    if (named || *it == "required")
-      return bad(
-          "tool_choice: " + std::string(named ? "a named function" : "\"required\"") +
-              " needs constrained decoding, which this server does not do yet; send \"auto\" or \"none\"",
-          "tool_choice");
-    choice = it->get<std::string>();
+    if (!offered && (named || *it == "required"))
+      return bad("tool_choice: " + std::string(named ? "a named function" : "\"required\"") + " needs tools",
+                 "tool_choice");
+    if (named) {
+      const auto function = it->find("function");
+      if (function == it->end() || !function->is_object() || !function->contains("name") ||
+          !(*function)["name"].is_string())
+        return bad("tool_choice.function.name: must be a string", "tool_choice");
+      std::string name = (*function)["name"].get<std::string>();
+      const bool known = std::ranges::any_of(inputs.tools, [&](const ordered_json& tool) {
+        return tool.is_object() && tool.contains("function") && tool["function"].is_object() &&
+               tool["function"].value("name", "") == name;
+      });
+      if (!known) return bad("tool_choice: " + excerpt(name, 64) + " is not one of the tools", "tool_choice");
+      shape.forced_tool = chat_output::ForcedToolChoice{std::move(name)};
+      choice = "named";
+    } else {
+      choice = it->get<std::string>();
+    }
+    if (choice == "required") shape.forced_tool = chat_output::ForcedToolChoice{};
     if (choice == "auto" && !offered) return bad("tool_choice: \"auto\" needs tools", "tool_choice");
     if (choice == "auto" && !options.formats.tool_calls)
       return bad(
@@ -416,10 +476,6 @@ constexpr std::string_view kTokenizeFields[] = {"model", "add_special_tokens", "
 constexpr std::string_view kTokenizeTextFields[] = {"prompt"};
 constexpr std::string_view kTokenizeChatFields[] = {"messages", "tools", "chat_template_kwargs",
                                                     "add_generation_prompt", "continue_final_message"};
-
-// JSON output's whitespace: ", " and ": " only by default, as vLLM's disable_any_whitespace (small models
-// left free write newlines for ever); structured_outputs.disable_any_whitespace false allows any.
-constexpr const char* kCompactWhitespace = "compact";
 
 // response_format's JSON constraint of `kind` ("json_object", "json_schema") with compact whitespace.
 std::optional<ConstraintInput> json_format(const char* kind, ordered_json value) {
@@ -681,6 +737,13 @@ StatusOr<CompletionCall> parse_completion(std::string_view text, Endpoint endpoi
     if (!messages.ok()) return std::move(messages).take_status();
     StatusOr<runtime::ChatInputs> inputs = read_chat_inputs(body, *ordered, options, shape);
     if (!inputs.ok()) return std::move(inputs).take_status();
+    if (shape.forced_tool) {
+      if (r.constraint)
+        return bad("tool_choice: a forced tool call cannot be combined with " + r.constraint->field +
+                       " (each constrains the output)",
+                   "tool_choice");
+      r.constraint = forced_tool_constraint(inputs->tools, *shape.forced_tool, shape.parallel_tool_calls);
+    }
     r.prompts.push_back({ChatPrompt{std::move(*messages), std::move(*inputs)}, "messages"});
   } else {
     StatusOr<std::vector<PromptInput>> prompts = read_prompts(body);

@@ -12,6 +12,7 @@
 
 #include "runtime/status.h"
 #include "server/chat_output/chat_output_parser.h"
+#include "server/chat_output/forced_tool_calls.h"
 #include "server/intake_request.h"
 
 namespace capserve::server::http {
@@ -31,6 +32,8 @@ struct ResponseShape {
   // Chat: the tool-call format to parse the output with (the request offers tools with tool_choice "auto"),
   // whether more than one call is kept (parallel_tool_calls), and the reasoning format (the server's).
   std::optional<chat_output::ToolCallFormat> tool_calls;
+  // tool_choice "required" or a named function: the output is the calls, constrained (forced_tool_calls.h).
+  std::optional<chat_output::ForcedToolChoice> forced_tool;
   bool parallel_tool_calls = true;
   std::optional<chat_output::ReasoningFormat> reasoning;
 

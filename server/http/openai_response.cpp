@@ -107,7 +107,7 @@ constexpr std::size_t kThinkingTail = 16;
 // prompt's last tokens tell).
 std::optional<chat_output::ChatOutputParser> output_parser(const ResponseShape& shape, const Request& request,
                                                            const runtime::Tokenizer* tokenizer) {
-  if (!shape.chat() || (!shape.tool_calls && !shape.reasoning)) return std::nullopt;
+  if (!shape.chat() || (!shape.tool_calls && !shape.forced_tool && !shape.reasoning)) return std::nullopt;
   std::optional<chat_output::ReasoningParser> reasoning;
   if (shape.reasoning) {
     const std::span<const std::int32_t> prompt = request.prompt();
@@ -118,9 +118,12 @@ std::optional<chat_output::ChatOutputParser> output_parser(const ResponseShape& 
                                             : chat_output::prompt_thinking(tokenizer->decode(tail, false)));
   }
   std::unique_ptr<chat_output::ToolCallParser> tool_calls;
-  if (shape.tool_calls)
-    tool_calls = chat_output::make_tool_call_parser(*shape.tool_calls,
-                                                    {shape.parallel_tool_calls, std::random_device{}()});
+  const chat_output::ToolCallOptions options{shape.parallel_tool_calls, std::random_device{}()};
+  if (shape.forced_tool) {
+    tool_calls = chat_output::make_forced_tool_call_parser(*shape.forced_tool, options);
+  } else if (shape.tool_calls) {
+    tool_calls = chat_output::make_tool_call_parser(*shape.tool_calls, options);
+  }
   return chat_output::ChatOutputParser(std::move(reasoning), std::move(tool_calls));
 }
 
@@ -294,7 +297,7 @@ class Completion final : public Producer {
     return delta;
   }
 
-  static bool tool_calls(const Choice& c) { return c.parser && c.parser->tool_calls() > 0; }
+  static bool tool_calls(const Choice& c) { return c.parser && c.parser->ends_in_tool_calls(); }
 
   // One SSE event with one choice: a chat delta (an object) or completion text (a string).
   std::string chunk(std::size_t index, json delta, json finish, json logprobs,

@@ -12,6 +12,7 @@
 
 #include "runtime/tokenizer/tokenizer.h"
 #include "server/chat_output/chat_output_parser.h"
+#include "server/chat_output/forced_tool_calls.h"
 
 namespace capserve::server::chat_output {
 namespace {
@@ -29,6 +30,10 @@ Factory reasoning(ReasoningFormat format, PromptThinking prompt, std::optional<T
     return ChatOutputParser(ReasoningParser(format, prompt),
                             tool ? make_tool_call_parser(*tool, {true, 7}) : nullptr);
   };
+}
+
+Factory forced(ForcedToolChoice choice, bool parallel = true) {
+  return [=] { return ChatOutputParser(std::nullopt, make_forced_tool_call_parser(choice, {parallel, 7})); };
 }
 
 ChatMessageOut run(const Factory& make, const std::vector<std::string_view>& pieces) {
@@ -172,6 +177,53 @@ TEST(ToolCallParser, FormatsByNameAndFromTheTemplate) {
   EXPECT_EQ(tool_call_format_for("none", "<tool_call>"), std::nullopt);
   EXPECT_EQ(tool_call_format_for("auto", "<tool_call>"), ToolCallFormat::hermes);
   EXPECT_EQ(tool_call_format_for("mistral", "<tool_call>"), ToolCallFormat::mistral);
+}
+
+// tool_choice with a named function: the constrained output is the arguments, streamed as they come (vLLM's
+// named tool choice), and the choice ends "stop"; an empty output is a call without arguments.
+TEST(ForcedToolCalls, ANamedFunctionsOutputIsItsArguments) {
+  const ChatMessageOut m = parse(forced({"get_current_weather"}), kArguments);
+  ASSERT_EQ(m.tool_calls.size(), 1U);
+  expect_weather_call(m);
+  EXPECT_TRUE(m.content.empty());
+  ChatOutputParser parser = forced({"get_current_weather"})();
+  const ChatDelta first = parser.feed(R"({"loc)");
+  ASSERT_EQ(first.tool_calls.size(), 1U);
+  EXPECT_EQ(first.tool_calls[0].name, "get_current_weather");
+  EXPECT_FALSE(first.tool_calls[0].id.empty());
+  EXPECT_EQ(first.tool_calls[0].arguments, R"({"loc)");
+  const ChatDelta next = parser.feed(R"(ation": "Oslo"})");
+  ASSERT_EQ(next.tool_calls.size(), 1U);
+  EXPECT_TRUE(next.tool_calls[0].id.empty());
+  EXPECT_EQ(next.tool_calls[0].arguments, R"(ation": "Oslo"})");
+  EXPECT_FALSE(parser.ends_in_tool_calls());
+  const ChatMessageOut empty = run(forced({"get_current_weather"}), {});
+  ASSERT_EQ(empty.tool_calls.size(), 1U);
+  EXPECT_EQ(empty.tool_calls[0].arguments, "");
+}
+
+// tool_choice "required": the constrained output is a list of {"name", "parameters"}; each element is a call
+// once complete (braces and brackets inside strings do not count), arguments in vLLM's serialisation; the
+// choice ends "tool_calls". With parallel_tool_calls false the first is kept; an element cut by max_tokens
+// is none.
+TEST(ForcedToolCalls, RequiredOutputIsAListOfCalls) {
+  const std::string first =
+      R"({"name": "get_current_weather", "parameters": )" + std::string(kArguments) + "}";
+  const std::string text = "[" + first + R"(,{"name":"get_time","parameters":{"zone":"a \"}{[\\ b"}}])";
+  const ChatMessageOut m = parse(forced({}), text);
+  ASSERT_EQ(m.tool_calls.size(), 2U);
+  expect_weather_call(m);
+  EXPECT_EQ(m.tool_calls[1].name, "get_time");
+  EXPECT_EQ(m.tool_calls[1].arguments, R"({"zone": "a \"}{[\\ b"})");
+  EXPECT_NE(m.tool_calls[0].id, m.tool_calls[1].id);
+  EXPECT_TRUE(m.content.empty());
+  ChatOutputParser parser = forced({})();
+  static_cast<void>(parser.feed(text));
+  EXPECT_TRUE(parser.ends_in_tool_calls());
+  EXPECT_EQ(parse(forced({}, false), text).tool_calls.size(), 1U);
+  const ChatMessageOut cut = parse(forced({}), "[" + first + R"(, {"name": "get_time", "parameters": {"zo)");
+  ASSERT_EQ(cut.tool_calls.size(), 1U);
+  expect_weather_call(cut);
 }
 
 TEST(ReasoningParser, DeepSeekR1StartsInsideTheThinking) {

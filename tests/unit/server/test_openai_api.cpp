@@ -383,9 +383,9 @@ TEST_F(OpenAiApiTest, FieldsTheServerDoesNotActOnAreRefusedByName) {
        "{" + messages +
            R"(, "response_format": {"type": "json_schema", "json_schema": {"schema": {}, "x": 1}}})",
        "response_format", "'x' is not one of its fields"},
-      {chat, "{" + messages + R"(, "tool_choice": "required"})", "tool_choice", "constrained decoding"},
+      {chat, "{" + messages + R"(, "tool_choice": "required"})", "tool_choice", "needs tools"},
       {chat, "{" + messages + R"(, "tool_choice": {"type": "function", "function": {"name": "f"}}})",
-       "tool_choice", "constrained decoding"},
+       "tool_choice", "needs tools"},
       {chat, "{" + messages + R"(, "prompt": "x"})", "prompt", "/v1/chat/completions"},
       {chat, "{" + messages + R"(, "audio": {}})", "audio", "/v1/chat/completions"},
       {chat, "{" + messages + R"(, "reasoning_effort": "low"})", "reasoning_effort", "/v1/chat/completions"},

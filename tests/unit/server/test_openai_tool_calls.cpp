@@ -12,7 +12,9 @@
 #include <string>
 #include <vector>
 
+#include "runtime/grammar/grammar_cache.h"
 #include "server/http/openai_api.h"
+#include "server/http/openai_request.h"
 #include "tests/unit/server/scheduler_steps.h"
 #include "tests/unit/server/tiny_tokenizer.h"
 
@@ -52,7 +54,7 @@ class OpenAiToolCallsTest : public testing::Test {
     intake_.emplace(
         scheduler_, &tokenizer_,
         runtime::ChatTemplate::from_tokenizer_config(json{{"eos_token", "<|endoftext|>"}}, source), limits(),
-        nullptr);
+        nullptr, &grammars_);
     api_.emplace(*intake_, OpenAiOptions{.version = "1",
                                          .formats = {chat_output::tool_call_format_for("auto", source),
                                                      chat_output::reasoning_format_for("auto", source)}});
@@ -147,6 +149,11 @@ class OpenAiToolCallsTest : public testing::Test {
 
   runtime::Tokenizer tokenizer_ = load_tiny_tokenizer();
   std::int32_t eos_ = single_token(tokenizer_, "<|endoftext|>");
+  // Forced tool choices compile their constraint at intake (this test scripts the output the grammar allows).
+  runtime::grammar::GrammarCache grammars_{
+      std::make_shared<const runtime::grammar::TokenVocabulary>(
+          runtime::grammar::TokenVocabulary::from_tokenizer(tokenizer_, {eos_})),
+      8};
   Scheduler scheduler_{{}, 1, &tokenizer_, nullptr, nullptr};
   SchedulerSteps steps_{scheduler_};
   std::optional<RequestIntake> intake_;
@@ -212,18 +219,83 @@ TEST_F(OpenAiToolCallsTest, ToolChoiceNoneHidesTheToolsAndParsesNothing) {
   EXPECT_GT(whole(ask(), "Hi")["usage"]["prompt_tokens"], without_tools["usage"]["prompt_tokens"]);
 }
 
-TEST_F(OpenAiToolCallsTest, RequiredAndNamedFunctionsAreRefusedUntilConstrainedDecoding) {
+// A named function: the output is constrained to its parameters (vLLM's named tool choice) and is the call's
+// arguments, whole and streamed; the choice ends "stop", as OpenAI's forced function does.
+TEST_F(OpenAiToolCallsTest, ANamedFunctionIsTheOutput) {
   serve("qwen3");
-  for (const json& choice : {json("required"), json::parse(R"({"type": "function", "function": {"name":
-                                                                 "get_current_weather"}})")}) {
-    const Response r = call(ask({{"tool_choice", choice}}));
-    EXPECT_EQ(r.status, 400U);
+  const json named = json::parse(R"({"type": "function", "function": {"name": "get_current_weather"}})");
+  const json reply = whole(ask({{"tool_choice", named}}), kArguments);
+  const json& choice = reply["choices"][0];
+  EXPECT_EQ(choice["finish_reason"], "stop");
+  EXPECT_TRUE(choice["message"]["content"].is_null()) << reply;
+  ASSERT_EQ(choice["message"]["tool_calls"].size(), 1U) << reply;
+  EXPECT_EQ(choice["message"]["tool_calls"][0]["function"]["name"], "get_current_weather");
+  EXPECT_EQ(choice["message"]["tool_calls"][0]["function"]["arguments"], kArguments);
+  std::string finish;
+  const json accumulated = accumulate(streamed(ask({{"tool_choice", named}}), kArguments), finish);
+  EXPECT_EQ(finish, "stop");
+  EXPECT_EQ(accumulated["tool_calls"][0]["function"], choice["message"]["tool_calls"][0]["function"]);
+}
+
+// "required": the output is constrained to a list of calls of the offered tools, each parsed as a call.
+TEST_F(OpenAiToolCallsTest, RequiredIsAListOfCalls) {
+  serve("qwen3");
+  const std::string output =
+      R"([{"name": "get_current_weather", "parameters": )" + std::string(kArguments) + "}]";
+  const json reply = whole(ask({{"tool_choice", "required"}}), output);
+  EXPECT_EQ(reply["choices"][0]["finish_reason"], "tool_calls");
+  ASSERT_EQ(reply["choices"][0]["message"]["tool_calls"].size(), 1U) << reply;
+  EXPECT_EQ(reply["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"], kArguments);
+  std::string finish;
+  const json accumulated = accumulate(streamed(ask({{"tool_choice", "required"}}), output), finish);
+  EXPECT_EQ(finish, "tool_calls");
+  EXPECT_EQ(accumulated["tool_calls"][0]["function"],
+            reply["choices"][0]["message"]["tool_calls"][0]["function"]);
+}
+
+// The constraints the forced choices send to the intake, as vLLM builds them.
+TEST(ForcedToolConstraint, AsVllmBuildsThem) {
+  ParseOptions options;
+  options.formats.tool_calls = ToolCallFormat::hermes;
+  json body{{"messages", {{{"role", "user"}, {"content", "Hi"}}}}, {"tools", kTools}};
+  body["tool_choice"] = json::parse(R"({"type": "function", "function": {"name": "get_current_weather"}})");
+  auto named = parse_completion(body.dump(), Endpoint::chat, "id", options);
+  ASSERT_TRUE(named.ok()) << named.status().message();
+  ASSERT_TRUE(named->intake.constraint);
+  EXPECT_EQ(named->intake.constraint->field, "tool_choice");
+  EXPECT_EQ(json(named->intake.constraint->spec["json_schema"]), kTools[0]["function"]["parameters"]);
+  body["tool_choice"] = "required";
+  body["parallel_tool_calls"] = false;
+  auto required = parse_completion(body.dump(), Endpoint::chat, "id", options);
+  ASSERT_TRUE(required.ok()) << required.status().message();
+  const json schema = json(required->intake.constraint->spec["json_schema"]);
+  EXPECT_EQ(schema["type"], "array");
+  EXPECT_EQ(schema["minItems"], 1);
+  EXPECT_EQ(schema["maxItems"], 1);
+  const json& call = schema["items"]["anyOf"][0];
+  EXPECT_EQ(call["properties"]["name"]["const"], "get_current_weather");
+  EXPECT_EQ(call["properties"]["parameters"], kTools[0]["function"]["parameters"]);
+  EXPECT_EQ(call["required"], json::parse(R"(["name", "parameters"])"));
+}
+
+TEST_F(OpenAiToolCallsTest, ForcedChoicesAreRefusedWhereTheyCannotHold) {
+  serve("qwen3");
+  const json unknown = json::parse(R"({"type": "function", "function": {"name": "get_time"}})");
+  for (const auto& [request, needle] : std::vector<std::pair<json, std::string>>{
+           {ask({{"tool_choice", unknown}}), "'get_time' is not one of the tools"},
+           {ask({{"tool_choice", "required"}, {"response_format", {{"type", "json_object"}}}}),
+            "response_format"},
+           {ask({{"tool_choice", {{"type", "function"}}}}), "tool_choice.function.name"}}) {
+    const Response r = call(request);
+    EXPECT_EQ(r.status, 400U) << request;
     const json error = json::parse(r.body)["error"];
     EXPECT_EQ(error["param"], "tool_choice");
-    EXPECT_NE(error["message"].get<std::string>().find("constrained decoding"), std::string::npos) << error;
+    EXPECT_NE(error["message"].get<std::string>().find(needle), std::string::npos) << error;
   }
-  json no_tools = ask({{"tool_choice", "auto"}});
+  json no_tools = ask({{"tool_choice", "required"}});
   no_tools.erase("tools");
+  EXPECT_EQ(call(no_tools).status, 400U);
+  no_tools["tool_choice"] = "auto";
   EXPECT_EQ(call(no_tools).status, 400U);
   EXPECT_EQ(call(ask({{"parallel_tool_calls", "no"}})).status, 400U);
 }
