@@ -354,6 +354,22 @@ class OverrideTemplateWithTools(Qwen15Checkpoint):
         self.assertEqual(content, message.content or "")
         self.assertEqual(reasoning, message.model_extra.get("reasoning_content") or "")  # qwen3, from the template
         self.assertEqual([c.function.name for c in calls], [c.function.name for c in message.tool_calls or []])
+        # reasoning_content: the fixture model does not think of its own accord, so its output is constrained
+        # to a thinking block and an answer (vLLM's structured_outputs regex); the qwen3 parser splits them,
+        # whole and streamed alike.
+        thinking = {"structured_outputs": {"regex": "<think>\n[a-z]{3,8}\n</think>\n\n[a-z]{3,8}"}}
+        whole = client.chat.completions.create(model=self.server.model_id, messages=messages, max_tokens=64,
+                                               temperature=0, extra_body=thinking)
+        message = whole.choices[0].message
+        self.assertRegex(message.model_extra["reasoning_content"], "^\n[a-z]{3,8}\n$")
+        self.assertRegex(message.content, "^\n\n[a-z]{3,8}$")
+        content, reasoning = "", ""
+        for chunk in client.chat.completions.create(model=self.server.model_id, messages=messages, max_tokens=64,
+                                                    temperature=0, extra_body=thinking, stream=True):
+            if chunk.choices:
+                content += chunk.choices[0].delta.content or ""
+                reasoning += (chunk.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
+        self.assertEqual((reasoning, content), (message.model_extra["reasoning_content"], message.content))
 
     def test_bad_tool_fields_are_refused(self):
         messages = [{"role": "user", "content": "Hi"}]
