@@ -99,6 +99,9 @@ struct IntakeRequest {
   // either: 1 on the OpenAI API (as OpenAI and vLLM), greedy on the gRPC API (proto/README.md).
   double unset_temperature = 0.0;
   bool text_output = true;  // text deltas (chat, completions); false: token ids (Generate)
+  // Special tokens the model writes spell nothing in the text (vLLM's default); false: their text, as vLLM's
+  // skip_special_tokens false and its Mistral tool-call parser ([TOOL_CALLS] is a control token) have it.
+  bool skip_special_tokens = true;
   FieldNames fields;
   std::string peer;  // the client's address in gRPC notation ("ipv4:10.0.0.1:5000"), for limits and logs
   Clock::time_point deadline = Clock::time_point::max();

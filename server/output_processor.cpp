@@ -46,7 +46,8 @@ OutputProcessor::OutputProcessor(const runtime::Tokenizer* tokenizer, ServerMetr
 
 void OutputProcessor::open(std::uint64_t id, std::shared_ptr<Request> request, std::int64_t cached_tokens,
                            Clock::time_point now) {
-  OutputStream stream(request->text_output() ? tokenizer_ : nullptr, request->stop_strings());
+  const OutputForm& form = request->output();
+  OutputStream stream(form.text ? tokenizer_ : nullptr, form.stop_strings, form.skip_special_tokens);
   if (metrics_ != nullptr) {
     metrics_->observe_queue_time(seconds(now - request->arrival()));
     metrics_->add_prompt_tokens(static_cast<std::int64_t>(request->prompt().size()));

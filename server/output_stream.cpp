@@ -7,9 +7,10 @@
 
 namespace capserve::server {
 
-OutputStream::OutputStream(const runtime::Tokenizer* tokenizer, std::vector<std::string> stop_strings)
+OutputStream::OutputStream(const runtime::Tokenizer* tokenizer, std::vector<std::string> stop_strings,
+                           bool skip_special_tokens)
     : stop_strings_(std::move(stop_strings)) {
-  if (tokenizer != nullptr) decoder_.emplace(*tokenizer, true);
+  if (tokenizer != nullptr) decoder_.emplace(*tokenizer, skip_special_tokens);
   for (const std::string& stop : stop_strings_) longest_stop_ = std::max(longest_stop_, stop.size());
 }
 

@@ -14,8 +14,10 @@ namespace capserve::server {
 
 class OutputStream {
  public:
-  // A null `tokenizer` streams token ids, to which stop strings do not apply.
-  OutputStream(const runtime::Tokenizer* tokenizer, std::vector<std::string> stop_strings);
+  // A null `tokenizer` streams token ids, to which stop strings do not apply; `skip_special_tokens` false
+  // decodes special tokens as their text.
+  OutputStream(const runtime::Tokenizer* tokenizer, std::vector<std::string> stop_strings,
+               bool skip_special_tokens = true);
 
   struct Chunk {
     std::string text;                   // to send now (text output)

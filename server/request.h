@@ -49,17 +49,24 @@ struct RequestEvent {
   std::uint64_t moe_assignments = 0, moe_dropped = 0, moe_rerouted = 0;
 };
 
+// What the client receives of the generated tokens: text (chat, completions) or token ids (Generate); the
+// text ends before the first stop string; special tokens spell nothing unless the request keeps them (vLLM's
+// skip_special_tokens false).
+struct OutputForm {
+  bool text = true;
+  std::vector<std::string> stop_strings;
+  bool skip_special_tokens = true;
+};
+
 class Request {
  public:
   // peer: the client's address as its front end names it (gRPC: "ipv4:10.0.0.1:54321"), for the access log.
-  Request(std::string id, std::vector<std::int32_t> prompt, runtime::SamplingParams params,
-          std::vector<std::string> stop_strings, bool text_output, Clock::time_point deadline,
-          std::string peer = {})
+  Request(std::string id, std::vector<std::int32_t> prompt, runtime::SamplingParams params, OutputForm output,
+          Clock::time_point deadline, std::string peer = {})
       : id_(std::move(id)),
         prompt_(std::move(prompt)),
         params_(std::move(params)),
-        stop_strings_(std::move(stop_strings)),
-        text_output_(text_output),
+        output_(std::move(output)),
         deadline_(deadline),
         arrival_(Clock::now()),
         peer_(std::move(peer)) {}
@@ -67,8 +74,7 @@ class Request {
   [[nodiscard]] const std::string& id() const { return id_; }
   [[nodiscard]] const std::vector<std::int32_t>& prompt() const { return prompt_; }
   [[nodiscard]] const runtime::SamplingParams& params() const { return params_; }
-  [[nodiscard]] const std::vector<std::string>& stop_strings() const { return stop_strings_; }
-  [[nodiscard]] bool text_output() const { return text_output_; }
+  [[nodiscard]] const OutputForm& output() const { return output_; }
   [[nodiscard]] Clock::time_point arrival() const { return arrival_; }
   // The client's address ("ipv4:10.0.0.1:5000"), empty when unknown.
   [[nodiscard]] const std::string& peer() const { return peer_; }
@@ -109,8 +115,7 @@ class Request {
   const std::string id_;
   const std::vector<std::int32_t> prompt_;
   const runtime::SamplingParams params_;
-  const std::vector<std::string> stop_strings_;
-  const bool text_output_;
+  const OutputForm output_;
   const Clock::time_point deadline_;
   const Clock::time_point arrival_;
   const std::string peer_;

@@ -500,9 +500,10 @@ StatusOr<std::vector<std::shared_ptr<Request>>> RequestIntake::prepare(const Int
       runtime::SamplingParams params = sampled->params;
       params.seed = base_seed + index;
       params.constraint = *constraint;
-      requests.push_back(std::make_shared<Request>(choices == 1 ? id : id + "-" + std::to_string(index), ids,
-                                                   std::move(params), sampled->stops, request.text_output,
-                                                   request.deadline, request.peer));
+      requests.push_back(std::make_shared<Request>(
+          choices == 1 ? id : id + "-" + std::to_string(index), ids, std::move(params),
+          OutputForm{request.text_output, sampled->stops, request.skip_special_tokens}, request.deadline,
+          request.peer));
     }
   }
   return requests;

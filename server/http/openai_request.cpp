@@ -83,7 +83,8 @@ constexpr std::string_view kBothEndpoints[] = {"model",
                                                "stream_options",
                                                "response_format",
                                                "structured_outputs",
-                                               "capacity_class"};
+                                               "capacity_class",
+                                               "skip_special_tokens"};
 constexpr std::string_view kChatOnly[] = {"messages",
                                           "max_completion_tokens",
                                           "tools",
@@ -691,6 +692,9 @@ StatusOr<CompletionCall> parse_completion(std::string_view text, Endpoint endpoi
   r.fields.request_id = "X-Request-Id";
   r.fields.context = endpoint == Endpoint::chat ? "messages" : "prompt";
 
+  const auto skip_special = bool_field(body, "skip_special_tokens");
+  if (!skip_special.ok()) return skip_special.status();
+  r.skip_special_tokens = skip_special->value_or(true);
   StatusOr<SamplingInput> sampling = read_sampling(body, endpoint);
   if (!sampling.ok()) return std::move(sampling).take_status();
   r.sampling = std::move(*sampling);
@@ -737,6 +741,10 @@ StatusOr<CompletionCall> parse_completion(std::string_view text, Endpoint endpoi
     if (!messages.ok()) return std::move(messages).take_status();
     StatusOr<runtime::ChatInputs> inputs = read_chat_inputs(body, *ordered, options, shape);
     if (!inputs.ok()) return std::move(inputs).take_status();
+    // Mistral's [TOOL_CALLS] is a control token: the text keeps special tokens so that the parser sees it
+    // (vLLM's Mistral parser does the same).
+    if (shape.tool_calls == chat_output::ToolCallFormat::mistral && !shape.forced_tool)
+      r.skip_special_tokens = false;
     if (shape.forced_tool) {
       if (r.constraint)
         return bad("tool_choice: a forced tool call cannot be combined with " + r.constraint->field +

@@ -308,6 +308,9 @@ class OpenAiConformance(ServerTestCase):
             # This server admits no protected request (--max-protected-requests 0): the class is refused here;
             # test_capacity_classes shows it acting where it is admitted.
             "capacity_class": lambda p: self.changed(p, "capacity_class", {"capacity_class": "protected"}),
+            # logit_bias makes the model write a special token, which only skip_special_tokens false spells.
+            "skip_special_tokens": lambda p: self.changed(p, "skip_special_tokens", {"skip_special_tokens": False},
+                                                          {**self.base(p), "logit_bias": {"3": 100}}),
             "tools": lambda p: self.changed(p, "tools", {"tools": TOOLS}),
             # "none" hides the tools from the template.
             "tool_choice": lambda p: self.changed(p, "tool_choice", {"tool_choice": "none"},

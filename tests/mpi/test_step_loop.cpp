@@ -79,7 +79,8 @@ TEST(StepLoop, ADrainFinishesTheSubmittedRequestsThenStopsEveryRank) {
     greedy.max_new_tokens = static_cast<std::int64_t>(expected.back().size());
     requests.push_back(std::make_shared<Request>(
         std::to_string(requests.size()), p["input_ids"].get<std::vector<std::int32_t>>(), greedy,
-        std::vector<std::string>{}, false, Clock::time_point::max()));
+        OutputForm{.text = false, .stop_strings = {}, .skip_special_tokens = true},
+        Clock::time_point::max()));
     ASSERT_TRUE(scheduler.submit(requests.back()).ok());
   }
 

@@ -278,6 +278,24 @@ TEST(ForcedToolConstraint, AsVllmBuildsThem) {
   EXPECT_EQ(call["required"], json::parse(R"(["name", "parameters"])"));
 }
 
+// Mistral's [TOOL_CALLS] is a control token: with its parser and tools, the text keeps special tokens (as
+// vLLM's Mistral parser sets skip_special_tokens false); the client's skip_special_tokens decides otherwise.
+TEST(SkipSpecialTokens, TheMistralParserKeepsThemAndTheClientMaySay) {
+  ParseOptions options;
+  json body{{"messages", {{{"role", "user"}, {"content", "Hi"}}}}, {"tools", kTools}};
+  options.formats.tool_calls = ToolCallFormat::mistral;
+  EXPECT_FALSE(parse_completion(body.dump(), Endpoint::chat, "id", options)->intake.skip_special_tokens);
+  body["tool_choice"] = "none";
+  EXPECT_TRUE(parse_completion(body.dump(), Endpoint::chat, "id", options)->intake.skip_special_tokens);
+  options.formats.tool_calls = ToolCallFormat::hermes;
+  body.erase("tool_choice");
+  EXPECT_TRUE(parse_completion(body.dump(), Endpoint::chat, "id", options)->intake.skip_special_tokens);
+  body["skip_special_tokens"] = false;
+  EXPECT_FALSE(parse_completion(body.dump(), Endpoint::chat, "id", options)->intake.skip_special_tokens);
+  body["skip_special_tokens"] = "no";
+  EXPECT_FALSE(parse_completion(body.dump(), Endpoint::chat, "id", options).ok());
+}
+
 TEST_F(OpenAiToolCallsTest, ForcedChoicesAreRefusedWhereTheyCannotHold) {
   serve("qwen3");
   const json unknown = json::parse(R"({"type": "function", "function": {"name": "get_time"}})");

@@ -52,6 +52,20 @@ TEST_F(OutputStreamTest, AStopStringSplitAcrossTokensEndsTheTextBeforeIt) {
   EXPECT_EQ(stream.finish(), "");
 }
 
+// A special token the model writes spells nothing by default (vLLM's skip_special_tokens) and its text when
+// the request keeps special tokens (skip_special_tokens false; the Mistral tool-call parser's [TOOL_CALLS]).
+TEST_F(OutputStreamTest, SpecialTokensSpellTheirTextOnlyWhenKept) {
+  for (const bool skip : {true, false}) {
+    OutputStream stream(&tokenizer_, {}, skip);
+    bool stopped = false;
+    std::string text;
+    for (const std::string& chunk : feed_all(stream, {token("a"), token("<|user|>"), token("b")}, stopped))
+      text += chunk;
+    text += stream.finish();
+    EXPECT_EQ(text, skip ? "ab" : "a<|user|>b");
+  }
+}
+
 TEST_F(OutputStreamTest, AStopStringAtTheVeryStartSendsNothing) {
   OutputStream stream(&tokenizer_, {"ab"});
   bool stopped = false;

@@ -17,8 +17,10 @@ std::shared_ptr<Request> chat_request(std::vector<std::string> stops, std::int64
                                       std::size_t prompt_tokens = 3) {
   runtime::SamplingParams params;
   params.max_new_tokens = max_new_tokens;
-  return std::make_shared<Request>("r", std::vector<std::int32_t>(prompt_tokens, 5), params, std::move(stops),
-                                   true, Clock::time_point::max());
+  return std::make_shared<Request>(
+      "r", std::vector<std::int32_t>(prompt_tokens, 5), params,
+      OutputForm{.text = true, .stop_strings = std::move(stops), .skip_special_tokens = true},
+      Clock::time_point::max());
 }
 
 // Every event the request has received so far.
@@ -76,7 +78,8 @@ TEST_F(SchedulerTest, LogprobEntriesGoWithTheTextThatCoversTheirTokens) {
   params.stop_token_ids = {q};
   const auto request =
       std::make_shared<Request>("r", std::vector<std::int32_t>{5, 6, 7}, params,
-                                std::vector<std::string>{"QQ"}, true, Clock::time_point::max());
+                                OutputForm{.text = true, .stop_strings = {"QQ"}, .skip_special_tokens = true},
+                                Clock::time_point::max());
   ASSERT_TRUE(scheduler.submit(request).ok());
   float logprob = -1.0F;
   for (const std::int32_t token : {a, a, a, q}) {
@@ -348,8 +351,9 @@ TEST_F(SchedulerTest, AStopTokenInsideAMultiTokenResultEndsTheRequestThere) {
   runtime::SamplingParams params;
   params.max_new_tokens = 16;
   params.stop_token_ids = {q};
-  const auto request = std::make_shared<Request>("r", std::vector<std::int32_t>{5, 6, 7}, params,
-                                                 std::vector<std::string>{}, true, Clock::time_point::max());
+  const auto request = std::make_shared<Request>(
+      "r", std::vector<std::int32_t>{5, 6, 7}, params,
+      OutputForm{.text = true, .stop_strings = {}, .skip_special_tokens = true}, Clock::time_point::max());
   ASSERT_TRUE(scheduler.submit(request).ok());
   step(scheduler, a);
   const StepPlan plan = scheduler.plan(Clock::now());
@@ -551,7 +555,8 @@ TEST_F(SchedulerTest, CancellationMidPrefillStopsTheChunksAndFreesTheSequence) {
 std::shared_ptr<Request> prompt_request(std::vector<std::int32_t> prompt, std::int64_t max_new_tokens = 1) {
   runtime::SamplingParams params;
   params.max_new_tokens = max_new_tokens;
-  return std::make_shared<Request>("r", std::move(prompt), params, std::vector<std::string>{}, false,
+  return std::make_shared<Request>("r", std::move(prompt), params,
+                                   OutputForm{.text = false, .stop_strings = {}, .skip_special_tokens = true},
                                    Clock::time_point::max());
 }
 
@@ -614,8 +619,10 @@ TEST_F(SchedulerTest, APromptStartsAfterItsCachedPrefixOnTheRankThatHoldsIt) {
   scoring.max_new_tokens = 1;
   scoring.prompt_logprobs = true;
   ASSERT_TRUE(scheduler
-                  .submit(std::make_shared<Request>("r", shared, scoring, std::vector<std::string>{}, false,
-                                                    Clock::time_point::max()))
+                  .submit(std::make_shared<Request>(
+                      "r", shared, scoring,
+                      OutputForm{.text = false, .stop_strings = {}, .skip_special_tokens = true},
+                      Clock::time_point::max()))
                   .ok());
   const StepPlan second = run.step(1);
   ASSERT_EQ(second.starts.size(), 3U);
