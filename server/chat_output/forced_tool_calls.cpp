@@ -30,49 +30,30 @@ class NamedToolCallParser final : public ToolCallParser {
   bool started_ = false;
 };
 
-// Scans the array once, keeping its place between feeds: depth and string state, and where the element being
-// read starts (relative to done_, which feed() moves to the buffer's front).
+// Each element of the array is a call once its object is complete (an incomplete one waits for more text).
 class RequiredToolCallParser final : public ToolCallParser {
  public:
   using ToolCallParser::ToolCallParser;
 
  protected:
   void scan(bool /*at_end*/, ChatDelta& out) override {
-    for (std::size_t i = done_ + scanned_; i < buffer_.size(); ++i) {
-      const char c = buffer_[i];
-      if (in_string_) {
-        if (escaped_) {
-          escaped_ = false;
-        } else if (c == '\\') {
-          escaped_ = true;
-        } else if (c == '"') {
-          in_string_ = false;
-        }
-        continue;
+    while (true) {
+      const std::string_view rest = std::string_view(buffer_).substr(done_);
+      // Before an element only the array's brackets, commas and spaces: its '{' is the first.
+      const std::size_t open = rest.find('{');
+      if (open == std::string_view::npos) {
+        done_ = buffer_.size();
+        return;
       }
-      if (c == '"') {
-        in_string_ = true;
-      } else if (c == '{' || c == '[') {
-        if (++depth_ == 2 && c == '{') element_ = i - done_;
-      } else if (c == '}' || c == ']') {
-        if (--depth_ == 1 && c == '}') {
-          const std::size_t start = done_ + element_;
-          emit_json_call(std::string_view(buffer_).substr(start, i + 1 - start), "parameters", out);
-          done_ = i + 1;
-        }
+      const std::size_t length = json_container_end(rest.substr(open));
+      if (length == std::string_view::npos) {
+        done_ += open;
+        return;
       }
+      emit_json_call(rest.substr(open, length), "parameters", out);
+      done_ += open + length;
     }
-    // What is left is an element being written (kept from its start) or separators.
-    if (depth_ < 2) done_ = buffer_.size();
-    scanned_ = buffer_.size() - done_;
   }
-
- private:
-  int depth_ = 0;
-  bool in_string_ = false;
-  bool escaped_ = false;
-  std::size_t element_ = 0;  // where the current element starts, after done_ (valid while depth_ >= 2)
-  std::size_t scanned_ = 0;  // bytes after done_ already scanned
 };
 
 }  // namespace

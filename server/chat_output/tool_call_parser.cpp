@@ -19,31 +19,6 @@ std::size_t skip_space(std::string_view text, std::size_t from, std::string_view
   return from;
 }
 
-// The length of the JSON object or array that starts `text`, npos while it is incomplete.
-std::size_t json_container_end(std::string_view text) {
-  int depth = 0;
-  bool in_string = false, escaped = false;
-  for (std::size_t i = 0; i < text.size(); ++i) {
-    const char c = text[i];
-    if (in_string) {
-      if (escaped) {
-        escaped = false;
-      } else if (c == '\\') {
-        escaped = true;
-      } else if (c == '"') {
-        in_string = false;
-      }
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '{' || c == '[') {
-      ++depth;
-    } else if ((c == '}' || c == ']') && --depth == 0) {
-      return i + 1;
-    }
-  }
-  return npos;
-}
-
 std::string dump_scalar(const ordered_json& v) {
   return v.dump(-1, ' ', false, ordered_json::error_handler_t::replace);
 }
@@ -408,6 +383,30 @@ std::unique_ptr<ToolCallParser> make_tool_call_parser(ToolCallFormat format, Too
       return std::make_unique<DeepSeekV3Parser>(options);
   }
   return nullptr;
+}
+
+std::size_t json_container_end(std::string_view text) {
+  int depth = 0;
+  bool in_string = false, escaped = false;
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (c == '\\') {
+        escaped = true;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '{' || c == '[') {
+      ++depth;
+    } else if ((c == '}' || c == ']') && --depth == 0) {
+      return i + 1;
+    }
+  }
+  return npos;
 }
 
 std::optional<std::string> python_json_dumps(std::string_view json_text) {

@@ -85,6 +85,10 @@ std::unique_ptr<ToolCallParser> make_tool_call_parser(ToolCallFormat format, Too
 // is not JSON.
 std::optional<std::string> python_json_dumps(std::string_view json_text);
 
+// The length of the JSON object or array that starts `text` (strings and escapes skipped), npos while it is
+// incomplete.
+std::size_t json_container_end(std::string_view text);
+
 // Bytes at the end of `text` that begin `marker` (a proper prefix of it): held back while more may come.
 std::size_t partial_marker(std::string_view text, std::string_view marker);
 
