@@ -138,6 +138,9 @@ Status fits_one_step(const Scheduler& scheduler, std::size_t tokens, const std::
   return invalid(field + ": " + s.message(), field);
 }
 
+// The server's bound on a JSON number's exponent digits (runtime/grammar JsonOptions::max_exponent_digits).
+constexpr int kExponentDigits = 3;
+
 }  // namespace
 
 StatusOr<nlohmann::ordered_json> parse_json_field(std::string_view text, const std::string& field) {
@@ -463,7 +466,13 @@ StatusOr<std::string> RequestIntake::constraint(const IntakeRequest& request) co
     return invalid(
         prefix + "min_tokens: cannot be combined with " + field + " (a complete output ends, however short)",
         prefix + "min_tokens");
-  std::string spec = request.constraint->spec.dump();
+  nlohmann::ordered_json with_policy = request.constraint->spec;
+  // JSON numbers' exponents: 3 digits at most unless the constraint says (no double goes past e308, and a
+  // small model can write digits for ever).
+  if ((with_policy.contains("json_schema") || with_policy.contains("json_object")) &&
+      !with_policy.contains("exponent_digits"))
+    with_policy["exponent_digits"] = kExponentDigits;
+  std::string spec = with_policy.dump();
   StatusOr<std::shared_ptr<const runtime::grammar::CompiledGrammar>> compiled = grammars_->get(spec);
   if (!compiled.ok()) {
     const Status& why = compiled.status();

@@ -147,11 +147,17 @@ class SchemaConverter {
       ByteSet sign;
       sign.set('+');
       sign.set('-');
+      // Bounded, the exponent's digits after the first are a repetition of at most max - 1 (a small count:
+      // the builder cannot refuse it).
+      const Element exponent_more =
+          options_.max_exponent_digits > 0
+              ? *b_.repeat("exponent_digits", {d}, 0, options_.max_exponent_digits - 1)
+              : more;
       number_ = b_.choice(
-          "number",
-          {{b_.optional("minus", lit("-")), b_.choice("int", {lit("0"), {b_.bytes(nonzero), more}}),
-            b_.optional("fraction", {b_.byte('.'), d, more}),
-            b_.optional("exponent", {b_.bytes(exp), b_.optional("sign", {b_.bytes(sign)}), d, more})}});
+          "number", {{b_.optional("minus", lit("-")), b_.choice("int", {lit("0"), {b_.bytes(nonzero), more}}),
+                      b_.optional("fraction", {b_.byte('.'), d, more}),
+                      b_.optional("exponent", {b_.bytes(exp), b_.optional("sign", {b_.bytes(sign)}), d,
+                                               exponent_more})}});
     }
     return *number_;
   }

@@ -38,6 +38,9 @@ enum class JsonWhitespace {
 struct JsonOptions {
   JsonWhitespace whitespace = JsonWhitespace::any;
   std::int64_t max_whitespace = 0;
+  // The most digits of a number's exponent; 0: any (xgrammar). A small model can write an exponent's digits
+  // for ever, and past 3 no double holds the number (they end at e308).
+  std::int64_t max_exponent_digits = 0;
 };
 
 StatusOr<Grammar> json_schema_grammar(const nlohmann::ordered_json& schema, const JsonOptions& options = {});

@@ -35,6 +35,12 @@ StatusOr<OutputConstraint> parse_constraint(const nlohmann::ordered_json& spec) 
         "a constraint needs json_schema, json_object, regex (a string), choice (a list) or grammar (a "
         "string)");
   }
+  if (spec.contains("exponent_digits")) {
+    const auto& digits = spec["exponent_digits"];
+    if (!digits.is_number_integer() || digits.get<std::int64_t>() < 0 || digits.get<std::int64_t>() > 9)
+      return Status::invalid_argument("exponent_digits: a count in [0, 9] (0: any)", "exponent_digits");
+    c.json.max_exponent_digits = digits.get<std::int64_t>();
+  }
   if (spec.contains("whitespace")) {
     const auto& ws = spec["whitespace"];
     if (ws == "compact") {

@@ -33,7 +33,8 @@ struct OutputConstraint {
 // A constraint spelled in JSON, as capserve-grammar-tool and the tests read it (and a front end may):
 //   {"json_schema": {...}} | {"json_object": true} | {"regex": "..."} | {"choice": ["...", ...]} |
 //   {"grammar": "root ::= ..."}
-// with, for the JSON kinds, "whitespace": "compact" or a number (JsonOptions).
+// with, for the JSON kinds, "whitespace": "compact" or a number, and "exponent_digits": a count
+// (JsonOptions).
 StatusOr<OutputConstraint> parse_constraint(const nlohmann::ordered_json& spec);
 
 StatusOr<Grammar> constraint_grammar(const OutputConstraint& constraint);

@@ -234,6 +234,25 @@ TEST(Grammar, CompactAndBoundedWhitespace) {
   EXPECT_FALSE(matches(bounded, "{\n  \"a\":[1,2]}"));
 }
 
+// A bounded exponent (the server bounds it to 3 digits): as many digits and no more; unbounded by default.
+TEST(Grammar, BoundedExponentDigits) {
+  const auto v = byte_vocabulary();
+  auto c = schema(R"({"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]})");
+  EXPECT_TRUE(matches(compiled(c, v), R"({"x": 1.5e-12345})"));
+  c.json.max_exponent_digits = 3;
+  const auto bounded = compiled(c, v);
+  for (const char* ok : {R"({"x": 1.5e-123})", R"({"x": 2E7})", R"({"x": -0.25e+30})", R"({"x": 12345})"})
+    EXPECT_TRUE(matches(bounded, ok)) << ok;
+  EXPECT_FALSE(matches(bounded, R"({"x": 1.5e-1234})"));
+  auto spec =
+      parse_constraint(nlohmann::ordered_json::parse(R"({"json_object": true, "exponent_digits": 3})"));
+  ASSERT_TRUE(spec.ok());
+  EXPECT_EQ(spec->json.max_exponent_digits, 3);
+  EXPECT_FALSE(
+      parse_constraint(nlohmann::ordered_json::parse(R"({"json_object": true, "exponent_digits": -1})"))
+          .ok());
+}
+
 TEST(Grammar, MaskAgreesWithAcceptAndStopComesLast) {
   const auto v = byte_vocabulary({"ab", "b\"", "\"}", "1}", "{\"", "\":"});
   const auto g = compiled(
