@@ -165,7 +165,13 @@ std::int32_t GrammarBuilder::new_rule(std::string name) {
 }
 
 void GrammarBuilder::add_alternative(std::int32_t rule, Sequence sequence) {
+  elements_ += static_cast<std::int64_t>(sequence.size()) + 1;
   rules_[static_cast<std::size_t>(rule)].push_back(std::move(sequence));
+}
+
+Status GrammarBuilder::too_large() {
+  return Status::invalid_argument("the constraint is too large: more than " + std::to_string(kMaxElements) +
+                                  " grammar elements");
 }
 
 Element GrammarBuilder::bytes(const ByteSet& set) {
@@ -263,6 +269,7 @@ StatusOr<Element> GrammarBuilder::repeat(std::string name, const Sequence& seque
     add_alternative(none, {});
     tail = ref(none);
     for (std::int64_t i = min; i < max; ++i) {
+      if (over_budget()) return too_large();
       Sequence more = one;
       more.push_back(tail);
       tail = optional(name + "_opt", std::move(more));
@@ -275,6 +282,7 @@ StatusOr<Element> GrammarBuilder::repeat(std::string name, const Sequence& seque
 }
 
 StatusOr<Grammar> GrammarBuilder::finish(std::int32_t root) && {
+  if (over_budget()) return too_large();
   const std::size_t n = rules_.size();
   for (std::size_t r = 0; r < n; ++r) {
     if (rules_[r].empty())

@@ -75,15 +75,22 @@ class GrammarBuilder {
   StatusOr<Element> repeat(std::string name, const Sequence& sequence, std::int64_t min, std::int64_t max);
 
   // The grammar rooted at `root`. Fails on a rule without alternatives or a left-recursive rule (a matcher
-  // would expand it forever), naming the rule.
+  // would expand it forever), naming the rule, and on a grammar past kMaxElements.
   StatusOr<Grammar> finish(std::int32_t root) &&;
+  // Past kMaxElements: loops that add elements by the thousand (repetitions, bounded strings) stop early.
+  [[nodiscard]] bool over_budget() const { return elements_ > kMaxElements; }
+  [[nodiscard]] static Status too_large();
 
   static constexpr std::int64_t kMaxRepetition = 4096;
+  // A client's constraint is compiled on a server thread: a grammar's size bounds its build and compile time
+  // (a schema of many long bounded strings would otherwise take seconds before any other check).
+  static constexpr std::int64_t kMaxElements = std::int64_t{1} << 19;
 
  private:
   std::vector<std::vector<Sequence>> rules_;
   std::vector<std::string> names_;
   std::vector<ByteSet> byte_sets_;
+  std::int64_t elements_ = 0;  // added so far, each alternative's end included
 };
 
 }  // namespace capserve::runtime::grammar

@@ -126,6 +126,7 @@ class SchemaConverter {
     }
     Element tail = max < 0 ? chars() : b_.choice("chars_end", {{}});
     for (std::int64_t k = places - 1; k >= 0; --k) {
+      if (b_.over_budget()) return GrammarBuilder::too_large();
       std::vector<Sequence> alternatives{{plain_char(), tail}, {b_.byte('\\'), escape(), tail}};
       if (k >= min) alternatives.push_back({});
       tail = b_.choice("char_" + std::to_string(k), std::move(alternatives));

@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
 #include <optional>
 #include <string>
 #include <thread>
@@ -57,6 +59,20 @@ TEST(GrammarCache, RefusesAConstraintWhoseMasksWouldBeTooLarge) {
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.status().message().find("too large"), std::string::npos) << refused.status().message();
   EXPECT_TRUE(cache.get(R"({"regex": "a{40}"})").ok());
+}
+
+// A schema of many long bounded strings is refused while its grammar is built (past
+// GrammarBuilder::kMaxElements), before the build and the compile take a server thread for seconds.
+TEST(GrammarCache, RefusesAGrammarPastItsElementBudget) {
+  GrammarCache cache(vocabulary(), 4);
+  nlohmann::ordered_json properties = nlohmann::ordered_json::object();
+  for (int i = 0; i < 20; ++i)
+    properties[std::to_string(i) + "p"] = {{"type", "string"}, {"maxLength", 4000}};
+  const nlohmann::ordered_json spec{{"json_schema", {{"type", "object"}, {"properties", properties}}}};
+  const auto refused = cache.get(spec.dump());
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("grammar elements"), std::string::npos)
+      << refused.status().message();
 }
 
 TEST(GrammarCache, ThreadsShareOneCompiledGrammar) {
