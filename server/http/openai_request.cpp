@@ -316,19 +316,21 @@ StatusOr<std::vector<runtime::ChatMessage>> read_messages(const ordered_json& bo
 // left free write newlines for ever); structured_outputs.disable_any_whitespace false allows any.
 constexpr const char* kCompactWhitespace = "compact";
 
+// A tool's "function" object with a string "name", or null. The tools' shapes are the intake's check (a 400
+// naming tools); before it, a malformed tool is skipped.
+const ordered_json* tool_function(const ordered_json& tool) {
+  if (!tool.is_object()) return nullptr;
+  const auto it = tool.find("function");
+  return it != tool.end() && it->is_object() && it->contains("name") && (*it)["name"].is_string() ? &*it
+                                                                                                  : nullptr;
+}
+
 // The output constraint of a forced tool choice, as vLLM builds it: a named function's output is its
 // `parameters` (any JSON object when it has none); "required"'s is a list of calls {"name", "parameters"},
 // one at least (at most one with parallel_tool_calls false), each of an offered tool. A schema the grammar
 // engine cannot compile is the intake's 400, naming tool_choice.
 ConstraintInput forced_tool_constraint(const ordered_json& tools, const chat_output::ForcedToolChoice& choice,
                                        bool parallel) {
-  // The tools' shapes are the intake's check (a 400 naming tools); here a malformed one is skipped.
-  const auto function_of = [](const ordered_json& tool) -> const ordered_json* {
-    if (!tool.is_object()) return nullptr;
-    const auto it = tool.find("function");
-    return it != tool.end() && it->is_object() && it->contains("name") && (*it)["name"].is_string() ? &*it
-                                                                                                    : nullptr;
-  };
   const auto parameters = [](const ordered_json& function) {
     const auto it = function.find("parameters");
     return it != function.end() && it->is_object() ? *it : ordered_json{{"type", "object"}};
@@ -336,13 +338,13 @@ ConstraintInput forced_tool_constraint(const ordered_json& tools, const chat_out
   ordered_json schema;
   if (!choice.name.empty()) {
     for (const ordered_json& tool : tools) {
-      const ordered_json* function = function_of(tool);
+      const ordered_json* function = tool_function(tool);
       if (function != nullptr && (*function)["name"] == choice.name) schema = parameters(*function);
     }
   } else {
     ordered_json calls = ordered_json::array();
     for (const ordered_json& tool : tools) {
-      const ordered_json* function = function_of(tool);
+      const ordered_json* function = tool_function(tool);
       if (function == nullptr) continue;
       calls.push_back({{"type", "object"},
                        {"properties",
@@ -388,8 +390,8 @@ StatusOr<runtime::ChatInputs> read_chat_inputs(const json& body, const ordered_j
         return bad("tool_choice.function.name: must be a string", "tool_choice");
       std::string name = (*function)["name"].get<std::string>();
       const bool known = std::ranges::any_of(inputs.tools, [&](const ordered_json& tool) {
-        return tool.is_object() && tool.contains("function") && tool["function"].is_object() &&
-               tool["function"].value("name", "") == name;
+        const ordered_json* function = tool_function(tool);
+        return function != nullptr && (*function)["name"] == name;
       });
       if (!known) return bad("tool_choice: " + excerpt(name, 64) + " is not one of the tools", "tool_choice");
       shape.forced_tool = chat_output::ForcedToolChoice{std::move(name)};
