@@ -3,33 +3,62 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace capserve::runtime {
 
+LoadMapShape load_map_shape(const Model& model) {
+  return {model.config().architecture, static_cast<std::int64_t>(model.moe_layers().size()),
+          model.config().num_experts, model.config().top_k};
+}
+
 RouterLoadPredictor::RouterLoadPredictor(Engine& engine, const parallel::ExpertPlacement& placement,
-                                         std::int64_t layers)
+                                         std::int64_t layers, std::optional<LoadMap> map)
     : engine_(engine),
       placement_(placement),
-      layers_(std::min<std::int64_t>(layers, static_cast<std::int64_t>(engine.model().moe_layers().size()))),
+      map_(std::move(map)),
+      layers_(std::min<std::int64_t>(map_ ? map_->shape().moe_layers : layers,
+                                     static_cast<std::int64_t>(engine.model().moe_layers().size()))),
       experts_(engine.model().config().num_experts),
-      counts_(static_cast<std::size_t>(layers_ * experts_), 0) {
+      counts_(static_cast<std::size_t>(layers_ * experts_), 0),
+      per_token_(map_ ? counts_.size() : 0),
+      mapped_(per_token_.size()) {
   if (placement.num_experts() != experts_)
     throw std::invalid_argument("RouterLoadPredictor: the placement has " +
                                 std::to_string(placement.num_experts()) + " experts, the model " +
                                 std::to_string(experts_));
+  if (map_ && !(map_->shape() == load_map_shape(engine.model())))
+    throw std::invalid_argument(
+        "RouterLoadPredictor: the load map was fitted for a " + map_->shape().architecture + " model of " +
+        std::to_string(map_->shape().moe_layers) + " MoE layers x " + std::to_string(map_->shape().experts) +
+        " experts top-" + std::to_string(map_->shape().top_k) + ", not this one");
 }
 
 void RouterLoadPredictor::predict(std::span<const std::int32_t> prompt, std::span<float> rank_load) {
+  const auto ranks = static_cast<std::size_t>(placement_.num_ranks());
+  if (rank_load.size() != static_cast<std::size_t>(layers_) * ranks)
+    throw std::invalid_argument("RouterLoadPredictor::predict: " + std::to_string(rank_load.size()) +
+                                " entries for " + std::to_string(layers_) + " layers x " +
+                                std::to_string(ranks) + " ranks");
   std::fill(rank_load.begin(), rank_load.end(), 0.0F);
   // The dry run adds into its counts.
   std::fill(counts_.begin(), counts_.end(), 0);
   engine_.router_dry_run(prompt, layers_, counts_);
+  const auto tokens = static_cast<double>(prompt.size());
+  if (map_ && tokens > 0) {
+    for (std::size_t i = 0; i < counts_.size(); ++i) per_token_[i] = static_cast<double>(counts_[i]) / tokens;
+    map_->predict(per_token_, mapped_);
+  }
   const std::span<const std::int64_t> moe_layers = engine_.model().moe_layers();
   for (std::int64_t l = 0; l < layers_; ++l) {
     const std::span<const std::int32_t> owners = placement_.owners(moe_layers[static_cast<std::size_t>(l)]);
-    for (std::int64_t e = 0; e < experts_; ++e)
-      rank_load[static_cast<std::size_t>(owners[static_cast<std::size_t>(e)])] +=
-          static_cast<float>(counts_[static_cast<std::size_t>(l * experts_ + e)]);
+    float* layer_load = rank_load.data() + static_cast<std::size_t>(l) * ranks;
+    for (std::int64_t e = 0; e < experts_; ++e) {
+      const auto i = static_cast<std::size_t>(l * experts_ + e);
+      // A map's prediction can dip below zero for an expert it expects idle: no load, not a negative one.
+      const double load = map_ ? std::max(0.0, mapped_[i] * tokens) : static_cast<double>(counts_[i]);
+      layer_load[static_cast<std::size_t>(owners[static_cast<std::size_t>(e)])] += static_cast<float>(load);
+    }
   }
 }
 

@@ -104,7 +104,9 @@ struct Options {
   std::string model_id;
   runtime::EngineOptions engine;
   server::SchedulerConfig scheduler;
-  bool prefix_cache = true;  // --prefix-cache / --no-prefix-cache, before resolve_prefix_cache
+  std::int64_t dry_run_layers = 1;
+  std::string load_map = "auto";  // a path, "auto" (the model directory's capserve_load_map.json) or "none"
+  bool prefix_cache = true;       // --prefix-cache / --no-prefix-cache, before resolve_prefix_cache
   std::string strategy = "fcfs";
   server::ServiceLimits limits;
   runtime::ParallelFlags parallel;
@@ -267,9 +269,13 @@ void add_flags(CLI::App& app, Options& o) {
       ->capture_default_str();
   app.add_option("--selector-seed", s.seed, "seed of the random and power_of_d selectors' sampling")
       ->capture_default_str();
-  app.add_option("--dry-run-layers", o.scheduler.dry_run_layers,
-                 "MoE layers the router dry-run predictor uses")
+  app.add_option("--dry-run-layers", o.dry_run_layers,
+                 "MoE layers the router dry-run predictor covers when no load map is used")
       ->check(runtime::at_least(1))
+      ->capture_default_str();
+  app.add_option("--load-map", o.load_map,
+                 "the batch selector's learned load map (capserve-eval-predictor --write-map): a file, auto "
+                 "(the model directory's capserve_load_map.json when it has one) or none (the dry run alone)")
       ->capture_default_str();
   app.add_option("--step-timeout-s", o.step_timeout_s,
                  "a step making no progress this long (a hung rank) fails every request and ends the job")
@@ -449,7 +455,8 @@ void log_startup_summary(const Options& o, const runtime::Model& model, const ca
 }
 // The server's description for the API's ServerInfo (and the start-up summary).
 capserve::v1::ServerInfo describe_server(const parallel::MpiWorld& world, const Options& o,
-                                         const runtime::Model& model, std::int64_t dry_run_layers) {
+                                         const runtime::Model& model,
+                                         const runtime::RouterLoadPredictor& predictor) {
   const runtime::ModelConfig& config = model.config();
   const parallel::ExpertPlacement& placement = model.placement();
   capserve::v1::ServerInfo info;
@@ -474,7 +481,8 @@ capserve::v1::ServerInfo describe_server(const parallel::MpiWorld& world, const 
       "strategy=" + server::to_string(sel.strategy) + " window=" + std::to_string(sel.window) +
       " min_queue=" + std::to_string(sel.min_queue_depth) + " max_wait_ms=" + milliseconds(sel.max_wait_ms) +
       " interval_ms=" + milliseconds(sel.interval_ms) + " d=" + std::to_string(sel.power_of_d) +
-      " dry_run_layers=" + std::to_string(dry_run_layers));
+      " predictor=" + (predictor.learned() ? "load_map" : "dry_run") +
+      " predicted_layers=" + std::to_string(predictor.layers()));
   info.set_max_running_sequences(static_cast<std::uint32_t>(o.scheduler.max_running));
   info.set_max_batched_tokens(static_cast<std::uint32_t>(o.scheduler.max_batched_tokens));
   info.set_kv_blocks_per_rank(static_cast<std::uint32_t>(o.engine.kv_blocks));
@@ -696,16 +704,35 @@ class FrontEnds final : public server::FrontEndControl {
   int grpc_port_ = 0;
 };
 
+// The batch selector's load predictor: the router dry run, through the learned load map --load-map names
+// (auto: the model directory's, if it has one). std::runtime_error / std::invalid_argument for a map that
+// cannot be read or was fitted for another model.
+std::unique_ptr<runtime::RouterLoadPredictor> make_load_predictor(const Options& o, runtime::Engine& engine) {
+  std::optional<runtime::LoadMap> map;
+  const std::filesystem::path beside_model = std::filesystem::path(o.model_dir) / "capserve_load_map.json";
+  if (o.load_map == "auto" ? std::filesystem::exists(beside_model) : o.load_map != "none")
+    map = runtime::LoadMap::read(o.load_map == "auto" ? beside_model : std::filesystem::path(o.load_map));
+  return std::make_unique<runtime::RouterLoadPredictor>(engine, engine.model().placement(), o.dry_run_layers,
+                                                        std::move(map));
+}
+
 // Rank 0: the front ends, the scheduler and the step loop's driving side. Every rank learns whether the front
 // ends started (the one collective before the step loop): on failure all of them exit 1 cleanly, rank 0 with
 // the reason as its last line.
 int serve(parallel::MpiWorld& world, const Options& o, runtime::Engine& engine, server::RankWorker& worker,
           const RankText& text, parallel::RankHeartbeat* heartbeat, std::span<const RankMemory> memory) {
   const runtime::Model& model = engine.model();
-  runtime::RouterLoadPredictor predictor(engine, model.placement(), o.scheduler.dry_run_layers);
-  const capserve::v1::ServerInfo info = describe_server(world, o, model, predictor.layers());
+  std::unique_ptr<runtime::RouterLoadPredictor> predictor;
+  std::string failure;
+  try {
+    predictor = make_load_predictor(o, engine);
+  } catch (const std::exception& e) {
+    failure = e.what();
+  }
+  const capserve::v1::ServerInfo info =
+      predictor ? describe_server(world, o, model, *predictor) : capserve::v1::ServerInfo{};
   FrontEnds front_ends;
-  const std::string failure = front_ends.start(world, o, model, info, predictor, text);
+  if (failure.empty()) failure = front_ends.start(world, o, model, info, *predictor, text);
   if (!world.all_agree(failure.empty())) {
     std::fprintf(stderr, "capserve: %s\n", failure.c_str());
     return 1;

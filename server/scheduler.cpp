@@ -5,6 +5,15 @@
 #include <utility>
 
 namespace capserve::server {
+namespace {
+
+// The MoE layers the selector balances, one load per rank in each: the predictor's (one, all zero, without).
+std::int64_t balanced_layers(const runtime::LoadPredictor* predictor) {
+  return predictor != nullptr ? std::max<std::int64_t>(predictor->layers(), 1) : 1;
+}
+
+}  // namespace
+
 Scheduler::Scheduler(SchedulerConfig config, int ranks, const runtime::Tokenizer* tokenizer,
                      runtime::LoadPredictor* predictor, ServerMetrics* metrics,
                      const std::atomic<bool>* stop_requested)
@@ -12,13 +21,13 @@ Scheduler::Scheduler(SchedulerConfig config, int ranks, const runtime::Tokenizer
       ranks_(ranks),
       predictor_(predictor),
       metrics_(metrics),
-      selector_(config.selector, ranks),
+      selector_(config.selector, balanced_layers(predictor) * ranks),
       outputs_(tokenizer, metrics,
                {.max_context = config.max_context,
                 .assignments_per_token = config.assignments_per_token,
                 .speculative = config.speculative_tokens > 0}),
       kv_(ranks, config.kv_blocks_per_rank, config.kv_block_size, config.prefix_cache),
-      load_(ranks, config.dry_run_layers, metrics),
+      load_(ranks, balanced_layers(predictor), metrics),
       limits_({.max_context = config.max_context,
                .max_batched_tokens = config.max_batched_tokens,
                .kv_blocks_per_rank = config.kv_blocks_per_rank,
@@ -120,7 +129,7 @@ std::int64_t Scheduler::admit(Clock::time_point now, StepPlan& plan, std::int64_
   for (std::size_t i = 0; i < window; ++i) {
     Waiting& w = waiting_[i];
     if (!w.predicted) {
-      w.load.assign(static_cast<std::size_t>(ranks_), 0.0F);
+      w.load.assign(static_cast<std::size_t>(balanced_layers(predictor_) * ranks_), 0.0F);
       if (predictor_ != nullptr) predictor_->predict(w.request->prompt(), w.load);
       w.predicted = true;
     }

@@ -41,7 +41,6 @@ struct SchedulerConfig {
   std::int64_t kv_block_size = 16;
   std::int64_t max_context = 4096;         // prompt + generated tokens
   std::int64_t assignments_per_token = 0;  // top_k * MoE layers, for the per-request statistics
-  std::int64_t dry_run_layers = 1;         // MoE layers the predictor and the realized load cover
   // Speculative decoding: the most drafts a decode verifies per step (--num-speculative-tokens; 0: off).
   std::int64_t speculative_tokens = 0;
   // Prompts longer than this are prefilled whole, in one step (so at most max_batched_tokens long): a model

@@ -508,10 +508,10 @@ ServerMetrics::ServerMetrics(std::span<const std::int64_t> moe_layers, std::int6
             "NaN until the first measurement.");
   m.predictor_cosine =
       gauge("capserve_predictor_load_cosine",
-            "Cosine similarity of the router dry-run predictor's per-rank load and the realized "
+            "Cosine similarity of the load predictor's per-layer per-rank load and the realized "
             "one, last measurement (1 = exact shape). Low: balance-aware selection is working "
-            "from bad predictions; raise the number of dry-run layers or fall back to fcfs. NaN "
-            "until the first measurement.");
+            "from bad predictions; fit a load map for the model (capserve-eval-predictor "
+            "--write-map) or fall back to fcfs. NaN until the first measurement.");
   // The same per step as distributions, so that a run's mean (sum / count) can be read, not only the last
   // step.
   auto& step_imbalance =
@@ -519,8 +519,9 @@ ServerMetrics::ServerMetrics(std::span<const std::int64_t> moe_layers, std::int6
           .Name("capserve_batch_selector_step_imbalance_ratio")
           .Labels(model)
           .Help(
-              "Per-rank load imbalance (max/mean) of every step's batch over the dry-run layers: kind "
-              "predicted (running sequences' last loads + the admitted requests' dry runs) and realized. "
+              "Per-rank load imbalance (max/mean, the mean over the predicted MoE layers) of every step's "
+              "batch: kind predicted (running sequences' last loads + the admitted requests' predicted "
+              "loads) and realized. "
               "Selection lowers realized only as far as predicted follows it.")
           .Register(reg);
   m.selector_predicted_hist = &step_imbalance.Add({{"kind", "predicted"}}, imbalance_buckets());

@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
-"""Train CapServe's embedded default model, capserve-moe-tiny: a small OLMoE (HF transformers
-OlmoeForCausalLM) trained from scratch on the domain corpus in ../shared/data/corpus/ (or
-$CAPSERVE_SHARED_DATA_DIR/corpus).
+"""Train CapServe's embedded models: a small OLMoE (HF transformers OlmoeForCausalLM) trained from scratch on the
+domain corpus in ../shared/data/corpus/ (or $CAPSERVE_SHARED_DATA_DIR/corpus). `--preset tiny` (the default) is
+the quickstart model capserve-moe-tiny (16 experts, top-2); `--preset fine` is capserve-moe-fine, OLMoE's shape in
+miniature (64 experts, top-8, the same expert parameters in total and per token; see PRESETS).
 
 Usage (from the repository root; CPU only: the committed run took 2,953 s for the default 1,200 steps on 2 AMD EPYC
 cores, about 2.5 s per step (tools/results/default_model_train.json, "timing"), more when the machine is busy):
 
     tools/.venv/bin/python tools/train_default_model.py            # tokenizer + model + export + measurement
+    tools/.venv/bin/python tools/train_default_model.py --preset fine   # the fine-grained model
     tools/.venv/bin/python tools/train_default_model.py --steps 20 --out /tmp/smoke   # quick smoke run
 
 What it does, deterministically (fixed seeds, fixed step count; bit-for-bit identical reruns need the same torch
@@ -110,6 +112,15 @@ MODEL_CONFIG = dict(
     bos_token_id=0,
     eos_token_id=0,
 )
+
+# The embedded models the trainer builds. "tiny" is the quickstart default (16 experts, top-2). "fine" is OLMoE's
+# shape in miniature: 64 experts, top-8, each a quarter of a tiny expert, so both models have the same total and
+# active expert parameters (a granularity ablation); its balance loss is OLMoE-1B-7B's (coefficient 0.01).
+PRESETS = {
+    "tiny": dict(out=DEFAULT_OUT, results_prefix="default_model", config={}),
+    "fine": dict(out=REPO / "deploy" / "models" / "capserve-moe-fine", results_prefix="fine_model",
+                 config=dict(intermediate_size=48, num_experts=64, num_experts_per_tok=8, router_aux_loss_coef=0.01)),
+}
 
 # training hyper-parameters
 SEQ_LEN = 256  # model input length: 1 <|endoftext|> + SEQ_TEXT_TOKENS text tokens
@@ -407,14 +418,18 @@ def check_export(model, out: Path, sample_ids):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
+                    help="which embedded model (shape, output directory, results' names)")
+    ap.add_argument("--out", type=Path, help="output directory (default: the preset's under deploy/models/)")
     ap.add_argument("--steps", type=int, default=STEPS)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=SEED)
-    ap.add_argument("--aux-coef", type=float, default=MODEL_CONFIG["router_aux_loss_coef"])
+    ap.add_argument("--aux-coef", type=float, help="router_aux_loss_coef (default: the preset's)")
     ap.add_argument("--train-experts-impl", default=TRAIN_EXPERTS_IMPL, choices=["eager", "grouped_mm", "batched_mm"])
     ap.add_argument("--no-measure", action="store_true")
     args = ap.parse_args()
+    preset = PRESETS[args.preset]
+    args.out = args.out or preset["out"]
 
     os.environ.setdefault("RAYON_NUM_THREADS", str(args.threads))  # tokenizers' trainer
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
@@ -447,7 +462,9 @@ def main():
         log(f"  {d:10s} train {len(train_ids[d]):8d} tok  held-out {len(held_ids[d]):7d} tok  "
             f"({info['train_bytes_per_token']} B/tok)")
 
-    cfg = dict(MODEL_CONFIG, router_aux_loss_coef=args.aux_coef)
+    cfg = dict(MODEL_CONFIG, **preset["config"])
+    if args.aux_coef is not None:
+        cfg["router_aux_loss_coef"] = args.aux_coef
     pc = param_count(cfg)
     log(f"model: {json.dumps({k: cfg[k] for k in ('hidden_size', 'intermediate_size', 'num_hidden_layers', 'num_experts', 'num_experts_per_tok', 'vocab_size')})}"
         f"  params {pc['total'] / 1e6:.2f} M (bf16 {pc['total'] * 2 / 1e6:.1f} MB), active/token {pc['active_per_token'] / 1e6:.2f} M")
@@ -476,7 +493,7 @@ def main():
         f"Hub tensor names and re-loaded logits checked")
 
     train_log = dict(
-        seed=args.seed, threads=args.threads, steps=args.steps, train_experts_impl=args.train_experts_impl,
+        preset=args.preset, seed=args.seed, threads=args.threads, steps=args.steps, train_experts_impl=args.train_experts_impl,
         seq_len=SEQ_LEN, seqs_per_domain=SEQS_PER_DOMAIN, batch_sequences=len(DOMAINS) * SEQS_PER_DOMAIN,
         tokens_seen=tokens_seen, lr=LR, min_lr_frac=MIN_LR_FRAC, warmup=WARMUP, betas=BETAS,
         weight_decay=WEIGHT_DECAY, grad_clip=GRAD_CLIP, model_config=cfg, params=pc, timing=timing,
@@ -486,9 +503,10 @@ def main():
                       tokenizers=__import__("tokenizers").__version__, numpy=np.__version__),
         cpu=_cpu_name(), cpu_count=os.cpu_count(), history=history,
     )
-    if args.out.resolve() == DEFAULT_OUT.resolve():
+    committed = args.out.resolve() == preset["out"].resolve()  # results only for the preset's own directory
+    if committed:
         RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "default_model_train.json").write_text(json.dumps(train_log, indent=1) + "\n")
+        (RESULTS / f"{preset['results_prefix']}_train.json").write_text(json.dumps(train_log, indent=1) + "\n")
     else:
         (args.out / "train_log.json").write_text(json.dumps(train_log, indent=1) + "\n")
 
@@ -498,7 +516,7 @@ def main():
 
         t = time.time()
         measure_default_model.run(args.out, threads=args.threads,
-                                  write_results=args.out.resolve() == DEFAULT_OUT.resolve())
+                                  results_prefix=preset["results_prefix"] if committed else None)
         timing["measure_s"] = round(time.time() - t, 1)
     timing["total_s"] = round(time.time() - T0, 1)
     log(f"timing: {json.dumps(timing)}")

@@ -41,6 +41,8 @@ class ApiTest(ServerTestCase):
         self.assertEqual(sum(info.experts_per_rank), info.model.num_experts)
         self.assertRegex(info.capacity, r"^gamma=inf ")  # the default: no capacity limit
         self.assertRegex(info.batch_selector, r"^strategy=fcfs ")
+        # The model directory's learned load map is found on its own; it covers every MoE layer.
+        self.assertIn(" predictor=load_map predicted_layers=4", info.batch_selector)
         self.assertGreater(info.max_running_sequences, 0)
         self.assertGreater(info.max_batched_tokens, 0)
         self.assertGreater(info.kv_blocks_per_rank, 0)

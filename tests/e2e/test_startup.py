@@ -129,6 +129,24 @@ class StartupTest(unittest.TestCase):
         self.assertIn("needs exactly one multi-token-prediction layer (config.json's num_nextn_predict_layers)",
                       errors[-1])
 
+    def test_a_load_map_that_cannot_be_used_is_a_start_error_naming_it(self):
+        # Unreadable, or fitted for another model: every rank exits 1, rank 0's reason last, naming the file or the
+        # model the map was fitted for.
+        with tempfile.TemporaryDirectory() as tmp:
+            other = os.path.join(tmp, "other_map.json")
+            with open(other, "w") as f:
+                f.write('{"format": "capserve-load-map/1", "model": {"architecture": "MixtralForCausalLM", '
+                        '"moe_layers": 1, "experts": 1, "top_k": 1}, "ridge": 1, "weights": [0, 0]}')
+            for path, reason in ((os.path.join(tmp, "absent.json"), "absent.json: cannot be opened"),
+                                 (other, "fitted for a MixtralForCausalLM model of 1 MoE layers")):
+                with self.subTest(path=path):
+                    cmd = ["bash", LAUNCH, str(NP), BIN, "--model", MODEL, "--port", "0", "--metrics-port", "0",
+                           "--threads", "1", "--load-map", path]
+                    done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
+                    errors = [line for line in done.stderr.splitlines() if line.strip()]
+                    self.assertEqual(done.returncode, 1, errors + done.stdout.splitlines())
+                    self.assertIn(reason, errors[-1])
+
 
 if __name__ == "__main__":
     main()

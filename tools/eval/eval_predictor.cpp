@@ -3,10 +3,9 @@
 // batch's real prefill (Engine::last_moe_stats). Two predictors side by side:
 // - dry run: what the server's batch selector runs (runtime/router_load_predictor.h, --dry-run-layers): each
 //   prompt's embeddings through the router of every MoE layer, without attention;
-// - learned: a linear map from the dry run's counts (all layers, per token) to each layer's expert load,
-// fitted
-//   by ridge regression on batches of the corpus's training part (issue 30's "cheap learned map from prompt
-//   features to per-layer load fitted on observed routing"); a few thousand multiply-adds per prompt.
+// - learned: the server's load map (runtime/load_map.h, --load-map), a linear map from the dry run's counts
+//   (all layers, per token) to each layer's expert load, fitted by ridge regression on batches of the
+//   corpus's training part; --write-map saves it for the server.
 // Batches are from one domain each (the domain-clustered traffic batch selection exploits) or mixed; the
 // experts are placed contiguously over R ranks as the server places them. Per layer and R: mean predicted and
 // realised per-rank max/mean, their correlation over the batches, the mean absolute error and how often the
@@ -31,7 +30,9 @@
 #include "parallel/expert_placement.h"
 #include "runtime/cli/version.h"
 #include "runtime/engine.h"
+#include "runtime/load_map.h"
 #include "runtime/model.h"
+#include "runtime/router_load_predictor.h"
 #include "runtime/tokenizer/tokenizer.h"
 #include "tools/eval/heldout_corpus.h"
 
@@ -53,13 +54,11 @@ struct Options {
   double ridge = 1e-3;
   int threads = static_cast<int>(std::max(1U, std::thread::hardware_concurrency()));
   std::string json_path;
+  std::string map_path;
 };
 
 // A batch's expert loads per token, [moe layers, experts]: the dry run's and the real prefill's.
-struct BatchLoads {
-  std::vector<double> dry_run;
-  std::vector<double> realised;
-};
+using BatchLoads = runtime::LoadMap::Sample;
 
 double pearson(const std::vector<double>& x, const std::vector<double>& y) {
   const auto n = static_cast<double>(x.size());
@@ -118,7 +117,7 @@ BatchLoads measure(runtime::Engine& engine, const std::vector<Prompt>& batch) {
     work.push_back({static_cast<runtime::SequenceId>(i + 1), batch[i]});
   if (auto s = engine.step(work); !s.ok()) throw std::runtime_error("prefill: " + s.message());
   for (const auto& layer : engine.last_moe_stats().layers) {
-    for (const std::int64_t c : layer.routed_load) b.realised.push_back(static_cast<double>(c) / tokens);
+    for (const std::int64_t c : layer.routed_load) b.routed.push_back(static_cast<double>(c) / tokens);
   }
   for (const auto& w : work) engine.release(w.seq);
   return b;
@@ -145,65 +144,6 @@ std::vector<BatchLoads> measure_batches(runtime::Engine& engine,
   }
   return batches;
 }
-
-// y = [x, 1] W, fitted by ridge regression (W = (X'X + ridge I)^-1 X'Y, solved by Cholesky: the system is a
-// few dozen features square, no library needed).
-class LinearLoadMap {
- public:
-  LinearLoadMap(const std::vector<BatchLoads>& train, double ridge) {
-    const std::size_t in = train.front().dry_run.size() + 1;
-    out_ = train.front().realised.size();
-    std::vector<double> a(in * in, 0.0), b(in * out_, 0.0);
-    for (const BatchLoads& t : train) {
-      const std::vector<double> x = features(t);
-      for (std::size_t i = 0; i < in; ++i) {
-        for (std::size_t j = 0; j < in; ++j) a[i * in + j] += x[i] * x[j];
-        for (std::size_t k = 0; k < out_; ++k) b[i * out_ + k] += x[i] * t.realised[k];
-      }
-    }
-    for (std::size_t i = 0; i < in; ++i) a[i * in + i] += ridge * static_cast<double>(train.size());
-    // Cholesky: a = L L', then L z = b, L' w = z, for every output column.
-    for (std::size_t j = 0; j < in; ++j) {
-      for (std::size_t k = 0; k < j; ++k) a[j * in + j] -= a[j * in + k] * a[j * in + k];
-      if (a[j * in + j] <= 0) throw std::runtime_error("the ridge system is not positive definite");
-      a[j * in + j] = std::sqrt(a[j * in + j]);
-      for (std::size_t i = j + 1; i < in; ++i) {
-        for (std::size_t k = 0; k < j; ++k) a[i * in + j] -= a[i * in + k] * a[j * in + k];
-        a[i * in + j] /= a[j * in + j];
-      }
-    }
-    for (std::size_t c = 0; c < out_; ++c) {
-      for (std::size_t i = 0; i < in; ++i) {
-        for (std::size_t k = 0; k < i; ++k) b[i * out_ + c] -= a[i * in + k] * b[k * out_ + c];
-        b[i * out_ + c] /= a[i * in + i];
-      }
-      for (std::size_t i = in; i-- > 0;) {
-        for (std::size_t k = i + 1; k < in; ++k) b[i * out_ + c] -= a[k * in + i] * b[k * out_ + c];
-        b[i * out_ + c] /= a[i * in + i];
-      }
-    }
-    w_ = std::move(b);
-  }
-
-  [[nodiscard]] std::vector<double> predict(const BatchLoads& batch) const {
-    const std::vector<double> x = features(batch);
-    std::vector<double> y(out_, 0.0);
-    for (std::size_t i = 0; i < x.size(); ++i) {
-      for (std::size_t k = 0; k < out_; ++k) y[k] += x[i] * w_[i * out_ + k];
-    }
-    return y;
-  }
-
- private:
-  static std::vector<double> features(const BatchLoads& b) {
-    std::vector<double> x = b.dry_run;
-    x.push_back(1.0);
-    return x;
-  }
-
-  std::size_t out_ = 0;
-  std::vector<double> w_;  // [features + 1, outputs]
-};
 
 // One layer's per-expert loads folded onto the ranks that own them.
 std::vector<double> rank_loads(std::span<const double> expert_loads, std::span<const std::int32_t> owners,
@@ -236,8 +176,7 @@ LayerScore score(const std::vector<std::vector<double>>& predicted, const std::v
   double hits = 0;
   for (std::size_t i = 0; i < batches.size(); ++i) {
     const auto p = rank_loads(std::span(predicted[i]).subspan(layer * experts, experts), owners, ranks);
-    const auto r =
-        rank_loads(std::span(batches[i].realised).subspan(layer * experts, experts), owners, ranks);
+    const auto r = rank_loads(std::span(batches[i].routed).subspan(layer * experts, experts), owners, ranks);
     s.per_batch.push_back(max_over_mean(p));
     real.push_back(max_over_mean(r));
     hits += hottest(p) == hottest(r) ? 1 : 0;
@@ -272,6 +211,9 @@ int main(int argc, char** argv) {
   app.add_option("--ridge", o.ridge, "the learned map's ridge penalty")->capture_default_str();
   app.add_option("--threads", o.threads, "CPU threads")->capture_default_str();
   app.add_option("--json", o.json_path, "write the figures here");
+  app.add_option("--write-map", o.map_path,
+                 "write the learned map here (the server's --load-map; capserve_load_map.json in the model "
+                 "directory is found on its own)");
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -289,12 +231,21 @@ int main(int argc, char** argv) {
         measure_batches(engine, load_prompts(o, tokenizer, false, 2 * train_k * B), train_k, B);
     const std::vector<BatchLoads> batches =
         measure_batches(engine, load_prompts(o, tokenizer, true, 2 * test_k * B), test_k, B);
-    const LinearLoadMap learned(train, o.ridge);
+    const runtime::LoadMap learned = runtime::LoadMap::fit(runtime::load_map_shape(*model), train, o.ridge);
+    if (!o.map_path.empty()) {
+      learned.write(o.map_path, "capserve-eval-predictor: ridge " + std::to_string(o.ridge) + " on " +
+                                    std::to_string(train.size()) + " batches of " +
+                                    std::to_string(o.batch_prompts) + " prompts x " +
+                                    std::to_string(o.prompt_tokens) + " tokens from the training part of " +
+                                    o.corpus_dir + " (one-domain and mixed)");
+      std::printf("wrote the load map to %s\n", o.map_path.c_str());
+    }
 
     std::vector<std::vector<double>> dry_run, fitted;
     for (const BatchLoads& b : batches) {
       dry_run.push_back(b.dry_run);
-      fitted.push_back(learned.predict(b));
+      fitted.emplace_back(b.dry_run.size());
+      learned.predict(b.dry_run, fitted.back());
     }
     const std::span<const std::int64_t> moe_layers = model->moe_layers();
     const std::size_t L = moe_layers.size();
@@ -331,7 +282,7 @@ int main(int argc, char** argv) {
         std::vector<double> real;
         for (std::size_t i = 0; i < batches.size(); ++i) {
           const double r =
-              max_over_mean(rank_loads(std::span(batches[i].realised).subspan(l * E, E), owners, R));
+              max_over_mean(rank_loads(std::span(batches[i].routed).subspan(l * E, E), owners, R));
           real_mean[i] += r / static_cast<double>(L);
           dry_mean[i] += d.per_batch[i] / static_cast<double>(L);
           fitted_mean[i] += f.per_batch[i] / static_cast<double>(L);
