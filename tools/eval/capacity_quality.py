@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""Quality of capacity-aware scheduling on the embedded default model (parallel/README.md).
+"""Quality of capacity-aware scheduling on an embedded model (parallel/README.md): the default capserve-moe-tiny,
+or the fine-grained capserve-moe-fine (--model, --name capacity_quality_fine_model, --main-only: the main
+setting's variants alone, no granularity / scope grid).
 
 Runs capserve-eval-heldout under mpirun over a grid of capacity factors gamma x policies (drop by gate score,
 by order, at random; reroute R = 1..3; expanded drop m = 1, 2) x granularity x scope, and writes
@@ -51,14 +53,15 @@ REROUTES = ["reroute-R1", "reroute-R2", "reroute-R3", "expanded-m1", "expanded-m
 # ---------------------------------------------------------------------------------------------- running
 
 
-def grid(gammas: list[str]) -> list[dict]:
+def grid(gammas: list[str], main_only: bool = False) -> list[dict]:
     """Every run: two gamma=inf references (the grid's windows, and all windows), then the grid."""
     runs = [
         {"id": "inf", "variant": "none", "granularity": "expert", "scope": "global", "gamma": "inf"},
         {"id": "inf-all-windows", "variant": "none", "granularity": "expert", "scope": "global",
          "gamma": "inf", "all_windows": True},
     ]
-    settings = [(MAIN_SETTING, list(VARIANTS))] + [(s, OTHER_VARIANTS) for s in OTHER_SETTINGS]
+    settings = [(MAIN_SETTING, list(VARIANTS))] + ([] if main_only else [(s, OTHER_VARIANTS)
+                                                                          for s in OTHER_SETTINGS])
     for (granularity, scope), variants in settings:
         for variant in variants:
             for gamma in gammas:
@@ -116,7 +119,7 @@ def dump(data: dict) -> str:
 
 def run_grid(args: argparse.Namespace) -> dict:
     args.work_dir.mkdir(parents=True, exist_ok=True)
-    runs = grid(args.gammas)
+    runs = grid(args.gammas, args.main_only)
     env = mpi_env()
     start = time.monotonic()
     for i, run in enumerate(runs, 1):
@@ -140,7 +143,8 @@ def run_grid(args: argparse.Namespace) -> dict:
             "model": rel(args.model),
             "domains": DOMAINS, "windows_per_domain": args.windows, "window_text_tokens": 255,
             "batch_windows": BATCH_WINDOWS, "ranks": args.np, "threads_per_rank": 1,
-            "placement": "contiguous", "gammas": args.gammas,
+            "placement": "contiguous", "gammas": args.gammas, "main_only": args.main_only,
+            "name": args.name, **model_shape(args.model),
             "mean": "geometric mean of the five domains' perplexities; increase = mean / mean at gamma=inf - 1",
             "cpus": os.cpu_count(),
         },
@@ -150,6 +154,17 @@ def run_grid(args: argparse.Namespace) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- figures
+
+
+def model_shape(model_dir: Path) -> dict:
+    """What the report's formulas need of the model: its name, experts, top-k and MoE layers."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    return {"model_name": model_dir.name, "experts": cfg["num_experts"], "top_k": cfg["num_experts_per_tok"],
+            "moe_layers": cfg["num_hidden_layers"]}
+
+
+# the measurement (tools/measure_default_model.py) each embedded model's gamma=inf check compares with
+REFERENCE_EVAL = {"capserve-moe-tiny": "default_model_eval.json", "capserve-moe-fine": "fine_model_eval.json"}
 
 
 def mean_ppl(run: dict) -> float:
@@ -200,7 +215,8 @@ def pivot(g: Grid, setting, variants, cell) -> list[str]:
 
 
 def reference_check(g: Grid) -> list[str]:
-    ref_path = ROOT / "tools" / "results" / "default_model_eval.json"
+    ref_name = REFERENCE_EVAL[g.data["protocol"].get("model_name", "capserve-moe-tiny")]
+    ref_path = ROOT / "tools" / "results" / ref_name
     ref = json.loads(ref_path.read_text())["domains"]
     rows, worst = [], 0.0
     for d in DOMAINS:
@@ -210,7 +226,7 @@ def reference_check(g: Grid) -> list[str]:
         rows.append([d, str(mine["windows"]), f"{mine['perplexity']:.4f}", f"{ref[d]['perplexity']:.4f}",
                      f"{rel:.1e}", f"{g.base['result']['domains'][d]['perplexity']:.3f}"])
     return ([f"γ = inf under mpirun -np {g.data['protocol']['ranks']} on all held-out windows, against the "
-             f"HF transformers figures of `default_model_eval.json` (worst relative difference "
+             f"HF transformers figures of `{ref_name}` (worst relative difference "
              f"{worst:.1e}); last column: the grid's own baseline on its first "
              f"{g.data['protocol']['windows_per_domain']} windows per domain.", ""] +
             table(["domain", "windows", "perplexity (C++, np ranks)", "HF", "rel diff",
@@ -374,25 +390,30 @@ def report(data: dict) -> str:
     m = MAIN_SETTING
     conc = concentration(g)
     seconds = [r["seconds"] for r in data["runs"] if "seconds" in r and not r.get("all_windows")]
+    name, E, k = p.get("model_name", "capserve-moe-tiny"), p.get("experts", 16), p.get("top_k", 2)
+    stem = p.get("name", "capacity_quality")
     lines = [
-        "# Capacity-aware scheduling: quality on capserve-moe-tiny",
+        f"# Capacity-aware scheduling: quality on {name}",
         "",
-        f"Generated by `tools/eval/capacity_quality.py` (raw figures: `capacity_quality.json`; plot: "
-        f"`capacity_quality.png`). Held-out perplexity per domain (protocol of `default_model_eval.md`: "
+        f"Generated by `tools/eval/capacity_quality.py` (raw figures: `{stem}.json`; plot: "
+        f"`{stem}.png`). Held-out perplexity per domain (protocol of `{REFERENCE_EVAL[name][:-5]}.md`: "
         f"windows of one `<|endoftext|>` + 255 text tokens) by `capserve-eval-heldout` under "
         f"`mpirun -np {p['ranks']}` ({p['threads_per_rank']} thread per rank, {p['placement']} expert "
-        f"placement: each rank hosts a block of 16 / {p['ranks']} consecutive experts), the first **{p['windows_per_domain']} windows "
+        f"placement: each rank hosts a block of {E} / {p['ranks']} consecutive experts), the first **{p['windows_per_domain']} windows "
         f"per domain**, each step {p['batch_windows']} windows of one domain split over the ranks (so a step "
-        f"has {p['batch_windows'] * 256} tokens, N̄ = {p['batch_windows'] * 256} x 2 / 16 = "
-        f"{p['batch_windows'] * 256 * 2 // 16} assignments per expert, capacity ⌈γ N̄⌉). Capacity applies to "
+        f"has {p['batch_windows'] * 256} tokens, N̄ = {p['batch_windows'] * 256} x {k} / {E} = "
+        f"{p['batch_windows'] * 256 * k // E} assignments per expert, capacity ⌈γ N̄⌉). Capacity applies to "
         f"every MoE layer. \"mean\" is the geometric mean of the five domains' perplexities, \"increase\" "
         f"its ratio to γ = inf minus one; \"dropped\" / \"rerouted\" are fractions of all (token, slot) "
-        f"assignments over the four MoE layers. Grid wall time: {data['grid_seconds'] / 60:.1f} min for "
+        f"assignments over the {p.get('moe_layers', 4)} MoE layers. Grid wall time: {data['grid_seconds'] / 60:.1f} min for "
         f"{len(data['runs'])} runs on {p['cpus']} cores shared with other jobs (a {p['windows_per_domain']}-window "
         f"run took {min(seconds):.0f}–{max(seconds):.0f} s).",
         "",
         f"Reproduce: `python3 tools/eval/capacity_quality.py --build-dir <build> --np {p['ranks']} --windows "
-        f"{p['windows_per_domain']}` (the build's `capserve-eval-heldout`; mpirun with --oversubscribe).",
+        f"{p['windows_per_domain']}"
+        + (f" --model {p['model']} --name {stem} --main-only --gammas {' '.join(g.gammas)}" if p.get("main_only")
+           else "")
+        + "` (the build's `capserve-eval-heldout`; mpirun with --oversubscribe).",
         "",
         "## Check: γ = inf",
         "",
@@ -411,26 +432,24 @@ def report(data: dict) -> str:
         "",
         "Fraction dropped per MoE layer:",
         "",
-    ] + layer_drop_table(g, m, ["drop-gate", "reroute-R1", "expanded-m1"]) + [
-        "",
-        "## Other granularities and scopes",
-        "",
-        "Mean perplexity increase over γ = inf (dropped):",
-        "",
-    ]
-    rows = []
-    for s in [m] + OTHER_SETTINGS:
-        for v in OTHER_VARIANTS:
-            rows.append([f"{s[0]} / {s[1]} / {v}"] + [
-                f"{pct(g.increase(s, v, x))} ({pct(g.dropped(s, v, x))})" for x in g.gammas])
-    lines += table(["granularity / scope / variant"] + [f"γ={x}" for x in g.gammas], rows)
-    lines += ["", "## What it shows", ""]
+    ] + layer_drop_table(g, m, ["drop-gate", "reroute-R1", "expanded-m1"]) + [""]
+    settings = [m] + ([] if p.get("main_only") else OTHER_SETTINGS)
+    if not p.get("main_only"):
+        lines += ["## Other granularities and scopes", "", "Mean perplexity increase over γ = inf (dropped):", ""]
+        rows = []
+        for s in settings:
+            for v in OTHER_VARIANTS:
+                rows.append([f"{s[0]} / {s[1]} / {v}"] + [
+                    f"{pct(g.increase(s, v, x))} ({pct(g.dropped(s, v, x))})" for x in g.gammas])
+        lines += table(["granularity / scope / variant"] + [f"γ={x}" for x in g.gammas], rows) + [""]
+    lines += ["## What it shows", ""]
     lines += checks(g)
-    lines += ["", "Routing concentration at γ = inf (share of tokens whose top-2 holds the layer's busiest "
+    lines += ["", f"Routing concentration at γ = inf (share of tokens whose top-{k} holds the layer's busiest "
               "expert): " + ", ".join(f"layer {l}: {pct(c, 0)} (e{e})" for l, c, e in conc) + ".", ""]
-    for paragraph in explanation(g):
-        lines += [paragraph, ""]
-    for s in [m] + OTHER_SETTINGS:
+    if not p.get("main_only"):  # the reasons are this grid's (granularity and scope) and the tiny model's
+        for paragraph in explanation(g):
+            lines += [paragraph, ""]
+    for s in settings:
         lines += [f"## Per domain: {s[0]} / {s[1]}", ""] + domain_table(g, s) + [""]
     return "\n".join(lines)
 
@@ -480,7 +499,8 @@ def plot(data: dict, path: Path) -> None:
 
     g = Grid(data)
     xs = sorted(g.gammas, key=float)
-    fig, axes = plt.subplots(1, 3, figsize=(18, 5.5))
+    main_only = data["protocol"].get("main_only", False)
+    fig, axes = plt.subplots(1, 2 if main_only else 3, figsize=(12 if main_only else 18, 5.5))
     styles = {"drop": "-", "reroute": "--", "expanded": ":"}
     for v in VARIANTS:
         style = styles[v.split("-")[0]]
@@ -488,21 +508,22 @@ def plot(data: dict, path: Path) -> None:
                      marker="o", label=v)
         axes[1].plot([float(x) for x in xs], [100 * g.dropped(MAIN_SETTING, v, x) for x in xs], style,
                      marker="o", label=v)
-    for s, color in zip([MAIN_SETTING] + OTHER_SETTINGS, ["C0", "C1", "C2", "C3"]):
+    for s, color in zip([] if main_only else [MAIN_SETTING] + OTHER_SETTINGS, ["C0", "C1", "C2", "C3"]):
         for v in OTHER_VARIANTS:
             axes[2].plot([float(x) for x in xs], [100 * g.increase(s, v, x) for x in xs],
                          styles[v.split("-")[0]], color=color, marker="o", label=f"{s[0]}/{s[1]} {v}")
     axes[0].set_title("expert / global: mean perplexity increase over γ=inf")
     axes[1].set_title("expert / global: assignments dropped")
-    axes[2].set_title("granularity / scope: mean perplexity increase")
+    if not main_only:
+        axes[2].set_title("granularity / scope: mean perplexity increase")
     for ax, ylabel in zip(axes, ["increase (%)", "dropped (% of assignments)", "increase (%)"]):
         ax.set_xlabel("capacity factor γ")
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-    for ax in (axes[0], axes[2]):
+    for ax in (axes[0],) if main_only else (axes[0], axes[2]):
         ax.set_yscale("symlog", linthresh=1)
-    fig.suptitle(f"capserve-moe-tiny, {data['protocol']['windows_per_domain']} held-out windows per domain, "
+    fig.suptitle(f"{data['protocol'].get('model_name', 'capserve-moe-tiny')}, {data['protocol']['windows_per_domain']} held-out windows per domain, "
                  f"mpirun -np {data['protocol']['ranks']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -520,13 +541,14 @@ def write_outputs(data: dict, args: argparse.Namespace) -> None:
         if Path(sys.prefix).resolve() == venv.resolve() or not venv.exists():
             raise
         subprocess.run([str(venv / "bin" / "python"), __file__, "--report-only", "--out-dir", str(args.out_dir),
-                        "--model", str(args.model), "--corpus", str(args.corpus)], check=True)
+                        "--model", str(args.model), "--corpus", str(args.corpus), "--name", args.name],
+                       check=True)
         return
     if "router" not in data:
         data["router"] = router_probabilities(args.model, args.corpus, data["protocol"]["windows_per_domain"])
-        (args.out_dir / "capacity_quality.json").write_text(dump(data))
-    (args.out_dir / "capacity_quality.md").write_text(report(data) + "\n")
-    plot(data, args.out_dir / "capacity_quality.png")
+        (args.out_dir / f"{args.name}.json").write_text(dump(data))
+    (args.out_dir / f"{args.name}.md").write_text(report(data) + "\n")
+    plot(data, args.out_dir / f"{args.name}.png")
 
 
 def main() -> None:
@@ -538,15 +560,18 @@ def main() -> None:
     ap.add_argument("--model", type=Path, default=MODEL)
     ap.add_argument("--corpus", type=Path, default=CORPUS)
     ap.add_argument("--gammas", nargs="+", default=GAMMAS)
+    ap.add_argument("--name", default="capacity_quality", help="the results' file names (NAME.json, .md, .png)")
+    ap.add_argument("--main-only", action="store_true",
+                    help="the main setting (expert granularity, global scope) alone")
     ap.add_argument("--mpirun", default="mpirun")
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/capacity_quality_runs"))
     ap.add_argument("--resume", action="store_true", help="reuse the runs already in --work-dir")
     ap.add_argument("--report-only", action="store_true",
-                    help="rewrite the report and plot from <out-dir>/capacity_quality.json")
+                    help="rewrite the report and plot from <out-dir>/NAME.json")
     args = ap.parse_args()
     for name in ("build_dir", "out_dir", "model", "corpus", "work_dir"):
         setattr(args, name, getattr(args, name).resolve())
-    raw = args.out_dir / "capacity_quality.json"
+    raw = args.out_dir / f"{args.name}.json"
     if args.report_only:
         data = json.loads(raw.read_text())
     else:

@@ -18,7 +18,8 @@ constexpr const char* kExpectedShapes =
     "expected one of: --moe-stats output {\"layers\": [{\"layer\": i, \"routed_load\": [...]}, ...]}; a "
     "counts "
     "file {model: {\"expert_counts\": {domain: {layer: [count per expert]}}}}; SGLang's expert-distribution "
-    "dump {\"logical_count\": [layer][expert] or [step][layer][expert]}";
+    "dump {\"logical_count\": [layer][expert] or [step][layer][expert]}; a model measurement "
+    "(tools/measure_default_model.py) {\"domains\": {domain: {\"expert_counts\": {layer: [...]}}}}";
 
 class Reader {
  public:
@@ -147,6 +148,23 @@ ExpertCounts read_counts_file(const Reader& reader, const json& doc, const std::
   return out;
 }
 
+// tools/measure_default_model.py's measurement: {"domains": {domain: {"expert_counts": {layer: [...]}}},
+// "config": {"num_experts_per_tok": k}, ...}.
+ExpertCounts read_model_eval(const Reader& reader, const json& doc) {
+  const json& domains = doc.at("domains");
+  if (!domains.is_object() || domains.empty()) reader.fail("\"domains\" must be an object {domain: {...}}");
+  json counts = json::object();
+  for (const auto& [domain, entry] : domains.items()) {
+    if (!entry.is_object() || !entry.contains("expert_counts"))
+      reader.fail("domain " + domain + " has no \"expert_counts\"");
+    counts[domain] = entry["expert_counts"];
+  }
+  ExpertCounts out{"model-eval", 0, std::nullopt, read_domains(reader, counts, "domains")};
+  if (const auto c = doc.find("config"); c != doc.end() && c->contains("num_experts_per_tok"))
+    out.top_k = c->at("num_experts_per_tok").get<std::int64_t>();
+  return out;
+}
+
 ExpertCounts read_sglang(const Reader& reader, const json& doc) {
   const json& lc = doc.at("logical_count");
   const auto shape_error = [&] {
@@ -189,6 +207,8 @@ ExpertCounts read_expert_counts(const std::filesystem::path& path, const std::st
   ExpertCounts out;
   if (doc.contains("logical_count")) {
     out = read_sglang(reader, doc);
+  } else if (doc.contains("domains") && doc.contains("routing")) {
+    out = read_model_eval(reader, doc);
   } else if (doc.contains("layers") && doc["layers"].is_array()) {
     out = read_moe_stats(reader, doc);
   } else if (std::all_of(doc.begin(), doc.end(), [](const json& v) { return v.is_object(); })) {

@@ -6,7 +6,9 @@
 //     "expert_counts_top1": ...}} (one group per domain; top-k = sum of counts / sum of top-1 counts, where
 //     the file has both);
 //   - SGLang's expert-distribution dump (stat mode, as JSON): {"logical_count": [layer][expert]} or
-//     [step][layer][expert], summed over the steps (one group "all"; top-k unknown).
+//     [step][layer][expert], summed over the steps (one group "all"; top-k unknown);
+//   - a model measurement by tools/measure_default_model.py (tools/results/*_eval.json): {"domains": {domain:
+//     {"expert_counts": {layer: [...]}}}, "config": {"num_experts_per_tok": k}} (one group per domain).
 #include <cstdint>
 #include <filesystem>
 #include <optional>
@@ -27,7 +29,7 @@ struct CountsGroup {
 };
 
 struct ExpertCounts {
-  std::string format;  // "moe-stats", "counts", "sglang"
+  std::string format;  // "moe-stats", "counts", "sglang", "model-eval"
   std::int64_t num_experts = 0;
   std::optional<std::int64_t> top_k;  // when the file tells
   std::vector<CountsGroup> groups;

@@ -1,8 +1,9 @@
 """capserve-placement as a program: every counts-file shape (shared counts file, SGLang dump 2-D and 3-D, our
---moe-stats), clear errors for other shapes, and its output given to --expert-placement of a real 2-rank run,
-which then loads exactly the per-rank loads the tool reported.
+--moe-stats, a model measurement), clear errors for other shapes, and its output given to --expert-placement of a
+real 2-rank run, which then loads exactly the per-rank loads the tool reported. capserve-levers on the same
+files: the levers' costs and effects in the directions they must go.
 
-Usage: test_placement_cli.py CAPSERVE_PLACEMENT CAPSERVE_GENERATE SOURCE_DIR SHARED_DATA_DIR
+Usage: test_placement_cli.py CAPSERVE_PLACEMENT CAPSERVE_GENERATE SOURCE_DIR SHARED_DATA_DIR CAPSERVE_LEVERS
 """
 import json
 import subprocess
@@ -11,7 +12,7 @@ import tempfile
 import unittest
 from pathlib import Path
 
-PLACEMENT, GENERATE, SOURCE, SHARED = (Path(a) for a in sys.argv[1:5])
+PLACEMENT, GENERATE, SOURCE, SHARED, LEVERS = (Path(a) for a in sys.argv[1:6])
 COUNTS = SHARED / "routing/olmoe_mixtral_expert_counts.json"
 MODEL = SOURCE / "deploy/models/capserve-moe-tiny"
 
@@ -117,6 +118,39 @@ class Placement(unittest.TestCase):
         self.assertEqual(p.returncode, 0, p.stderr)
         placed = json.loads(placed_stats.read_text())["layers"]
         self.assertEqual([l["rank_routed_load"] for l in placed], [l["rank_load"] for l in doc["layers"]])
+
+    def test_a_model_measurement(self):
+        doc, _ = self.place(SOURCE / "tools/results/fine_model_eval.json", "--ranks", "4")
+        self.assertEqual(doc["num_experts"], 64)
+        self.assertEqual(doc["top_k"], 8)
+        self.assertEqual([l["layer"] for l in doc["layers"]], [0, 1, 2, 3])
+        self.assertEqual(doc["domains"], ["arxiv", "books", "code", "web", "wikipedia"])
+
+    def test_levers_side_by_side(self):
+        out = self.dir / "levers.json"
+        p = run([LEVERS, "--source", f"olmoe={COUNTS}#olmoe", "--source",
+                 f"fine={SOURCE / 'tools/results/fine_model_eval.json'}", "--ranks", "4,8", "--json", out])
+        self.assertEqual(p.returncode, 0, p.stderr)
+        rows = json.loads(out.read_text())
+        for source in ("olmoe", "fine"):
+            for ranks in (4, 8):
+                with self.subTest(source=source, ranks=ranks):
+                    mine = {r["lever"]: r for r in rows if r["source"] == source and r["ranks"] == ranks}
+                    base = mine["contiguous placement (baseline)"]
+                    self.assertEqual((base["speedup_vs_contiguous"], base["dropped_fraction"]), (1.0, 0.0))
+                    self.assertEqual(base["expert_slots_per_rank"], 64 // ranks)
+                    for extra in (1, 2):
+                        rep = mine[f"replication +{extra} slot{'s' if extra > 1 else ''} per rank"]
+                        self.assertEqual(rep["expert_slots_per_rank"], 64 // ranks + extra)
+                        self.assertEqual(rep["dropped_fraction"], 0.0)
+                        self.assertGreater(rep["speedup_vs_contiguous"], 1.0)
+                    drops = [mine[f"capacity gamma {g}"]["dropped_fraction"] for g in ("1.5", "1.25", "1.0")]
+                    self.assertTrue(0 < drops[0] < drops[1] < drops[2], drops)
+                    self.assertLessEqual(mine["capacity gamma 1.0"]["worst_max_over_mean"], 1.0 + 1e-9,
+                                         "no expert keeps more than the mean: no rank does")
+        bad = run([LEVERS, "--source", "no-label-here"])
+        self.assertEqual(bad.returncode, 1)
+        self.assertIn("expected LABEL=PATH", bad.stderr)
 
 
 if __name__ == "__main__":
