@@ -178,9 +178,41 @@ def write_report(data: dict, out_dir: Path, name: str) -> None:
                     f"{f['e2e_p99'] * 1e3:.0f} | {f['tok_s']:.1f} | {f['imbalance']:.3f} | {f['cosine']:.3f} | "
                     f"{f['predicted']:.3f} / {f['realized']:.3f} | " + " | ".join(gains) + " |")
         lines.append("")
+    if data["reps"] > 1:
+        lines += spread(data)
     (out_dir / f"{name}.md").write_text("\n".join(lines))
     print("\n".join(lines))
     plot(data, cells, out_dir / f"{name}.png")
+
+
+def spread(data: dict) -> list[str]:
+    """Each strategy's gains over fcfs repetition by repetition (each against the fcfs run of its own
+    repetition): an effect is one whose sign holds across the repetitions, not one mean."""
+    runs = {(r["rep"], r["gamma"], r["workload"], r["strategy"]): figures(r) for r in data["runs"]}
+    lines = ["## Spread over the repetitions", "",
+             "Gain over fcfs in each repetition (min .. max, then every value in repetition order).", "",
+             "| gamma | workload | strategy | TTFT p99 gain | e2e p99 gain | imbalance reduction (of excess) |",
+             "|---|---|---|---|---|---|"]
+    for gamma in data["gammas"]:
+        for spec in data["workloads"]:
+            for strategy in STRATEGIES:
+                if strategy == BASELINE:
+                    continue
+                gains: dict = {"ttft": [], "e2e": [], "imb": []}
+                for rep in range(data["reps"]):
+                    f, base = runs.get((rep, gamma, spec, strategy)), runs.get((rep, gamma, spec, BASELINE))
+                    if f is None or base is None:
+                        continue
+                    gains["ttft"].append(-pct(f["ttft_p99"], base["ttft_p99"]))
+                    gains["e2e"].append(-pct(f["e2e_p99"], base["e2e_p99"]))
+                    gains["imb"].append(-pct(f["imbalance"] - 1, base["imbalance"] - 1))
+                if not gains["ttft"]:
+                    continue
+                cell = lambda v: (f"{min(v):+.1f}% .. {max(v):+.1f}% ("  # noqa: E731
+                                  + ", ".join(f"{x:+.1f}" for x in v) + ")")
+                lines.append(f"| {gamma} | {describe_workload(spec)} | {strategy} | {cell(gains['ttft'])} | "
+                             f"{cell(gains['e2e'])} | {cell(gains['imb'])} |")
+    return lines + [""]
 
 
 def plot(data: dict, cells: dict, path: Path) -> None:
