@@ -109,7 +109,10 @@ LoadMap LoadMap::read(const std::filesystem::path& path) {
     const nlohmann::json& m = j.at("model");
     LoadMapShape shape{m.at("architecture").get<std::string>(), m.at("moe_layers").get<std::int64_t>(),
                        m.at("experts").get<std::int64_t>(), m.at("top_k").get<std::int64_t>()};
-    if (shape.moe_layers <= 0 || shape.experts <= 0 || shape.moe_layers * shape.experts > (1 << 16))
+    // Keeps the products below in range; capserve-moe-fine has 256 inputs.
+    constexpr std::int64_t kMaxInputs = 1 << 16;
+    if (shape.moe_layers <= 0 || shape.experts <= 0 || shape.moe_layers > kMaxInputs ||
+        shape.experts > kMaxInputs || shape.moe_layers * shape.experts > kMaxInputs)
       throw fail("a model of " + std::to_string(shape.moe_layers) + " MoE layers x " +
                  std::to_string(shape.experts) + " experts is outside what a map covers (1 to 65536 inputs)");
     auto weights = j.at("weights").get<std::vector<double>>();

@@ -130,7 +130,8 @@ std::int64_t Scheduler::admit(Clock::time_point now, StepPlan& plan, std::int64_
     Waiting& w = waiting_[i];
     if (!w.predicted) {
       w.load.assign(static_cast<std::size_t>(balanced_layers(predictor_) * ranks_), 0.0F);
-      if (predictor_ != nullptr) predictor_->predict(w.request->prompt(), w.load);
+      // A model without routed experts has nothing to predict: its loads stay zero.
+      if (predictor_ != nullptr && predictor_->layers() > 0) predictor_->predict(w.request->prompt(), w.load);
       w.predicted = true;
     }
     // Its first chunk: what the selector weighs this step.
