@@ -106,6 +106,7 @@ struct Options {
   server::SchedulerConfig scheduler;
   std::int64_t dry_run_layers = 1;
   std::string load_map = "auto";  // a path, "auto" (the model directory's capserve_load_map.json) or "none"
+  std::string step_trace;         // --step-trace FILE (rank 0), empty: none
   bool prefix_cache = true;       // --prefix-cache / --no-prefix-cache, before resolve_prefix_cache
   std::string strategy = "fcfs";
   server::ServiceLimits limits;
@@ -277,6 +278,11 @@ void add_flags(CLI::App& app, Options& o) {
                  "the batch selector's learned load map (capserve-eval-predictor --write-map): a file, auto "
                  "(the model directory's capserve_load_map.json when it has one) or none (the dry run alone)")
       ->capture_default_str();
+  app.add_option(
+      "--step-trace", o.step_trace,
+      "write one JSON line per engine step to this file (rank 0): each rank's tokens, attention work "
+      "and expert load, and the step's time (server/step_trace.h; tools/planner/planner_eval.py calibrate "
+      "fits a step cost model to it)");
   app.add_option("--step-timeout-s", o.step_timeout_s,
                  "a step making no progress this long (a hung rank) fails every request and ends the job")
       ->check(CLI::Range(0.1, 86400.0))
@@ -731,6 +737,14 @@ int serve(parallel::MpiWorld& world, const Options& o, runtime::Engine& engine, 
   }
   const capserve::v1::ServerInfo info =
       predictor ? describe_server(world, o, model, *predictor) : capserve::v1::ServerInfo{};
+  std::unique_ptr<server::StepTraceWriter> step_trace;
+  if (failure.empty() && !o.step_trace.empty()) {
+    try {
+      step_trace = std::make_unique<server::StepTraceWriter>(o.step_trace);
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+  }
   FrontEnds front_ends;
   if (failure.empty()) failure = front_ends.start(world, o, model, info, *predictor, text);
   if (!world.all_agree(failure.empty())) {
@@ -739,7 +753,7 @@ int serve(parallel::MpiWorld& world, const Options& o, runtime::Engine& engine, 
   }
   front_ends.serve_health();
   server::StepLoop loop(world, worker, engine, front_ends.scheduler(), front_ends.metrics(), front_ends,
-                        {g_stop_requested, g_sigusr2_received}, step_bound(o), heartbeat);
+                        {g_stop_requested, g_sigusr2_received}, step_bound(o), heartbeat, step_trace.get());
 
   // Machine-readable start line: tests and scripts wait for it.
   const std::string grpc_address = host_port(o.host, front_ends.grpc_port());

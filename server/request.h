@@ -61,14 +61,15 @@ struct OutputForm {
 class Request {
  public:
   // peer: the client's address as its front end names it (gRPC: "ipv4:10.0.0.1:54321"), for the access log.
+  // arrival: now, except in a simulation (the trace-driven planner runs the scheduler on its own clock).
   Request(std::string id, std::vector<std::int32_t> prompt, runtime::SamplingParams params, OutputForm output,
-          Clock::time_point deadline, std::string peer = {})
+          Clock::time_point deadline, std::string peer = {}, Clock::time_point arrival = Clock::now())
       : id_(std::move(id)),
         prompt_(std::move(prompt)),
         params_(std::move(params)),
         output_(std::move(output)),
         deadline_(deadline),
-        arrival_(Clock::now()),
+        arrival_(arrival),
         peer_(std::move(peer)) {}
 
   [[nodiscard]] const std::string& id() const { return id_; }

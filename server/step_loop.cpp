@@ -30,7 +30,8 @@ constexpr auto kStalledGrace = std::chrono::seconds(1);
 
 StepLoop::StepLoop(parallel::MpiWorld& world, RankWorker& worker, runtime::Engine& engine,
                    Scheduler& scheduler, ServerMetrics& metrics, FrontEndControl& front_ends, Signals signals,
-                   StepWatchdog::Clock::duration step_bound, parallel::RankHeartbeat* heartbeat)
+                   StepWatchdog::Clock::duration step_bound, parallel::RankHeartbeat* heartbeat,
+                   StepTraceWriter* trace)
     : world_(world),
       worker_(worker),
       engine_(engine),
@@ -38,6 +39,8 @@ StepLoop::StepLoop(parallel::MpiWorld& world, RankWorker& worker, runtime::Engin
       metrics_(metrics),
       front_ends_(front_ends),
       signals_(signals),
+      trace_(trace),
+      shape_(world.size()),
       watchdog_(step_bound, heartbeat, [this](const std::string& why) { on_stall(why); }) {}
 
 int StepLoop::run() {
@@ -89,7 +92,8 @@ bool StepLoop::drained() const {
 }
 
 void StepLoop::step() {
-  const StepPlan plan = scheduler_.plan(Clock::now());
+  const Clock::time_point started = Clock::now();
+  const StepPlan plan = scheduler_.plan(started);
   std::vector<std::byte> bytes = serialize(plan);
   watchdog_.begin_step();
   world_.broadcast(bytes, 0);
@@ -102,6 +106,13 @@ void StepLoop::step() {
   // capserve_requests_total), the work of its last step is already in /metrics.
   if (plan.has_work()) metrics_.record_step(engine_.last_moe_stats());
   scheduler_.complete(results_, engine_.last_moe_stats(), Clock::now());
+  if (trace_ == nullptr) return;
+  const std::span<const RankWork> work = shape_.apply(plan);
+  if (plan.has_work()) {
+    active_experts(engine_.last_moe_stats(), engine_.model().placement(), active_);
+    trace_->write(started, std::chrono::duration<double>(Clock::now() - started).count(), work,
+                  engine_.last_moe_stats(), active_);
+  }
 }
 
 void StepLoop::end_watched() {

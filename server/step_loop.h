@@ -17,6 +17,8 @@
 #include "server/scheduler.h"
 #include "server/server_metrics.h"
 #include "server/step_plan.h"
+#include "server/step_shape.h"
+#include "server/step_trace.h"
 #include "server/step_watchdog.h"
 
 namespace capserve::server {
@@ -41,10 +43,12 @@ class StepLoop {
     std::atomic<int>& sigusr2_received;       // received and not yet logged
   };
 
-  // Rank 0. Every reference must outlive the loop; `heartbeat` (may be null) names a stalled rank.
+  // Rank 0. Every reference must outlive the loop; `heartbeat` (may be null) names a stalled rank; `trace`
+  // (may be null) records every step that computes something.
   StepLoop(parallel::MpiWorld& world, RankWorker& worker, runtime::Engine& engine, Scheduler& scheduler,
            ServerMetrics& metrics, FrontEndControl& front_ends, Signals signals,
-           StepWatchdog::Clock::duration step_bound, parallel::RankHeartbeat* heartbeat);
+           StepWatchdog::Clock::duration step_bound, parallel::RankHeartbeat* heartbeat,
+           StepTraceWriter* trace = nullptr);
   StepLoop(const StepLoop&) = delete;
   StepLoop& operator=(const StepLoop&) = delete;
 
@@ -80,6 +84,9 @@ class StepLoop {
   bool draining_ = false;
   Clock::time_point drain_started_{};
   std::vector<StepResult> results_;  // the ranks' results of the step, reused
+  StepTraceWriter* trace_;
+  StepShape shape_;                   // followed only with a trace
+  std::vector<std::int64_t> active_;  // the trace's active experts per layer and rank, reused
   // Last: destroyed first, so that its thread never calls on_stall on a loop being torn down.
   StepWatchdog watchdog_;
 };

@@ -1,15 +1,19 @@
 """The fine-grained embedded model, capserve-moe-fine (64 experts, top-8), served and scored: its held-out
 log-likelihoods equal HF transformers' (tools/results/fine_model_eval.json, per window), the server finds the
-model's learned load map on its own and runs the greedy batch selector over every MoE layer with it, and a chat
-completion streams its tokens with the MoE usage of 64 experts."""
+model's learned load map on its own and runs the greedy batch selector over every MoE layer with it, a chat
+completion streams its tokens with the MoE usage of 64 experts, and under a capacity factor that drops (gamma 1),
+protected requests lose no assignment while the standard ones beside them lose many (test_capacity_classes.py's
+check on the fine-grained routing)."""
 
 import json
 import math
 import os
 import subprocess
 import tempfile
+import threading
 
 from capserve_e2e import MODEL, ServerTestCase, http_chat, main, pb
+from test_capacity_classes import PROMPTS, body
 
 FINE = os.path.join(os.path.dirname(MODEL), "capserve-moe-fine")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(MODEL))))
@@ -48,6 +52,30 @@ class FineModelTest(ServerTestCase):
         self.assertEqual(status, 200, reply)
         self.assertEqual(reply["usage"]["completion_tokens"], 12)
         self.assertEqual(reply["moe"]["assignments"], 8 * 4 * (reply["usage"]["prompt_tokens"] + 11))
+
+
+class FineModelProtectedClassTest(ServerTestCase):
+    MODEL = FINE
+    FLAGS = ["--capacity-factor", "1", "--capacity-policy", "drop", "--max-protected-requests", "2"]
+
+    def test_protected_requests_lose_no_assignment_under_load(self):
+        classes = ["protected", "protected"] + ["standard"] * (len(PROMPTS) - 2)
+        results = [None] * len(PROMPTS)
+
+        def one(i):
+            results[i] = http_chat(self.server.http_port, body(PROMPTS[i], classes[i]), timeout=300)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for (status, reply), c in zip(results, classes):
+            self.assertEqual(status, 200, reply)
+            if c == "protected":
+                self.assertEqual(reply["moe"]["dropped"], 0, reply["moe"])
+        standard = sum(r["moe"]["dropped"] for (_, r), c in zip(results, classes) if c == "standard")
+        self.assertGreater(standard, 0, "gamma 1 dropped nothing of the standard requests")
 
 
 if __name__ == "__main__":

@@ -384,6 +384,27 @@ def explanation(g: Grid) -> list[str]:
     return lines
 
 
+# The capacity-aware inference paper (arXiv 2503.05066) as issue 30 quotes it: the quality cost of its operating
+# point and the MoE-layer speedup it buys on 8 GPUs.
+PAPER_ROWS = [("OLMoE-1B-7B (paper)", "+0.9%", "about 1.3x (\"30%\")"),
+              ("Mixtral-8x7B (paper)", "+0.2% at γ = 1.5", "1.85x at 8 GPUs")]
+
+
+def beside_paper(g: "Grid", name: str) -> list[str]:
+    """Our drop-by-gate operating points beside the paper's figures (speedups on routing counts: lever_table.md)."""
+    m = MAIN_SETTING
+    rows = [[label, quality, speed] for label, quality, speed in PAPER_ROWS]
+    for x in g.gammas:
+        if x != "inf":
+            rows.append([f"{name}, γ = {x} (drop by gate score)", f"{pct(g.increase(m, 'drop-gate', x))} "
+                         f"({pct(g.dropped(m, 'drop-gate', x))} of assignments dropped)", "see lever_table.md"])
+    return (["## Beside the paper", "",
+             "The paper's operating points (mean perplexity increase; MoE-layer speedup from the straggler's "
+             "load) and ours on this model; the speedup on this model's and on real OLMoE / Mixtral routing "
+             "counts per γ: `lever_table.md` (routing counts) and `planner_projection.md` (8-GPU steps).", ""]
+            + table(["model, setting", "perplexity increase", "MoE-layer speedup"], rows) + [""])
+
+
 def report(data: dict) -> str:
     g = Grid(data)
     p = data["protocol"]
@@ -442,6 +463,7 @@ def report(data: dict) -> str:
                 rows.append([f"{s[0]} / {s[1]} / {v}"] + [
                     f"{pct(g.increase(s, v, x))} ({pct(g.dropped(s, v, x))})" for x in g.gammas])
         lines += table(["granularity / scope / variant"] + [f"γ={x}" for x in g.gammas], rows) + [""]
+    lines += beside_paper(g, name)
     lines += ["## What it shows", ""]
     lines += checks(g)
     lines += ["", f"Routing concentration at γ = inf (share of tokens whose top-{k} holds the layer's busiest "
