@@ -74,7 +74,7 @@ struct Options {
   // Prompts and sizes.
   // In the source tree known at build time, so that the tool runs from any directory.
   std::string corpus = CAPSERVE_SOURCE_DIR "/../shared/data/corpus";
-  std::vector<std::string> domains{"arxiv", "books", "code", "web", "wikipedia"};
+  std::vector<std::string> domains = capserve::loadgen::kCorpusDomains;
   std::string prompt_mix = "bursts";
   std::int64_t burst_length = 16;
   std::string tokenizer;

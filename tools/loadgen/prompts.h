@@ -16,6 +16,9 @@ namespace capserve::loadgen {
 
 enum class PromptMix { bursts, mixed };
 
+// The corpus's domains (../shared/data/corpus/<domain>.txt).
+inline const std::vector<std::string> kCorpusDomains{"arxiv", "books", "code", "web", "wikipedia"};
+
 struct PromptConfig {
   std::filesystem::path corpus_dir;
   std::vector<std::string> domains;  // file stems under corpus_dir

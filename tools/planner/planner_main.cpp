@@ -45,9 +45,8 @@ struct Options {
   std::int64_t max_requests = 0;
   std::uint64_t seed = 1;
   std::string corpus = CAPSERVE_SOURCE_DIR "/../shared/data/corpus";
-  std::vector<std::string> domains{"arxiv", "books", "code", "web", "wikipedia"};
+  loadgen::PromptConfig prompts{.corpus_dir = {}, .domains = loadgen::kCorpusDomains};
   std::string prompt_mix = "bursts";
-  std::int64_t burst_length = 16;
   std::string tokenizer;
   std::int64_t prompt_tokens = 128, output_tokens = 64, max_prompt_tokens = 512, max_tokens = 128;
   std::int64_t max_context = 4096;
@@ -89,9 +88,11 @@ std::vector<tools::SimRequest> workload(const Options& o, const tools::RoutingMo
   }
   const std::optional<runtime::Tokenizer> tokenizer =
       o.tokenizer.empty() ? std::nullopt : std::optional(runtime::Tokenizer::load(o.tokenizer));
-  PromptSource prompts({o.corpus, o.domains, o.prompt_mix == "mixed" ? PromptMix::mixed : PromptMix::bursts,
-                        o.burst_length, o.seed, 4},
-                       tokenizer ? &*tokenizer : nullptr);
+  PromptConfig config = o.prompts;
+  config.corpus_dir = o.corpus;
+  config.mix = o.prompt_mix == "mixed" ? PromptMix::mixed : PromptMix::bursts;
+  config.seed = o.seed;
+  PromptSource prompts(config, tokenizer ? &*tokenizer : nullptr);
   LengthCaps caps({o.max_prompt_tokens, o.max_tokens, o.max_context});
   std::vector<tools::SimRequest> out;
   out.reserve(arrivals.size());
@@ -129,9 +130,10 @@ int main(int argc, char** argv) {
   app.add_option("--seed", o.seed, "arrivals, sizes and prompt domains (as capserve-loadgen's)")
       ->capture_default_str();
   app.add_option("--corpus", o.corpus, "the corpus directory (prompt domains)")->capture_default_str();
-  app.add_option("--domains", o.domains, "corpus domains")->delimiter(',')->capture_default_str();
+  app.add_option("--domains", o.prompts.domains, "corpus domains")->delimiter(',')->capture_default_str();
   app.add_option("--prompt-mix", o.prompt_mix, "bursts | mixed")->capture_default_str();
-  app.add_option("--burst-length", o.burst_length, "requests per run of one domain")->capture_default_str();
+  app.add_option("--burst-length", o.prompts.burst_length, "requests per run of one domain")
+      ->capture_default_str();
   app.add_option("--tokenizer", o.tokenizer,
                  "the model directory capserve-loadgen was given (the same domain sequence as its run)");
   app.add_option("--prompt-tokens", o.prompt_tokens, "without --trace")->capture_default_str();
@@ -144,6 +146,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--ranks", o.sim.ranks)->check(CLI::Range(1, 4096))->capture_default_str();
   app.add_option("--max-running", o.sim.scheduler.max_running)->capture_default_str();
+  app.add_option("--max-queue", o.sim.scheduler.max_queue, "waiting requests beyond this are refused")
+      ->capture_default_str();
   app.add_option("--max-batched-tokens", o.sim.scheduler.max_batched_tokens)->capture_default_str();
   app.add_option("--kv-blocks", o.sim.scheduler.kv_blocks_per_rank)->capture_default_str();
   app.add_option("--kv-block-size", o.sim.scheduler.kv_block_size)->capture_default_str();

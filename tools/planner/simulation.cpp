@@ -218,7 +218,11 @@ SimResult simulate(const SimConfig& config, const RoutingModel& routing, const S
           std::vector<std::int32_t>(static_cast<std::size_t>(r.prompt_tokens), r.domain), params,
           server::OutputForm{.text = false, .stop_strings = {}, .skip_special_tokens = true},
           Clock::time_point::max(), "", at(base, r.at_s));
-      if (scheduler.submit(request).ok()) live.push_back({next, std::move(request), false});
+      if (scheduler.submit(request).ok()) {
+        live.push_back({next, std::move(request), false});
+      } else {
+        ++out.refused;  // the queue is full (the server answers RESOURCE_EXHAUSTED)
+      }
     }
     const server::StepPlan plan = scheduler.plan(at(base, now));
     const std::span<const server::RankWork> work = shape.apply(plan);
@@ -242,7 +246,10 @@ SimResult simulate(const SimConfig& config, const RoutingModel& routing, const S
 
     // The step's tokens by domain, and each rank's results in its work order (chunks, then decodes).
     std::fill(domain_tokens.begin(), domain_tokens.end(), 0);
-    for (server::StepResult& r : results) r = {};
+    for (server::StepResult& r : results) {
+      r.sequences.clear();
+      r.tokens.clear();
+    }
     std::int64_t step_tokens = 0;
     const auto emit = [&](std::uint64_t id, std::int32_t tokens) {
       server::StepResult& r = results[static_cast<std::size_t>(sequences.at(id).rank)];
@@ -349,6 +356,7 @@ nlohmann::json summarize(const SimResult& r) {
   return {
       {"requests", r.requests.size()},
       {"ok", ok},
+      {"refused", r.refused},
       {"steps", r.steps},
       {"makespan_s", r.makespan_s},
       {"mean_step_s", r.steps > 0 ? r.busy_s / static_cast<double>(r.steps) : 0.0},

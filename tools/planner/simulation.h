@@ -44,6 +44,7 @@ struct SimRequestOutcome {
 
 struct SimResult {
   std::vector<SimRequestOutcome> requests;
+  std::int64_t refused = 0;  // at submission: the queue was full
   std::int64_t steps = 0;
   double makespan_s = 0;   // first arrival to last token
   double busy_s = 0;       // steps' time
