@@ -4,12 +4,13 @@ and the 8-GPU projection.
 
     python3 tools/planner/planner_eval.py calibrate --build-dir build   # live runs with --step-trace, fit
     python3 tools/planner/planner_eval.py validate --build-dir build    # planner vs measured live runs
-    python3 tools/planner/planner_eval.py project --build-dir build     # 8x H100 / H200 grid
+    python3 tools/planner/planner_eval.py project --build-dir build     # the lever grid: 8x H100 / H200, here
 
 calibrate: starts capserve on the fine-grained model (deploy/launch.sh) at 4 and 8 ranks with --step-trace,
 drives it with capserve-loadgen over calibration workloads (Poisson 3/s, the Azure code trace's burst at 1/3
 speed, Poisson 6/s past saturation; fcfs, gamma inf and 1.5; seeds 11-13), and fits each rank count's step
-cost (tools/planner/step_cost.h) to the traced steps by non-negative least squares: tools/results/planner_cost_fine_model_{4,8}ranks.json.
+cost (tools/planner/step_cost.h) to the traced steps by non-negative least squares:
+tools/results/planner_cost_fine_model_{4,8}ranks.json.
 validate: replays every run of the earlier live evaluations (tools/results/selector_eval_fine_model_*.json:
 other workloads, seeds and strategies than the calibration's, so held back) through capserve-planner with
 the same arrivals, sizes, prompt domains and server settings, and tabulates predicted vs measured p50 / p99
@@ -17,7 +18,8 @@ TTFT and end-to-end latency, throughput and imbalance: tools/results/planner_val
 project: prices OLMoE-1B-7B and Mixtral-8x7B steps on 8x H100 and 8x H200 from published figures
 (gpu_costs.py) and runs the lever grid (fcfs / greedy / power_of_d, gamma inf / 1.5 / 1.25, contiguous /
 balanced / replication) over the real routing counts (../shared/data/routing) under Poisson and bursty
-arrivals, prompts in runs of one domain or mixed: tools/results/planner_projection.{md,json,png}.
+arrivals, prompts in runs of one domain or mixed, and the same grid for capserve-moe-fine on this machine's 8
+CPU ranks (the fitted cost): tools/results/planner_projection.{md,json,png}.
 Needs numpy (Debian's python3-numpy: run with /usr/bin/python3); the plots need matplotlib (tools/.venv).
 """
 from __future__ import annotations
@@ -27,7 +29,6 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -35,13 +36,13 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "tools" / "eval"))
 from launched_server import LaunchedServer  # noqa: E402
-from selector_eval import CORPUS, TRACE, loadgen, workload_args  # noqa: E402
+from selector_eval import TRACE, loadgen, workload_args  # noqa: E402
 
 FINE = ROOT / "deploy" / "models" / "capserve-moe-fine"
 FINE_ROUTING = ROOT / "tools" / "results" / "fine_model_eval.json"
 RESULTS = ROOT / "tools" / "results"
 CALIBRATION_WORKLOADS = ["poisson:3", "trace:3", "poisson:6"]  # light, bursty, overloaded
-CALIBRATION_SEED = 11  # not a seed of the validation runs (1-3)
+CALIBRATION_SEED = 11  # not a seed of the validation runs (1-3, 21-22)
 TERMS = ["step", "token", "pair", "decode_pair", "assignment", "active_expert", "wire_byte", "capacity_layer",
          "capacity_refine"]
 
