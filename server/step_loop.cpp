@@ -110,8 +110,12 @@ void StepLoop::step() {
   const std::span<const RankWork> work = shape_.apply(plan);
   if (plan.has_work()) {
     active_experts(engine_.last_moe_stats(), engine_.model().placement(), active_);
-    trace_->write(started, std::chrono::duration<double>(Clock::now() - started).count(), work,
-                  engine_.last_moe_stats(), active_);
+    if (!trace_->write(started, std::chrono::duration<double>(Clock::now() - started).count(), work,
+                       engine_.last_moe_stats(), active_)) {
+      spdlog::error(
+          "capserve: --step-trace: cannot write the trace file any more; tracing stops, serving goes on");
+      trace_ = nullptr;
+    }
   }
 }
 

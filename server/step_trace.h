@@ -8,6 +8,7 @@
 //    "active_experts": [[per rank] per MoE layer]  (its experts that computed at least one assignment),
 //    "dropped": [per MoE layer], "wire_bytes": [per MoE layer]  (between different ranks, both directions)}
 // Lines are flushed as they are written, so a trace survives a killed job up to its last whole step.
+// The server stops tracing (and keeps serving) when a line cannot be written.
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -27,9 +28,11 @@ class StepTraceWriter {
   // Throws std::runtime_error naming the file when it cannot be created.
   explicit StepTraceWriter(const std::filesystem::path& path);
 
-  // active_experts: [MoE layers, ranks] (active_experts() below, or a simulation's own).
-  void write(std::chrono::steady_clock::time_point start, double seconds, std::span<const RankWork> ranks,
-             const parallel::MoeStepStats& stats, std::span<const std::int64_t> active_experts);
+  // active_experts: [MoE layers, ranks] (active_experts() below, or a simulation's own). False when the line
+  // could not be written (a full disk): the caller decides, since a trace must not stop a server.
+  [[nodiscard]] bool write(std::chrono::steady_clock::time_point start, double seconds,
+                           std::span<const RankWork> ranks, const parallel::MoeStepStats& stats,
+                           std::span<const std::int64_t> active_experts);
 
  private:
   std::filesystem::path path_;

@@ -313,7 +313,8 @@ SimResult simulate(const SimConfig& config, const RoutingModel& routing, const S
     }
     const StepSeconds seconds = step_seconds(
         cost, {work, load_cells, active_cells, wire, dropped_cells, std::isfinite(config.gamma)});
-    if (trace) trace->write(at(base, now), seconds.total, work, stats, active_cells);
+    if (trace && !trace->write(at(base, now), seconds.total, work, stats, active_cells))
+      throw std::runtime_error("--step-trace: cannot write " + config.step_trace);
     now += seconds.total;
     out.busy_s += seconds.total;
     out.moe_s += seconds.moe;

@@ -91,8 +91,8 @@ TEST(StepTrace, WritesOneJsonLinePerStepWithTheActiveExpertsOfThePlacement) {
   {
     StepTraceWriter trace(path);
     const auto t0 = std::chrono::steady_clock::now();
-    trace.write(t0, 0.25, work, stats, active);
-    trace.write(t0 + std::chrono::milliseconds(500), 0.125, work, stats, active);
+    EXPECT_TRUE(trace.write(t0, 0.25, work, stats, active));
+    EXPECT_TRUE(trace.write(t0 + std::chrono::milliseconds(500), 0.125, work, stats, active));
   }
   std::ifstream in(path);
   std::vector<nlohmann::json> lines;
@@ -110,6 +110,13 @@ TEST(StepTrace, WritesOneJsonLinePerStepWithTheActiveExpertsOfThePlacement) {
   EXPECT_EQ(lines[0]["active_experts"], nlohmann::json({{1, 2}}));
   EXPECT_EQ(lines[0]["dropped"], nlohmann::json({1}));
   EXPECT_EQ(lines[0]["wire_bytes"], nlohmann::json({4096}));
+}
+
+TEST(StepTrace, ALineThatCannotBeWrittenIsReportedNotThrown) {
+  if (!std::filesystem::exists("/dev/full")) GTEST_SKIP() << "no /dev/full";
+  StepTraceWriter trace("/dev/full");  // every write fails: no space left
+  const std::vector<RankWork> work(2);
+  EXPECT_FALSE(trace.write(std::chrono::steady_clock::now(), 0.1, work, parallel::MoeStepStats{}, {}));
 }
 
 TEST(StepTrace, AFileThatCannotBeCreatedIsNamed) {
