@@ -344,6 +344,10 @@ class Backend {
   virtual void schedule_capacity(const CapacityCall& call) = 0;
   // counts int64 [E] += the slots of experts int32 [T, k] per expert (dropped slots, -1, skipped).
   virtual void count_experts(const Tensor& experts, const Tensor& counts) = 0;
+  // copies int32 [T, k] = each entry of experts int32 [T, k] replaced by one of its copies (first_copy int32
+  // [E + 1]; moe::AssignCopies), dropped entries (-1) kept.
+  virtual void assign_copies(const Tensor& experts, const Tensor& first_copy, std::int64_t salt,
+                             const Tensor& copies) = 0;
   // Per token, its dropped and rerouted slots (int64 [T] each, added to) from status u8 [T, k].
   virtual void count_slot_states(const Tensor& status, const Tensor& dropped, const Tensor& rerouted) = 0;
   // The dispatch plan of experts int32 [T, k] (-1 dropped) with gate weights [T, k]; owners and local_index

@@ -125,8 +125,12 @@ void CapacityStage::apply(kernels::Backend& backend, std::int64_t layer, const L
   }
   const std::int64_t tokens = r.experts.dims() == 0 ? 0 : r.experts.dim(0);
   const std::int64_t num_experts = r.probs.row_numel();
-  if (tables.bin_experts.numel() != comm_.size() || tables.owners.numel() != num_experts)
+  if (tables.bin_experts.numel() != comm_.size() || tables.num_experts != num_experts)
     throw std::invalid_argument("capacity stage: the placement does not match the communicator or the model");
+  if (!tables.first_slots.empty() &&
+      (config_.granularity == CapacityGranularity::device || config_.policy == CapacityPolicy::expanded))
+    throw std::invalid_argument(
+        "capacity stage: device granularity and expanded reroute need one rank per expert, not replicas");
   if (tokens != local_tokens_)
     throw std::logic_error("capacity stage: begin_step was given another token count");
 

@@ -1,13 +1,11 @@
 #pragma once
 // EPLB-style expert replication (DeepSeek's EPLB, the baseline capacity-aware inference argues against):
-// redundant copies of the hottest experts, an expert's tokens split evenly over its copies, and the copies
-// ("slots") placed over the ranks as evenly as their loads allow (ExpertPlacement::balanced over the slots).
-// It buys balance with memory: every slot holds a whole expert's weights.
+// redundant copies of the hottest experts, an expert's tokens split evenly over its copies. The copies
+// ("slots") are placed over the ranks by ExpertPlacement::replicated; every slot holds a whole expert's
+// weights, so replication buys balance with memory.
 #include <cstdint>
 #include <span>
 #include <vector>
-
-#include "parallel/expert_placement.h"
 
 namespace capserve::parallel {
 
@@ -18,16 +16,10 @@ struct ExpertReplication {
 };
 
 // EPLB's replication step: each of the `redundant` extra slots goes, one at a time, to the expert with the
-// highest load per copy (ties to the lower id). loads: one per expert, non-negative.
-ExpertReplication replicate_hot_experts(std::span<const double> loads, std::int64_t redundant);
-
-// Per layer, the slots of `replication[layer]` placed over `num_ranks` (the same layer count and slot count
-// in every layer; ExpertPlacement's experts are the slots here).
-ExpertPlacement place_slots(std::span<const ExpertReplication> replication, int num_ranks);
-
-// Per rank, the load `expert_loads` (one per expert) puts on the slots it hosts in `layer`, each expert's
-// load split evenly over its copies.
-std::vector<double> replicated_rank_loads(const ExpertReplication& replication, const ExpertPlacement& slots,
-                                          std::int64_t layer, std::span<const double> expert_loads);
+// highest load per copy among those with fewer than `max_copies` (ties to the lower id). loads: one per
+// expert, non-negative. std::invalid_argument when the slots cannot all be given out (redundant >
+// experts x (max_copies - 1)).
+ExpertReplication replicate_hot_experts(std::span<const double> loads, std::int64_t redundant,
+                                        std::int64_t max_copies);
 
 }  // namespace capserve::parallel

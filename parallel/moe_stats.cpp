@@ -24,7 +24,7 @@ double max_over_mean(std::span<const std::int64_t> loads) {
 }
 
 StepStatsRecorder::StepStatsRecorder(std::vector<std::int64_t> moe_layers, std::int64_t num_experts,
-                                     int num_ranks) {
+                                     int num_ranks, std::int64_t num_copies) {
   local_.layers.resize(moe_layers.size());
   for (std::size_t i = 0; i < moe_layers.size(); ++i) {
     MoeLayerStats& s = local_.layers[i];
@@ -33,6 +33,8 @@ StepStatsRecorder::StepStatsRecorder(std::vector<std::int64_t> moe_layers, std::
     s.expert_load.assign(static_cast<std::size_t>(num_experts), 0);
     s.rank_routed_load.assign(static_cast<std::size_t>(num_ranks), 0);
     s.rank_load.assign(static_cast<std::size_t>(num_ranks), 0);
+    s.routed_slot_load.assign(static_cast<std::size_t>(num_copies), 0);
+    s.slot_load.assign(static_cast<std::size_t>(num_copies), 0);
   }
 }
 
@@ -69,7 +71,8 @@ void StepStatsRecorder::reduce(Communicator& comm) {
 void StepStatsRecorder::add_reports(std::span<const std::int64_t> reports, const ExpertPlacement& placement) {
   std::size_t at = 0;
   for (MoeLayerStats& s : local_.layers) {
-    const LayerReport layout{static_cast<std::int64_t>(s.routed_load.size())};
+    const LayerReport layout{static_cast<std::int64_t>(s.routed_load.size()),
+                             static_cast<std::int64_t>(s.slot_load.size())};
     const std::span<const std::int64_t> r = reports.subspan(at, static_cast<std::size_t>(layout.size()));
     at += r.size();
     s.dropped = r[LayerReport::kDropped];
@@ -78,12 +81,18 @@ void StepStatsRecorder::add_reports(std::span<const std::int64_t> reports, const
     const auto e = s.routed_load.size();
     std::copy_n(r.begin() + LayerReport::kRoutedLoad, e, s.routed_load.begin());
     std::copy_n(r.begin() + layout.kept_load(), e, s.expert_load.begin());
+    const auto copies = s.slot_load.size();
+    std::copy_n(r.begin() + layout.routed_copy_load(), copies, s.routed_slot_load.begin());
+    std::copy_n(r.begin() + layout.kept_copy_load(), copies, s.slot_load.begin());
     std::fill(s.rank_routed_load.begin(), s.rank_routed_load.end(), 0);
     std::fill(s.rank_load.begin(), s.rank_load.end(), 0);
+    // The placement's owners are per slot: per expert without replication, per copy with.
+    const std::vector<std::int64_t>& routed = copies > 0 ? s.routed_slot_load : s.routed_load;
+    const std::vector<std::int64_t>& kept = copies > 0 ? s.slot_load : s.expert_load;
     const std::span<const std::int32_t> owners = placement.owners(s.layer);
-    for (std::size_t x = 0; x < e; ++x) {
-      s.rank_routed_load[static_cast<std::size_t>(owners[x])] += s.routed_load[x];
-      s.rank_load[static_cast<std::size_t>(owners[x])] += s.expert_load[x];
+    for (std::size_t x = 0; x < routed.size(); ++x) {
+      s.rank_routed_load[static_cast<std::size_t>(owners[x])] += routed[x];
+      s.rank_load[static_cast<std::size_t>(owners[x])] += kept[x];
     }
   }
 }
@@ -95,7 +104,8 @@ void RunStats::add(const MoeStepStats& step) {
     imbalance_sum_.assign(step.layers.size(), {});
     for (MoeLayerStats& s : totals_.layers) {
       s.tokens = s.assignments = s.dropped = s.rerouted = s.rows_dispatched = s.wire_bytes = 0;
-      for (auto* v : {&s.routed_load, &s.expert_load, &s.rank_routed_load, &s.rank_load})
+      for (auto* v : {&s.routed_load, &s.expert_load, &s.rank_routed_load, &s.rank_load, &s.routed_slot_load,
+                      &s.slot_load})
         std::fill(v->begin(), v->end(), 0);
       s.scheduler_seconds = s.dispatch_seconds = s.expert_seconds = s.combine_seconds = 0;
     }
@@ -113,6 +123,8 @@ void RunStats::add(const MoeStepStats& step) {
     add_into(sum.expert_load, s.expert_load);
     add_into(sum.rank_routed_load, s.rank_routed_load);
     add_into(sum.rank_load, s.rank_load);
+    add_into(sum.routed_slot_load, s.routed_slot_load);
+    add_into(sum.slot_load, s.slot_load);
     sum.scheduler_seconds += s.scheduler_seconds;
     sum.dispatch_seconds += s.dispatch_seconds;
     sum.expert_seconds += s.expert_seconds;
@@ -160,6 +172,10 @@ std::string RunStats::to_json(const std::string& extra_config) const {
          {"dispatch_seconds", s.dispatch_seconds},
          {"expert_seconds", s.expert_seconds},
          {"combine_seconds", s.combine_seconds}});
+    if (!s.slot_load.empty()) {
+      out["layers"].back()["routed_slot_load"] = s.routed_slot_load;
+      out["layers"].back()["slot_load"] = s.slot_load;
+    }
   }
   return out.dump(1);
 }

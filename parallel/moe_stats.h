@@ -26,8 +26,12 @@ struct MoeLayerStats {
   std::vector<std::int64_t> expert_load;       // [experts]: what the experts computed
   std::vector<std::int64_t> rank_routed_load;  // [ranks]
   std::vector<std::int64_t> rank_load;         // [ranks]
-  std::int64_t rows_dispatched = 0;            // hidden rows sent, all ranks (self included)
-  std::int64_t wire_bytes = 0;                 // bytes between different ranks, dispatch + combine
+  // With replication (ExpertPlacement::replicated), per slot: the router's choice and what each copy
+  // computed; empty without.
+  std::vector<std::int64_t> routed_slot_load;
+  std::vector<std::int64_t> slot_load;
+  std::int64_t rows_dispatched = 0;  // hidden rows sent, all ranks (self included)
+  std::int64_t wire_bytes = 0;       // bytes between different ranks, dispatch + combine
   // Slowest rank's time in each phase.
   double scheduler_seconds = 0, dispatch_seconds = 0, expert_seconds = 0, combine_seconds = 0;
 
@@ -45,15 +49,19 @@ struct MoeStepStats {
 
 // One MoE layer's counts as the backend writes them during a step (int64, this rank's tokens), summed over
 // the ranks on the device at the step's end and read by the host with the step's one synchronisation:
-// dropped and rerouted slots, hidden rows dispatched, then the routed and the kept load per expert.
+// dropped and rerouted slots, hidden rows dispatched, then the routed and the kept load per expert, and with
+// replication the routed and kept load per copy (slot).
 struct LayerReport {
   static constexpr std::int64_t kDropped = 0;
   static constexpr std::int64_t kRerouted = 1;
   static constexpr std::int64_t kRowsSent = 2;
   static constexpr std::int64_t kRoutedLoad = 3;
   std::int64_t num_experts = 0;
+  std::int64_t num_copies = 0;  // the placement's slots when replicated, else 0 (nothing per copy)
   [[nodiscard]] std::int64_t kept_load() const { return kRoutedLoad + num_experts; }
-  [[nodiscard]] std::int64_t size() const { return kRoutedLoad + 2 * num_experts; }
+  [[nodiscard]] std::int64_t routed_copy_load() const { return kRoutedLoad + 2 * num_experts; }
+  [[nodiscard]] std::int64_t kept_copy_load() const { return routed_copy_load() + num_copies; }
+  [[nodiscard]] std::int64_t size() const { return kept_copy_load() + num_copies; }
 };
 
 // Filled by the MoE blocks of one rank during a forward pass: on the host what the host knows (tokens, wire
@@ -61,8 +69,9 @@ struct LayerReport {
 // arrive.
 class StepStatsRecorder {
  public:
-  // moe_layers: the model's MoE layer indices, in order.
-  StepStatsRecorder(std::vector<std::int64_t> moe_layers, std::int64_t num_experts, int num_ranks);
+  // moe_layers: the model's MoE layer indices, in order; num_copies: as LayerReport.
+  StepStatsRecorder(std::vector<std::int64_t> moe_layers, std::int64_t num_experts, int num_ranks,
+                    std::int64_t num_copies = 0);
 
   void begin_step();
   // Index of `layer` among the MoE layers.

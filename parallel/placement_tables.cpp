@@ -8,7 +8,7 @@ namespace capserve::parallel {
 PlacementTables::PlacementTables(kernels::Backend& backend, const ExpertPlacement& placement, int rank) {
   const std::int64_t layers = placement.num_layers();
   struct Range {
-    std::size_t owners, local_index, local_list, bin_experts, end;
+    std::size_t owners, local_index, local_list, bin_experts, first_slots, end;
     std::int64_t peer_experts;
   };
   std::vector<Range> ranges;
@@ -28,6 +28,9 @@ PlacementTables::PlacementTables(kernels::Backend& backend, const ExpertPlacemen
       host_.push_back(static_cast<std::int32_t>(n));
       r.peer_experts = std::max(r.peer_experts, n);
     }
+    r.first_slots = host_.size();
+    if (placement.replicated())
+      host_.insert(host_.end(), placement.first_slots(l).begin(), placement.first_slots(l).end());
     r.end = host_.size();
     ranges.push_back(r);
   }
@@ -38,8 +41,11 @@ PlacementTables::PlacementTables(kernels::Backend& backend, const ExpertPlacemen
     return all.rows(static_cast<std::int64_t>(begin), static_cast<std::int64_t>(end - begin));
   };
   for (const Range& r : ranges) {
+    const kernels::Tensor first_slots =
+        r.end > r.first_slots ? part(r.first_slots, r.end) : kernels::Tensor{};
     layers_.push_back({part(r.owners, r.local_index), part(r.local_index, r.local_list),
-                       part(r.local_list, r.bin_experts), part(r.bin_experts, r.end), r.peer_experts});
+                       part(r.local_list, r.bin_experts), part(r.bin_experts, r.first_slots), first_slots,
+                       r.peer_experts, placement.num_experts(), rank});
   }
 }
 

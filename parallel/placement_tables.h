@@ -1,6 +1,7 @@
 #pragma once
 // An expert placement as tensors of a backend's device, uploaded once per model: what the capacity and
-// dispatch kernels read about each layer (owners, local indices, this rank's experts, experts per rank).
+// dispatch kernels read about each layer (owners, local indices, this rank's slots, slots per rank, and with
+// replication each expert's first slot).
 #include <cstdint>
 #include <vector>
 
@@ -10,12 +11,17 @@
 namespace capserve::parallel {
 
 // One layer's placement, int32 tensors of the backend.
+// Indices are slots (ExpertPlacement): without replication, slot = expert.
 struct LayerTables {
-  kernels::Tensor owners;         // [E]: the rank hosting each expert
-  kernels::Tensor local_index;    // [E]: its index among that rank's experts
-  kernels::Tensor local_list;     // [this rank's experts]: ascending
-  kernels::Tensor bin_experts;    // [ranks]: experts per rank
-  std::int64_t peer_experts = 0;  // the most experts one rank hosts (host value)
+  kernels::Tensor owners;         // [S]: the rank hosting each slot
+  kernels::Tensor local_index;    // [S]: its index among that rank's slots
+  kernels::Tensor local_list;     // [this rank's slots]: ascending
+  kernels::Tensor bin_experts;    // [ranks]: slots per rank
+  kernels::Tensor first_slots;    // [E + 1]: expert e's copies are slots [first[e], first[e + 1]); empty
+                                  // without replication
+  std::int64_t peer_experts = 0;  // the most slots one rank hosts (host value)
+  std::int64_t num_experts = 0;   // the router's experts (host value)
+  int rank = 0;                   // the rank these tables are seen from
 };
 
 class PlacementTables {

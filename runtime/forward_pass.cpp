@@ -39,9 +39,14 @@ struct StepReport {
   [[nodiscard]] std::int64_t size() const { return summed() + 2 * rows; }
 };
 
+// The placement's slots when it replicates experts (counted per copy), else 0.
+std::int64_t copy_slots(const Model& model) {
+  return model.placement().replicated() ? model.placement().num_slots() : 0;
+}
+
 StepReport step_report(const Model& model, LayerStack stack, std::int64_t rows) {
   return {static_cast<std::int64_t>(stack_moe_layers(model, stack).size()),
-          parallel::LayerReport{model.config().num_experts}, rows};
+          parallel::LayerReport{model.config().num_experts, copy_slots(model)}, rows};
 }
 
 }  // namespace
@@ -55,7 +60,7 @@ ForwardPass::ForwardPass(const Model& model, LayerStack stack)
                  model.control()),
       dispatcher_(model.communicator()),
       stats_({stack_moe_layers(model, stack).begin(), stack_moe_layers(model, stack).end()},
-             model.config().num_experts, model.communicator().size()) {}
+             model.config().num_experts, model.communicator().size(), copy_slots(model)) {}
 
 void ForwardPass::router_dry_run(std::span<const std::int32_t> tokens, std::int64_t layers,
                                  std::span<std::int64_t> counts) {

@@ -144,6 +144,7 @@ MemoryPlan plan_memory(const ModelConfig& config, const TensorNames& names,
 
   ParallelOptions parallel;
   parallel.placement = options.placement;
+  parallel.redundant_experts = options.redundant_experts;
   parallel.mtp = options.mtp;
   const parallel::ExpertPlacement placement = model_placement(config, parallel, options.ranks);
 

@@ -43,6 +43,7 @@ struct MemoryPlanOptions {
   int ranks = 1;
   // As --expert-placement: contiguous, round-robin or a --moe-stats file.
   std::string placement = "contiguous";
+  std::int64_t redundant_experts = 0;  // as --redundant-experts
   // A device backend (routers widened to f32, runtime/model_weights.cpp) or the CPU (which counts the
   // checkpoint's mapped bytes as ModelWeights::bytes does).
   bool device = true;

@@ -39,8 +39,15 @@ parallel::ExpertPlacement model_placement(const ModelConfig& config, const Paral
                                           int ranks) {
   const std::int64_t layers =
       config.num_layers + (options.mtp ? static_cast<std::int64_t>(config.mtp_layer_is_moe.size()) : 0);
+  if (options.redundant_experts > 0 &&
+      (options.capacity.granularity == parallel::CapacityGranularity::device ||
+       options.capacity.policy == parallel::CapacityPolicy::expanded))
+    throw LoadError(
+        "--redundant-experts: replicas split an expert over ranks, which --capacity-granularity "
+        "device and --capacity-policy expanded cannot (they need one rank per expert)");
   try {
-    return parallel::ExpertPlacement::from_spec(options.placement, layers, config.num_experts, ranks);
+    return parallel::ExpertPlacement::from_spec(options.placement, layers, config.num_experts, ranks,
+                                                options.redundant_experts);
   } catch (const std::exception& e) {
     throw LoadError(e.what());
   }

@@ -25,6 +25,9 @@ namespace capserve::runtime {
 // How a model is spread over ranks and how its MoE layers treat capacity.
 struct ParallelOptions {
   std::string placement = "contiguous";  // contiguous | round-robin | a --moe-stats file
+  // EPLB-style replication: extra expert copies per MoE layer, over all ranks, given to the experts the
+  // statistics file shows hottest (ExpertPlacement::replicated); 0: none.
+  std::int64_t redundant_experts = 0;
   parallel::CapacityConfig capacity;
   // Load the checkpoint's multi-token-prediction layers (speculative decoding's MTP draft); off, they are
   // checked and skipped unread.
@@ -42,7 +45,8 @@ ModelDescription read_model_config(const std::filesystem::path& config_json);
 
 // The expert placement a model loads with on `ranks` ranks: over the decoder's layers, and the MTP layers
 // after them when they load (a statistics file covers the decoder's layers only: the MTP layers are placed
-// contiguously). LoadError on a bad placement option.
+// contiguously, or with replication get their extra copies spread evenly). LoadError on a bad placement
+// option, or replication with a capacity that needs one rank per expert (device granularity, expanded).
 parallel::ExpertPlacement model_placement(const ModelConfig& config, const ParallelOptions& options,
                                           int ranks);
 

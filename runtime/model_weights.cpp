@@ -1,5 +1,6 @@
 #include "runtime/model_weights.h"
 
+#include <algorithm>
 #include <functional>
 #include <initializer_list>
 #include <optional>
@@ -260,16 +261,17 @@ AttentionWeights load_attention(Up& up, const ModelConfig& c, const TensorNames&
   return a;
 }
 
-// `owners` empty: no rank keeps a routed expert (a layer walked without reading).
+// `hosted`: the experts this rank keeps, ascending (its slots' experts: ExpertPlacement::hosted_experts);
+// empty on a layer walked without reading.
 template <class Up>
 MoeWeights load_moe(Up& up, const ModelConfig& c, const TensorNames& n, const std::string& p,
-                    std::span<const std::int32_t> owners, int rank) {
+                    std::span<const std::int32_t> hosted) {
   MoeWeights m;
   m.router = up.get_router(p + n.router, {c.num_experts, c.hidden_size});
   if (c.router.correction_bias) m.router_bias = up.get_f32(p + n.router_bias, {c.num_experts});
   for (std::int64_t e = 0; e < c.num_experts; ++e) {
     // Every expert's tensors are checked, but only this rank's are kept: the others' pages are never touched.
-    const bool keep = !owners.empty() && owners[static_cast<std::size_t>(e)] == rank;
+    const bool keep = std::binary_search(hosted.begin(), hosted.end(), static_cast<std::int32_t>(e));
     std::optional<kernels::ExpertWeights> w =
         load_swiglu(up, p + n.expert_prefix + std::to_string(e) + ".", n.expert_gate, n.expert_up,
                     n.expert_down, c.hidden_size, c.moe_intermediate_size, keep);
@@ -285,14 +287,14 @@ MoeWeights load_moe(Up& up, const ModelConfig& c, const TensorNames& n, const st
 
 template <class Up>
 LayerWeights load_layer(Up& up, const ModelConfig& c, const TensorNames& n, const std::string& p, bool is_moe,
-                        std::span<const std::int32_t> owners, int rank) {
+                        std::span<const std::int32_t> hosted) {
   LayerWeights layer;
   layer.input_norm = up.get(p + n.input_norm, {c.hidden_size});
   layer.post_attention_norm = up.get(p + n.post_attention_norm, {c.hidden_size});
   layer.attention = load_attention(up, c, n, p);
   layer.is_moe = is_moe;
   if (layer.is_moe) {
-    layer.moe = load_moe(up, c, n, p, owners, rank);
+    layer.moe = load_moe(up, c, n, p, hosted);
   } else {
     layer.dense_mlp.push_back(*load_swiglu(up, p + n.dense_mlp_prefix, "gate_proj.weight", "up_proj.weight",
                                            "down_proj.weight", c.hidden_size, c.dense_intermediate_size));
@@ -300,13 +302,12 @@ LayerWeights load_layer(Up& up, const ModelConfig& c, const TensorNames& n, cons
   return layer;
 }
 
-// Multi-token-prediction layer `i`: loaded through a reading uploader with this rank's experts (`owners`),
+// Multi-token-prediction layer `i`: loaded through a reading uploader with this rank's experts (`hosted`),
 // or only checked through one that does not read (speculation off). A checkpoint without the layer (no
 // eh_proj) passes the check (and fails a load); one with part of it fails check_all_used.
 template <class Up>
 std::optional<MtpWeights> load_mtp_layer(Up& up, const ModelConfig& c, const TensorNames& n, std::int64_t i,
-                                         std::span<const std::int32_t> owners, int rank,
-                                         const ModelWeights& model) {
+                                         std::span<const std::int32_t> hosted, const ModelWeights& model) {
   const std::int64_t l = c.num_layers + i;
   const std::string p = "model.layers." + std::to_string(l) + ".";
   if (!up.contains(p + n.mtp_eh_proj)) {
@@ -328,7 +329,7 @@ std::optional<MtpWeights> load_mtp_layer(Up& up, const ModelConfig& c, const Ten
       up.contains(p + n.mtp_embed) ? up.get(p + n.mtp_embed, {c.vocab_size, c.hidden_size}) : model.embed;
   m.lm_head =
       up.contains(p + n.mtp_head) ? up.get(p + n.mtp_head, {c.vocab_size, c.hidden_size}) : model.lm_head;
-  m.layer = load_layer(up, c, n, p, c.mtp_layer_is_moe[static_cast<std::size_t>(i)], owners, rank);
+  m.layer = load_layer(up, c, n, p, c.mtp_layer_is_moe[static_cast<std::size_t>(i)], hosted);
   if (!up.reads()) {
     if constexpr (std::is_same_v<Up, Uploader>)  // a load's news, not a plan's
       spdlog::info("{}: multi-token-prediction layer {} checked and not loaded (no MTP speculation)",
@@ -349,16 +350,18 @@ ModelWeights walk_model(Up& up, Up& checker, const ModelConfig& c, const TensorN
   w.layers.resize(static_cast<std::size_t>(c.num_layers));
   for (std::int64_t l = 0; l < c.num_layers; ++l) {
     const bool is_moe = c.layer_is_moe[static_cast<std::size_t>(l)];
+    const std::vector<std::int32_t> hosted =
+        is_moe ? placement.hosted_experts(l, rank) : std::vector<std::int32_t>{};
     w.layers[static_cast<std::size_t>(l)] =
-        load_layer(up, c, n, "model.layers." + std::to_string(l) + ".", is_moe,
-                   is_moe ? placement.owners(l) : std::span<const std::int32_t>{}, rank);
+        load_layer(up, c, n, "model.layers." + std::to_string(l) + ".", is_moe, hosted);
   }
   for (std::size_t i = 0; i < c.mtp_layer_is_moe.size(); ++i) {
     const auto layer = c.num_layers + static_cast<std::int64_t>(i);
     const bool moe = c.mtp_layer_is_moe[i];
+    const std::vector<std::int32_t> hosted =
+        load_mtp && moe ? placement.hosted_experts(layer, rank) : std::vector<std::int32_t>{};
     std::optional<MtpWeights> m =
-        load_mtp_layer(load_mtp ? up : checker, c, n, static_cast<std::int64_t>(i),
-                       load_mtp && moe ? placement.owners(layer) : std::span<const std::int32_t>{}, rank, w);
+        load_mtp_layer(load_mtp ? up : checker, c, n, static_cast<std::int64_t>(i), hosted, w);
     if (m) w.mtp.push_back(std::move(*m));
   }
   return w;

@@ -193,7 +193,10 @@ void moe_block(kernels::Backend& backend, const ModelConfig& config, const MoeWe
   const std::int64_t num_experts = config.num_experts;
   const std::int64_t top_k = config.top_k;
   parallel::MoeLayerStats& stats = ctx.stats;
-  const parallel::LayerReport layout{num_experts};
+  // With replicated experts, the entries go to copies (slots) of their experts before dispatch.
+  const bool replicated = !ctx.tables.first_slots.empty();
+  const std::int64_t num_copies = replicated ? ctx.tables.owners.numel() : 0;
+  const parallel::LayerReport layout{num_experts, num_copies};
   const Tensor totals = ctx.report.rows(parallel::LayerReport::kDropped, 2);
   const Tensor routed_load = ctx.report.rows(parallel::LayerReport::kRoutedLoad, num_experts);
   const Tensor kept_load = ctx.report.rows(layout.kept_load(), num_experts);
@@ -206,6 +209,11 @@ void moe_block(kernels::Backend& backend, const ModelConfig& config, const MoeWe
   backend.linear(h, weights.router, {}, logits);
   backend.route(router_params(config, rows), logits, weights.router_bias, probs, experts, gate);
   backend.count_experts(experts, routed_load);
+  const Tensor copies = replicated ? backend.scratch(s.copies, DType::i32, {rows, top_k}) : experts;
+  if (replicated) {
+    backend.assign_copies(experts, ctx.tables.first_slots, ctx.tables.rank, copies);
+    backend.count_experts(copies, ctx.report.rows(layout.routed_copy_load(), num_copies));
+  }
 
   // Capacity.
   auto start = Clock::now();
@@ -214,6 +222,10 @@ void moe_block(kernels::Backend& backend, const ModelConfig& config, const MoeWe
                      {probs, experts, gate, status, ctx.exempt, totals, config.norm_topk_prob,
                       static_cast<float>(config.router.scaling)});
   backend.count_experts(experts, kept_load);
+  if (replicated) {
+    backend.assign_copies(experts, ctx.tables.first_slots, ctx.tables.rank, copies);
+    backend.count_experts(copies, ctx.report.rows(layout.kept_copy_load(), num_copies));
+  }
   backend.count_slot_states(status, ctx.row_dropped, ctx.row_rerouted);
   stats.scheduler_seconds += seconds_since(start);
 
@@ -224,7 +236,7 @@ void moe_block(kernels::Backend& backend, const ModelConfig& config, const MoeWe
     form.fixed = ctx.capacity.fixed_bounds(ctx.layer, top_k, num_experts, ctx.tables.peer_experts);
   }
   stats.expert_seconds += expert_parallel_stages(backend, ctx.dispatcher, ctx.tables, weights.experts, h,
-                                                 experts, gate, s, out, form);
+                                                 copies, gate, s, out, form);
 
   stats.tokens += rows;
   stats.assignments += rows * top_k;

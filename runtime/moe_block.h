@@ -1,7 +1,8 @@
 #pragma once
 // The MoE feed-forward block of one layer in five stages (runtime/README.md): Router (fp32 softmax or
 // sigmoid, top-k, optionally group-limited, normalisation, scaling) -> Capacity (drop / reroute) -> Dispatch
-// (each token's row once to every rank hosting its kept experts) -> Experts (grouped SwiGLU of the received
+// (with replicated experts each kept entry first assigned one of its expert's copies; each token's row once
+// to every rank hosting its kept experts) -> Experts (grouped SwiGLU of the received
 // rows, gate-weighted per row) -> Combine (the rows back, summed per token); plus the optional shared expert
 // (sigmoid-gated, or ungated as DeepSeek's), local dense compute that never enters the all-to-all and is
 // never dropped. Every stage is backend operations on the backend's tensors. The layer's counts go into the
@@ -31,7 +32,7 @@ kernels::moe::RouterParams router_params(const ModelConfig& config, std::int64_t
 
 // Grow-only buffers of the backend reused across layers and steps.
 struct MoeScratch {
-  kernels::Buffer router_logits, probs, experts, weights, status, counts, own_report;
+  kernels::Buffer router_logits, probs, experts, copies, weights, status, counts, own_report;
   kernels::Buffer local_experts, local_weights, group_offsets, group_position, group_rows, grouped_in,
       grouped_out, results;
   kernels::Buffer expert_index, expert_position;  // the fixed form's rows in per-expert blocks

@@ -22,7 +22,9 @@ RouterLoadPredictor::RouterLoadPredictor(Engine& engine, const parallel::ExpertP
       experts_(engine.model().config().num_experts),
       counts_(static_cast<std::size_t>(layers_ * experts_), 0),
       per_token_(map_ ? counts_.size() : 0),
-      mapped_(per_token_.size()) {
+      mapped_(per_token_.size()),
+      expert_load_(static_cast<std::size_t>(experts_)),
+      layer_load_(static_cast<std::size_t>(placement.num_ranks())) {
   if (placement.num_experts() != experts_)
     throw std::invalid_argument("RouterLoadPredictor: the placement has " +
                                 std::to_string(placement.num_experts()) + " experts, the model " +
@@ -51,14 +53,18 @@ void RouterLoadPredictor::predict(std::span<const std::int32_t> prompt, std::spa
   }
   const std::span<const std::int64_t> moe_layers = engine_.model().moe_layers();
   for (std::int64_t l = 0; l < layers_; ++l) {
-    const std::span<const std::int32_t> owners = placement_.owners(moe_layers[static_cast<std::size_t>(l)]);
-    float* layer_load = rank_load.data() + static_cast<std::size_t>(l) * ranks;
     for (std::int64_t e = 0; e < experts_; ++e) {
       const auto i = static_cast<std::size_t>(l * experts_ + e);
       // A map's prediction can dip below zero for an expert it expects idle: no load, not a negative one.
-      const double load = map_ ? std::max(0.0, mapped_[i] * tokens) : static_cast<double>(counts_[i]);
-      layer_load[static_cast<std::size_t>(owners[static_cast<std::size_t>(e)])] += static_cast<float>(load);
+      expert_load_[static_cast<std::size_t>(e)] =
+          map_ ? std::max(0.0, mapped_[i] * tokens) : static_cast<double>(counts_[i]);
     }
+    // On the ranks hosting each expert, split evenly over its copies when replicated.
+    std::fill(layer_load_.begin(), layer_load_.end(), 0.0);
+    placement_.add_rank_loads(moe_layers[static_cast<std::size_t>(l)], expert_load_, layer_load_);
+    std::transform(layer_load_.begin(), layer_load_.end(),
+                   rank_load.begin() + static_cast<std::ptrdiff_t>(l) * static_cast<std::ptrdiff_t>(ranks),
+                   [](double v) { return static_cast<float>(v); });
   }
 }
 

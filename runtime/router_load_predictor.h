@@ -39,6 +39,8 @@ class RouterLoadPredictor final : public LoadPredictor {
   std::vector<std::int64_t> counts_;  // [layers, experts], reused by every call
   std::vector<double> per_token_;     // the map's input and
   std::vector<double> mapped_;        // output, [layers, experts]
+  std::vector<double> expert_load_;   // [experts] and
+  std::vector<double> layer_load_;    // [ranks]: one layer's prediction, reused by every call
 };
 
 // The shape a load map of `model` must have.

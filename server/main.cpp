@@ -475,7 +475,11 @@ capserve::v1::ServerInfo describe_server(const parallel::MpiWorld& world, const 
   card->set_num_experts(static_cast<std::uint32_t>(config.num_experts));
   card->set_experts_per_token(static_cast<std::uint32_t>(config.top_k));
   card->set_max_context(static_cast<std::uint32_t>(o.scheduler.max_context));
-  info.set_placement(placement.kind());
+  info.set_placement(placement.replicated()
+                         ? placement.kind() + " (" +
+                               std::to_string(placement.num_slots() - placement.num_experts()) +
+                               " redundant experts per layer)"
+                         : placement.kind());
   if (!model.moe_layers().empty()) {
     for (int r = 0; r < world.size(); ++r)
       info.add_experts_per_rank(

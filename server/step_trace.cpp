@@ -25,11 +25,12 @@ void active_experts(const parallel::MoeStepStats& stats, const parallel::ExpertP
                     std::vector<std::int64_t>& out) {
   out.clear();
   for (const parallel::MoeLayerStats& layer : stats.layers) {
+    // The placement's slots: experts, or with replication their copies (each a weight read of its own).
+    const std::vector<std::int64_t>& load = layer.slot_load.empty() ? layer.expert_load : layer.slot_load;
     for (int r = 0; r < placement.num_ranks(); ++r) {
-      const auto experts = placement.local_experts(layer.layer, r);
-      out.push_back(std::count_if(experts.begin(), experts.end(), [&](std::int32_t e) {
-        return static_cast<std::size_t>(e) < layer.expert_load.size() &&
-               layer.expert_load[static_cast<std::size_t>(e)] > 0;
+      const auto slots = placement.local_experts(layer.layer, r);
+      out.push_back(std::count_if(slots.begin(), slots.end(), [&](std::int32_t s) {
+        return static_cast<std::size_t>(s) < load.size() && load[static_cast<std::size_t>(s)] > 0;
       }));
     }
   }

@@ -45,6 +45,8 @@ class CpuBackend : public Backend {
              const Tensor& experts, const Tensor& weights) override;
   void schedule_capacity(const CapacityCall& call) override;
   void count_experts(const Tensor& experts, const Tensor& counts) override;
+  void assign_copies(const Tensor& experts, const Tensor& first_copy, std::int64_t salt,
+                     const Tensor& copies) override;
   void count_slot_states(const Tensor& status, const Tensor& dropped, const Tensor& rerouted) override;
   void plan_dispatch(const Tensor& experts, const Tensor& weights, const Tensor& owners,
                      const Tensor& local_index, const DispatchPlan& plan) override;

@@ -79,6 +79,19 @@ void CpuBackend::count_experts(const Tensor& experts, const Tensor& counts) {
   moe::for_each_on_host(static_cast<std::int64_t>(e.size()), moe::CountExperts{e.data(), c.data()});
 }
 
+void CpuBackend::assign_copies(const Tensor& experts, const Tensor& first_copy, std::int64_t salt,
+                               const Tensor& copies) {
+  require(copies.numel() == experts.numel(), "assign_copies", "one copy per entry of the experts");
+  const std::span<const std::int32_t> e = experts.host_span<const std::int32_t>();
+  const std::span<const std::int32_t> first = first_copy.host_span<const std::int32_t>();
+  for (const std::int32_t x : e)
+    require(x < static_cast<std::int64_t>(first.size()) - 1, "assign_copies", "expert id past the copies");
+  if (e.empty()) return;
+  moe::for_each_on_host(static_cast<std::int64_t>(e.size()),
+                        moe::AssignCopies{experts.row_numel(), salt, e.data(), first.data(),
+                                          copies.host_span<std::int32_t>().data()});
+}
+
 void CpuBackend::count_slot_states(const Tensor& status, const Tensor& dropped, const Tensor& rerouted) {
   const std::int64_t tokens = status.dims() == 0 ? 0 : status.dim(0);
   require(dropped.numel() == tokens && rerouted.numel() == tokens, "count_slot_states",

@@ -77,6 +77,16 @@ void CudaBackend::count_experts(const Tensor& experts, const Tensor& counts) {
                       stream_);
 }
 
+void CudaBackend::assign_copies(const Tensor& experts, const Tensor& first_copy, std::int64_t salt,
+                                const Tensor& copies) {
+  enter({&experts, &first_copy, &copies});
+  require(copies.numel() == experts.numel(), "assign_copies", "one copy per entry of the experts");
+  if (experts.numel() == 0) return;
+  cuda::assign_copies(moe::AssignCopies{experts.row_numel(), salt, experts.ptr<const std::int32_t>(),
+                                        first_copy.ptr<const std::int32_t>(), copies.ptr<std::int32_t>()},
+                      experts.numel(), stream_);
+}
+
 void CudaBackend::count_slot_states(const Tensor& status, const Tensor& dropped, const Tensor& rerouted) {
   enter({&status, &dropped, &rerouted});
   const std::int64_t tokens = rows_of(status);

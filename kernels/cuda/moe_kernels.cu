@@ -337,6 +337,11 @@ void count_experts(const std::int32_t* experts, std::int64_t slots, std::int64_t
   x.for_each(slots, moe::CountExperts{experts, counts});
 }
 
+void assign_copies(const moe::AssignCopies& body, std::int64_t entries, cudaStream_t stream) {
+  CudaExec x{stream};
+  x.for_each(entries, body);
+}
+
 void count_slot_states(const moe::CountSlotStates& body, std::int64_t tokens, cudaStream_t stream) {
   CudaExec x{stream};
   x.for_each(tokens, body);

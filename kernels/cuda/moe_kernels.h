@@ -63,6 +63,8 @@ void block_positions(const moe::BlockPositions& body, std::int64_t slots, cudaSt
 // counts[e] += slots of experts [slots] per expert.
 void count_experts(const std::int32_t* experts, std::int64_t slots, std::int64_t* counts,
                    cudaStream_t stream);
+// Each entry's expert replaced by one of its copies, one thread per entry.
+void assign_copies(const moe::AssignCopies& body, std::int64_t entries, cudaStream_t stream);
 // Per token, its dropped and rerouted slots, added to its counts.
 void count_slot_states(const moe::CountSlotStates& body, std::int64_t tokens, cudaStream_t stream);
 

@@ -200,6 +200,27 @@ struct CountSlotStates {
   }
 };
 
+// Thread per entry of experts [T, k]: the expert's id replaced by one of its copies (EPLB replication,
+// parallel/expert_placement.h), expert e's copies being [first_copy[e], first_copy[e + 1]). Token t takes
+// copy (t + salt) mod copies: a rank's tokens go to the copies in turn, and with the rank as the salt, ranks
+// holding one token each (decode steps) spread over them too. Dropped entries (-1) stay dropped.
+struct AssignCopies {
+  std::int64_t top_k;
+  std::int64_t salt;
+  const std::int32_t* experts;     // [T, k]
+  const std::int32_t* first_copy;  // [E + 1]
+  std::int32_t* copies;            // [T, k]: out
+  CAPSERVE_HD void operator()(std::int64_t i) const {
+    const std::int32_t e = experts[i];
+    if (e < 0) {
+      copies[i] = -1;
+      return;
+    }
+    const std::int64_t n = first_copy[e + 1] - first_copy[e];
+    copies[i] = first_copy[e] + static_cast<std::int32_t>((i / top_k + salt) % n);
+  }
+};
+
 // Thread per slot: counts[e] += 1 for the slot's expert e (none when dropped).
 struct CountExperts {
   const std::int32_t* experts;

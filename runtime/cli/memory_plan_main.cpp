@@ -135,6 +135,9 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"cuda", "cpu"}));
   app.add_option("--expert-placement", options.placement,
                  "contiguous, round-robin, or a --moe-stats JSON file (balanced)");
+  app.add_option("--redundant-experts", options.redundant_experts,
+                 "extra expert copies per MoE layer over all ranks (needs a --moe-stats file)")
+      ->check(runtime::at_least(0));
   app.add_flag("--mtp", options.mtp, "the MTP layers loaded (--speculative mtp)");
   if (const std::optional<int> exit_code =
           runtime::parse_flags(app, argc, argv, "capserve-memory-plan", true))

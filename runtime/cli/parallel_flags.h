@@ -22,6 +22,11 @@ inline void add_parallel_flags(CLI::App& app, ParallelFlags& flags) {
   app.add_option("--expert-placement", flags.options.placement,
                  "contiguous, round-robin, or a --moe-stats JSON file to balance measured loads")
       ->capture_default_str();
+  app.add_option("--redundant-experts", flags.options.redundant_experts,
+                 "EPLB replication: extra copies per MoE layer (over all ranks) of the experts the "
+                 "--expert-placement statistics show hottest; each costs one expert's weights")
+      ->capture_default_str()
+      ->check(at_least(0));
   app.add_option("--capacity-factor", flags.gamma,
                  "gamma: expert capacity ceil(gamma * T * k / E); inf = off; one value or one per layer, "
                  "comma-separated")

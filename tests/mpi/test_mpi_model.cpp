@@ -8,6 +8,8 @@
 //    (device granularity: the same run with every token on rank 0, since its capacity is per rank);
 //  - a token whose routed slots are all dropped still gets its shared expert, and dispatch moves exactly the
 //    rows of the kept routed assignments (never shared-expert traffic);
+//  - EPLB replicas (np >= 2) compute the same model, at gamma = inf and under global capacity, the copies
+//    sharing their expert's tokens and each rank holding its slots' weights;
 //  - each rank holds only its own routed experts (bytes, and resident pages printed);
 //  - a step refused on one rank is an error there while the others' steps complete.
 // np = 3 puts 8 experts (Mixtral, Qwen2-MoE) and 16 experts (OLMoE) on 3 ranks: expert counts the rank count
@@ -43,10 +45,12 @@
 #include "runtime/architectures/architecture.h"
 #include "runtime/engine.h"
 #include "runtime/generator.h"
+#include "runtime/load_error.h"
 #include "runtime/model.h"
 #include "runtime/model_weights.h"
 #include "runtime/weights/checkpoint.h"
 #include "tests/mpi/mpi_gtest_main.h"
+#include "tests/support/replication_stats.h"
 #include "tests/unit/runtime/fixture_models.h"
 
 namespace capserve {
@@ -664,6 +668,101 @@ TEST_P(MpiModel, GlobalCapacityIsIndependentOfTheTokenSplit) {
     std::printf("[ capacity ] %s np=%d: gamma=1 drop/expert dropped %lld slots in the prefill step\n",
                 GetParam().c_str(), ranks, static_cast<long long>(dropped_at_gamma_1));
   }
+}
+
+// EPLB replication (--redundant-experts: ExpertPlacement::replicated, one extra copy per rank) changes where
+// an expert's tokens are computed, never what: the sequences are the single-process model's at gamma = inf,
+// and under global capacity (which decides on experts, before copies are chosen) the unreplicated model's,
+// in the fixed-size and the counted exchange. The copies share their expert's tokens, a rank's load is the
+// sum of its copies', and each rank holds the weights of its own slots only. Replicas with a capacity that
+// needs one rank per expert are refused.
+TEST_P(MpiModel, ReplicatedExpertsComputeTheSameModel) {
+  const int ranks = comm_.size();
+  const int rank = comm_.rank();
+  if (ranks < 2) GTEST_SKIP() << "replicas need at least two ranks";
+  const runtime::ModelConfig& c = single_->config();
+  const fs::path stats = testing::write_hot_expert_stats(
+      fs::temp_directory_path() / ("capserve_replication_" + std::to_string(::getpid()) + ".json"),
+      single_->moe_layers(), c.num_experts);
+  ParallelOptions replicated = options(stats.string());
+  replicated.redundant_experts = ranks;
+  const std::string config = GetParam() + ", " + std::to_string(ranks) + " redundant, rank " +
+                             std::to_string(rank) + " of " + std::to_string(ranks);
+  const auto model = Model::load(dir_, backend_, comm_, replicated);
+  const parallel::ExpertPlacement& p = model->placement();
+  ASSERT_TRUE(p.replicated()) << config;
+  EXPECT_EQ(p.num_slots(), c.num_experts + ranks) << config;
+  for (const std::int64_t l : model->moe_layers()) {
+    const std::span<const std::int32_t> first = p.first_slots(l);
+    EXPECT_GE(first[1] - first[0], 2) << config << ", layer " << l << ": the hottest expert has copies";
+    const std::vector<std::int32_t> hosted = p.hosted_experts(l, rank);
+    EXPECT_EQ(std::set<std::int32_t>(hosted.begin(), hosted.end()).size(), hosted.size()) << config;
+    EXPECT_EQ(model->layer(l).moe.experts.size(), hosted.size())
+        << config << ", layer " << l << ": this rank's expert weights are its slots'";
+  }
+
+  Engine single_engine(*single_, {});
+  const RunResult ref = reference_run(single_engine, ranks, "single process");
+  Engine engine(*model, {});
+  std::int64_t split_experts = 0;
+  for (const Split split : {Split::spread, Split::rank0}) {
+    const std::string where = config + ", " + name(split);
+    const RunResult got = run(engine, prompts_, my_prompts(prompts_.size(), ranks, rank, split), where);
+    expect_same_sequences(got, ref, where);
+    expect_same_on_every_rank(comm_, pack(got.prefill_stats), where + ": last_moe_stats");
+    for (const parallel::MoeLayerStats& s : got.prefill_stats.layers) {
+      const std::string what = where + ", layer " + std::to_string(s.layer);
+      ASSERT_EQ(static_cast<std::int64_t>(s.slot_load.size()), p.num_slots()) << what;
+      const std::span<const std::int32_t> first = p.first_slots(s.layer);
+      for (std::int64_t e = 0; e < c.num_experts; ++e) {
+        std::int64_t routed = 0;
+        std::int64_t kept = 0;
+        std::int64_t busy = 0;
+        for (std::int32_t x = first[e]; x < first[e + 1]; ++x) {
+          routed += s.routed_slot_load[static_cast<std::size_t>(x)];
+          kept += s.slot_load[static_cast<std::size_t>(x)];
+          busy += s.slot_load[static_cast<std::size_t>(x)] > 0 ? 1 : 0;
+        }
+        EXPECT_EQ(routed, s.routed_load[static_cast<std::size_t>(e)]) << what << ", expert " << e;
+        EXPECT_EQ(kept, s.expert_load[static_cast<std::size_t>(e)]) << what << ", expert " << e;
+        split_experts += busy > 1 ? 1 : 0;
+      }
+      std::vector<std::int64_t> per_rank(static_cast<std::size_t>(ranks), 0);
+      for (std::int64_t x = 0; x < p.num_slots(); ++x)
+        per_rank[static_cast<std::size_t>(p.owners(s.layer)[static_cast<std::size_t>(x)])] +=
+            s.slot_load[static_cast<std::size_t>(x)];
+      EXPECT_EQ(s.rank_load, per_rank) << what << ": a rank's load is its copies'";
+      EXPECT_EQ(total(s.rank_load), s.assignments) << what;
+    }
+  }
+  EXPECT_GT(split_experts, 0) << config << ": no expert's tokens were shared by its copies";
+
+  // Global capacity, replicated or not: the same kept set, so the same sequences and counts.
+  for (const bool counted : {false, true}) {
+    ParallelOptions bounded = options(stats.string(), 1.0, CapacityPolicy::reroute);
+    bounded.redundant_experts = ranks;
+    const std::string where = config + ", gamma 1 reroute" + (counted ? ", counted exchange" : "");
+    const auto capped = Model::load(dir_, backend_, comm_, bounded);
+    const auto plain =
+        Model::load(dir_, backend_, comm_, options("contiguous", 1.0, CapacityPolicy::reroute));
+    runtime::EngineOptions engine_options;
+    if (counted) engine_options.fixed_exchange_tokens = 0;
+    Engine capped_engine(*capped, engine_options);
+    Engine plain_engine(*plain, engine_options);
+    const std::vector<std::size_t> mine = my_prompts(prompts_.size(), ranks, rank, Split::spread);
+    const RunResult want = run(plain_engine, prompts_, mine, where + ", unreplicated");
+    const RunResult got = run(capped_engine, prompts_, mine, where);
+    expect_same_layer_counts(got.prefill_stats, want.prefill_stats, where);
+    expect_same_sequences(got, want, where);
+  }
+
+  ParallelOptions by_device = options(stats.string(), 1.0, CapacityPolicy::drop, CapacityGranularity::device);
+  by_device.redundant_experts = ranks;
+  EXPECT_THROW((void)Model::load(dir_, backend_, comm_, by_device), runtime::LoadError) << config;
+  ParallelOptions expanded = options(stats.string(), 1.0, CapacityPolicy::expanded);
+  expanded.redundant_experts = ranks;
+  EXPECT_THROW((void)Model::load(dir_, backend_, comm_, expanded), runtime::LoadError) << config;
+  fs::remove(stats);
 }
 
 // One-token sequences, each alone in its context: with gamma = 0.25 most tokens lose every routed slot in

@@ -78,7 +78,7 @@ def run_all(a: argparse.Namespace) -> dict:
     started = time.time()
     settings = [(rep, gamma) for rep in range(a.reps) for gamma in a.gammas]
     for turn, (rep, gamma) in enumerate(settings):
-        order = STRATEGIES[turn % len(STRATEGIES):] + STRATEGIES[:turn % len(STRATEGIES)]
+        order = a.strategies[turn % len(a.strategies):] + a.strategies[:turn % len(a.strategies)]
         for strategy in order:
             extra = ["--batch-selector", strategy, "--capacity-factor", gamma, *a.server_args]
             if gamma != "inf":
@@ -100,7 +100,7 @@ def run_all(a: argparse.Namespace) -> dict:
                           f"{c['output_tokens_per_s']:6.1f} tok/s, imbalance "
                           f"{report['server'].get('imbalance_mean') or float('nan'):.3f}", flush=True)
     return {"np": a.np, "model": Path(a.model).name, "server_args": a.server_args, "duration_s": a.duration_s, "reps": a.reps, "gammas": a.gammas,
-            "workloads": a.workloads, "capacity_policy": a.capacity_policy, "seed": a.seed, "prompt_mix": a.prompt_mix,
+            "workloads": a.workloads, "strategies": a.strategies, "capacity_policy": a.capacity_policy, "seed": a.seed, "prompt_mix": a.prompt_mix,
             "wall_s": time.time() - started, "runs": runs}
 
 
@@ -165,7 +165,7 @@ def write_report(data: dict, out_dir: Path, name: str) -> None:
                   "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for spec in data["workloads"]:
             base = cells.get((gamma, spec, BASELINE))
-            for strategy in STRATEGIES:
+            for strategy in data.get("strategies", STRATEGIES):
                 f = cells.get((gamma, spec, strategy))
                 if f is None or base is None:
                     continue
@@ -197,7 +197,7 @@ def spread(data: dict) -> list[str]:
              "|---|---|---|---|---|---|"]
     for gamma in data["gammas"]:
         for spec in data["workloads"]:
-            for strategy in STRATEGIES:
+            for strategy in data.get("strategies", STRATEGIES):
                 if strategy == BASELINE:
                     continue
                 gains: dict = {"ttft": [], "e2e": [], "imb": []}
@@ -228,11 +228,12 @@ def plot(data: dict, cells: dict, path: Path) -> None:
     fig, axes = plt.subplots(len(data["gammas"]), len(panels), figsize=(4.2 * len(panels), 3.4 * len(data["gammas"])),
                              squeeze=False)
     labels = [describe_workload(w) for w in data["workloads"]]
-    width = 0.8 / len(STRATEGIES)
+    strategies = data.get("strategies", STRATEGIES)
+    width = 0.8 / len(strategies)
     for row, gamma in enumerate(data["gammas"]):
         for col, (key, title) in enumerate(panels):
             ax = axes[row][col]
-            for i, strategy in enumerate(STRATEGIES):
+            for i, strategy in enumerate(strategies):
                 values = [cells.get((gamma, w, strategy), {}).get(key, float("nan")) for w in data["workloads"]]
                 ax.bar([x + (i - 1) * width for x in range(len(labels))], values, width, label=strategy)
             ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
@@ -251,6 +252,8 @@ def main() -> int:
     p.add_argument("--model", default=str(MODEL), help="the model directory the servers serve")
     p.add_argument("--gammas", default="inf,1.5", type=lambda s: s.split(","))
     p.add_argument("--capacity-policy", default="drop")
+    p.add_argument("--strategies", default=",".join(STRATEGIES), type=lambda s: s.split(","),
+                   help="the batch selectors to run, comma-separated (fcfs first: the baseline)")
     p.add_argument("--server-args", default=[], type=lambda s: s.split(),
                    help="extra capserve flags for every server, e.g. \"--selector-max-wait-ms 10000\"")
     p.add_argument("--name", default="selector_eval", help="results file name (without extension)")
@@ -265,6 +268,8 @@ def main() -> int:
     p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "capserve_selector_eval"))
     p.add_argument("--report-only", action="store_true", help="rewrite the report from <out-dir>/selector_eval.json")
     a = p.parse_args()
+    if BASELINE not in a.strategies or any(x not in STRATEGIES for x in a.strategies):
+        raise SystemExit(f"selector_eval: --strategies takes {', '.join(STRATEGIES)} and must include {BASELINE}")
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     results = out_dir / f"{a.name}.json"

@@ -5,7 +5,6 @@
 #include <stdexcept>
 
 #include "parallel/expert_placement.h"
-#include "parallel/expert_replication.h"
 
 namespace capserve::tools {
 namespace {
@@ -22,9 +21,8 @@ class LeverPlan {
       : lever_(lever), experts_(experts), ranks_(ranks) {
     const auto layers = static_cast<std::int64_t>(pooled.size());
     if (lever.redundant_per_rank > 0) {
-      for (const std::vector<double>& loads : pooled)
-        replication_.push_back(parallel::replicate_hot_experts(loads, lever.redundant_per_rank * ranks));
-      placement_.emplace(parallel::place_slots(replication_, ranks));
+      placement_.emplace(
+          parallel::ExpertPlacement::replicated(pooled, experts, ranks, lever.redundant_per_rank * ranks));
     } else if (lever.balanced) {
       placement_.emplace(parallel::ExpertPlacement::balanced(pooled, experts, ranks));
     } else {
@@ -49,17 +47,13 @@ class LeverPlan {
         k = std::min(k, capacity);
       }
     }
-    const auto l = static_cast<std::int64_t>(layer);
-    if (!replication_.empty())
-      return parallel::replicated_rank_loads(replication_[layer], *placement_, l, kept);
-    return placement_->rank_loads(l, kept);
+    return placement_->rank_loads(static_cast<std::int64_t>(layer), kept);
   }
 
  private:
   Lever lever_;
   std::int64_t experts_;
   int ranks_;
-  std::vector<parallel::ExpertReplication> replication_;
   std::optional<parallel::ExpertPlacement> placement_;
 };
 

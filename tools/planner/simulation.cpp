@@ -10,7 +10,6 @@
 #include <unordered_map>
 
 #include "parallel/expert_placement.h"
-#include "parallel/expert_replication.h"
 #include "parallel/moe_stats.h"
 #include "runtime/load_predictor.h"
 #include "server/step_shape.h"
@@ -21,17 +20,16 @@ namespace {
 
 using server::Clock;
 
-// Where each expert's load lands: the placement's ranks, or EPLB slots (an expert's load split evenly over
-// its copies).
+// Where each expert's load lands: the placement's ranks, with EPLB replication an expert's load split evenly
+// over its copies (slots).
 class LoadPlacement {
  public:
   LoadPlacement(const SimConfig& config, const RoutingModel& routing)
       : ranks_(config.ranks), experts_(routing.experts()) {
     const std::vector<std::vector<double>> history = routing.pooled();
     if (config.redundant_per_rank > 0) {
-      for (const auto& loads : history)
-        replicas_.push_back(parallel::replicate_hot_experts(loads, config.redundant_per_rank * config.ranks));
-      placement_.emplace(parallel::place_slots(replicas_, config.ranks));
+      placement_.emplace(parallel::ExpertPlacement::replicated(history, experts_, config.ranks,
+                                                               config.redundant_per_rank * config.ranks));
     } else if (config.placement == "balanced") {
       placement_.emplace(parallel::ExpertPlacement::balanced(history, experts_, config.ranks));
     } else if (config.placement == "contiguous") {
@@ -52,17 +50,13 @@ class LoadPlacement {
             std::span<std::int64_t> active) const {
     std::fill(rank_load.begin(), rank_load.end(), 0.0);
     std::fill(active.begin(), active.end(), 0);
+    const std::span<const std::int32_t> held = placement_->slot_experts(layer);
+    const std::span<const std::int32_t> first = placement_->first_slots(layer);
     for (int r = 0; r < ranks_; ++r) {
       for (const std::int32_t slot : placement_->local_experts(layer, r)) {
-        const auto s = static_cast<std::size_t>(slot);
-        const std::size_t expert =
-            replicas_.empty()
-                ? s
-                : static_cast<std::size_t>(replicas_[static_cast<std::size_t>(layer)].slot_expert[s]);
-        const double copies =
-            replicas_.empty() ? 1.0 : replicas_[static_cast<std::size_t>(layer)].copies[expert];
+        const auto expert = static_cast<std::size_t>(held[static_cast<std::size_t>(slot)]);
         if (expert_load[expert] <= 0) continue;
-        rank_load[static_cast<std::size_t>(r)] += expert_load[expert] / copies;
+        rank_load[static_cast<std::size_t>(r)] += expert_load[expert] / (first[expert + 1] - first[expert]);
         ++active[static_cast<std::size_t>(r)];
       }
     }
@@ -71,7 +65,6 @@ class LoadPlacement {
  private:
   int ranks_;
   std::int64_t experts_;
-  std::vector<parallel::ExpertReplication> replicas_;
   std::optional<parallel::ExpertPlacement> placement_;
   std::int64_t slots_per_rank_ = 0;
 };

@@ -1,12 +1,15 @@
 // The whole model on CudaBackend across ranks, one GPU per rank, rows exchanged over NCCL (the cuda-emu label
 // runs it under mpirun on the emulation and its NCCL stand-in): each rank prefills its own prompt, and
 //  - with gamma = inf the logits equal a single-process CUDA model's on the same prompt;
-//  - the same against the CPU backend over MPI (the router's choices too);
+//  - the same against the CPU backend over MPI (the router's choices too), and with EPLB replicas (each
+//    copy's load too);
 //  - on the same router probabilities, the capacity stage's decisions under every option equal the CPU
 //    backend's bit for bit (global scope's reductions going over NCCL).
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstdint>
+#include <filesystem>
 #include <memory>
 #include <optional>
 #include <random>
@@ -24,6 +27,7 @@
 #include "tests/gpu/gpu_test_support.h"
 #include "tests/mpi/mpi_gtest_main.h"
 #include "tests/support/capacity_layer.h"
+#include "tests/support/replication_stats.h"
 #include "tests/unit/runtime/fixture_models.h"
 
 namespace capserve {
@@ -88,6 +92,28 @@ class CudaModelMpi : public ::testing::TestWithParam<std::string> {
     gpu_.emplace(nccl_->device().index);
   }
 
+  // The model under `options` on both backends over MPI, each rank prefilling its prompt: the same logits,
+  // and the same routing and loads (per expert, per copy, per rank).
+  void expect_as_on_the_cpu_backend(const runtime::ParallelOptions& options) {
+    const auto cuda_model = runtime::Model::load(dir_, *gpu_, *nccl_, control_, options);
+    const auto cpu_model = runtime::Model::load(dir_, cpu_, cpu_comm_, options);
+    EXPECT_EQ(cuda_model->placement().num_slots(), cpu_model->placement().num_slots());
+    runtime::Engine cuda_engine(*cuda_model, {});
+    runtime::Engine cpu_engine(*cpu_model, {});
+    const Outcome got = prefill(cuda_engine, prompt_);
+    const Outcome want = prefill(cpu_engine, prompt_);
+    EXPECT_LE(testing::relative_max_diff(got.logits, want.logits), tolerance(*cuda_model));
+    ASSERT_EQ(got.stats.layers.size(), want.stats.layers.size());
+    for (std::size_t l = 0; l < got.stats.layers.size(); ++l) {
+      const parallel::MoeLayerStats& g = got.stats.layers[l];
+      const parallel::MoeLayerStats& w = want.stats.layers[l];
+      EXPECT_EQ(g.routed_load, w.routed_load) << "layer " << l;
+      EXPECT_EQ(g.routed_slot_load, w.routed_slot_load) << "layer " << l;
+      EXPECT_EQ(g.slot_load, w.slot_load) << "layer " << l;
+      EXPECT_EQ(g.rank_load, w.rank_load) << "layer " << l;
+    }
+  }
+
   std::filesystem::path dir_;
   std::vector<std::int32_t> prompt_;
   std::optional<parallel::NcclCommunicator> nccl_;
@@ -113,16 +139,24 @@ TEST_P(CudaModelMpi, GammaInfinityEqualsOneProcess) {
 }
 
 TEST_P(CudaModelMpi, GammaInfinityIsTheExactModelOnTheCpuBackendToo) {
-  const auto cuda_model = runtime::Model::load(dir_, *gpu_, *nccl_, control_, {});
-  const auto cpu_model = runtime::Model::load(dir_, cpu_, cpu_comm_, {});
-  runtime::Engine cuda_engine(*cuda_model, {});
-  runtime::Engine cpu_engine(*cpu_model, {});
-  const Outcome got = prefill(cuda_engine, prompt_);
-  const Outcome want = prefill(cpu_engine, prompt_);
-  EXPECT_LE(testing::relative_max_diff(got.logits, want.logits), tolerance(*cuda_model));
-  ASSERT_EQ(got.stats.layers.size(), want.stats.layers.size());
-  for (std::size_t l = 0; l < got.stats.layers.size(); ++l)
-    EXPECT_EQ(got.stats.layers[l].routed_load, want.stats.layers[l].routed_load) << "layer " << l;
+  expect_as_on_the_cpu_backend({});
+}
+
+// EPLB replication (--redundant-experts) on the device: each entry's copy chosen (moe::AssignCopies) and the
+// rows exchanged as on the CPU backend, so the logits and every copy's load agree.
+TEST_P(CudaModelMpi, ReplicatedExpertsAsOnTheCpuBackend) {
+  const int ranks = test::mpi_world().size();
+  if (ranks < 2) GTEST_SKIP() << "replicas need at least two ranks";
+  const auto reference = runtime::Model::load(dir_, cpu_);
+  runtime::ParallelOptions options;
+  options.placement = testing::write_hot_expert_stats(
+                          std::filesystem::temp_directory_path() /
+                              ("capserve_cuda_replication_" + std::to_string(::getpid()) + ".json"),
+                          reference->moe_layers(), reference->config().num_experts)
+                          .string();
+  options.redundant_experts = ranks;
+  expect_as_on_the_cpu_backend(options);
+  std::filesystem::remove(options.placement);
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, CudaModelMpi, ::testing::ValuesIn(testing::fixture_model_names()),

@@ -51,6 +51,30 @@ std::int64_t uniform(Rng& rng, std::int64_t lo, std::int64_t hi) {
 // ---------------------------------------------------------------------------------------------------------
 // Router.
 
+// ---------------------------------------------------------------------------------------------------------
+// Copies of replicated experts (EPLB).
+
+TEST(MoeIndexLogic, EntriesTakeTheirExpertsCopiesInTurnOffsetByTheSalt) {
+  // Expert 0 has copies 0..2, expert 1 copy 3, expert 2 copies 4..5; by hand, token t takes copy
+  // (t + salt) mod copies.
+  std::vector<std::int32_t> first{0, 3, 4, 6};
+  std::vector<std::int32_t> experts{0, 2, 0, 1, 0, -1, 2, 0};  // [4 tokens, k = 2]
+  std::vector<std::int32_t> copies(experts.size());
+  kernels::cpu::CpuBackend backend(1);
+  const auto tensor = [](std::vector<std::int32_t>& v, std::int64_t rows) {
+    return kernels::Tensor::host(std::span<std::int32_t>(v),
+                                 {rows, static_cast<std::int64_t>(v.size()) / rows});
+  };
+  backend.assign_copies(tensor(experts, 4), tensor(first, 1), 0, tensor(copies, 4));
+  EXPECT_EQ(copies, (std::vector<std::int32_t>{0, 4, 1, 3, 2, -1, 5, 0}));
+  backend.assign_copies(tensor(experts, 4), tensor(first, 1), 5, tensor(copies, 4));
+  EXPECT_EQ(copies, (std::vector<std::int32_t>{2, 5, 0, 3, 1, -1, 4, 2})) << "rank 5 starts elsewhere";
+  std::vector<std::int32_t> past{3, 0};
+  EXPECT_THROW(backend.assign_copies(tensor(past, 1), tensor(first, 1), 0, tensor(copies, 4).rows(0, 1)),
+               std::exception)
+      << "expert 3 has no copies";
+}
+
 TEST(MoeIndexLogic, RouterTiesGoToTheLowerExpert) {
   const std::vector<float> logits = {1.0F, 3.0F, 3.0F, 0.0F, 3.0F};
   moe::RouterParams p;

@@ -356,8 +356,9 @@ TEST_F(PlacementFile, NegativeOrNonNumericLoad) {
 
 TEST(ExpertPlacement, RankLoadsSumEachRanksExperts) {
   const ExpertPlacement p = ExpertPlacement::round_robin(1, 5, 2);  // rank 0: 0, 2, 4; rank 1: 1, 3
-  EXPECT_EQ(p.rank_loads(0, {1, 10, 100, 1000, 10000}), (std::vector<double>{10101, 1010}));
-  EXPECT_THROW((void)p.rank_loads(0, {1, 2}), std::invalid_argument);
+  EXPECT_EQ(p.rank_loads(0, std::vector<double>{1, 10, 100, 1000, 10000}),
+            (std::vector<double>{10101, 1010}));
+  EXPECT_THROW((void)p.rank_loads(0, std::vector<double>{1, 2}), std::invalid_argument);
 }
 
 TEST(ExpertPlacementSpec, NamesAndPaths) {

@@ -1,6 +1,7 @@
 // The memory plan (runtime/memory_plan.h) against what loading really holds: for every fixture on 1 to 4
-// ranks (the MTP layer loaded or not), the plan's weight bytes per rank equal ModelWeights::bytes of a real
-// load on the CPU backend (3 ranks: experts that do not divide evenly) and its KV bytes the engine's KvCache
+// ranks (the MTP layer loaded or not; with EPLB replicas, one extra expert copy per rank), the plan's weight
+// bytes per rank equal ModelWeights::bytes of a real load on the CPU backend (3 ranks: experts that do not
+// divide evenly) and its KV bytes the engine's KvCache
 // allocation; its FP8 rule equals the FP8 fixture's stored types; and DeepSeek-V3's released config on 8
 // ranks of 141 GB fits with FP8 kept and does not fit dequantized to bf16.
 #include <gtest/gtest.h>
@@ -17,6 +18,7 @@
 #include "runtime/model_weights.h"
 #include "runtime/weights/checkpoint.h"
 #include "runtime/weights/safetensors_file.h"
+#include "tests/support/replication_stats.h"
 #include "tests/support/thread_communicator.h"
 #include "tests/unit/runtime/fixture_models.h"
 
@@ -44,54 +46,72 @@ TEST_P(PlanAgainstLoad, WeightAndKvBytesPerRankEqualARealLoad) {
   const ModelDescription model = read_model_config(dir() / "config.json");
   const ModelConfig& c = model.config;
   Checkpoint checkpoint = Checkpoint::open(dir(), c.fp8_blocks);
+  std::vector<std::int64_t> moe_layer_ids;
+  for (std::int64_t l = 0; l < c.num_layers; ++l)
+    if (c.layer_is_moe[static_cast<std::size_t>(l)]) moe_layer_ids.push_back(l);
+  const fs::path stats = testing::write_hot_expert_stats(
+      fs::temp_directory_path() / ("capserve_plan_replication_" + GetParam() + ".json"), moe_layer_ids,
+      c.num_experts);
   int checked = 0;
   for (const int ranks : {1, 2, 3, 4}) {
     if (ranks > c.num_experts) continue;
     for (const bool mtp : {false, true}) {
-      if (mtp && c.mtp_layer_is_moe.size() != 1) continue;
-      SCOPED_TRACE("ranks " + std::to_string(ranks) + (mtp ? ", MTP layer loaded" : ""));
-      MemoryPlanOptions options;
-      options.ranks = ranks;
-      options.device = false;
-      options.mtp = mtp;
-      options.present = [&](std::string_view name) { return checkpoint.contains(name); };
-      options.kv_dtype = kernels::DType::f32;
-      options.kv_blocks = kBlocks;
-      options.device_memory = std::int64_t{1} << 40;
-      const MemoryPlan plan = plan_memory(c, model.names, options);
-      ASSERT_EQ(plan.ranks.size(), static_cast<std::size_t>(ranks));
+      for (const std::int64_t redundant : {std::int64_t{0}, std::int64_t{ranks}}) {
+        if (mtp && c.mtp_layer_is_moe.size() != 1) continue;
+        if (redundant > 0 && ranks == 1) continue;  // one rank holds one copy of each expert
+        SCOPED_TRACE("ranks " + std::to_string(ranks) + (mtp ? ", MTP layer loaded" : "") + ", " +
+                     std::to_string(redundant) + " redundant experts");
+        MemoryPlanOptions options;
+        if (redundant > 0) {
+          options.placement = stats.string();
+          options.redundant_experts = redundant;
+        }
+        options.ranks = ranks;
+        options.device = false;
+        options.mtp = mtp;
+        options.present = [&](std::string_view name) { return checkpoint.contains(name); };
+        options.kv_dtype = kernels::DType::f32;
+        options.kv_blocks = kBlocks;
+        options.device_memory = std::int64_t{1} << 40;
+        const MemoryPlan plan = plan_memory(c, model.names, options);
+        ASSERT_EQ(plan.ranks.size(), static_cast<std::size_t>(ranks));
 
-      test::ThreadGroup group(ranks);
-      std::int64_t experts = 0;
-      for (int r = 0; r < ranks; ++r) {
-        kernels::cpu::CpuBackend backend(1);
-        ParallelOptions parallel;
-        parallel.mtp = mtp;
-        const auto loaded = Model::load(dir(), backend, group.rank(r), parallel);
-        EngineOptions engine_options;
-        engine_options.kv_blocks = kBlocks;
-        const Engine engine(*loaded, engine_options);
-        const RankMemoryPlan& planned = plan.ranks[static_cast<std::size_t>(r)];
-        EXPECT_EQ(planned.weight_bytes(), loaded->weights().bytes) << "rank " << r;
-        EXPECT_EQ(planned.kv_bytes, engine.cache().bytes()) << "rank " << r;
-        EXPECT_EQ(plan.kv_bytes_per_token * engine.cache().shape().block_size * kBlocks,
-                  engine.cache().bytes());
-        std::int64_t local = 0;
-        for (std::int64_t l = 0; l < c.num_layers + loaded->mtp_layers(); ++l)
-          local += static_cast<std::int64_t>(loaded->layer(l).moe.experts.size());
-        EXPECT_EQ(planned.experts, local) << "rank " << r;
-        EXPECT_GT(held(planned, WeightKind::routed_experts), 0);
-        EXPECT_EQ(held(planned, WeightKind::mtp_layers) > 0, mtp);
-        experts += local;
+        test::ThreadGroup group(ranks);
+        std::int64_t experts = 0;
+        for (int r = 0; r < ranks; ++r) {
+          kernels::cpu::CpuBackend backend(1);
+          ParallelOptions parallel;
+          parallel.mtp = mtp;
+          parallel.placement = options.placement;
+          parallel.redundant_experts = redundant;
+          const auto loaded = Model::load(dir(), backend, group.rank(r), parallel);
+          EngineOptions engine_options;
+          engine_options.kv_blocks = kBlocks;
+          const Engine engine(*loaded, engine_options);
+          const RankMemoryPlan& planned = plan.ranks[static_cast<std::size_t>(r)];
+          EXPECT_EQ(planned.weight_bytes(), loaded->weights().bytes) << "rank " << r;
+          EXPECT_EQ(planned.kv_bytes, engine.cache().bytes()) << "rank " << r;
+          EXPECT_EQ(plan.kv_bytes_per_token * engine.cache().shape().block_size * kBlocks,
+                    engine.cache().bytes());
+          std::int64_t local = 0;
+          for (std::int64_t l = 0; l < c.num_layers + loaded->mtp_layers(); ++l)
+            local += static_cast<std::int64_t>(loaded->layer(l).moe.experts.size());
+          EXPECT_EQ(planned.experts, local) << "rank " << r;
+          EXPECT_GT(held(planned, WeightKind::routed_experts), 0);
+          EXPECT_EQ(held(planned, WeightKind::mtp_layers) > 0, mtp);
+          experts += local;
+        }
+        const std::int64_t moe_layers =
+            std::count(c.layer_is_moe.begin(), c.layer_is_moe.end(), true) +
+            (mtp ? std::count(c.mtp_layer_is_moe.begin(), c.mtp_layer_is_moe.end(), true) : 0);
+        // Every slot on exactly one rank: each expert once, plus the copies.
+        EXPECT_EQ(experts, moe_layers * (c.num_experts + redundant));
+        ++checked;
       }
-      const std::int64_t moe_layers =
-          std::count(c.layer_is_moe.begin(), c.layer_is_moe.end(), true) +
-          (mtp ? std::count(c.mtp_layer_is_moe.begin(), c.mtp_layer_is_moe.end(), true) : 0);
-      EXPECT_EQ(experts, moe_layers * c.num_experts);  // every expert on exactly one rank
-      ++checked;
     }
   }
-  EXPECT_GE(checked, 4);
+  fs::remove(stats);
+  EXPECT_GE(checked, 7);
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, PlanAgainstLoad, ::testing::ValuesIn(testing::fixture_model_names()),
