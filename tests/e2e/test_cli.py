@@ -1,8 +1,9 @@
 """The programs' command lines: --version on every binary (one version line, the same build for all), --help
 showing each option's default and description (enum flags as "one of: ..."), a misspelt flag answered with the
 closest one, capserve --config refusing an unknown key or a wrongly typed value by name (exit code 2, nothing
-loaded), capserve-generate's stdout holding only the token ids (logs go to stderr), and its --speculative ngram
-and mtp giving the same tokens on 2 ranks with the acceptance on stderr."""
+loaded), capserve-generate's stdout holding only the token ids (logs go to stderr), its --speculative ngram
+and mtp giving the same tokens on 2 ranks with the acceptance on stderr, and its EPLB replicas
+(--redundant-experts) the same tokens as without."""
 
 import json
 import os
@@ -114,6 +115,41 @@ class CliTest(unittest.TestCase):
         self.assertEqual(spec.returncode, 0, spec.stderr)
         self.assertEqual(spec.stdout, plain.stdout)
         self.assertRegex(spec.stderr, r"speculative decoding: \d+ of \d+ drafts kept")
+
+    def test_generate_with_redundant_experts_prints_the_same_tokens(self):
+        # EPLB replicas on 2 ranks: the statistics of one run (--moe-stats) give the hottest experts extra copies
+        # (--redundant-experts): the same greedy tokens, each copy's load in the new statistics, and replicas
+        # without statistics (or more than the ranks can hold) refused by what is wrong.
+        generate = os.environ["CAPSERVE_GENERATE"]
+        base = [generate, "--model", MODEL, "--prompt", "Tell me about the sea.", "--prompt",
+                "Write a short story about a robot.", "--max-new-tokens", "12", "--threads", "1"]
+        with tempfile.TemporaryDirectory() as tmp:
+            stats = os.path.join(tmp, "stats.json")
+            plain = subprocess.run(["bash", LAUNCH, str(NP)] + base + ["--moe-stats", stats], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True, timeout=300)
+            self.assertEqual(plain.returncode, 0, plain.stderr)
+            again = os.path.join(tmp, "replicated.json")
+            replicated = subprocess.run(["bash", LAUNCH, str(NP)] + base + [
+                "--expert-placement", stats, "--redundant-experts", "2", "--moe-stats", again],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300)
+            self.assertEqual(replicated.returncode, 0, replicated.stderr)
+            self.assertEqual(replicated.stdout, plain.stdout)
+            self.assertIn("placement=replicated", replicated.stderr)
+            with open(again) as f:
+                layers = json.load(f)["layers"]
+            for layer in layers:
+                experts = len(layer["routed_load"])
+                self.assertEqual(len(layer["slot_load"]), experts + 2, layer["layer"])
+                self.assertEqual(sum(layer["slot_load"]), sum(layer["expert_load"]), layer["layer"])
+            for flags, message in ((["--redundant-experts", "2"], "redundant expert slots are chosen from measured"),
+                                   (["--expert-placement", stats, "--redundant-experts", "1000"],
+                                    "at most one copy of an expert per rank"),
+                                   (["--expert-placement", stats, "--redundant-experts", "2", "--capacity-factor",
+                                     "1.5", "--capacity-granularity", "device"], "need one rank per expert")):
+                with self.subTest(flags=flags):
+                    done = run(["bash", LAUNCH, str(NP)] + base + flags, timeout=300)
+                    self.assertNotEqual(done.returncode, 0, done.stdout)
+                    self.assertIn(message, done.stdout)
 
     def test_memory_plan_verdicts_and_exit_codes(self):
         # DeepSeek-V3's released config on 8 x 141 GB: fits with FP8 kept (exit 0), not dequantized (exit 3); a

@@ -189,7 +189,6 @@ def plot(out: dict, path: Path) -> None:
             xs = r["tok_s_change"]
             marker = {"contiguous": "o", "balanced": "s", "replicated": "^"}[r["placement"]]
             ax.plot(xs, ys, marker=marker, linestyle=":", label=r["lever"])
-            ax.annotate(r["lever"], (mean(xs), mean(ys)), fontsize=6)
         ax.axhline(0, color="grey", linewidth=0.5)
         ax.axvline(0, color="grey", linewidth=0.5)
         ax.set_xlabel("throughput change vs baseline (%)")
