@@ -134,9 +134,10 @@ class CliTest(unittest.TestCase):
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300)
             self.assertEqual(replicated.returncode, 0, replicated.stderr)
             self.assertEqual(replicated.stdout, plain.stdout)
-            self.assertIn("placement=replicated", replicated.stderr)
             with open(again) as f:
-                layers = json.load(f)["layers"]
+                written = json.load(f)
+            self.assertIn("placement=replicated", written["config"])
+            layers = written["layers"]
             for layer in layers:
                 experts = len(layer["routed_load"])
                 self.assertEqual(len(layer["slot_load"]), experts + 2, layer["layer"])
