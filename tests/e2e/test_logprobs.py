@@ -1,7 +1,7 @@
 """Token log-probabilities through the gRPC API on 2 ranks: Generate's sampled tokens score what log_softmax of
 capserve-generate's dumped logits gives them (1e-4), prompt log-probabilities of the same tokens agree with the
 decode-time ones, prompt log-probabilities through gRPC and through the HTTP API's echo (what lm-eval's
-local-completions model sums) equal capserve-eval-heldout's, Chat's entries spell its text chunk by chunk, and
+local-completions model sums) equal capserve-eval-heldout's (the top entries its next-token accuracy), Chat's entries spell its text chunk by chunk, and
 out-of-range requests are refused."""
 
 import json
@@ -117,11 +117,16 @@ class LogprobsTest(ServerTestCase):
         return figures, [int(t) for t in ids[:WINDOW]]
 
     def test_prompt_logprobs_equal_capserve_eval_heldout_for_the_same_text(self):
+        # Its task score too: the positions whose most probable token (the top entry) is the text's.
         figures, ids = self.heldout_window()
-        chunks = self.generate([0] + ids, 1, prompt_logprobs=True)
+        chunks = self.generate([0] + ids, 1, prompt_logprobs=True, top_logprobs=1)
         entries = chunks[0].prompt_logprobs
         self.assertEqual(len(entries), WINDOW)
         self.assertAlmostEqual(-sum(e.logprob for e in entries), figures["total_nll"], delta=1e-4)
+        correct = sum(e.top_logprobs[0].token_id == e.token_id for e in entries)
+        self.assertEqual(correct, figures["correct"])
+        self.assertGreater(correct, 0, "the model predicts some of the text")
+        self.assertAlmostEqual(figures["accuracy"], correct / WINDOW)
 
     def test_http_echo_logprobs_equal_capserve_eval_heldout_for_the_same_text(self):
         # What lm-eval's local-completions model asks for a log-likelihood: the prompt as token ids, echo,

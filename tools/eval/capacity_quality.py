@@ -195,6 +195,10 @@ class Grid:
     def rerouted(self, setting, variant, gamma) -> float:
         return self.run(setting, variant, gamma)["result"]["moe"]["reroute_fraction"]
 
+    def accuracy(self, setting, variant, gamma) -> float | None:
+        """Next-token accuracy over all domains (None in a grid measured before capserve-eval-heldout had it)."""
+        return self.run(setting, variant, gamma)["result"]["all"].get("accuracy")
+
     def has(self, setting, variant) -> bool:
         return (*setting, variant, self.gammas[0]) in self.runs
 
@@ -454,6 +458,15 @@ def report(data: dict) -> str:
         "Fraction dropped per MoE layer:",
         "",
     ] + layer_drop_table(g, m, ["drop-gate", "reroute-R1", "expanded-m1"]) + [""]
+    base_accuracy = g.base["result"]["all"].get("accuracy")
+    if base_accuracy is not None:
+        lines += [
+            f"Next-token accuracy, the task score (the share of held-out positions whose most probable next token "
+            f"is the text's, as greedy decoding would write it; γ = inf: {pct(base_accuracy)}), and its change in "
+            "points:",
+            "",
+        ] + pivot(g, m, VARIANTS, lambda s, v, x: f"{pct(g.accuracy(s, v, x))} "
+                  f"({100 * (g.accuracy(s, v, x) - base_accuracy):+.1f})") + [""]
     settings = [m] + ([] if p.get("main_only") else OTHER_SETTINGS)
     if not p.get("main_only"):
         lines += ["## Other granularities and scopes", "", "Mean perplexity increase over γ = inf (dropped):", ""]

@@ -1,4 +1,5 @@
-// capserve-eval-heldout: per-domain held-out perplexity and expert routing of a model on the shared corpus,
+// capserve-eval-heldout: per-domain held-out perplexity, next-token accuracy (the task score: how often the
+// model's most probable next token is the text's) and expert routing of a model on the shared corpus,
 // computed by the C++ runtime (its tokenizer, forward pass and per-step expert-load statistics), following
 // the protocol of tools/measure_default_model.py; with --reference it prints the relative difference to the
 // HF transformers figures. Alone or under mpirun: every step is --batch-windows windows of one domain, split
@@ -82,10 +83,12 @@ struct DomainResult {
   std::vector<std::int32_t> ids;  // the held-out text's tokens
   std::int64_t windows = 0;
   std::int64_t tokens = 0;         // scored: windows * window
-  double total_nll = 0.0;          // this rank's windows, then (after gather_nll, on rank 0) all of them
+  double total_nll = 0.0;          // this rank's windows, then (after gather_scores, on rank 0) all of them
+  std::int64_t correct = 0;        // positions whose most probable next token is the text's; likewise
   parallel::RunStats moe;          // this domain's steps, all ranks
   std::vector<std::int64_t> load;  // [layers, experts]: the router's choices at text positions
   [[nodiscard]] double perplexity() const { return std::exp(total_nll / static_cast<double>(tokens)); }
+  [[nodiscard]] double accuracy() const { return static_cast<double>(correct) / static_cast<double>(tokens); }
 };
 
 std::vector<DomainResult> load_domains(const Options& o, const runtime::Tokenizer& tokenizer) {
@@ -148,10 +151,17 @@ void evaluate_domain(Engine& engine, const Options& o, int rank, int ranks, Doma
     }
     engine.score(next, 0, scores);
     const std::int64_t rows_per_window = o.window + 1;
+    const std::span<const float> logits = engine.logits();
+    const auto vocab = static_cast<std::size_t>(engine.model().config().vocab_size);
     for (std::size_t j = 0; j < inputs.size(); ++j) {
-      for (std::int64_t i = 0; i < o.window; ++i)
-        r.total_nll -=
-            static_cast<double>(scores.logprob(static_cast<std::int64_t>(j) * rows_per_window + i));
+      for (std::int64_t i = 0; i < o.window; ++i) {
+        const std::int64_t row = static_cast<std::int64_t>(j) * rows_per_window + i;
+        r.total_nll -= static_cast<double>(scores.logprob(row));
+        // The most probable token (the lowest id on ties, as greedy decoding picks) against the text's.
+        const std::span<const float> p = logits.subspan(static_cast<std::size_t>(row) * vocab, vocab);
+        const auto best = std::max_element(p.begin(), p.end()) - p.begin();
+        if (best == inputs[j][static_cast<std::size_t>(i) + 1]) ++r.correct;
+      }
       engine.release(work[j].seq);
     }
     r.moe.add(engine.last_moe_stats());
@@ -174,17 +184,24 @@ void set_text_load(const runtime::ModelConfig& c, std::span<const std::int64_t> 
   for (std::size_t i = 0; i < bos.size(); ++i) r.load[i] -= r.windows * bos[i];
 }
 
-// Sums every rank's NLL of each domain into rank 0's results.
-void gather_nll(parallel::MpiWorld& world, std::vector<DomainResult>& results) {
+// Sums every rank's NLL and correct predictions of each domain into rank 0's results.
+void gather_scores(parallel::MpiWorld& world, std::vector<DomainResult>& results) {
   std::vector<double> mine;
-  for (const DomainResult& r : results) mine.push_back(r.total_nll);
+  for (const DomainResult& r : results)
+    mine.insert(mine.end(), {r.total_nll, static_cast<double>(r.correct)});
   const auto gathered = world.gather(std::as_bytes(std::span(mine)), 0);
   if (world.rank() != 0) return;
-  for (std::size_t i = 0; i < results.size(); ++i) results[i].total_nll = 0.0;
+  for (DomainResult& r : results) {
+    r.total_nll = 0.0;
+    r.correct = 0;
+  }
   for (const std::vector<std::byte>& bytes : gathered) {
-    std::vector<double> nll(results.size());
-    std::memcpy(nll.data(), bytes.data(), nll.size() * sizeof(double));
-    for (std::size_t i = 0; i < results.size(); ++i) results[i].total_nll += nll[i];
+    std::vector<double> theirs(2 * results.size());
+    std::memcpy(theirs.data(), bytes.data(), theirs.size() * sizeof(double));
+    for (std::size_t i = 0; i < results.size(); ++i) {
+      results[i].total_nll += theirs[2 * i];
+      results[i].correct += static_cast<std::int64_t>(theirs[2 * i + 1]);
+    }
   }
 }
 
@@ -201,12 +218,14 @@ double cosine(std::span<const std::int64_t> a, std::span<const std::int64_t> b) 
 void print_perplexity(const std::vector<DomainResult>& results, const std::string& reference) {
   nlohmann::json ref;
   if (!reference.empty()) ref = runtime::read_json_file(reference);
-  std::printf("%-10s %8s %12s %12s %12s\n", "domain", "windows", "perplexity", "HF ppl", "rel diff");
+  std::printf("%-10s %8s %12s %12s %12s %10s\n", "domain", "windows", "perplexity", "HF ppl", "rel diff",
+              "accuracy");
   for (const DomainResult& r : results) {
     double hf = NAN;
     if (!ref.is_null()) hf = ref["domains"][r.name]["perplexity"].get<double>();
-    std::printf("%-10s %8lld %12.4f %12.4f %12.2e\n", r.name.c_str(), static_cast<long long>(r.windows),
-                r.perplexity(), hf, std::fabs(r.perplexity() - hf) / hf);
+    std::printf("%-10s %8lld %12.4f %12.4f %12.2e %10.4f\n", r.name.c_str(),
+                static_cast<long long>(r.windows), r.perplexity(), hf, std::fabs(r.perplexity() - hf) / hf,
+                r.accuracy());
   }
 }
 
@@ -273,31 +292,37 @@ void write_json(const std::string& path, const Options& o, const runtime::Model&
   nlohmann::json domains = nlohmann::json::object();
   double nll = 0.0;
   std::int64_t tokens = 0;
+  std::int64_t correct = 0;
   for (const DomainResult& r : results) {
     domains[r.name] = {{"perplexity", r.perplexity()},
+                       {"accuracy", r.accuracy()},
+                       {"correct", r.correct},
                        {"windows", r.windows},
                        {"tokens", r.tokens},
                        {"total_nll", r.total_nll},
                        {"moe", slot_totals(r.moe.totals())}};
     nll += r.total_nll;
     tokens += r.tokens;
+    correct += r.correct;
   }
   // The run's sums, plus its per-layer statistics in the --moe-stats format (drop fraction, loads, ...).
   nlohmann::json moe = slot_totals(run.totals());
   const std::string config = parallel::describe(model.capacity());
   moe["layers"] = nlohmann::json::parse(run.to_json(config))["layers"];
-  const nlohmann::json j = {
-      {"model", o.model_dir},
-      {"capacity", config},
-      {"placement", model.placement().kind()},
-      {"ranks", ranks},
-      {"window", o.window},
-      {"batch_windows", o.batch_windows},
-      {"max_windows", o.max_windows},
-      {"heldout_fraction", o.fraction},
-      {"domains", domains},
-      {"all", {{"perplexity", std::exp(nll / static_cast<double>(tokens))}, {"tokens", tokens}}},
-      {"moe", moe}};
+  const nlohmann::json j = {{"model", o.model_dir},
+                            {"capacity", config},
+                            {"placement", model.placement().kind()},
+                            {"ranks", ranks},
+                            {"window", o.window},
+                            {"batch_windows", o.batch_windows},
+                            {"max_windows", o.max_windows},
+                            {"heldout_fraction", o.fraction},
+                            {"domains", domains},
+                            {"all",
+                             {{"perplexity", std::exp(nll / static_cast<double>(tokens))},
+                              {"accuracy", static_cast<double>(correct) / static_cast<double>(tokens)},
+                              {"tokens", tokens}}},
+                            {"moe", moe}};
   std::ofstream file(path);
   file << j.dump(1) << "\n";
   if (!file) throw std::runtime_error("cannot write " + path);
@@ -346,7 +371,7 @@ int main(int argc, char** argv) {
     const parallel::RunStats run = engine.run_stats();  // before the probe step
     const std::vector<std::int64_t> bos = bos_load(engine, *model, rank);
     for (DomainResult& r : results) set_text_load(model->config(), bos, r);
-    gather_nll(*world, results);
+    gather_scores(*world, results);
     if (rank != 0) return 0;
     print_perplexity(results, o.reference);
     print_routing(results, model->config());

@@ -10,8 +10,9 @@ batch selector (fcfs / greedy / power_of_d). Each row gives p50 / p99 TTFT, p99 
 tokens/s and the mean per-rank imbalance (mean over repetitions), the change of p99 TTFT and throughput against
 the baseline (contiguous, fcfs, gamma = inf) in every repetition (each against its own repetition's baseline:
 an effect is one whose sign holds), the assignments dropped, the expert weights each rank holds
-(`capserve-memory-plan`, the loader's own count) and the held-out perplexity change at that capacity factor
-(`capacity_quality.py`'s JSON for the same model: placement, replication and selection compute the exact model).
+(`capserve-memory-plan`, the loader's own count) and the quality at that capacity factor: held-out perplexity
+change and next-token accuracy (`capacity_quality.py`'s JSON for the same model: placement, replication and
+selection compute the exact model).
 
     python3 tools/eval/live_levers.py --build-dir build \\
         --contiguous tools/results/selector_eval_fine_model_8ranks_repeated.json \\
@@ -76,13 +77,15 @@ def expert_bytes_per_rank(build: Path, model: Path, ranks: int, placement: str, 
 
 
 def quality(path: Path) -> dict:
-    """gamma -> held-out perplexity change of the drop policy (gate score, global scope, expert granularity)."""
+    """gamma -> held-out perplexity change and next-token accuracy of the drop policy (gate score, global scope,
+    expert granularity)."""
     runs = json.loads(path.read_text())["runs"]
-    base = next(r for r in runs if r["id"] == "inf")["result"]["all"]["perplexity"]
-    out = {"inf": 0.0}
+    base = next(r for r in runs if r["id"] == "inf")["result"]["all"]
+    out = {"inf": {"perplexity_change": 0.0, "accuracy": base.get("accuracy")}}
     for r in runs:
         if r["variant"] == "drop-gate" and r["granularity"] == "expert" and r["scope"] == "global":
-            out[r["gamma"]] = r["result"]["all"]["perplexity"] / base - 1
+            out[r["gamma"]] = {"perplexity_change": r["result"]["all"]["perplexity"] / base["perplexity"] - 1,
+                               "accuracy": r["result"]["all"].get("accuracy")}
     return out
 
 
@@ -130,7 +133,7 @@ def build_table(cells: dict, settings: dict, gamma: str, memory: dict, ppl: dict
                 "tok_s_change": [pct(x["tok_s"], b["tok_s"]) for x, b in zip(reps, bases)],
                 "lost": sum(x["lost"] for x in reps),
                 "expert_bytes_per_rank": memory[placement],
-                "perplexity_change": ppl.get(g)})
+                "perplexity_change": ppl[g]["perplexity_change"], "accuracy": ppl[g]["accuracy"]})
         table[spec] = rows
     return table
 
@@ -150,16 +153,18 @@ def write_report(out: dict, out_dir: Path, name: str) -> None:
         "",
         "Changes are against the baseline (contiguous, fcfs, gamma inf) of the same repetition, one value per "
         "repetition: negative latency change and positive throughput change are better. Expert memory: the most "
-        "routed-expert bytes one rank holds (`capserve-memory-plan`). Quality: held-out perplexity change at that "
-        "gamma (`capacity_quality.py`; placement, replication and selection compute the exact model).",
+        "routed-expert bytes one rank holds (`capserve-memory-plan`). Quality at that gamma "
+        "(`capacity_quality.py`; placement, replication and selection compute the exact model): the held-out "
+        "perplexity change, and the task score, next-token accuracy (the share of held-out positions whose most "
+        "probable next token is the text's).",
         "",
     ]
     base_memory = out["memory"]["contiguous"]
     for spec, rows in out["table"].items():
         lines += [f"## {describe_workload(spec)}", "",
                   "| lever | p50 TTFT ms | p99 TTFT ms | p99 e2e ms | tok/s | imbalance | dropped | p99 TTFT change "
-                  "| p99 e2e change | throughput change | expert memory / rank | perplexity |",
-                  "|---|---:|---:|---:|---:|---:|---:|---|---|---|---:|---:|"]
+                  "| p99 e2e change | throughput change | expert memory / rank | perplexity | next-token accuracy |",
+                  "|---|---:|---:|---:|---:|---:|---:|---|---|---|---:|---:|---:|"]
         for r in rows:
             change = lambda v: ", ".join(f"{x:+.0f}%" for x in v)  # noqa: E731
             memory = r["expert_bytes_per_rank"]
@@ -168,7 +173,8 @@ def write_report(out: dict, out_dir: Path, name: str) -> None:
                 f"{r['tok_s']:.1f} | {r['imbalance']:.3f} | {100 * r['dropped']:.1f}% | "
                 f"{change(r['ttft_p99_change'])} | {change(r['e2e_p99_change'])} | {change(r['tok_s_change'])} | "
                 f"{memory / 1024:.0f} KiB ({pct(memory, base_memory):+.1f}%) | "
-                + ("exact" if not r["perplexity_change"] else f"{100 * r['perplexity_change']:+.1f}%") + " |")
+                + ("exact" if not r["perplexity_change"] else f"{100 * r['perplexity_change']:+.1f}%") + " | "
+                + ("n/a" if r["accuracy"] is None else f"{100 * r['accuracy']:.1f}%") + " |")
         lines.append("")
     (out_dir / f"{name}.md").write_text("\n".join(lines))
     print("\n".join(lines))
