@@ -55,6 +55,7 @@ struct Options {
   tools::SimConfig sim;
   std::string strategy = "fcfs";
   std::string gamma = "inf";
+  std::string scope = "global";
 };
 
 std::vector<std::pair<std::string, std::string>> parse_aliases(const std::vector<std::string>& texts) {
@@ -161,6 +162,11 @@ int main(int argc, char** argv) {
   app.add_option("--selector-d", s.power_of_d)->capture_default_str();
   app.add_option("--capacity-factor", o.gamma, "gamma for every layer (inf: off); the drop policy")
       ->capture_default_str();
+  app.add_option("--capacity-scope", o.scope,
+                 "global (over all ranks' tokens, its collectives priced) or local (each rank's own tokens, "
+                 "no collective)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"global", "local"}));
   app.add_option("--placement", o.sim.placement, "contiguous | balanced (planned from the routing counts)")
       ->capture_default_str();
   app.add_option("--redundant-experts", o.sim.redundant_per_rank,
@@ -187,6 +193,7 @@ int main(int argc, char** argv) {
     if (!gamma || gamma->size() != 1)
       throw std::invalid_argument("--capacity-factor " + o.gamma + ": one positive number or inf");
     o.sim.gamma = gamma->front();
+    o.sim.local_capacity = o.scope == "local";
     o.sim.scheduler.max_context = o.max_context;
     const tools::StepCost cost = tools::read_step_cost(o.cost);
     const tools::ExpertCounts counts = tools::read_expert_counts(o.routing, o.routing_model);
@@ -201,6 +208,7 @@ int main(int argc, char** argv) {
     summary["ranks"] = o.sim.ranks;
     summary["strategy"] = o.strategy;
     summary["gamma"] = o.gamma;
+    summary["capacity_scope"] = o.scope;
     summary["placement"] = o.sim.redundant_per_rank > 0
                                ? "replication +" + std::to_string(o.sim.redundant_per_rank)
                                : o.sim.placement;

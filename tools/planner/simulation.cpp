@@ -164,7 +164,9 @@ SimResult simulate(const SimConfig& config, const RoutingModel& routing, const S
   std::vector<Live> live;
   std::unordered_map<std::uint64_t, Sequence> sequences;
   // Per step, reused.
-  std::vector<std::int64_t> domain_tokens(routing.domains().size());
+  const std::size_t domains = routing.domains().size();
+  std::vector<std::int64_t> domain_tokens(domains);
+  std::vector<std::int64_t> rank_domain_tokens(ranks * domains), rank_tokens(ranks);  // local capacity's
   std::vector<std::int64_t> routed(experts);
   std::vector<double> kept(experts), routed_d(experts), rank_load(ranks), routed_rank(ranks);
   std::vector<std::int64_t> active(ranks), load_cells(layers * ranks), active_cells(layers * ranks),
@@ -239,6 +241,14 @@ SimResult simulate(const SimConfig& config, const RoutingModel& routing, const S
 
     // The step's tokens by domain, and each rank's results in its work order (chunks, then decodes).
     std::fill(domain_tokens.begin(), domain_tokens.end(), 0);
+    std::fill(rank_domain_tokens.begin(), rank_domain_tokens.end(), 0);
+    std::fill(rank_tokens.begin(), rank_tokens.end(), 0);
+    const auto count = [&](const Sequence& s, std::int64_t tokens) {
+      domain_tokens[static_cast<std::size_t>(s.domain)] += tokens;
+      rank_domain_tokens[static_cast<std::size_t>(s.rank) * domains + static_cast<std::size_t>(s.domain)] +=
+          tokens;
+      rank_tokens[static_cast<std::size_t>(s.rank)] += tokens;
+    };
     for (server::StepResult& r : results) {
       r.sequences.clear();
       r.tokens.clear();
@@ -253,37 +263,50 @@ SimResult simulate(const SimConfig& config, const RoutingModel& routing, const S
     };
     for (const server::PrefillChunk& c : plan.prefills) {
       Sequence& s = sequences.at(c.id);
-      domain_tokens[static_cast<std::size_t>(s.domain)] += c.tokens;
+      count(s, c.tokens);
       step_tokens += c.tokens;
       s.prompt_left -= c.tokens;
       emit(c.id, s.prompt_left <= 0 ? 1 : 0);
       out.output_tokens += s.prompt_left <= 0 ? 1 : 0;
     }
     for (const std::uint64_t id : plan.decodes) {
-      domain_tokens[static_cast<std::size_t>(sequences.at(id).domain)] += 1;
+      count(sequences.at(id), 1);
       ++step_tokens;
       emit(id, 1);
       ++out.output_tokens;
     }
 
-    // Each MoE layer: routing drawn per domain, capacity per expert over the step's tokens, placed on ranks.
-    const double capacity =
-        std::isfinite(config.gamma)
-            ? std::ceil(config.gamma * static_cast<double>(step_tokens * routing.top_k()) /
-                        static_cast<double>(experts))
-            : std::numeric_limits<double>::infinity();
+    // Each MoE layer: routing drawn per domain (per rank and domain under local capacity), capacity per
+    // expert over the step's tokens (or each rank's), placed on ranks.
+    const bool bounded = std::isfinite(config.gamma);
+    const auto capacity_of = [&](std::int64_t tokens) {
+      return bounded ? std::ceil(config.gamma * static_cast<double>(tokens * routing.top_k()) /
+                                 static_cast<double>(experts))
+                     : std::numeric_limits<double>::infinity();
+    };
+    const bool local = bounded && config.local_capacity;
     for (std::size_t l = 0; l < layers; ++l) {
-      std::fill(routed.begin(), routed.end(), 0);
       double rows = 0;
-      for (std::size_t d = 0; d < domain_tokens.size(); ++d) {
-        if (domain_tokens[d] > 0)
-          routing.draw(static_cast<int>(d), static_cast<std::int64_t>(l), domain_tokens[d], rng, routed);
+      for (std::size_t d = 0; d < domains; ++d)
         rows += static_cast<double>(domain_tokens[d]) * remote_rows[d * layers + l];
+      std::fill(routed_d.begin(), routed_d.end(), 0.0);
+      std::fill(kept.begin(), kept.end(), 0.0);
+      // One draw of the step's tokens over the ranks together, or one per rank bounded by its own capacity.
+      for (std::size_t r = 0; r < (local ? ranks : 1); ++r) {
+        std::fill(routed.begin(), routed.end(), 0);
+        for (std::size_t d = 0; d < domains; ++d) {
+          const std::int64_t tokens = local ? rank_domain_tokens[r * domains + d] : domain_tokens[d];
+          if (tokens > 0)
+            routing.draw(static_cast<int>(d), static_cast<std::int64_t>(l), tokens, rng, routed);
+        }
+        const double capacity = capacity_of(local ? rank_tokens[r] : step_tokens);
+        for (std::size_t e = 0; e < experts; ++e) {
+          routed_d[e] += static_cast<double>(routed[e]);
+          kept[e] += std::min(static_cast<double>(routed[e]), capacity);
+        }
       }
       dropped_cells[l] = 0;
       for (std::size_t e = 0; e < experts; ++e) {
-        routed_d[e] = static_cast<double>(routed[e]);
-        kept[e] = std::min(routed_d[e], capacity);
         out.assignments += routed_d[e];
         out.dropped += routed_d[e] - kept[e];
         dropped_cells[l] += std::llround(routed_d[e] - kept[e]);
@@ -304,8 +327,8 @@ SimResult simulate(const SimConfig& config, const RoutingModel& routing, const S
       imbalance_sum += parallel::max_over_mean(ls.rank_load);
       ++imbalance_layers;
     }
-    const StepSeconds seconds = step_seconds(
-        cost, {work, load_cells, active_cells, wire, dropped_cells, std::isfinite(config.gamma)});
+    const StepSeconds seconds =
+        step_seconds(cost, {work, load_cells, active_cells, wire, dropped_cells, bounded && !local});
     if (trace && !trace->write(at(base, now), seconds.total, work, stats, active_cells))
       throw std::runtime_error("--step-trace: cannot write " + config.step_trace);
     now += seconds.total;

@@ -2,7 +2,8 @@
 // The trace-driven planner's simulation (tools/planner/README.md): the server's own Scheduler (admission,
 // chunked prefill, KV accounting, the CAPS batch selector with its load predictions) run on a simulated
 // clock over an arrival list; each planned step's routing drawn from measured per-domain statistics
-// (RoutingModel), the capacity factor applied per expert, the load placed on ranks by the real placement
+// (RoutingModel), the capacity factor applied per expert (over all ranks' tokens, or each rank's own), the
+// load placed on ranks by the real placement
 // code (contiguous, balanced, or EPLB replication), and the step priced by a StepCost. Every request's time
 // to first token and end-to-end latency come out as the server would report them.
 #include <cstdint>
@@ -29,8 +30,12 @@ struct SimConfig {
   int ranks = 1;
   server::SchedulerConfig scheduler;  // the server's; its prefix cache is off (prompts are not text here)
   double gamma = std::numeric_limits<double>::infinity();  // capacity factor, every layer (drop policy)
-  std::string placement = "contiguous";                    // contiguous | balanced (planned from the routing)
-  std::int64_t redundant_per_rank = 0;                     // EPLB slots per rank (balanced slots)
+  // Capacity scope: global (ceil(gamma T k / E) over the step's T tokens of all ranks, the collectives
+  // priced by the cost's capacity terms) or local (--capacity-scope local: each rank bounds its own T_r
+  // tokens' assignments, routing drawn per rank, no collective and no capacity cost).
+  bool local_capacity = false;
+  std::string placement = "contiguous";  // contiguous | balanced (planned from the routing)
+  std::int64_t redundant_per_rank = 0;   // EPLB slots per rank (balanced slots)
   bool predict = true;  // the selector sees each prompt's predicted load (its domain's mean routing)
   std::uint64_t seed = 1;
   std::string step_trace;  // when set, every simulated step as the server's --step-trace writes it

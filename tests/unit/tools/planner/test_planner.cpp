@@ -194,6 +194,37 @@ TEST(Simulation, CapacityAndReplicationLowerTheImbalanceAtTheirCosts) {
   for (const SimRequestOutcome& o : again.requests) EXPECT_TRUE(o.ok);
 }
 
+TEST(Simulation, LocalCapacityBoundsEachRankWithoutTheCollectives) {
+  const RoutingModel routing(two_domains(), 2, 0, {});
+  StepCost c = cost_for(2, 4, 2);
+  c.step = 0.001;
+  SimConfig config;
+  config.gamma = 1.0;
+  const auto requests = burst(0, 40);
+  // One rank: its tokens are the step's, so both scopes make the same draws and drops.
+  const SimResult global = simulate(config, routing, c, requests);
+  config.local_capacity = true;
+  const SimResult local = simulate(config, routing, c, requests);
+  EXPECT_GT(global.dropped, 0);
+  EXPECT_DOUBLE_EQ(local.dropped, global.dropped);
+  EXPECT_EQ(local.steps, global.steps);
+  EXPECT_DOUBLE_EQ(local.imbalance, global.imbalance);
+  // Priced collectives (the only MoE cost here): every global step pays them per MoE layer, no local one.
+  c.capacity_layer = 0.01;
+  c.capacity_refine = 0.02;
+  for (const int ranks : {1, 2}) {
+    config.ranks = ranks;
+    config.local_capacity = false;
+    const SimResult with = simulate(config, routing, c, requests);
+    config.local_capacity = true;
+    const SimResult without = simulate(config, routing, c, requests);
+    EXPECT_GE(with.moe_s, static_cast<double>(with.steps) * 2 * c.capacity_layer) << ranks;
+    EXPECT_DOUBLE_EQ(without.moe_s, 0.0) << ranks;
+    EXPECT_GT(without.dropped, 0) << ranks;
+    EXPECT_LT(without.dropped, without.assignments) << ranks;
+  }
+}
+
 TEST(Simulation, ACostForAnotherModelIsRefused) {
   const RoutingModel routing(two_domains(), 2, 0, {});
   EXPECT_THROW((void)simulate(SimConfig{}, routing, cost_for(3, 4, 2), burst(0, 1)), std::invalid_argument);
