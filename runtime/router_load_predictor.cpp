@@ -42,7 +42,6 @@ void RouterLoadPredictor::predict(std::span<const std::int32_t> prompt, std::spa
     throw std::invalid_argument("RouterLoadPredictor::predict: " + std::to_string(rank_load.size()) +
                                 " entries for " + std::to_string(layers_) + " layers x " +
                                 std::to_string(ranks) + " ranks");
-  std::fill(rank_load.begin(), rank_load.end(), 0.0F);
   // The dry run adds into its counts.
   std::fill(counts_.begin(), counts_.end(), 0);
   engine_.router_dry_run(prompt, layers_, counts_);
